@@ -1,0 +1,603 @@
+//! The client side of a connection: handshake, request queueing under credits, and the
+//! bookkeeping of every block until it is delivered or failed.
+
+use crate::auth::Secret;
+use crate::block::{BlockFailure, BlockSpan, Descriptor, FailureCode};
+use crate::error::{ProtocolError, SessionError};
+use crate::frame::{Frame, FrameKind, Limits, NONCE_LEN};
+use crate::{caps, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// Client-chosen id of one `fetch` call.
+pub type RequestId = u64;
+
+/// One block of one request: what every client event refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Token {
+    /// The request.
+    pub req: RequestId,
+    /// Index of the block in the request's list.
+    pub index: u32,
+}
+
+/// Settings of one client session.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// How the peer is named in errors (address, executor id).
+    pub peer: String,
+    /// Shared secret; when set the server must prove it too.
+    pub secret: Option<Secret>,
+    /// Fresh random nonce for this connection (the caller owns randomness).
+    pub nonce: [u8; NONCE_LEN],
+    /// Capabilities offered ([`crate::caps`]).
+    pub caps: u64,
+    /// Largest eager block accepted inline (the receive buffers' size).
+    pub max_eager: u32,
+    /// Bounds on what the peer may send.
+    pub limits: Limits,
+    /// Limit for the handshake to complete.
+    pub handshake_timeout: Duration,
+    /// Limit for silence from the server while blocks are outstanding.
+    pub fetch_timeout: Duration,
+}
+
+impl ClientConfig {
+    /// Defaults for `peer` with `nonce`: no secret, every capability, 1 MiB eager maximum,
+    /// 30 s handshake and 120 s fetch timeouts (Spark's `spark.network.timeout`).
+    pub fn new(peer: impl Into<String>, nonce: [u8; NONCE_LEN]) -> Self {
+        ClientConfig {
+            peer: peer.into(),
+            secret: None,
+            nonce,
+            caps: caps::ALL,
+            max_eager: 1024 * 1024,
+            limits: Limits::default(),
+            handshake_timeout: Duration::from_secs(30),
+            fetch_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What the driver must act on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientEvent {
+    /// The handshake completed.
+    Connected {
+        /// Version in use.
+        version: u8,
+        /// Capabilities in use (intersection).
+        caps: u64,
+        /// Server's eager threshold.
+        eager_threshold: u32,
+        /// Initial credits.
+        credits: u32,
+    },
+    /// Block `token`'s bytes come inline: `len` payload bytes follow the frame just handled
+    /// (stream) or sit after it in the message. The block is complete once they are read.
+    Eager {
+        /// Which block.
+        token: Token,
+        /// Payload length.
+        len: u32,
+    },
+    /// Block `token` must be pulled from `desc`: get a buffer of `desc.len` bytes, then either
+    /// RDMA READ it (verbs) or call [`ClientSession::send_pull`] (tcp); finally report
+    /// [`ClientSession::pull_complete`].
+    Rendezvous {
+        /// Which block.
+        token: Token,
+        /// Where it is.
+        desc: Descriptor,
+    },
+    /// (tcp) `len` payload bytes for block `token` at `offset` follow the frame just handled.
+    /// When `last` is set, the block is complete after they are read: call
+    /// [`ClientSession::pull_complete`].
+    PullData {
+        /// Which block.
+        token: Token,
+        /// Offset of the payload in the block.
+        offset: u64,
+        /// Payload length.
+        len: u64,
+        /// Whether this completes the block.
+        last: bool,
+    },
+    /// Block `token` failed.
+    Failed {
+        /// Which block.
+        token: Token,
+        /// Why.
+        failure: BlockFailure,
+    },
+    /// Every block of request `req` has been delivered or failed.
+    RequestDone {
+        /// The request.
+        req: RequestId,
+    },
+    /// The connection is dead; `Failed` events for everything outstanding precede this.
+    Closed {
+        /// Why.
+        error: SessionError,
+    },
+}
+
+#[derive(Debug)]
+enum State {
+    AwaitChallenge,
+    AwaitReady { server_nonce: [u8; NONCE_LEN], version: u8, caps: u64, credits: u32, eager: u32 },
+    Ready,
+    Closed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockState {
+    Queued,
+    Requested,
+    Pulling { desc: Descriptor, received: u64 },
+    Done,
+}
+
+#[derive(Debug)]
+struct Request {
+    blocks: Vec<BlockSpan>,
+    state: Vec<BlockState>,
+    remaining: usize,
+    /// Next index not yet sent in a Fetch frame.
+    next_unsent: u32,
+}
+
+/// The client half of the protocol for one connection.
+#[derive(Debug)]
+pub struct ClientSession {
+    config: ClientConfig,
+    state: State,
+    credits: u32,
+    granted: u32,
+    eager_max: u32,
+    caps: u64,
+    next_req: RequestId,
+    requests: BTreeMap<RequestId, Request>,
+    /// Requests with blocks not yet sent, oldest first.
+    unsent: VecDeque<RequestId>,
+    /// Region id → block being pulled from it.
+    regions: HashMap<u64, Token>,
+    transmit: VecDeque<Frame>,
+    events: VecDeque<ClientEvent>,
+    handshake_deadline: Instant,
+    last_progress: Instant,
+}
+
+impl ClientSession {
+    /// Starts a session: the `Hello` frame is queued for transmission.
+    pub fn new(config: ClientConfig, now: Instant) -> Self {
+        let hello = Frame::Hello {
+            min_version: MIN_PROTOCOL_VERSION,
+            max_version: PROTOCOL_VERSION,
+            caps: config.caps,
+            nonce: config.nonce,
+            max_eager: config.max_eager.min(config.limits.max_eager),
+        };
+        let handshake_deadline = now + config.handshake_timeout;
+        ClientSession {
+            state: State::AwaitChallenge,
+            credits: 0,
+            granted: 0,
+            eager_max: 0,
+            caps: 0,
+            next_req: 1,
+            requests: BTreeMap::new(),
+            unsent: VecDeque::new(),
+            regions: HashMap::new(),
+            transmit: VecDeque::from([hello]),
+            events: VecDeque::new(),
+            handshake_deadline,
+            last_progress: now,
+            config,
+        }
+    }
+
+    /// The peer's name as configured.
+    pub fn peer(&self) -> &str {
+        &self.config.peer
+    }
+
+    /// Limits the driver applies when decoding frames from the server.
+    pub fn limits(&self) -> Limits {
+        let mut l = self.config.limits;
+        l.max_eager = l.max_eager.min(self.config.max_eager);
+        l
+    }
+
+    /// Whether the handshake completed and the session is usable.
+    pub fn is_ready(&self) -> bool {
+        matches!(self.state, State::Ready)
+    }
+
+    /// Whether the session has failed or was closed.
+    pub fn is_closed(&self) -> bool {
+        matches!(self.state, State::Closed)
+    }
+
+    /// Credits currently available (blocks that may still be requested).
+    pub fn credits(&self) -> u32 {
+        self.credits
+    }
+
+    /// Blocks requested but not yet complete, plus queued ones.
+    pub fn outstanding_blocks(&self) -> usize {
+        self.requests.values().map(|r| r.remaining).sum()
+    }
+
+    /// Queues a request for `blocks`; they are sent as credits allow. Returns its id. On a
+    /// closed session every block fails at once.
+    pub fn fetch(&mut self, blocks: Vec<BlockSpan>, now: Instant) -> RequestId {
+        let req = self.next_req;
+        self.next_req += 1;
+        let n = blocks.len();
+        if n == 0 {
+            self.events.push_back(ClientEvent::RequestDone { req });
+            return req;
+        }
+        if self.outstanding_blocks() == 0 {
+            // The silence clock only runs while something is outstanding.
+            self.last_progress = now;
+        }
+        self.requests.insert(
+            req,
+            Request { state: vec![BlockState::Queued; n], blocks, remaining: n, next_unsent: 0 },
+        );
+        if self.is_closed() {
+            let failure = BlockFailure::new(FailureCode::PeerGone, format!("connection to {} is closed", self.config.peer));
+            for index in 0..n as u32 {
+                self.finish(Token { req, index }, Some(failure.clone()));
+            }
+            return req;
+        }
+        self.unsent.push_back(req);
+        self.flush_requests();
+        req
+    }
+
+    /// Next frame to send, if any.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        self.transmit.pop_front()
+    }
+
+    /// Next event to act on, if any.
+    pub fn poll_event(&mut self) -> Option<ClientEvent> {
+        self.events.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must next be called, if ever.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            State::AwaitChallenge | State::AwaitReady { .. } => Some(self.handshake_deadline),
+            State::Ready if self.has_in_flight() => Some(self.last_progress + self.config.fetch_timeout),
+            _ => None,
+        }
+    }
+
+    fn has_in_flight(&self) -> bool {
+        self.requests.values().any(|r| r.state.iter().any(|s| !matches!(s, BlockState::Queued | BlockState::Done)))
+    }
+
+    /// Records that bytes arrived (e.g. part of a long payload), which resets the silence
+    /// clock.
+    pub fn note_progress(&mut self, now: Instant) {
+        self.last_progress = now;
+    }
+
+    /// Fails the connection if a deadline has passed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let (what, since, limit) = match self.state {
+            State::AwaitChallenge | State::AwaitReady { .. } => {
+                ("waiting for the handshake", self.handshake_deadline - self.config.handshake_timeout, self.config.handshake_timeout)
+            }
+            State::Ready if self.has_in_flight() => ("waiting for blocks", self.last_progress, self.config.fetch_timeout),
+            _ => return,
+        };
+        if now >= since + limit {
+            self.fail(ProtocolError::Timeout {
+                what,
+                waited_ms: now.saturating_duration_since(since).as_millis() as u64,
+                timeout_ms: limit.as_millis() as u64,
+            });
+        }
+    }
+
+    /// The transport lost the connection (peer vanished, reset, I/O error).
+    pub fn handle_connection_lost(&mut self, reason: impl Into<String>) {
+        self.fail(ProtocolError::ConnectionLost(reason.into()));
+    }
+
+    /// Closes the session locally; outstanding blocks fail with `PeerGone`.
+    pub fn close(&mut self) {
+        self.fail(ProtocolError::LocallyClosed);
+    }
+
+    /// A frame that could not be decoded: fatal for the connection.
+    pub fn handle_decode_error(&mut self, error: crate::FrameError) -> SessionError {
+        self.fail(ProtocolError::Frame(error))
+    }
+
+    /// Handles one decoded frame from the server. An `Err` means the connection is dead (a
+    /// `Closed` event is queued and outstanding blocks failed); the driver should flush
+    /// [`poll_transmit`](Self::poll_transmit) (it may hold an `Error` frame for the peer) and
+    /// close the transport.
+    pub fn handle_frame(&mut self, frame: Frame, now: Instant) -> Result<(), SessionError> {
+        if self.is_closed() {
+            return Err(self.err(ProtocolError::LocallyClosed));
+        }
+        self.last_progress = now;
+        let r = self.on_frame(frame);
+        r.map_err(|e| {
+            if matches!(e, ProtocolError::PeerError { .. }) {
+                self.fail(e)
+            } else {
+                self.transmit.push_back(Frame::Error { code: e.failure_code(), message: e.to_string() });
+                self.fail(e)
+            }
+        })
+    }
+
+    fn on_frame(&mut self, frame: Frame) -> Result<(), ProtocolError> {
+        match (&self.state, frame) {
+            (_, Frame::Error { code, message }) => Err(ProtocolError::PeerError { code, message }),
+            (State::AwaitChallenge, Frame::Challenge { version, caps: server_caps, nonce, auth_required, credits, eager_threshold }) => {
+                if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
+                    return Err(ProtocolError::NoCommonVersion {
+                        peer_min: version,
+                        peer_max: version,
+                        our_min: MIN_PROTOCOL_VERSION,
+                        our_max: PROTOCOL_VERSION,
+                    });
+                }
+                let proof = match (&self.config.secret, auth_required) {
+                    (Some(s), true) => Some(s.client_proof(&self.config.nonce, &nonce)),
+                    (None, false) => None,
+                    (Some(_), false) => {
+                        // A server that does not ask for auth could be anyone: with a secret
+                        // configured we only talk to servers that prove they know it.
+                        return Err(ProtocolError::AuthRefused(
+                            "the server does not require authentication but spark.authenticate is on here".into(),
+                        ));
+                    }
+                    (None, true) => {
+                        return Err(ProtocolError::AuthRefused(
+                            "the server requires authentication but no secret is configured here".into(),
+                        ))
+                    }
+                };
+                self.transmit.push_back(Frame::Auth { proof });
+                let eager = eager_threshold.min(self.config.max_eager);
+                self.state = State::AwaitReady { server_nonce: nonce, version, caps: server_caps & self.config.caps, credits, eager };
+                Ok(())
+            }
+            (State::AwaitReady { server_nonce, version, caps, credits, eager }, Frame::Ready { proof }) => {
+                if let Some(secret) = &self.config.secret {
+                    let ok = proof.map(|p| secret.verify_server(&self.config.nonce, server_nonce, &p)).unwrap_or(false);
+                    if !ok {
+                        return Err(ProtocolError::AuthRefused("the server's proof of the shared secret is wrong".into()));
+                    }
+                }
+                let (version, caps, credits, eager) = (*version, *caps, *credits, *eager);
+                if credits == 0 {
+                    return Err(ProtocolError::InvalidRequest("server granted zero credits".into()));
+                }
+                self.state = State::Ready;
+                self.credits = credits;
+                self.granted = credits;
+                self.eager_max = eager;
+                self.caps = caps;
+                self.events.push_back(ClientEvent::Connected { version, caps, eager_threshold: eager, credits });
+                self.flush_requests();
+                Ok(())
+            }
+            (State::Ready, Frame::Credit { n }) => {
+                let available = self.credits as u64 + n as u64;
+                if available > self.granted as u64 {
+                    return Err(ProtocolError::CreditOverflow { available, n, granted: self.granted });
+                }
+                self.credits = available as u32;
+                self.flush_requests();
+                Ok(())
+            }
+            (State::Ready, Frame::Eager { req, index, len }) => {
+                let token = Token { req, index };
+                self.expect(token, |s| matches!(s, BlockState::Requested))?;
+                if len > self.eager_max {
+                    return Err(ProtocolError::EagerTooLarge { len: len as u64, max: self.eager_max as u64 });
+                }
+                self.events.push_back(ClientEvent::Eager { token, len });
+                self.finish(token, None);
+                Ok(())
+            }
+            (State::Ready, Frame::Rendezvous { req, index, desc }) => {
+                let token = Token { req, index };
+                self.expect(token, |s| matches!(s, BlockState::Requested))?;
+                if self.caps & caps::RENDEZVOUS == 0 {
+                    return Err(ProtocolError::UnexpectedFrame { kind: FrameKind::Rendezvous, state: "rendezvous was not negotiated" });
+                }
+                if self.regions.contains_key(&desc.region) {
+                    return Err(ProtocolError::InvalidRequest(format!("region {} announced twice", desc.region)));
+                }
+                if desc.len > i32::MAX as u64 {
+                    return Err(ProtocolError::InvalidRequest(format!("block of {} bytes exceeds 2 GiB", desc.len)));
+                }
+                self.set_state(token, BlockState::Pulling { desc, received: 0 });
+                self.regions.insert(desc.region, token);
+                self.events.push_back(ClientEvent::Rendezvous { token, desc });
+                Ok(())
+            }
+            (State::Ready, Frame::PullData { region, offset, len }) => {
+                let token = *self.regions.get(&region).ok_or(ProtocolError::UnknownRegion { region })?;
+                let (desc, received) = match self.block_state(token) {
+                    Some(BlockState::Pulling { desc, received }) => (desc, received),
+                    _ => return Err(ProtocolError::UnknownRegion { region }),
+                };
+                let end = offset.checked_add(len).unwrap_or(u64::MAX);
+                if offset != received || end > desc.len || (len == 0 && desc.len != 0) {
+                    return Err(ProtocolError::PullOutOfBounds { region, offset, end, region_len: desc.len });
+                }
+                self.set_state(token, BlockState::Pulling { desc, received: end });
+                self.events.push_back(ClientEvent::PullData { token, offset, len, last: end == desc.len });
+                Ok(())
+            }
+            (State::Ready, Frame::BlockFailed { req, index, code, message }) => {
+                let token = Token { req, index };
+                self.expect(token, |s| matches!(s, BlockState::Requested))?;
+                let span = self.span(token);
+                let failure = BlockFailure::new(code, format!("{} from {}: {}", span, self.config.peer, message));
+                self.finish(token, Some(failure));
+                Ok(())
+            }
+            (_, other) => Err(ProtocolError::UnexpectedFrame { kind: other.kind(), state: self.state_name() }),
+        }
+    }
+
+    /// (tcp) Queues the `Pull` frame for a block announced by a `Rendezvous` event, once the
+    /// driver has a buffer for it.
+    pub fn send_pull(&mut self, token: Token) -> Result<(), SessionError> {
+        match self.block_state(token) {
+            Some(BlockState::Pulling { desc, received: 0 }) => {
+                self.transmit.push_back(Frame::Pull { region: desc.region, offset: 0, len: desc.len });
+                Ok(())
+            }
+            _ => Err(self.err(ProtocolError::UnknownBlock { req: token.req, index: token.index })),
+        }
+    }
+
+    /// The pull of `token` finished: its bytes are in the driver's buffer (`Ok`) or could not
+    /// be had (`Err`, e.g. an RDMA READ completion error or no memory). The region is released
+    /// either way. A zero-length region completes with no `PullData`.
+    pub fn pull_complete(&mut self, token: Token, result: Result<(), BlockFailure>) -> Result<(), SessionError> {
+        let desc = match self.block_state(token) {
+            Some(BlockState::Pulling { desc, .. }) => desc,
+            _ => return Err(self.err(ProtocolError::UnknownBlock { req: token.req, index: token.index })),
+        };
+        self.regions.remove(&desc.region);
+        if !self.is_closed() {
+            self.transmit.push_back(Frame::Release { region: desc.region });
+        }
+        self.finish(token, result.err());
+        Ok(())
+    }
+
+    /// The span a token refers to.
+    pub fn span(&self, token: Token) -> BlockSpan {
+        self.requests
+            .get(&token.req)
+            .and_then(|r| r.blocks.get(token.index as usize).copied())
+            .unwrap_or(BlockSpan { group: 0, object: 0, start: 0, end: 0 })
+    }
+
+    fn state_name(&self) -> &'static str {
+        match self.state {
+            State::AwaitChallenge => "waiting for the server's challenge",
+            State::AwaitReady { .. } => "waiting for the server's Ready",
+            State::Ready => "connected",
+            State::Closed => "closed",
+        }
+    }
+
+    fn block_state(&self, t: Token) -> Option<BlockState> {
+        self.requests.get(&t.req).and_then(|r| r.state.get(t.index as usize).copied())
+    }
+
+    fn set_state(&mut self, t: Token, s: BlockState) {
+        if let Some(slot) = self.requests.get_mut(&t.req).and_then(|r| r.state.get_mut(t.index as usize)) {
+            *slot = s;
+        }
+    }
+
+    fn expect(&self, t: Token, ok: impl Fn(BlockState) -> bool) -> Result<(), ProtocolError> {
+        match self.block_state(t) {
+            Some(s) if ok(s) => Ok(()),
+            _ => Err(ProtocolError::UnknownBlock { req: t.req, index: t.index }),
+        }
+    }
+
+    /// Marks a block done, emitting `Failed` if `failure`, and `RequestDone` when it was the
+    /// request's last.
+    fn finish(&mut self, t: Token, failure: Option<BlockFailure>) {
+        let Some(r) = self.requests.get_mut(&t.req) else { return };
+        let Some(slot) = r.state.get_mut(t.index as usize) else { return };
+        if *slot == BlockState::Done {
+            return;
+        }
+        *slot = BlockState::Done;
+        r.remaining -= 1;
+        let done = r.remaining == 0;
+        if let Some(failure) = failure {
+            self.events.push_back(ClientEvent::Failed { token: t, failure });
+        }
+        if done {
+            self.requests.remove(&t.req);
+            self.unsent.retain(|q| *q != t.req);
+            self.events.push_back(ClientEvent::RequestDone { req: t.req });
+        }
+    }
+
+    /// Sends queued blocks while credits last, oldest request first.
+    fn flush_requests(&mut self) {
+        if !self.is_ready() {
+            return;
+        }
+        let max = self.config.limits.max_blocks_per_fetch.max(1);
+        while self.credits > 0 {
+            let Some(&req) = self.unsent.front() else { break };
+            let Some(r) = self.requests.get_mut(&req) else {
+                self.unsent.pop_front();
+                continue;
+            };
+            let total = r.blocks.len() as u32;
+            let first = r.next_unsent;
+            let n = (total - first).min(self.credits).min(max);
+            let blocks = r.blocks[first as usize..(first + n) as usize].to_vec();
+            for s in &mut r.state[first as usize..(first + n) as usize] {
+                *s = BlockState::Requested;
+            }
+            r.next_unsent += n;
+            if r.next_unsent == total {
+                self.unsent.pop_front();
+            }
+            self.credits -= n;
+            self.transmit.push_back(Frame::Fetch { req, first_index: first, blocks });
+        }
+    }
+
+    fn err(&self, error: ProtocolError) -> SessionError {
+        SessionError { peer: self.config.peer.clone(), error }
+    }
+
+    /// Closes the session with `error`: every unfinished block fails with the error's code,
+    /// then `Closed` is emitted. Idempotent.
+    fn fail(&mut self, error: ProtocolError) -> SessionError {
+        let err = self.err(error);
+        if self.is_closed() {
+            return err;
+        }
+        self.state = State::Closed;
+        let code = err.error.failure_code();
+        let tokens: Vec<Token> = self
+            .requests
+            .iter()
+            .flat_map(|(req, r)| {
+                r.state
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| **s != BlockState::Done)
+                    .map(move |(i, _)| Token { req: *req, index: i as u32 })
+            })
+            .collect();
+        for t in tokens {
+            let failure = BlockFailure::new(code, format!("{}: {}", self.span(t), err));
+            self.finish(t, Some(failure));
+        }
+        self.regions.clear();
+        self.unsent.clear();
+        self.events.push_back(ClientEvent::Closed { error: err.clone() });
+        err
+    }
+}

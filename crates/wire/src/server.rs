@@ -1,0 +1,410 @@
+//! The server side of a connection: handshake and authentication, credit accounting,
+//! resolving requested blocks, the eager-versus-rendezvous choice, and the table of
+//! rendezvous regions the client may pull from until it releases them.
+
+use crate::auth::Secret;
+use crate::block::{BlockFailure, BlockSpan, Descriptor, FailureCode, RegionId};
+use crate::error::{ProtocolError, SessionError};
+use crate::frame::{Frame, Limits, MAX_PULL_CHUNK, NONCE_LEN};
+use crate::{caps, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// Settings of one server session.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// How the peer is named in errors and logs.
+    pub peer: String,
+    /// When set, clients must prove knowledge of it before any block is served.
+    pub secret: Option<Secret>,
+    /// Fresh random nonce for this connection.
+    pub nonce: [u8; NONCE_LEN],
+    /// Capabilities offered ([`crate::caps`]).
+    pub caps: u64,
+    /// Blocks one client may have in flight on this connection.
+    pub credits: u32,
+    /// Blocks up to this many bytes are sent inline; larger ones by rendezvous.
+    pub eager_threshold: u32,
+    /// Bounds on what the client may send.
+    pub limits: Limits,
+    /// Limit for the client to complete the handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults for `peer` with `nonce`: no secret, 64 credits, 64 KiB eager threshold.
+    pub fn new(peer: impl Into<String>, nonce: [u8; NONCE_LEN]) -> Self {
+        ServerConfig {
+            peer: peer.into(),
+            secret: None,
+            nonce,
+            caps: caps::ALL,
+            credits: 64,
+            eager_threshold: 64 * 1024,
+            limits: Limits::default(),
+            handshake_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Where a resolved block's bytes are, as the server's block source reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved<H> {
+    /// The driver's handle to the source (e.g. a mapped data file).
+    pub source: H,
+    /// Offset of the block in the source.
+    pub offset: u64,
+    /// Length of the block.
+    pub len: u64,
+    /// Remote address of the first byte for RDMA READ (verbs), or `offset` (tcp).
+    pub addr: u64,
+    /// Remote key of the registered source (verbs), 0 otherwise.
+    pub rkey: u32,
+}
+
+/// What the driver must send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerOutput<H> {
+    /// A frame without payload.
+    Frame(Frame),
+    /// An `Eager` frame followed by `len` bytes of `source` at `offset`.
+    Eager {
+        /// The frame (header and fixed part).
+        frame: Frame,
+        /// Source of the payload.
+        source: H,
+        /// Offset in the source.
+        offset: u64,
+        /// Payload length.
+        len: u64,
+    },
+    /// A `PullData` frame followed by `len` bytes of `source` at `offset` (tcp).
+    PullData {
+        /// The frame (header and fixed part).
+        frame: Frame,
+        /// Source of the payload.
+        source: H,
+        /// Offset in the source.
+        offset: u64,
+        /// Payload length.
+        len: u64,
+    },
+}
+
+#[derive(Debug)]
+enum State {
+    AwaitHello,
+    AwaitAuth { client_nonce: [u8; NONCE_LEN] },
+    Ready,
+    Closed,
+}
+
+#[derive(Debug)]
+struct Region<H> {
+    source: H,
+    offset: u64,
+    len: u64,
+}
+
+/// Counters of one server session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServerCounters {
+    /// Blocks sent inline.
+    pub eager_blocks: u64,
+    /// Bytes sent inline.
+    pub eager_bytes: u64,
+    /// Blocks offered by rendezvous.
+    pub rendezvous_blocks: u64,
+    /// Bytes offered by rendezvous.
+    pub rendezvous_bytes: u64,
+    /// Bytes streamed in `PullData` frames.
+    pub pulled_bytes: u64,
+    /// Blocks that failed.
+    pub failed_blocks: u64,
+}
+
+/// The server half of the protocol for one connection.
+#[derive(Debug)]
+pub struct ServerSession<H> {
+    config: ServerConfig,
+    state: State,
+    eager_threshold: u64,
+    caps: u64,
+    outstanding: u32,
+    next_region: RegionId,
+    regions: HashMap<RegionId, Region<H>>,
+    out: VecDeque<ServerOutput<H>>,
+    handshake_deadline: Instant,
+    counters: ServerCounters,
+}
+
+impl<H: Clone> ServerSession<H> {
+    /// Starts a session waiting for the client's `Hello`.
+    pub fn new(config: ServerConfig, now: Instant) -> Self {
+        ServerSession {
+            state: State::AwaitHello,
+            eager_threshold: 0,
+            caps: 0,
+            outstanding: 0,
+            next_region: 1,
+            regions: HashMap::new(),
+            out: VecDeque::new(),
+            handshake_deadline: now + config.handshake_timeout,
+            counters: ServerCounters::default(),
+            config,
+        }
+    }
+
+    /// The peer's name as configured.
+    pub fn peer(&self) -> &str {
+        &self.config.peer
+    }
+
+    /// Limits the driver applies when decoding frames from the client.
+    pub fn limits(&self) -> Limits {
+        self.config.limits
+    }
+
+    /// Whether the client is authenticated and may fetch.
+    pub fn is_ready(&self) -> bool {
+        matches!(self.state, State::Ready)
+    }
+
+    /// Whether the session failed or was closed.
+    pub fn is_closed(&self) -> bool {
+        matches!(self.state, State::Closed)
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> ServerCounters {
+        self.counters
+    }
+
+    /// Rendezvous regions the client holds.
+    pub fn open_regions(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// Blocks the client has in flight (credits in use).
+    pub fn outstanding(&self) -> u32 {
+        self.outstanding
+    }
+
+    /// Next output to send, if any.
+    pub fn poll_output(&mut self) -> Option<ServerOutput<H>> {
+        self.out.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must next be called, if ever.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            State::AwaitHello | State::AwaitAuth { .. } => Some(self.handshake_deadline),
+            _ => None,
+        }
+    }
+
+    /// Fails the session if the client has not completed the handshake in time.
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<(), SessionError> {
+        if matches!(self.state, State::AwaitHello | State::AwaitAuth { .. }) && now >= self.handshake_deadline {
+            let t = self.config.handshake_timeout.as_millis() as u64;
+            return Err(self.fail(ProtocolError::Timeout { what: "waiting for the client's handshake", waited_ms: t, timeout_ms: t }, true));
+        }
+        Ok(())
+    }
+
+    /// A frame that could not be decoded: fatal for the connection (an `Error` frame is queued
+    /// for the peer).
+    pub fn handle_decode_error(&mut self, error: crate::FrameError) -> SessionError {
+        self.fail(ProtocolError::Frame(error), true)
+    }
+
+    /// The transport lost the connection. Regions are dropped.
+    pub fn handle_connection_lost(&mut self, reason: impl Into<String>) -> SessionError {
+        self.fail(ProtocolError::ConnectionLost(reason.into()), false)
+    }
+
+    /// Handles one decoded frame from the client. `resolve` maps a requested span to where
+    /// its bytes are, or to a per-block failure (unknown shuffle, corrupt index, ...).
+    ///
+    /// An `Err` is fatal for this connection only: an `Error` frame for the client is queued
+    /// (flush [`poll_output`](Self::poll_output), then close the transport).
+    pub fn handle_frame(
+        &mut self,
+        frame: Frame,
+        resolve: &mut dyn FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
+    ) -> Result<(), SessionError> {
+        if self.is_closed() {
+            return Err(self.err(ProtocolError::LocallyClosed));
+        }
+        match self.on_frame(frame, resolve) {
+            Ok(()) => Ok(()),
+            Err(ProtocolError::PeerError { code, message }) => Err(self.fail(ProtocolError::PeerError { code, message }, false)),
+            Err(e) => Err(self.fail(e, true)),
+        }
+    }
+
+    fn on_frame(
+        &mut self,
+        frame: Frame,
+        resolve: &mut dyn FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
+    ) -> Result<(), ProtocolError> {
+        match (&self.state, frame) {
+            (_, Frame::Error { code, message }) => Err(ProtocolError::PeerError { code, message }),
+            (State::AwaitHello, Frame::Hello { min_version, max_version, caps: client_caps, nonce, max_eager }) => {
+                let version = max_version.min(PROTOCOL_VERSION);
+                if version < min_version.max(MIN_PROTOCOL_VERSION) {
+                    return Err(ProtocolError::NoCommonVersion {
+                        peer_min: min_version,
+                        peer_max: max_version,
+                        our_min: MIN_PROTOCOL_VERSION,
+                        our_max: PROTOCOL_VERSION,
+                    });
+                }
+                self.caps = client_caps & self.config.caps;
+                self.eager_threshold = (self.config.eager_threshold as u64).min(max_eager as u64);
+                self.out.push_back(ServerOutput::Frame(Frame::Challenge {
+                    version,
+                    caps: self.caps,
+                    nonce: self.config.nonce,
+                    auth_required: self.config.secret.is_some(),
+                    credits: self.config.credits.max(1),
+                    eager_threshold: self.eager_threshold as u32,
+                }));
+                self.state = State::AwaitAuth { client_nonce: nonce };
+                Ok(())
+            }
+            (State::AwaitAuth { client_nonce }, Frame::Auth { proof }) => {
+                let client_nonce = *client_nonce;
+                let server_proof = match (&self.config.secret, proof) {
+                    (None, _) => None,
+                    (Some(s), Some(p)) if s.verify_client(&client_nonce, &self.config.nonce, &p) => {
+                        Some(s.server_proof(&client_nonce, &self.config.nonce))
+                    }
+                    (Some(_), Some(_)) => return Err(ProtocolError::AuthRefused("the client's proof of the shared secret is wrong".into())),
+                    (Some(_), None) => return Err(ProtocolError::AuthRefused("the client sent no proof but authentication is required".into())),
+                };
+                self.out.push_back(ServerOutput::Frame(Frame::Ready { proof: server_proof }));
+                self.state = State::Ready;
+                Ok(())
+            }
+            (State::Ready, Frame::Fetch { req, first_index, blocks }) => self.on_fetch(req, first_index, blocks, resolve),
+            (State::Ready, Frame::Pull { region, offset, len }) => {
+                let r = self.regions.get(&region).ok_or(ProtocolError::UnknownRegion { region })?;
+                let end = offset.checked_add(len).unwrap_or(u64::MAX);
+                if end > r.len {
+                    return Err(ProtocolError::PullOutOfBounds { region, offset, end, region_len: r.len });
+                }
+                // Chunk so no single PullData frame exceeds what a client accepts.
+                let (source, base) = (r.source.clone(), r.offset);
+                let mut at = offset;
+                loop {
+                    let n = (end - at).min(MAX_PULL_CHUNK);
+                    self.out.push_back(ServerOutput::PullData {
+                        frame: Frame::PullData { region, offset: at, len: n },
+                        source: source.clone(),
+                        offset: base + at,
+                        len: n,
+                    });
+                    at += n;
+                    if at >= end {
+                        break;
+                    }
+                }
+                self.counters.pulled_bytes += len;
+                Ok(())
+            }
+            (State::Ready, Frame::Release { region }) => {
+                self.regions.remove(&region).ok_or(ProtocolError::UnknownRegion { region })?;
+                self.outstanding = self.outstanding.saturating_sub(1);
+                self.out.push_back(ServerOutput::Frame(Frame::Credit { n: 1 }));
+                Ok(())
+            }
+            (State::AwaitHello | State::AwaitAuth { .. }, other) => {
+                Err(ProtocolError::UnexpectedFrame { kind: other.kind(), state: "waiting for the handshake (no block is served before it)" })
+            }
+            (_, other) => Err(ProtocolError::UnexpectedFrame { kind: other.kind(), state: "serving" }),
+        }
+    }
+
+    fn on_fetch(
+        &mut self,
+        req: u64,
+        first_index: u32,
+        blocks: Vec<BlockSpan>,
+        resolve: &mut dyn FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
+    ) -> Result<(), ProtocolError> {
+        let n = blocks.len() as u32;
+        let granted = self.config.credits.max(1);
+        if self.outstanding.saturating_add(n) > granted {
+            return Err(ProtocolError::CreditExceeded { requested: n, outstanding: self.outstanding, granted });
+        }
+        self.outstanding += n;
+        let mut returned = 0u32;
+        for (i, span) in blocks.iter().enumerate() {
+            let index = first_index + i as u32;
+            let resolved = if span.start >= span.end {
+                Err(BlockFailure::new(FailureCode::BadRange, format!("{span}: empty part range {}..{}", span.start, span.end)))
+            } else {
+                resolve(span)
+            };
+            match resolved {
+                Err(f) => {
+                    self.counters.failed_blocks += 1;
+                    self.out.push_back(ServerOutput::Frame(Frame::BlockFailed { req, index, code: f.code, message: f.message }));
+                    returned += 1;
+                }
+                Ok(r) if r.len <= self.eager_threshold || self.caps & caps::RENDEZVOUS == 0 => {
+                    if r.len > self.eager_threshold {
+                        self.counters.failed_blocks += 1;
+                        self.out.push_back(ServerOutput::Frame(Frame::BlockFailed {
+                            req,
+                            index,
+                            code: FailureCode::Other,
+                            message: format!("{span}: {} bytes exceed the client's eager limit and it cannot pull", r.len),
+                        }));
+                    } else {
+                        self.counters.eager_blocks += 1;
+                        self.counters.eager_bytes += r.len;
+                        self.out.push_back(ServerOutput::Eager {
+                            frame: Frame::Eager { req, index, len: r.len as u32 },
+                            source: r.source,
+                            offset: r.offset,
+                            len: r.len,
+                        });
+                    }
+                    returned += 1;
+                }
+                Ok(r) => {
+                    let region = self.next_region;
+                    self.next_region += 1;
+                    self.counters.rendezvous_blocks += 1;
+                    self.counters.rendezvous_bytes += r.len;
+                    let desc = Descriptor { region, addr: r.addr, len: r.len, rkey: r.rkey };
+                    self.regions.insert(region, Region { source: r.source, offset: r.offset, len: r.len });
+                    self.out.push_back(ServerOutput::Frame(Frame::Rendezvous { req, index, desc }));
+                }
+            }
+        }
+        if returned > 0 {
+            self.outstanding -= returned;
+            self.out.push_back(ServerOutput::Frame(Frame::Credit { n: returned }));
+        }
+        Ok(())
+    }
+
+    fn err(&self, error: ProtocolError) -> SessionError {
+        SessionError { peer: self.config.peer.clone(), error }
+    }
+
+    fn fail(&mut self, error: ProtocolError, tell_peer: bool) -> SessionError {
+        let err = self.err(error);
+        if !self.is_closed() {
+            self.state = State::Closed;
+            self.regions.clear();
+            if tell_peer {
+                self.out.push_back(ServerOutput::Frame(Frame::Error { code: err.error.failure_code(), message: err.error.to_string() }));
+            }
+        }
+        err
+    }
+}
