@@ -1,1 +1,11 @@
-//! placeholder
+//! Shuffle layer of rdma-shuffle: the executor-side store of Spark's committed map outputs
+//! (served by the block server) and the test-data generator used across the workspace.
+//!
+//! * [`store`] — [`store::MapOutputStore`]: Spark's own `.data`/`.index` files, indexed in
+//!   memory, mapped read-only, resolved to validated byte ranges.
+//! * [`testkit`] — writes map outputs in Spark's exact layout (and corrupt variants) for tests
+//!   and benchmarks.
+#![deny(missing_docs)]
+
+pub mod store;
+pub mod testkit;
