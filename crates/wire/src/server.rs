@@ -402,7 +402,8 @@ impl<H: Clone> ServerSession<H> {
             self.state = State::Closed;
             self.regions.clear();
             if tell_peer {
-                self.out.push_back(ServerOutput::Frame(Frame::Error { code: err.error.failure_code(), message: err.error.to_string() }));
+                let message = format!("server rejected the connection from {}: {}", self.config.peer, err.error);
+                self.out.push_back(ServerOutput::Frame(Frame::Error { code: err.error.failure_code(), message }));
             }
         }
         err
