@@ -1,0 +1,79 @@
+//! Errors of the fabric layer.
+
+use crate::pool::PoolError;
+use rdma_shuffle_wire::{FrameError, SessionError};
+use std::io;
+use thiserror::Error;
+
+/// What went wrong moving bytes. Every variant names the peer it happened with.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum FabricError {
+    /// A socket (or device) operation failed.
+    #[error("{op} {peer}: {source}")]
+    Io {
+        /// Peer address or name.
+        peer: String,
+        /// What was being done ("connect to", "read from", ...).
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer closed the connection (end of stream, peer process gone).
+    #[error("connection to {peer} closed by the peer")]
+    Closed {
+        /// Peer address or name.
+        peer: String,
+    },
+    /// The peer sent bytes that are not a valid frame.
+    #[error("peer {peer} sent an invalid frame: {source}")]
+    Frame {
+        /// Peer address or name.
+        peer: String,
+        /// What was wrong.
+        #[source]
+        source: FrameError,
+    },
+    /// The protocol session failed.
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// Registered memory could not be had.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// No connection could be made in time.
+    #[error("connect to {peer} timed out after {timeout_ms} ms (raise spark.shuffle.rdma.connectTimeout)")]
+    ConnectTimeout {
+        /// Peer address.
+        peer: String,
+        /// The limit.
+        timeout_ms: u64,
+    },
+    /// The provider cannot do what was asked (e.g. a one-sided read on tcp).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A provider-specific failure (verbs work-request errors, device setup), with context.
+    #[error("{provider} provider: {message}")]
+    Provider {
+        /// Provider name.
+        provider: &'static str,
+        /// What failed, with context and the setting to change where there is one.
+        message: String,
+    },
+    /// The endpoint was shut down.
+    #[error("endpoint is shut down")]
+    Shutdown,
+}
+
+impl FabricError {
+    /// An I/O error while doing `op` with `peer`.
+    pub fn io(peer: &str, op: &'static str, source: io::Error) -> Self {
+        if matches!(
+            source.kind(),
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted
+        ) {
+            return FabricError::Closed { peer: peer.to_string() };
+        }
+        FabricError::Io { peer: peer.to_string(), op, source }
+    }
+}
