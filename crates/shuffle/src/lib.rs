@@ -3,9 +3,16 @@
 //!
 //! * [`store`] — [`store::MapOutputStore`]: Spark's own `.data`/`.index` files, indexed in
 //!   memory, mapped read-only, resolved to validated byte ranges.
+//! * [`server`] — [`BlockServer`]: the store exposed through a fabric endpoint.
+//! * [`client`] — [`BlockClient`]: fetches Spark shuffle blocks from many block servers.
 //! * [`testkit`] — writes map outputs in Spark's exact layout (and corrupt variants) for tests
 //!   and benchmarks.
 #![deny(missing_docs)]
 
+pub mod client;
+pub mod server;
 pub mod store;
 pub mod testkit;
+
+pub use client::{BlockClient, ShuffleBlock};
+pub use server::{BlockServer, ServerError};

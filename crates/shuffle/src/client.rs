@@ -1,0 +1,75 @@
+//! The block client: fetches Spark shuffle blocks from many executors' block servers.
+
+use crate::store::{MapId, ReduceId, ShuffleId};
+use rdma_shuffle_fabric::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FabricError, Provider, TieredPool};
+use rdma_shuffle_wire::BlockSpan;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// A Spark shuffle block: one reduce partition (`ShuffleBlockId`) or a contiguous range
+/// (`ShuffleBlockBatchId`) of one map output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ShuffleBlock {
+    /// Shuffle id.
+    pub shuffle_id: ShuffleId,
+    /// Map id (map task attempt id).
+    pub map_id: MapId,
+    /// First reduce id, inclusive.
+    pub start_reduce: ReduceId,
+    /// Last reduce id, exclusive.
+    pub end_reduce: ReduceId,
+}
+
+impl ShuffleBlock {
+    /// `shuffle_<s>_<m>_<r>`.
+    pub fn single(shuffle_id: ShuffleId, map_id: MapId, reduce: ReduceId) -> Self {
+        ShuffleBlock { shuffle_id, map_id, start_reduce: reduce, end_reduce: reduce + 1 }
+    }
+
+    /// `shuffle_<s>_<m>_<start>_<end>`.
+    pub fn batch(shuffle_id: ShuffleId, map_id: MapId, start_reduce: ReduceId, end_reduce: ReduceId) -> Self {
+        ShuffleBlock { shuffle_id, map_id, start_reduce, end_reduce }
+    }
+
+    fn span(&self) -> BlockSpan {
+        BlockSpan { group: self.shuffle_id, object: self.map_id, start: self.start_reduce, end: self.end_reduce }
+    }
+}
+
+/// Fetches blocks with a bound on bytes in flight; every block ends in exactly one call of
+/// the fetch's [`BlockSink`], with its bytes or a typed failure.
+pub struct BlockClient {
+    endpoint: ClientEndpoint,
+}
+
+impl BlockClient {
+    /// A client over `provider`, landing blocks in `pool`.
+    pub fn new(provider: Arc<dyn Provider>, pool: TieredPool, config: ClientEndpointConfig) -> Result<Self, FabricError> {
+        Ok(BlockClient { endpoint: ClientEndpoint::new(provider, pool, config)? })
+    }
+
+    /// Fetches `blocks` from the block server at `addr`; see [`ClientEndpoint::fetch`].
+    pub fn fetch(&self, addr: SocketAddr, blocks: &[ShuffleBlock], sink: Arc<dyn BlockSink>) {
+        self.endpoint.fetch(addr, blocks.iter().map(ShuffleBlock::span).collect(), sink)
+    }
+
+    /// Fetching counters.
+    pub fn stats(&self) -> &ClientStats {
+        self.endpoint.stats()
+    }
+
+    /// The pool blocks land in.
+    pub fn pool(&self) -> &TieredPool {
+        self.endpoint.pool()
+    }
+
+    /// Open connections.
+    pub fn connections(&self) -> usize {
+        self.endpoint.connections()
+    }
+
+    /// Closes all connections and threads. Idempotent.
+    pub fn shutdown(&self) {
+        self.endpoint.shutdown()
+    }
+}

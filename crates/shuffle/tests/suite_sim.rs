@@ -1,0 +1,26 @@
+//! The conformance suite over the in-memory sim provider, with one-sided reads (verbs-shaped)
+//! and without (tcp-shaped).
+mod suite;
+
+use rdma_shuffle_fabric::{Provider, SimProvider};
+use std::sync::{Arc, OnceLock};
+
+fn one_sided() -> Arc<dyn Provider> {
+    static NET: OnceLock<SimProvider> = OnceLock::new();
+    Arc::new(NET.get_or_init(|| SimProvider::new(true)).clone())
+}
+
+mod one_sided {
+    use super::*;
+    provider_suite!(one_sided);
+}
+
+fn streamed() -> Arc<dyn Provider> {
+    static NET: OnceLock<SimProvider> = OnceLock::new();
+    Arc::new(NET.get_or_init(|| SimProvider::new(false)).clone())
+}
+
+mod streamed {
+    use super::*;
+    provider_suite!(streamed);
+}
