@@ -5,14 +5,18 @@
 //!   memory, mapped read-only, resolved to validated byte ranges.
 //! * [`server`] — [`BlockServer`]: the store exposed through a fabric endpoint.
 //! * [`client`] — [`BlockClient`]: fetches Spark shuffle blocks from many block servers.
+//! * [`engine`] — [`Engine`]: one executor's provider, pool, server and client, from Spark's
+//!   settings.
 //! * [`testkit`] — writes map outputs in Spark's exact layout (and corrupt variants) for tests
 //!   and benchmarks.
 #![deny(missing_docs)]
 
 pub mod client;
+pub mod engine;
 pub mod server;
 pub mod store;
 pub mod testkit;
 
 pub use client::{BlockClient, ShuffleBlock};
+pub use engine::{Engine, EngineConfig, EngineError, Transport};
 pub use server::{BlockServer, ServerError};

@@ -1,0 +1,255 @@
+//! The exported functions of `org.apache.spark.shuffle.rdma.NativeBridge`.
+
+use crate::errors::{guard, BridgeError};
+use jni::objects::{GlobalRef, JClass, JIntArray, JLongArray, JObject, JString, JValue};
+use jni::sys::{jint, jlong, jstring};
+use jni::{JNIEnv, JavaVM};
+use rdma_shuffle_fabric::{BlockSink, FetchedBlock, Lease};
+use rdma_shuffle_shuffle::store::MapOutputFiles;
+use rdma_shuffle_shuffle::{Engine, EngineConfig, ShuffleBlock};
+use rdma_shuffle_wire::BlockFailure;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::{Arc, Once};
+
+fn init_logging() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Executor stderr ends up in Spark's executor log; RUST_LOG overrides the level.
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).with_target(false).try_init();
+    });
+}
+
+/// # Safety contract with Java
+/// `h` comes from `engineOpen` and is not used after `engineClose` (NativeEngine guards it).
+fn engine<'a>(h: jlong) -> Result<&'a Engine, BridgeError> {
+    if h == 0 {
+        return Err(BridgeError::new("closed", "engine handle is 0 (closed or never opened)"));
+    }
+    // SAFETY: see the contract above; the Box behind `h` lives until engineClose.
+    Ok(unsafe { &*(h as *const Engine) })
+}
+
+fn string(env: &mut JNIEnv, s: &JString, what: &str) -> Result<String, BridgeError> {
+    if s.is_null() {
+        return Err(BridgeError::new("invalid_argument", format!("{what} is null")));
+    }
+    Ok(env.get_string(s)?.into())
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineOpen(mut env: JNIEnv, _c: JClass, config: JString) -> jlong {
+    guard(&mut env, 0, |env| {
+        init_logging();
+        let text = string(env, &config, "config")?;
+        let cfg = EngineConfig::from_kv(&text).map_err(|e| BridgeError::new("config", e.to_string()))?;
+        let id = cfg.executor_id.clone();
+        let engine = Engine::open(cfg).map_err(|e| BridgeError::new("transport", format!("executor {id}: cannot start the shuffle engine: {e}")))?;
+        tracing::info!(executor = %id, port = engine.server().local_addr().port(), transport = engine.transport(), "shuffle engine started");
+        Ok(Box::into_raw(Box::new(engine)) as jlong)
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_enginePort(mut env: JNIEnv, _c: JClass, h: jlong) -> jint {
+    guard(&mut env, 0, |_| Ok(engine(h)?.server().local_addr().port() as jint))
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineTransport(mut env: JNIEnv, _c: JClass, h: jlong) -> jstring {
+    guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.transport())?.into_raw()))
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_registerMapOutput(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+    shuffle_id: jint,
+    map_id: jlong,
+    data_path: JString,
+    index_path: JString,
+    num_partitions: jint,
+) {
+    guard(&mut env, (), |env| {
+        let e = engine(h)?;
+        if shuffle_id < 0 || map_id < 0 || num_partitions < 0 {
+            return Err(BridgeError::new(
+                "invalid_argument",
+                format!("shuffle {shuffle_id} map {map_id} with {num_partitions} partitions: ids and counts must be non-negative"),
+            ));
+        }
+        let files = MapOutputFiles {
+            shuffle_id: shuffle_id as u32,
+            map_id: map_id as u64,
+            data_path: PathBuf::from(string(env, &data_path, "dataPath")?),
+            index_path: PathBuf::from(string(env, &index_path, "indexPath")?),
+            num_partitions: Some(num_partitions as u32),
+        };
+        e.server()
+            .register(files)
+            .map_err(|err| BridgeError::new("register", format!("executor {}: {err}", e.config().executor_id)))
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_unregisterShuffle(mut env: JNIEnv, _c: JClass, h: jlong, shuffle_id: jint) -> jint {
+    guard(&mut env, 0, |_| {
+        if shuffle_id < 0 {
+            return Ok(0);
+        }
+        Ok(engine(h)?.server().unregister_shuffle(shuffle_id as u32) as jint)
+    })
+}
+
+/// Delivers block outcomes to a Java `FetchCallback` from native threads.
+struct JvmSink {
+    vm: JavaVM,
+    callback: GlobalRef,
+}
+
+impl JvmSink {
+    fn call(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) -> jni::errors::Result<()> {
+        // Daemon attachment: engine threads must never keep the executor JVM alive.
+        let mut env = self.vm.attach_current_thread_as_daemon()?;
+        match result {
+            Ok(block) => {
+                let lease = block.into_lease();
+                let (ptr, len) = match &lease {
+                    Some(l) => (l.as_ptr() as *mut u8, l.len()),
+                    // An empty block has no buffer; a zero-capacity view of a dangling (never
+                    // read) pointer is what NewDirectByteBuffer accepts.
+                    None => (NonNull::<u8>::dangling().as_ptr(), 0),
+                };
+                // SAFETY: the memory stays valid until Java calls releaseLease with the handle
+                // below; the ByteBuffer's documented lifetime ends there (FetchCallback docs).
+                let buf = unsafe { env.new_direct_byte_buffer(ptr, len)? };
+                let handle = lease.map(|l| Lease::into_raw(l) as jlong).unwrap_or(0);
+                let r = env.call_method(&self.callback, "onBlock", "(ILjava/nio/ByteBuffer;J)V", &[JValue::Int(index as jint), (&buf).into(), JValue::Long(handle)]);
+                if r.is_err() || env.exception_check()? {
+                    // Java never took ownership: give the memory back here.
+                    let _ = env.exception_describe();
+                    let _ = env.exception_clear();
+                    release(handle);
+                    tracing::warn!(index, "FetchCallback.onBlock threw; block buffer released");
+                }
+            }
+            Err(f) => {
+                let kind = env.new_string(f.code.name())?;
+                let msg = env.new_string(&f.message)?;
+                let r = env.call_method(&self.callback, "onFailure", "(ILjava/lang/String;Ljava/lang/String;)V", &[JValue::Int(index as jint), (&kind).into(), (&msg).into()]);
+                if r.is_err() || env.exception_check()? {
+                    let _ = env.exception_describe();
+                    let _ = env.exception_clear();
+                    tracing::warn!(index, "FetchCallback.onFailure threw");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BlockSink for JvmSink {
+    fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
+        // Never unwind into the engine's threads from Java trouble.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.call(index, result)));
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(index, error = %e, "cannot deliver a block to the JVM"),
+            Err(_) => tracing::error!(index, "panic while delivering a block to the JVM"),
+        }
+    }
+}
+
+fn release(handle: jlong) {
+    if handle != 0 {
+        // SAFETY: `handle` came from Lease::into_raw in JvmSink::call and is released once.
+        drop(unsafe { Lease::from_raw(handle as *mut Lease) });
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBlocks(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+    host: JString,
+    port: jint,
+    shuffle_ids: JIntArray,
+    map_ids: JLongArray,
+    starts: JIntArray,
+    ends: JIntArray,
+    cb: JObject,
+) {
+    guard(&mut env, (), |env| {
+        let e = engine(h)?;
+        if cb.is_null() {
+            return Err(BridgeError::new("invalid_argument", "callback is null"));
+        }
+        let host = string(env, &host, "host")?;
+        let n = env.get_array_length(&shuffle_ids)? as usize;
+        let lens = [env.get_array_length(&map_ids)?, env.get_array_length(&starts)?, env.get_array_length(&ends)?];
+        if lens.iter().any(|l| *l as usize != n) {
+            return Err(BridgeError::new("invalid_argument", format!("block arrays differ in length: {n} vs {lens:?}")));
+        }
+        let mut s = vec![0i32; n];
+        let mut m = vec![0i64; n];
+        let mut a = vec![0i32; n];
+        let mut b = vec![0i32; n];
+        env.get_int_array_region(&shuffle_ids, 0, &mut s)?;
+        env.get_long_array_region(&map_ids, 0, &mut m)?;
+        env.get_int_array_region(&starts, 0, &mut a)?;
+        env.get_int_array_region(&ends, 0, &mut b)?;
+        let mut blocks = Vec::with_capacity(n);
+        for i in 0..n {
+            if s[i] < 0 || m[i] < 0 || a[i] < 0 || b[i] < 0 {
+                return Err(BridgeError::new("invalid_argument", format!("block {i}: negative id in shuffle_{}_{}_{}_{}", s[i], m[i], a[i], b[i])));
+            }
+            blocks.push(ShuffleBlock::batch(s[i] as u32, m[i] as u64, a[i] as u32, b[i] as u32));
+        }
+        if !(0..=65535).contains(&port) {
+            return Err(BridgeError::new("invalid_argument", format!("port {port} out of range")));
+        }
+        let addr: SocketAddr = (host.as_str(), port as u16)
+            .to_socket_addrs()
+            .map_err(|err| BridgeError::new("connect", format!("cannot resolve {host}:{port}: {err}")))?
+            .next()
+            .ok_or_else(|| BridgeError::new("connect", format!("{host}:{port} resolves to no address")))?;
+        let sink = Arc::new(JvmSink { vm: env.get_java_vm()?, callback: env.new_global_ref(&cb)? });
+        // Block on no lock held by Java: the engine connects (bounded by connectTimeout) and
+        // queues; results arrive on engine threads.
+        e.client().fetch(addr, &blocks, sink);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_releaseLease(mut env: JNIEnv, _c: JClass, handle: jlong) {
+    guard(&mut env, (), |_| {
+        release(handle);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineStats(mut env: JNIEnv, _c: JClass, h: jlong) -> jstring {
+    guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.stats_text())?.into_raw()))
+}
+
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineClose(mut env: JNIEnv, _c: JClass, h: jlong) {
+    guard(&mut env, (), |_| {
+        if h == 0 {
+            return Ok(());
+        }
+        // SAFETY: `h` came from engineOpen; Java calls close once and never uses it again.
+        let engine = unsafe { Box::from_raw(h as *mut Engine) };
+        tracing::info!(stats = %engine.stats_text().replace('\n', " "), "shuffle engine closing");
+        engine.shutdown();
+        drop(engine);
+        Ok(())
+    })
+}

@@ -1,0 +1,336 @@
+//! One executor's engine: provider, pool, block server and block client, configured from
+//! Spark's `spark.shuffle.rdma.*` settings. This is what the JNI layer opens per executor.
+
+use crate::{BlockClient, BlockServer, ServerError};
+use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
+use rdma_shuffle_fabric::{ClientEndpointConfig, FabricError, Provider, ServerEndpointConfig, TcpProvider};
+use rdma_shuffle_wire::{Limits, Secret};
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+
+/// A setting that cannot be used.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A `key=value` setting is malformed or out of range.
+    #[error("setting {key}='{value}': {why}")]
+    Setting {
+        /// Full key.
+        key: String,
+        /// Value given.
+        value: String,
+        /// What is allowed.
+        why: String,
+    },
+    /// The requested transport cannot be had.
+    #[error("{0}")]
+    Transport(String),
+    /// The pool could not be built.
+    #[error(transparent)]
+    Pool(#[from] rdma_shuffle_fabric::PoolError),
+    /// The server could not start.
+    #[error(transparent)]
+    Server(#[from] ServerError),
+    /// The client could not start.
+    #[error(transparent)]
+    Fabric(#[from] FabricError),
+}
+
+/// Which provider to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// verbs when a usable RDMA device exists, tcp otherwise.
+    Auto,
+    /// verbs or fail.
+    Verbs,
+    /// tcp.
+    Tcp,
+}
+
+/// Settings of an engine. Field docs name the Spark setting each comes from.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// `spark.shuffle.rdma.transport`.
+    pub transport: Transport,
+    /// `spark.shuffle.rdma.eagerThreshold` (bytes).
+    pub eager_threshold: u32,
+    /// `spark.shuffle.rdma.pool.tiers` (bytes).
+    pub pool_tiers: Vec<usize>,
+    /// `spark.shuffle.rdma.pool.capBytes`.
+    pub pool_cap: u64,
+    /// `spark.shuffle.rdma.port` (0 = ephemeral).
+    pub port: u16,
+    /// `spark.shuffle.rdma.bindHost` (default all interfaces).
+    pub bind_host: IpAddr,
+    /// `spark.shuffle.rdma.connectTimeout` (ms).
+    pub connect_timeout: Duration,
+    /// `spark.shuffle.rdma.fetchTimeout` (ms).
+    pub fetch_timeout: Duration,
+    /// `spark.shuffle.rdma.credits`: blocks in flight per connection.
+    pub credits: u32,
+    /// `spark.shuffle.rdma.maxBytesInFlight`: rendezvous bytes being transferred at once.
+    pub max_bytes_in_flight: u64,
+    /// `spark.authenticate.secret` when `spark.authenticate=true`.
+    pub secret: Option<Secret>,
+    /// `spark.executor.id`, for logs and errors.
+    pub executor_id: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            transport: Transport::Auto,
+            eager_threshold: 64 * 1024,
+            pool_tiers: PoolConfig::default().tiers,
+            pool_cap: 512 << 20,
+            port: 0,
+            bind_host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            connect_timeout: Duration::from_secs(120),
+            fetch_timeout: Duration::from_secs(120),
+            credits: 64,
+            max_bytes_in_flight: 48 << 20,
+            secret: None,
+            executor_id: "unknown".into(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Parses newline-separated `key=value` lines (the JVM side resolves defaults and units:
+    /// sizes in bytes, durations in ms). Unknown keys are ignored.
+    pub fn from_kv(text: &str) -> Result<Self, EngineError> {
+        let mut c = EngineConfig::default();
+        let mut auth = false;
+        let mut secret = None;
+        for line in text.lines() {
+            let Some((k, v)) = line.split_once('=') else { continue };
+            let (k, v) = (k.trim(), v.trim());
+            let bad = |why: &str| EngineError::Setting { key: k.to_string(), value: v.to_string(), why: why.to_string() };
+            let num = |max: u64| v.parse::<u64>().ok().filter(|n| *n <= max).ok_or_else(|| bad(&format!("expected an integer up to {max}")));
+            match k {
+                "spark.shuffle.rdma.transport" => {
+                    c.transport = match v {
+                        "auto" => Transport::Auto,
+                        "verbs" => Transport::Verbs,
+                        "tcp" => Transport::Tcp,
+                        _ => return Err(bad("expected auto|verbs|tcp")),
+                    }
+                }
+                "spark.shuffle.rdma.eagerThreshold" => c.eager_threshold = num(16 << 20)? as u32,
+                "spark.shuffle.rdma.pool.tiers" => {
+                    c.pool_tiers = v
+                        .split(',')
+                        .map(|t| t.trim().parse::<usize>().map_err(|_| bad("expected comma-separated byte sizes")))
+                        .collect::<Result<_, _>>()?
+                }
+                "spark.shuffle.rdma.pool.capBytes" => c.pool_cap = num(u64::MAX)?,
+                "spark.shuffle.rdma.port" => c.port = num(65535)? as u16,
+                "spark.shuffle.rdma.bindHost" => c.bind_host = v.parse().map_err(|_| bad("expected an IP address"))?,
+                "spark.shuffle.rdma.connectTimeout" => c.connect_timeout = Duration::from_millis(num(u64::MAX)?.max(1)),
+                "spark.shuffle.rdma.fetchTimeout" => c.fetch_timeout = Duration::from_millis(num(u64::MAX)?.max(1)),
+                "spark.shuffle.rdma.credits" => c.credits = num(1 << 16)?.max(1) as u32,
+                "spark.shuffle.rdma.maxBytesInFlight" => c.max_bytes_in_flight = num(u64::MAX)?.max(1),
+                "spark.authenticate" => auth = v.eq_ignore_ascii_case("true"),
+                "spark.authenticate.secret" => secret = Some(v.to_string()),
+                "spark.executor.id" => c.executor_id = v.to_string(),
+                _ => {}
+            }
+        }
+        if auth {
+            let s = secret.filter(|s| !s.is_empty()).ok_or_else(|| EngineError::Setting {
+                key: "spark.authenticate.secret".into(),
+                value: String::new(),
+                why: "spark.authenticate is true but no secret reached the executor".into(),
+            })?;
+            c.secret = Some(Secret::new(s));
+        }
+        Ok(c)
+    }
+}
+
+/// Picks the provider for `transport`, with the reason, logged once.
+pub fn select_provider(transport: Transport) -> Result<(Arc<dyn Provider>, String), EngineError> {
+    match transport {
+        Transport::Tcp => Ok((Arc::new(TcpProvider::new()), "spark.shuffle.rdma.transport=tcp".into())),
+        Transport::Auto => Ok((
+            Arc::new(TcpProvider::new()),
+            "transport=auto: no usable RDMA device (this build has no verbs provider), using tcp".into(),
+        )),
+        Transport::Verbs => Err(EngineError::Transport(
+            "spark.shuffle.rdma.transport=verbs but this build has no verbs provider; use auto or tcp".into(),
+        )),
+    }
+}
+
+/// An executor's engine.
+pub struct Engine {
+    config: EngineConfig,
+    provider: Arc<dyn Provider>,
+    server: BlockServer,
+    client: BlockClient,
+    why: String,
+}
+
+impl Engine {
+    /// Builds provider, pool, server and client.
+    pub fn open(config: EngineConfig) -> Result<Self, EngineError> {
+        let (provider, why) = select_provider(config.transport)?;
+        tracing::info!(executor = %config.executor_id, transport = provider.name(), "{why}");
+        let pool_cfg = PoolConfig { tiers: config.pool_tiers.clone(), cap_bytes: config.pool_cap, ..PoolConfig::default() };
+        let pool = TieredPool::new(pool_cfg, provider.registrar())?;
+        let limits = Limits { max_eager: config.eager_threshold.max(1), ..Limits::default() };
+        let server_cfg = ServerEndpointConfig {
+            secret: config.secret.clone(),
+            credits: config.credits,
+            eager_threshold: config.eager_threshold,
+            limits,
+            handshake_timeout: config.connect_timeout.min(Duration::from_secs(30)),
+            name: config.executor_id.clone(),
+        };
+        let server = BlockServer::bind(provider.clone(), SocketAddr::new(config.bind_host, config.port), server_cfg)?;
+        let client_cfg = ClientEndpointConfig {
+            secret: config.secret.clone(),
+            connect_timeout: config.connect_timeout,
+            handshake_timeout: config.connect_timeout.min(Duration::from_secs(30)),
+            fetch_timeout: config.fetch_timeout,
+            max_eager: config.eager_threshold.max(1),
+            max_bytes_in_flight: config.max_bytes_in_flight,
+            limits,
+            name: format!("executor {}", config.executor_id),
+            ..ClientEndpointConfig::default()
+        };
+        let client = BlockClient::new(provider.clone(), pool, client_cfg)?;
+        Ok(Engine { config, provider, server, client, why })
+    }
+
+    /// The block server.
+    pub fn server(&self) -> &BlockServer {
+        &self.server
+    }
+
+    /// The block client.
+    pub fn client(&self) -> &BlockClient {
+        &self.client
+    }
+
+    /// The provider's name (`tcp`, `verbs`, `sim`).
+    pub fn transport(&self) -> &'static str {
+        self.provider.name()
+    }
+
+    /// Why this transport was chosen.
+    pub fn transport_reason(&self) -> &str {
+        &self.why
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Counters as `key=value` lines (what the executor logs and tests read).
+    pub fn stats_text(&self) -> String {
+        let s = self.server.stats();
+        let c = self.client.stats();
+        let p = self.client.pool().stats();
+        let r = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut kv = |k: &str, v: u64| {
+            let _ = writeln!(out, "{k}={v}");
+        };
+        kv("blocks_served", s.blocks_served());
+        kv("bytes_served", s.bytes_served());
+        kv("blocks_fetched", r(&c.blocks_fetched));
+        kv("bytes_fetched", r(&c.bytes_fetched));
+        kv("eager_blocks_served", r(&s.eager_blocks));
+        kv("rendezvous_blocks_served", r(&s.rendezvous_blocks));
+        kv("failed_blocks_served", r(&s.failed_blocks));
+        kv("eager_blocks_fetched", r(&c.eager_blocks));
+        kv("rendezvous_blocks_fetched", r(&c.rendezvous_blocks));
+        kv("one_sided_reads", r(&c.one_sided_reads));
+        kv("stream_pulls", r(&c.stream_pulls));
+        kv("failed_blocks_fetched", r(&c.failed_blocks));
+        kv("connections_accepted", r(&s.connections));
+        kv("connections_opened", r(&c.connections));
+        kv("auth_failures", r(&s.auth_failures));
+        kv("pool_bytes_allocated", p.bytes_allocated);
+        kv("pool_bytes_in_use", p.bytes_in_use);
+        kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);
+        kv("pool_waits", p.waits);
+        kv("map_outputs_registered", self.server.store().len() as u64);
+        for (k, v) in self.provider.counters() {
+            kv(k, v);
+        }
+        let _ = writeln!(out, "transport={}", self.transport());
+        out
+    }
+
+    /// Stops client and server. Idempotent; leases still held stay valid until released.
+    pub fn shutdown(&self) {
+        self.client.shutdown();
+        self.server.shutdown();
+        tracing::info!(executor = %self.config.executor_id, "engine stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_and_bad_values_name_the_key() {
+        let c = EngineConfig::from_kv(
+            "spark.shuffle.rdma.transport=tcp\nspark.shuffle.rdma.eagerThreshold=32768\nspark.shuffle.rdma.pool.tiers=4096,65536\n\
+             spark.shuffle.rdma.pool.capBytes=1048576\nspark.shuffle.rdma.fetchTimeout=1500\nspark.executor.id=7\nunknown.key=1\n",
+        )
+        .unwrap();
+        assert_eq!(c.transport, Transport::Tcp);
+        assert_eq!(c.eager_threshold, 32768);
+        assert_eq!(c.pool_tiers, vec![4096, 65536]);
+        assert_eq!(c.fetch_timeout, Duration::from_millis(1500));
+        assert_eq!(c.executor_id, "7");
+        let e = EngineConfig::from_kv("spark.shuffle.rdma.transport=ib").unwrap_err().to_string();
+        assert!(e.contains("spark.shuffle.rdma.transport") && e.contains("auto|verbs|tcp"), "{e}");
+        let e = EngineConfig::from_kv("spark.authenticate=true").unwrap_err().to_string();
+        assert!(e.contains("spark.authenticate.secret"), "{e}");
+        assert!(EngineConfig::from_kv("spark.authenticate=true\nspark.authenticate.secret=x").unwrap().secret.is_some());
+    }
+
+    #[test]
+    fn auto_picks_tcp_on_a_machine_without_a_device_and_says_why() {
+        let (p, why) = select_provider(Transport::Auto).unwrap();
+        assert_eq!(p.name(), "tcp");
+        assert!(why.contains("using tcp"), "{why}");
+    }
+
+    #[test]
+    fn engines_fetch_from_each_other_and_count_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = |id: &str| EngineConfig { transport: Transport::Tcp, bind_host: "127.0.0.1".parse().unwrap(), executor_id: id.into(), pool_cap: 64 << 20, ..EngineConfig::default() };
+        let a = Engine::open(cfg("1")).unwrap();
+        let b = Engine::open(cfg("2")).unwrap();
+        let out = crate::testkit::write_map_output(dir.path(), 0, 5, &[10, 100_000, 0], 1).unwrap();
+        a.server().register(out.map_output_files()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        struct S(parking_lot::Mutex<std::sync::mpsc::Sender<(usize, usize)>>);
+        impl rdma_shuffle_fabric::BlockSink for S {
+            fn on_block(&self, i: usize, r: Result<rdma_shuffle_fabric::FetchedBlock, rdma_shuffle_wire::BlockFailure>) {
+                let _ = self.0.lock().send((i, r.map(|b| b.len()).unwrap_or(usize::MAX)));
+            }
+        }
+        let blocks = [crate::ShuffleBlock::single(0, 5, 0), crate::ShuffleBlock::single(0, 5, 1), crate::ShuffleBlock::single(0, 5, 2)];
+        b.client().fetch(a.server().local_addr(), &blocks, Arc::new(S(parking_lot::Mutex::new(tx))));
+        let mut got: Vec<_> = (0..3).map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        got.sort();
+        assert_eq!(got, vec![(0, 10), (1, 100_000), (2, 0)]);
+        assert!(a.stats_text().contains("blocks_served=3"), "{}", a.stats_text());
+        assert!(b.stats_text().contains("blocks_fetched=3"));
+        assert!(b.stats_text().contains("bytes_fetched=100010"));
+        a.shutdown();
+        b.shutdown();
+    }
+}
