@@ -11,6 +11,9 @@
 //! only then makes the caller wait for a lease to come back. Waiting is the backpressure that
 //! keeps a burst of fetches from growing native memory without bound.
 //!
+//! Waiting is not first-come-first-served: a waiter for a large buffer can be overtaken by
+//! smaller requests that keep slabs busy. Pass a deadline to bound the wait.
+//!
 //! Slow work (mapping, registering, deregistering, unmapping) happens outside the pool lock:
 //! `ibv_reg_mr` of a 16 MiB slab pins 4096 pages and must not stall every other acquire. The
 //! bytes are *reserved* under the lock first, so the cap holds while the lock is released.
@@ -203,9 +206,8 @@ impl PoolConfig {
         }
         let page = page_size();
         let largest = *self.tiers.last().unwrap_or(&0);
-        let largest_mapped = round_up(largest, page).ok_or_else(|| {
-            PoolError::Config(format!("tier size {largest} is too large to map"))
-        })?;
+        let largest_mapped = round_up(largest, page)
+            .ok_or_else(|| PoolError::Config(format!("tier size {largest} is too large to map")))?;
         if (largest_mapped as u64) > self.cap_bytes {
             return bad(format!(
                 "`cap_bytes` ({}, set by {CAP_BYTES_SETTING}) is smaller than one buffer of the \
@@ -425,13 +427,26 @@ impl TieredPool {
                 st.stats.timeouts += 1;
                 let in_use = st.stats.bytes_in_use;
                 drop(st);
-                debug!(requested = len, in_use, cap = shared.cap, "pool acquire timed out");
-                return Err(PoolError::Timeout { requested: len, cap: shared.cap, in_use });
+                debug!(
+                    requested = len,
+                    in_use,
+                    cap = shared.cap,
+                    "pool acquire timed out"
+                );
+                return Err(PoolError::Timeout {
+                    requested: len,
+                    cap: shared.cap,
+                    in_use,
+                });
             }
             if backpressure && !counted_wait {
                 counted_wait = true;
                 st.stats.waits += 1;
-                trace!(requested = len, in_use = st.stats.bytes_in_use, "pool at cap, waiting");
+                trace!(
+                    requested = len,
+                    in_use = st.stats.bytes_in_use,
+                    "pool at cap, waiting"
+                );
             }
             st.waiters += 1;
             match deadline {
@@ -492,7 +507,13 @@ impl TieredPool {
                 ptr: base,
                 capacity: size,
                 keys,
-                origin: Origin::Tier { tier, buf: BufRef { slab: slot, index: 0 } },
+                origin: Origin::Tier {
+                    tier,
+                    buf: BufRef {
+                        slab: slot,
+                        index: 0,
+                    },
+                },
             },
             len,
         ))
@@ -553,7 +574,10 @@ impl Lease {
     /// Sets the visible length, e.g. to the number of bytes actually received.
     pub fn set_len(&mut self, len: usize) -> Result<(), PoolError> {
         if len > self.capacity {
-            return Err(PoolError::LenExceedsCapacity { requested: len, capacity: self.capacity });
+            return Err(PoolError::LenExceedsCapacity {
+                requested: len,
+                capacity: self.capacity,
+            });
         }
         self.len = len;
         Ok(())
@@ -742,13 +766,20 @@ unsafe impl Sync for Region {}
 impl Drop for Region {
     fn drop(&mut self) {
         self.registrar.deregister(&self.keys);
-        trace!(bytes = self.map.len(), handle = self.keys.handle, "pool region deregistered");
+        trace!(
+            bytes = self.map.len(),
+            handle = self.keys.handle,
+            "pool region deregistered"
+        );
         // `map` is unmapped when the fields drop, after deregistration.
     }
 }
 
 enum Origin {
-    Tier { tier: usize, buf: BufRef },
+    Tier {
+        tier: usize,
+        buf: BufRef,
+    },
     /// `Option` only so `Drop` can unmap before updating the counters.
     Oversize(Option<Region>),
 }
@@ -770,11 +801,17 @@ enum Class {
 
 enum Step<'a> {
     Leased(Taken),
-    Grow { res: Reservation<'a>, tier: usize, nbuf: u32 },
+    Grow {
+        res: Reservation<'a>,
+        tier: usize,
+        nbuf: u32,
+    },
     Oversize(Reservation<'a>),
     /// `backpressure`: waiting because of the cap (counted in `waits`), not merely for
     /// another thread's growth of the same tier.
-    Wait { backpressure: bool },
+    Wait {
+        backpressure: bool,
+    },
 }
 
 /// Bytes counted in `bytes_allocated` before they are mapped. If mapping or registration
@@ -819,7 +856,10 @@ impl Shared {
         }
         match round_up(len, self.page) {
             Some(bytes) if bytes as u64 <= self.cap => Ok(Class::Oversize(bytes as u64)),
-            _ => Err(PoolError::ExceedsCap { requested: len, cap: self.cap }),
+            _ => Err(PoolError::ExceedsCap {
+                requested: len,
+                cap: self.cap,
+            }),
         }
     }
 
@@ -844,7 +884,9 @@ impl Shared {
             return Step::Leased(taken);
         }
         if st.tiers[tier].inflight_spare > 0 {
-            return Step::Wait { backpressure: false };
+            return Step::Wait {
+                backpressure: false,
+            };
         }
         let room = self.cap - st.stats.bytes_allocated;
         if let Some((nbuf, bytes)) = self.slab_fit(tier, room) {
@@ -929,7 +971,12 @@ impl Shared {
             if room >= need {
                 break;
             }
-            let TierState { slabs, free, total_buffers, .. } = ts;
+            let TierState {
+                slabs,
+                free,
+                total_buffers,
+                ..
+            } = ts;
             let before = out.len();
             for slot in slabs.iter_mut() {
                 if room >= need {
@@ -950,7 +997,12 @@ impl Shared {
         let freed: u64 = out.iter().map(|s| s.bytes as u64).sum();
         st.stats.bytes_allocated -= freed;
         st.stats.reclaims += out.len() as u64;
-        debug!(slabs = out.len(), bytes = freed, need, "pool reclaimed idle slabs");
+        debug!(
+            slabs = out.len(),
+            bytes = freed,
+            need,
+            "pool reclaimed idle slabs"
+        );
         Some(out)
     }
 
@@ -971,7 +1023,12 @@ impl Shared {
         s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
         s.acquires += 1;
         s.hits += 1;
-        Some(Taken { ptr, capacity: size, keys, origin: Origin::Tier { tier, buf } })
+        Some(Taken {
+            ptr,
+            capacity: size,
+            keys,
+            origin: Origin::Tier { tier, buf },
+        })
     }
 
     /// Puts a new slab into `tier` (its bytes are already counted as allocated) and answers
@@ -1002,7 +1059,12 @@ impl Shared {
         for index in (first..nbuf).rev() {
             ts.free.push(BufRef { slab: slot, index });
         }
-        ts.slabs[slot as usize] = Some(Slab { region, bytes, nbuf, busy: first });
+        ts.slabs[slot as usize] = Some(Slab {
+            region,
+            bytes,
+            nbuf,
+            busy: first,
+        });
         slot
     }
 
@@ -1017,7 +1079,11 @@ impl Shared {
             }
             // A leased buffer's slab is never reclaimed (busy > 0); log rather than panic
             // inside Drop, which may run under the JVM.
-            None => warn!(tier = size, slab = buf.slab, "pool: lease returned to a missing slab"),
+            None => warn!(
+                tier = size,
+                slab = buf.slab,
+                "pool: lease returned to a missing slab"
+            ),
         }
         st.stats.bytes_in_use -= size as u64;
         if st.waiters > 0 {
@@ -1045,9 +1111,12 @@ impl Shared {
             source: io::Error::other("mmap returned a null address"),
         })?;
         match self.registrar.register(base.as_ptr(), bytes) {
-            Ok(keys) => {
-                Ok(Region { map, base, keys, registrar: Arc::clone(&self.registrar) })
-            }
+            Ok(keys) => Ok(Region {
+                map,
+                base,
+                keys,
+                registrar: Arc::clone(&self.registrar),
+            }),
             Err(e) => {
                 // `map` is unmapped on return; nothing was registered.
                 warn!(bytes, error = %e, "pool memory registration failed");
@@ -1084,7 +1153,6 @@ fn round_up(n: usize, to: usize) -> Option<usize> {
     Some((n.checked_add(to - 1)? / to * to).max(to))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1099,7 +1167,12 @@ mod tests {
     const MIB: usize = 1024 * 1024;
 
     fn cfg(tiers: &[usize], slab_bytes: usize, cap_bytes: usize) -> PoolConfig {
-        PoolConfig { tiers: tiers.to_vec(), slab_bytes, cap_bytes: cap_bytes as u64, prealloc: false }
+        PoolConfig {
+            tiers: tiers.to_vec(),
+            slab_bytes,
+            cap_bytes: cap_bytes as u64,
+            prealloc: false,
+        }
     }
 
     /// Registrar that records every region, checks alignment and overlap, and can be told to
@@ -1135,13 +1208,17 @@ mod tests {
             let addr = addr as usize;
             let mut live = self.live.lock();
             let overlaps = live.values().any(|&(a, l)| addr < a + l && a < addr + len);
-            if overlaps || addr % SLAB_ALIGN != 0 || len % SLAB_ALIGN != 0 {
+            if overlaps || (addr | len) & (SLAB_ALIGN - 1) != 0 {
                 self.violations.fetch_add(1, Ordering::SeqCst);
             }
             let handle = self.next.fetch_add(1, Ordering::SeqCst) + 1;
             live.insert(handle, (addr, len));
             self.registers.fetch_add(1, Ordering::SeqCst);
-            Ok(RegionKeys { lkey: handle as u32, rkey: handle as u32 + 1000, handle })
+            Ok(RegionKeys {
+                lkey: handle as u32,
+                rkey: handle as u32 + 1000,
+                handle,
+            })
         }
 
         fn deregister(&self, keys: &RegionKeys) {
@@ -1160,9 +1237,14 @@ mod tests {
 
     /// The lease lies inside the region registered under its keys.
     fn assert_inside_its_region(lease: &Lease, reg: &CountingRegistrar) {
-        let (addr, len) = reg.region(lease.keys().handle).expect("lease keys name a live region");
+        let (addr, len) = reg
+            .region(lease.keys().handle)
+            .expect("lease keys name a live region");
         let p = lease.as_ptr() as usize;
-        assert!(p >= addr && p + lease.capacity() <= addr + len, "{lease:?} outside {addr:#x}+{len}");
+        assert!(
+            p >= addr && p + lease.capacity() <= addr + len,
+            "{lease:?} outside {addr:#x}+{len}"
+        );
         assert_eq!(lease.keys().lkey as u64, lease.keys().handle);
         assert_eq!(lease.keys().rkey as u64, lease.keys().handle + 1000);
     }
@@ -1193,22 +1275,37 @@ mod tests {
             (cfg(&[4 * KIB, 4 * KIB], MIB, MIB), "strictly increasing"),
             (cfg(&[4 * KIB], 0, MIB), "slab_bytes"),
             (cfg(&[4 * KIB, MIB], MIB, 512 * KIB), CAP_BYTES_SETTING),
-            (PoolConfig { prealloc: true, ..cfg(&[4 * KIB, 64 * KIB], MIB, MIB) }, "prealloc"),
+            (
+                PoolConfig {
+                    prealloc: true,
+                    ..cfg(&[4 * KIB, 64 * KIB], MIB, MIB)
+                },
+                "prealloc",
+            ),
         ];
         for (config, needle) in cases {
             match config.validate() {
                 Err(PoolError::Config(msg)) => {
-                    assert!(msg.contains(needle), "{config:?}: message {msg:?} lacks {needle:?}")
+                    assert!(
+                        msg.contains(needle),
+                        "{config:?}: message {msg:?} lacks {needle:?}"
+                    )
                 }
                 other => panic!("{config:?} should be rejected, got {other:?}"),
             }
-            assert!(matches!(TieredPool::unregistered(config), Err(PoolError::Config(_))));
+            assert!(matches!(
+                TieredPool::unregistered(config),
+                Err(PoolError::Config(_))
+            ));
         }
         // Exactly at the limits is fine.
         cfg(&[4 * KIB, MIB], MIB, MIB).validate().unwrap();
-        PoolConfig { prealloc: true, ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB) }
-            .validate()
-            .unwrap();
+        PoolConfig {
+            prealloc: true,
+            ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]
@@ -1228,7 +1325,11 @@ mod tests {
         for (len, capacity) in cases {
             assert_eq!(pool.tier_capacity_for(len), Some(capacity), "len {len}");
             let lease = pool.acquire(len, None).unwrap();
-            assert_eq!((lease.len(), lease.capacity()), (len, capacity), "len {len}");
+            assert_eq!(
+                (lease.len(), lease.capacity()),
+                (len, capacity),
+                "len {len}"
+            );
             assert!(!lease.is_oversize());
             assert_eq!(lease.as_slice().len(), len);
         }
@@ -1246,7 +1347,10 @@ mod tests {
         let addr = first.as_ptr();
         assert_eq!(addr as usize % SLAB_ALIGN, 0, "slabs are page-aligned");
         let s = pool.stats();
-        assert_eq!((s.grows, s.hits, s.acquires, s.bytes_allocated), (1, 0, 1, 16 * KIB as u64));
+        assert_eq!(
+            (s.grows, s.hits, s.acquires, s.bytes_allocated),
+            (1, 0, 1, 16 * KIB as u64)
+        );
         drop(first);
         let again = pool.acquire(4 * KIB, None).unwrap();
         assert_eq!(again.as_ptr(), addr, "the returned buffer is reused");
@@ -1260,19 +1364,41 @@ mod tests {
         assert_eq!(pool.stats().grows, 1, "one slab holds four buffers");
         let mut addrs: Vec<usize> = leases.iter().map(|l| l.as_ptr() as usize).collect();
         addrs.sort_unstable();
-        assert!(addrs.windows(2).all(|w| w[1] - w[0] == 4 * KIB), "buffers tile the slab");
+        assert!(
+            addrs.windows(2).all(|w| w[1] - w[0] == 4 * KIB),
+            "buffers tile the slab"
+        );
         leases.push(pool.acquire(1, None).unwrap());
         let s = pool.stats();
-        assert_eq!((s.grows, s.bytes_allocated, s.bytes_in_use), (2, 32 * KIB as u64, 20 * KIB as u64));
+        assert_eq!(
+            (s.grows, s.bytes_allocated, s.bytes_in_use),
+            (2, 32 * KIB as u64, 20 * KIB as u64)
+        );
         drop(leases);
         let s = pool.stats();
-        assert_eq!((s.bytes_in_use, s.peak_bytes_in_use, s.bytes_allocated), (0, 20 * KIB as u64, 32 * KIB as u64));
+        assert_eq!(
+            (s.bytes_in_use, s.peak_bytes_in_use, s.bytes_allocated),
+            (0, 20 * KIB as u64, 32 * KIB as u64)
+        );
+        // A new peak reached through free-list hits alone is recorded too.
+        let hits_before = s.hits;
+        let six: Vec<Lease> = (0..6).map(|_| pool.acquire(1, None).unwrap()).collect();
+        let s = pool.stats();
+        assert_eq!(
+            (s.hits - hits_before, s.grows, s.peak_bytes_in_use),
+            (6, 2, 24 * KIB as u64)
+        );
+        drop(six);
     }
 
     #[test]
     fn falls_back_to_a_free_larger_buffer_at_the_cap() {
-        let pool = TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
-        drop((pool.acquire(64 * KIB, None).unwrap(), pool.acquire(64 * KIB, None).unwrap()));
+        let pool =
+            TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
+        drop((
+            pool.acquire(64 * KIB, None).unwrap(),
+            pool.acquire(64 * KIB, None).unwrap(),
+        ));
         assert_eq!(pool.stats().bytes_allocated, 128 * KIB as u64);
         let small = pool.acquire(10, None).unwrap();
         assert_eq!((small.len(), small.capacity()), (10, 64 * KIB));
@@ -1282,27 +1408,44 @@ mod tests {
 
     #[test]
     fn cap_holds_and_a_waiter_wakes_when_a_lease_returns() {
-        let pool = TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
+        let pool =
+            TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
         let a = pool.acquire(64 * KIB, None).unwrap();
         let b = pool.acquire(64 * KIB, None).unwrap();
         assert!(pool.try_acquire(64 * KIB).unwrap().is_none());
-        assert!(pool.try_acquire(1).unwrap().is_none(), "no room, no free buffer, no idle slab");
+        assert!(
+            pool.try_acquire(1).unwrap().is_none(),
+            "no room, no free buffer, no idle slab"
+        );
         assert_eq!(pool.stats().waits, 0, "try_acquire never waits");
 
         let waiter = {
             let pool = pool.clone();
-            thread::spawn(move || pool.acquire(60 * KIB, None))
+            // A deadline so a lost wake-up fails the test instead of hanging it.
+            thread::spawn(move || {
+                pool.acquire(60 * KIB, Some(Instant::now() + Duration::from_secs(20)))
+            })
         };
         eventually("the waiter blocks", || pool.stats().waits == 1);
         thread::sleep(Duration::from_millis(20));
         assert!(!waiter.is_finished(), "must wait, not grow past the cap");
         assert_eq!(pool.stats().bytes_allocated, 128 * KIB as u64);
         let b_addr = b.as_ptr();
+        let returned = Instant::now();
         drop(b);
         let got = waiter.join().unwrap().unwrap();
+        // Well before its 20 s deadline: woken by the return, not by the deadline's retry.
+        assert!(
+            returned.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            returned.elapsed()
+        );
         assert_eq!(got.as_ptr(), b_addr);
         let s = pool.stats();
-        assert_eq!((s.grows, s.bytes_allocated, s.bytes_in_use), (2, 128 * KIB as u64, 128 * KIB as u64));
+        assert_eq!(
+            (s.grows, s.bytes_allocated, s.bytes_in_use),
+            (2, 128 * KIB as u64, 128 * KIB as u64)
+        );
         assert!(s.peak_bytes_in_use <= 128 * KIB as u64);
         drop((a, got));
     }
@@ -1310,28 +1453,54 @@ mod tests {
     #[test]
     fn deadline_gives_a_timeout_error_with_the_numbers() {
         let pool = TieredPool::unregistered(cfg(&[4 * KIB], 4 * KIB, 8 * KIB)).unwrap();
-        let held = (pool.acquire(1, None).unwrap(), pool.acquire(1, None).unwrap());
+        let held = (
+            pool.acquire(1, None).unwrap(),
+            pool.acquire(1, None).unwrap(),
+        );
         let start = Instant::now();
-        let err = pool.acquire(100, Some(start + Duration::from_millis(50))).unwrap_err();
+        let err = pool
+            .acquire(100, Some(start + Duration::from_millis(50)))
+            .unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(50));
         match &err {
-            PoolError::Timeout { requested, cap, in_use } => {
-                assert_eq!((*requested, *cap, *in_use), (100, 8 * KIB as u64, 8 * KIB as u64))
+            PoolError::Timeout {
+                requested,
+                cap,
+                in_use,
+            } => {
+                assert_eq!(
+                    (*requested, *cap, *in_use),
+                    (100, 8 * KIB as u64, 8 * KIB as u64)
+                )
             }
             other => panic!("expected Timeout, got {other:?}"),
         }
         assert!(err.to_string().contains(CAP_BYTES_SETTING), "{err}");
         // A deadline already past still fails cleanly.
-        assert!(matches!(pool.acquire(1, Some(Instant::now())), Err(PoolError::Timeout { .. })));
+        assert!(matches!(
+            pool.acquire(1, Some(Instant::now())),
+            Err(PoolError::Timeout { .. })
+        ));
         let s = pool.stats();
-        assert_eq!((s.timeouts, s.waits, s.bytes_allocated), (2, 2, 8 * KIB as u64));
+        assert_eq!(
+            (s.timeouts, s.waits, s.bytes_allocated),
+            (2, 2, 8 * KIB as u64)
+        );
 
         // A lease coming back before the deadline satisfies the waiter.
         let releaser = thread::spawn(move || {
             thread::sleep(Duration::from_millis(30));
             drop(held);
         });
-        let got = pool.acquire(100, Some(Instant::now() + Duration::from_secs(10))).unwrap();
+        let start = Instant::now();
+        let got = pool
+            .acquire(100, Some(start + Duration::from_secs(20)))
+            .unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "woken by the return: {:?}",
+            start.elapsed()
+        );
         assert_eq!(got.capacity(), 4 * KIB);
         releaser.join().unwrap();
         assert_eq!(pool.stats().timeouts, 2);
@@ -1345,15 +1514,31 @@ mod tests {
         assert!(big.is_oversize());
         assert_eq!((big.len(), big.capacity()), (100_000, mapped));
         assert_inside_its_region(&big, &reg);
-        assert_eq!(reg.region(big.keys().handle), Some((big.as_ptr() as usize, mapped)));
+        assert_eq!(
+            reg.region(big.keys().handle),
+            Some((big.as_ptr() as usize, mapped))
+        );
         big.fill(0xab);
         assert!(big.iter().all(|&b| b == 0xab));
         let s = pool.stats();
-        assert_eq!((s.oversize, s.grows, s.bytes_allocated, s.bytes_in_use), (1, 0, mapped as u64, mapped as u64));
+        assert_eq!(
+            (s.oversize, s.grows, s.bytes_allocated, s.bytes_in_use),
+            (1, 0, mapped as u64, mapped as u64)
+        );
         drop(big);
         let s = pool.stats();
-        assert_eq!((s.bytes_allocated, s.bytes_in_use, s.peak_bytes_in_use), (0, 0, mapped as u64));
-        assert_eq!((reg.live(), reg.registers.load(Ordering::SeqCst), reg.deregisters.load(Ordering::SeqCst)), (0, 1, 1));
+        assert_eq!(
+            (s.bytes_allocated, s.bytes_in_use, s.peak_bytes_in_use),
+            (0, 0, mapped as u64)
+        );
+        assert_eq!(
+            (
+                reg.live(),
+                reg.registers.load(Ordering::SeqCst),
+                reg.deregisters.load(Ordering::SeqCst)
+            ),
+            (0, 1, 1)
+        );
     }
 
     #[test]
@@ -1384,21 +1569,36 @@ mod tests {
     fn idle_slabs_of_other_tiers_are_reclaimed_to_make_room() {
         let (pool, reg) = counted(cfg(&[4 * KIB, 512 * KIB], 512 * KIB, MIB));
         // 128 small buffers per slab: 129 leases fill two slabs and the whole cap.
-        let mut small: Vec<Lease> = (0..129).map(|_| pool.acquire(4 * KIB, None).unwrap()).collect();
-        assert_eq!((pool.stats().grows, pool.stats().bytes_allocated), (2, MIB as u64));
+        let mut small: Vec<Lease> = (0..129)
+            .map(|_| pool.acquire(4 * KIB, None).unwrap())
+            .collect();
+        assert_eq!(
+            (pool.stats().grows, pool.stats().bytes_allocated),
+            (2, MIB as u64)
+        );
         for (i, l) in small.iter_mut().enumerate() {
             l.fill(i as u8);
         }
-        assert!(pool.try_acquire(512 * KIB).unwrap().is_none(), "both slabs are busy");
+        assert!(
+            pool.try_acquire(512 * KIB).unwrap().is_none(),
+            "both slabs are busy"
+        );
 
         let last = small.pop().unwrap();
         let idle_handle = last.keys().handle;
         drop(last);
-        let large = pool.try_acquire(512 * KIB).unwrap().expect("idle slab reclaimed");
+        let large = pool
+            .try_acquire(512 * KIB)
+            .unwrap()
+            .expect("idle slab reclaimed");
         assert_eq!(large.capacity(), 512 * KIB);
         let s = pool.stats();
         assert_eq!((s.reclaims, s.grows, s.bytes_allocated), (1, 3, MIB as u64));
-        assert_eq!(reg.region(idle_handle), None, "the reclaimed slab was deregistered");
+        assert_eq!(
+            reg.region(idle_handle),
+            None,
+            "the reclaimed slab was deregistered"
+        );
         assert_eq!(reg.deregisters.load(Ordering::SeqCst), 1);
         assert_inside_its_region(&large, &reg);
         for (i, l) in small.iter().enumerate() {
@@ -1411,7 +1611,10 @@ mod tests {
         let huge = pool.acquire(600 * KIB, None).unwrap();
         assert!(huge.is_oversize());
         let s = pool.stats();
-        assert_eq!((s.reclaims, s.bytes_allocated), (3, round_up(600 * KIB, page_size()).unwrap() as u64));
+        assert_eq!(
+            (s.reclaims, s.bytes_allocated),
+            (3, round_up(600 * KIB, page_size()).unwrap() as u64)
+        );
         assert_eq!(reg.live(), 1);
         assert_eq!(reg.violations.load(Ordering::SeqCst), 0);
     }
@@ -1423,7 +1626,9 @@ mod tests {
         let mut rest: Vec<Lease> = (0..128).map(|_| pool.acquire(1, None).unwrap()).collect();
         let waiter = {
             let pool = pool.clone();
-            thread::spawn(move || pool.acquire(512 * KIB, Some(Instant::now() + Duration::from_secs(20))))
+            thread::spawn(move || {
+                pool.acquire(512 * KIB, Some(Instant::now() + Duration::from_secs(20)))
+            })
         };
         eventually("the large request waits", || pool.stats().waits == 1);
         // The 129th lease sits alone in the second slab; returning it makes that slab idle.
@@ -1448,33 +1653,57 @@ mod tests {
             }
         }
         let s = pool.stats();
-        assert_eq!((s.bytes_allocated, s.bytes_in_use, s.grows, s.acquires), (0, 0, 0, 0));
+        assert_eq!(
+            (s.bytes_allocated, s.bytes_in_use, s.grows, s.acquires),
+            (0, 0, 0, 0)
+        );
         assert_eq!((reg.live(), reg.deregisters.load(Ordering::SeqCst)), (0, 0));
 
         reg.fail.store(false, Ordering::SeqCst);
         let ok = pool.acquire(100, None).unwrap();
         assert_inside_its_region(&ok, &reg);
-        assert_eq!(pool.stats().bytes_allocated, 64 * KIB as u64, "the failed reservations were returned");
+        assert_eq!(
+            pool.stats().bytes_allocated,
+            64 * KIB as u64,
+            "the failed reservations were returned"
+        );
 
         // Preallocation surfaces the failure from the constructor.
         let failing = Arc::new(CountingRegistrar::default());
         failing.fail.store(true, Ordering::SeqCst);
-        let config = PoolConfig { prealloc: true, ..cfg(&[4 * KIB], 64 * KIB, MIB) };
-        assert!(matches!(TieredPool::new(config, failing.clone()), Err(PoolError::Registration { .. })));
+        let config = PoolConfig {
+            prealloc: true,
+            ..cfg(&[4 * KIB], 64 * KIB, MIB)
+        };
+        assert!(matches!(
+            TieredPool::new(config, failing.clone()),
+            Err(PoolError::Registration { .. })
+        ));
         assert_eq!(failing.live(), 0);
     }
 
     #[test]
     fn each_slab_is_registered_once_and_deregistered_when_the_last_user_goes() {
-        let config = PoolConfig { prealloc: true, ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, MIB) };
+        let config = PoolConfig {
+            prealloc: true,
+            ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, MIB)
+        };
         let (pool, reg) = counted(config);
-        assert_eq!((reg.registers.load(Ordering::SeqCst), pool.stats().grows), (2, 2));
+        assert_eq!(
+            (reg.registers.load(Ordering::SeqCst), pool.stats().grows),
+            (2, 2)
+        );
         assert_eq!(pool.stats().bytes_allocated, 128 * KIB as u64);
 
         // 16 small buffers per slab, 1 large: 20 small + 3 large need 2 + 3 slabs.
-        let mut leases: Vec<Lease> = (0..20).map(|_| pool.acquire(4 * KIB, None).unwrap()).collect();
+        let mut leases: Vec<Lease> = (0..20)
+            .map(|_| pool.acquire(4 * KIB, None).unwrap())
+            .collect();
         leases.extend((0..3).map(|_| pool.acquire(64 * KIB, None).unwrap()));
-        assert_eq!((reg.registers.load(Ordering::SeqCst), pool.stats().grows), (5, 5));
+        assert_eq!(
+            (reg.registers.load(Ordering::SeqCst), pool.stats().grows),
+            (5, 5)
+        );
         for l in &leases {
             assert_inside_its_region(l, &reg);
         }
@@ -1484,7 +1713,11 @@ mod tests {
             let y = pool.acquire(64 * KIB, None).unwrap();
             drop((x, y));
         }
-        assert_eq!(reg.registers.load(Ordering::SeqCst), 5, "reuse never registers again");
+        assert_eq!(
+            reg.registers.load(Ordering::SeqCst),
+            5,
+            "reuse never registers again"
+        );
         assert_eq!(reg.deregisters.load(Ordering::SeqCst), 0);
 
         // Dropping the pool with a lease outstanding keeps its memory alive.
@@ -1530,18 +1763,34 @@ mod tests {
             thread::spawn(move || pool.acquire(1, Some(Instant::now() + Duration::from_secs(20))))
         };
         let first = spawn(&pool);
-        eventually("the first acquire is registering", || reg.calls.load(Ordering::SeqCst) == 1);
+        eventually("the first acquire is registering", || {
+            reg.calls.load(Ordering::SeqCst) == 1
+        });
         // Registration runs outside the lock: the pool still answers.
-        assert_eq!(pool.stats().bytes_allocated, 64 * KIB as u64, "the slab is reserved");
+        assert_eq!(
+            pool.stats().bytes_allocated,
+            64 * KIB as u64,
+            "the slab is reserved"
+        );
         let second = spawn(&pool);
         thread::sleep(Duration::from_millis(100));
-        assert_eq!(reg.calls.load(Ordering::SeqCst), 1, "the second request waits for the slab in flight");
+        assert_eq!(
+            reg.calls.load(Ordering::SeqCst),
+            1,
+            "the second request waits for the slab in flight"
+        );
         *reg.open.lock() = true;
         reg.opened.notify_all();
-        let (a, b) = (first.join().unwrap().unwrap(), second.join().unwrap().unwrap());
+        let (a, b) = (
+            first.join().unwrap().unwrap(),
+            second.join().unwrap().unwrap(),
+        );
         assert_ne!(a.as_ptr(), b.as_ptr());
         let s = pool.stats();
-        assert_eq!((s.grows, s.bytes_allocated, s.waits, s.hits), (1, 64 * KIB as u64, 0, 1));
+        assert_eq!(
+            (s.grows, s.bytes_allocated, s.waits, s.hits),
+            (1, 64 * KIB as u64, 0, 1)
+        );
     }
 
     #[test]
@@ -1552,13 +1801,19 @@ mod tests {
 
         let pool = TieredPool::unregistered(cfg(&[4 * KIB], 4 * KIB, MIB)).unwrap();
         let mut lease = pool.acquire(10, None).unwrap();
-        assert_eq!((lease.len(), lease.capacity(), lease.is_empty()), (10, 4 * KIB, false));
+        assert_eq!(
+            (lease.len(), lease.capacity(), lease.is_empty()),
+            (10, 4 * KIB, false)
+        );
         assert_eq!(lease.keys(), RegionKeys::default());
         lease.copy_from_slice(b"0123456789");
         lease.set_len(4 * KIB).unwrap();
         assert_eq!(&lease[..10], b"0123456789");
         match lease.set_len(4 * KIB + 1) {
-            Err(PoolError::LenExceedsCapacity { requested, capacity }) => {
+            Err(PoolError::LenExceedsCapacity {
+                requested,
+                capacity,
+            }) => {
                 assert_eq!((requested, capacity), (4 * KIB + 1, 4 * KIB))
             }
             other => panic!("expected LenExceedsCapacity, got {other:?}"),
@@ -1570,11 +1825,18 @@ mod tests {
         // As a JNI layer would: the handle crosses to another thread as a jlong.
         let addr = lease.as_ptr() as usize;
         let handle = lease.into_raw() as usize as i64;
-        assert_eq!(pool.stats().bytes_in_use, 4 * KIB as u64, "still leased while raw");
+        assert_eq!(
+            pool.stats().bytes_in_use,
+            4 * KIB as u64,
+            "still leased while raw"
+        );
         thread::spawn(move || {
             // SAFETY: `handle` came from `into_raw` and is released exactly once.
             let back = unsafe { Lease::from_raw(handle as usize as *mut Lease) };
-            assert_eq!((back.as_ptr() as usize, back.as_slice()), (addr, &b"012"[..]));
+            assert_eq!(
+                (back.as_ptr() as usize, back.as_slice()),
+                (addr, &b"012"[..])
+            );
         })
         .join()
         .unwrap();
@@ -1646,11 +1908,17 @@ mod tests {
         assert_eq!(s.bytes_in_use, 0);
         assert_eq!(s.acquires, (THREADS * ROUNDS) as u64);
         assert_eq!(s.timeouts, 0);
-        assert!(s.peak_bytes_in_use <= cap as u64 && s.bytes_allocated <= cap as u64, "{s:?}");
+        assert!(
+            s.peak_bytes_in_use <= cap as u64 && s.bytes_allocated <= cap as u64,
+            "{s:?}"
+        );
         assert!(s.waits > 0, "a cap this small must have pushed back: {s:?}");
         drop(pool);
         assert_eq!(reg.live(), 0);
-        assert_eq!(reg.registers.load(Ordering::SeqCst), reg.deregisters.load(Ordering::SeqCst));
+        assert_eq!(
+            reg.registers.load(Ordering::SeqCst),
+            reg.deregisters.load(Ordering::SeqCst)
+        );
         assert_eq!(reg.violations.load(Ordering::SeqCst), 0);
     }
 }
