@@ -139,7 +139,7 @@ fn run(gib: f64, out: Option<PathBuf>) {
         write_map_output(dir.path(), 1, m, &vec![MIB; BIG_PARTS], m).unwrap();
     }
     write_map_output(dir.path(), 2, 0, &vec![4096; SMALL_PARTS], 99).unwrap();
-    let total = maps as u64 * BIG_PARTS as u64 * MIB as u64;
+    let total = maps * BIG_PARTS as u64 * MIB as u64;
 
     let exe = std::env::current_exe().unwrap();
     let mut child: Child = Command::new(exe)

@@ -436,7 +436,7 @@ impl ClientSession {
                     Some(BlockState::Pulling { desc, received }) => (desc, received),
                     _ => return Err(ProtocolError::UnknownRegion { region }),
                 };
-                let end = offset.checked_add(len).unwrap_or(u64::MAX);
+                let end = offset.saturating_add(len);
                 if offset != received || end > desc.len || (len == 0 && desc.len != 0) {
                     return Err(ProtocolError::PullOutOfBounds { region, offset, end, region_len: desc.len });
                 }

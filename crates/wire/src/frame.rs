@@ -778,7 +778,7 @@ mod tests {
         let limits = Limits::default();
         for f in all_frames() {
             let mut buf = f.to_vec();
-            buf.extend(std::iter::repeat(7).take(f.payload_len() as usize));
+            buf.extend(std::iter::repeat_n(7, f.payload_len() as usize));
             for cut in 0..buf.len() {
                 assert!(Frame::decode_message(&buf[..cut], &limits).is_err(), "{f:?} cut at {cut}");
             }

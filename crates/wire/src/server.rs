@@ -290,7 +290,7 @@ impl<H: Clone> ServerSession<H> {
             (State::Ready, Frame::Fetch { req, first_index, blocks }) => self.on_fetch(req, first_index, blocks, resolve),
             (State::Ready, Frame::Pull { region, offset, len }) => {
                 let r = self.regions.get(&region).ok_or(ProtocolError::UnknownRegion { region })?;
-                let end = offset.checked_add(len).unwrap_or(u64::MAX);
+                let end = offset.saturating_add(len);
                 if end > r.len {
                     return Err(ProtocolError::PullOutOfBounds { region, offset, end, region_len: r.len });
                 }

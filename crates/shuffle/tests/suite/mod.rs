@@ -119,7 +119,7 @@ fn all_blocks(outs: &[GeneratedOutput]) -> (Vec<ShuffleBlock>, Vec<Vec<u8>>) {
     let mut blocks = Vec::new();
     let mut want = Vec::new();
     for o in outs {
-        let n = o.num_partitions() as u32;
+        let n = o.num_partitions();
         for r in 0..n {
             blocks.push(ShuffleBlock::single(o.shuffle_id, o.map_id, r));
             want.push(o.range_bytes(r, r + 1));
