@@ -1,0 +1,39 @@
+# Shared helpers for the project's scripts (sourced, not run).
+# shellcheck shell=bash
+
+T0=$(date +%s)
+step() { printf '\n==> [%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+
+# apt_install PKG... : installs Debian packages that are missing (root; runs apt-get update once).
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  if [ ! -f /tmp/.rdma-shuffle-apt-updated ]; then
+    $sudo apt-get update -qq && touch /tmp/.rdma-shuffle-apt-updated
+  fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# ensure_rust: a stable Rust toolchain with cargo on PATH.
+ensure_rust() {
+  [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+  if ! command -v cargo >/dev/null; then
+    apt_install curl ca-certificates
+    echo "cargo is missing and cannot be installed offline here; install rustup first" >&2
+    return 1
+  fi
+  cargo --version
+}
+
+# summarize_cargo LOG: one line 'N passed, N failed' over every cargo test binary in LOG.
+summarize_cargo() {
+  awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } }
+       END { printf "rust: %d passed, %d failed\n", p, f }' "$1"
+}
+
+finish() {
+  step "all tests passed"
+}

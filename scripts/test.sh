@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every test of the project, installing what it needs first. This is the README's test
+# command and what CI runs (.ci/run calls it).
+#
+#   scripts/test.sh            everything
+#   RDMA_SHUFFLE_FUZZ_SECONDS=N   seconds per fuzz target (default 30)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+
+step "toolchain"
+ensure_rust
+
+step "rust: build and test the workspace"
+cargo build --workspace --all-targets --locked
+cargo test --workspace --locked 2>&1 | tee target/test-rust.log
+summarize_cargo target/test-rust.log
+
+step "rust: criterion micro-benchmarks compile and run once"
+cargo bench --workspace --locked --benches -- --test 2>&1 | tail -n 20
+
+if [ -x scripts/fuzz.sh ]; then
+  step "fuzz: frame decoder and handshake, bounded"
+  scripts/fuzz.sh "${RDMA_SHUFFLE_FUZZ_SECONDS:-30}"
+fi
+
+finish
