@@ -19,6 +19,8 @@ pub mod pool;
 pub mod server;
 pub mod sim;
 pub mod tcp;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 pub use client::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock};
 pub use error::FabricError;

@@ -67,8 +67,9 @@ impl BlockSink for Collect {
     }
 }
 
-pub fn pool(cap: u64) -> TieredPool {
-    TieredPool::unregistered(PoolConfig { cap_bytes: cap, ..PoolConfig::default() }).unwrap()
+/// A pool registered with `provider` (verbs reads land only in registered memory).
+pub fn pool_for(provider: &Arc<dyn Provider>, config: PoolConfig) -> TieredPool {
+    TieredPool::new(config, provider.registrar()).unwrap()
 }
 
 pub struct Fixture {
@@ -112,7 +113,13 @@ pub fn client_cfg(secret: Option<&str>) -> ClientEndpointConfig {
 }
 
 pub fn client(factory: Factory, secret: Option<&str>, cap: u64) -> BlockClient {
-    BlockClient::new(factory(), pool(cap), client_cfg(secret)).unwrap()
+    client_with(factory, cap, client_cfg(secret))
+}
+
+pub fn client_with(factory: Factory, cap: u64, cfg: ClientEndpointConfig) -> BlockClient {
+    let p = factory();
+    let pool = pool_for(&p, PoolConfig { cap_bytes: cap, ..PoolConfig::default() });
+    BlockClient::new(p, pool, cfg).unwrap()
 }
 
 fn all_blocks(outs: &[GeneratedOutput]) -> (Vec<ShuffleBlock>, Vec<Vec<u8>>) {
@@ -417,7 +424,7 @@ pub fn silent_server_times_out(f: Factory) {
         link.shutdown();
     });
     let cfg = ClientEndpointConfig { fetch_timeout: Duration::from_millis(600), ..client_cfg(None) };
-    let c = BlockClient::new(f(), pool(16 << 20), cfg).unwrap();
+    let c = client_with(f, 16 << 20, cfg);
     let t = Instant::now();
     let sink = Collect::new(1);
     c.fetch(addr, &[ShuffleBlock::single(1, 1, 0)], sink.clone());
@@ -454,8 +461,9 @@ pub fn many_fetchers_through_a_small_pool(f: Factory) {
     }
     let cap: u64 = 8 << 20;
     let small_tiers = PoolConfig { cap_bytes: cap, tiers: vec![4096, 64 * 1024, 1 << 20], ..PoolConfig::default() };
-    let small = TieredPool::unregistered(small_tiers).unwrap();
-    let c = Arc::new(BlockClient::new(f(), small, ClientEndpointConfig { max_bytes_in_flight: 4 << 20, ..client_cfg(None) }).unwrap());
+    let p = f();
+    let small = pool_for(&p, small_tiers);
+    let c = Arc::new(BlockClient::new(p, small, ClientEndpointConfig { max_bytes_in_flight: 4 << 20, ..client_cfg(None) }).unwrap());
     let addr = server.local_addr();
     let outs = Arc::new(outs);
     let moved = Arc::new(std::sync::atomic::AtomicU64::new(0));

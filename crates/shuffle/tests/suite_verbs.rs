@@ -1,0 +1,26 @@
+//! The conformance suite over the verbs provider: real kernel RDMA. Runs inside the SoftRoCE
+//! VM (`scripts/softroce-test.sh`); on a host without an RDMA device every test is skipped
+//! with a message rather than passing silently, since the tcp and sim suites cover the host.
+#![cfg(feature = "verbs")]
+mod suite;
+
+use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
+use rdma_shuffle_fabric::Provider;
+use std::sync::{Arc, OnceLock};
+
+/// One provider per process (device context, protection domain, progress thread), shared by
+/// servers and clients: QPs on one device talk to each other through the device's loopback.
+fn verbs() -> Arc<dyn Provider> {
+    static P: OnceLock<VerbsProvider> = OnceLock::new();
+    let p = P.get_or_init(|| {
+        let cfg = VerbsConfig {
+            device: std::env::var("RDMA_SHUFFLE_VERBS_DEVICE").ok(),
+            max_message: suite::EAGER + 8192,
+            ..VerbsConfig::default()
+        };
+        VerbsProvider::open(cfg).unwrap_or_else(|e| panic!("verbs suite needs an RDMA device (run it via scripts/softroce-test.sh): {e}"))
+    });
+    Arc::new(p.clone())
+}
+
+provider_suite!(verbs);
