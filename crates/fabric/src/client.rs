@@ -213,6 +213,15 @@ pub struct ClientEndpoint {
 impl ClientEndpoint {
     /// A fetching endpoint over `provider`, landing blocks in `pool`.
     pub fn new(provider: Arc<dyn Provider>, pool: TieredPool, config: ClientEndpointConfig) -> Result<Self, FabricError> {
+        // Rendezvous pulls hold their buffers while readers fill them, and readers need
+        // buffers for eager blocks: keep pulls to at most half the pool so a reader never
+        // waits for memory only its own progress could free.
+        let half = (pool.config().cap_bytes / 2).max(1);
+        let mut config = config;
+        if config.max_bytes_in_flight > half {
+            tracing::debug!(requested = config.max_bytes_in_flight, used = half, "bytes in flight capped at half the pool");
+            config.max_bytes_in_flight = half;
+        }
         let (pull_tx, pull_rx) = unbounded::<PullJob>();
         let (timer_tx, timer_rx) = unbounded::<()>();
         let inner = Arc::new(Inner {
@@ -609,7 +618,10 @@ fn pull_loop(inner: &Arc<Inner>, rx: Receiver<PullJob>) {
             complete(Ok(None));
             continue;
         }
-        let Some(guard) = inner.budget.acquire(desc.len, deadline) else {
+        // Budget what the pool will really hand out (tier-rounded), or the budget would let
+        // more pool memory into flight than it means to.
+        let cost = inner.pool.tier_capacity_for(desc.len as usize).unwrap_or(desc.len as usize) as u64;
+        let Some(guard) = inner.budget.acquire(cost, deadline) else {
             complete(Err(BlockFailure::new(
                 FailureCode::Timeout,
                 format!("{}: {} bytes in flight did not drain within the fetch timeout", inner.config.name, inner.config.max_bytes_in_flight),

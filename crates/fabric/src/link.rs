@@ -119,6 +119,13 @@ pub trait Link: Send + Sync {
     /// of a peer's decoder only.
     fn send_raw(&self, bytes: &[u8]) -> Result<(), FabricError>;
 
+    /// Waits (at most `limit`) until frames already sent have left this side, so a final
+    /// `Error` frame reaches the peer before [`shutdown`](Link::shutdown). Stream providers
+    /// hand bytes to the kernel on `send`, so the default does nothing.
+    fn flush_sends(&self, limit: Duration) {
+        let _ = limit;
+    }
+
     /// Closes the link; a blocked `recv` returns an error. Idempotent.
     fn shutdown(&self);
 }

@@ -212,6 +212,7 @@ fn accept_loop(listener: Arc<dyn Listener>, shared: Arc<Shared>) {
         let spawned = std::thread::Builder::new().name(format!("rdma-shuffle-serve-{id}")).spawn(move || {
             serve(&s, &link);
             s.links.lock().remove(&id);
+            link.flush_sends(Duration::from_secs(2));
             link.shutdown();
         });
         if let Err(e) = spawned {

@@ -337,6 +337,7 @@ struct ConnShared {
     peer_msg: usize,
     recv_tx: Sender<Result<(u32, u32), String>>,
     free_send: Mutex<Vec<u32>>,
+    send_depth: usize,
     send_cv: Condvar,
     reads: Mutex<HashMap<u64, Sender<Result<(), String>>>>,
     next_read: AtomicU64,
@@ -389,7 +390,7 @@ impl ConnShared {
             }
             WR_SEND => {
                 self.free_send.lock().push(idx as u32);
-                self.send_cv.notify_one();
+                self.send_cv.notify_all();
                 if !ok && self.failure().is_none() {
                     self.fail(format!("send to {} failed: {}", self.peer, status_text(wc)));
                 }
@@ -623,6 +624,18 @@ impl Link for VerbsLink {
         self.send_bytes(&[bytes])
     }
 
+    fn flush_sends(&self, limit: Duration) {
+        let s = &self.shared;
+        let deadline = std::time::Instant::now() + limit;
+        let mut free = s.free_send.lock();
+        // Every slot back on the free list means every SEND completed.
+        while free.len() < s.send_depth && s.failure().is_none() {
+            if s.send_cv.wait_until(&mut free, deadline).timed_out() {
+                return;
+            }
+        }
+    }
+
     fn shutdown(&self) {
         let _ = self.stop_tx.try_send(());
         self.shared.fail(format!("connection to {} closed by shutdown", self.shared.peer));
@@ -689,7 +702,7 @@ struct Inner {
     gid_index: u8,
     progress: Arc<Progress>,
     progress_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-    sources: Mutex<HashMap<u64, Mr>>,
+    sources: Mutex<HashMap<u64, SourceReg>>,
     next_source: AtomicU64,
     counters: Arc<Counters>,
     psn_seed: AtomicU32,
@@ -898,6 +911,7 @@ impl VerbsProvider {
             peer_msg: remote.max_message as usize,
             recv_tx,
             free_send: Mutex::new((0..sdepth as u32).collect()),
+            send_depth: sdepth,
             send_cv: Condvar::new(),
             reads: Mutex::new(HashMap::new()),
             next_read: AtomicU64::new(1),
@@ -1031,6 +1045,40 @@ impl Listener for VerbsListener {
     }
 }
 
+/// A registered data file: its MR, and the private mapping it covers when the shared one
+/// could not be pinned. Field order matters: the MR is deregistered before the unmap.
+struct SourceReg {
+    _mr: Mr,
+    _private: Option<PrivateMap>,
+}
+
+/// A private read-only mapping of a file.
+struct PrivateMap {
+    ptr: *mut u8,
+    len: usize,
+}
+// SAFETY: read-only memory owned by this value.
+unsafe impl Send for PrivateMap {}
+unsafe impl Sync for PrivateMap {}
+
+impl PrivateMap {
+    fn new(fd: i32, len: usize) -> io::Result<PrivateMap> {
+        // SAFETY: mapping `len` bytes of an open file; checked for MAP_FAILED.
+        let ptr = unsafe { libc::mmap(null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, fd, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(PrivateMap { ptr: ptr.cast(), len })
+    }
+}
+
+impl Drop for PrivateMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; its MR was dropped first (SourceReg field order).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
 /// Registers pool slabs with the provider's protection domain.
 struct VerbsRegistrar {
     inner: Arc<Inner>,
@@ -1087,14 +1135,32 @@ impl Provider for VerbsProvider {
         if bytes.is_empty() {
             return Ok(SourceKeys::default());
         }
-        // Remote READ only: peers may read the mapped data file, never write it.
-        let mr = Mr::register(&self.inner.pd, bytes.as_ptr() as *mut u8, bytes.len(), ibv_access_flags::IBV_ACCESS_REMOTE_READ).map_err(|e| {
+        let fail = |e: io::Error, what: &str| {
             let advice = if e.raw_os_error() == Some(libc::ENOMEM) { format!("; {}", memlock_advice(bytes.len() as u64)) } else { String::new() };
-            err(format!("registering a {}-byte shuffle data file on {}: {e}{advice}", bytes.len(), self.inner.ctx.name))
-        })?;
+            err(format!("registering a {}-byte shuffle data file{what} on {}: {e}{advice}", bytes.len(), self.inner.ctx.name))
+        };
+        // Remote READ only: peers may read the mapped data file, never write it.
+        let (mr, private) = match Mr::register(&self.inner.pd, bytes.as_ptr() as *mut u8, bytes.len(), ibv_access_flags::IBV_ACCESS_REMOTE_READ) {
+            Ok(mr) => (mr, None),
+            // Kernels before 6.2 pin read-only regions with FOLL_FORCE|FOLL_WRITE, which a
+            // read-only shared file mapping refuses (EFAULT). A private mapping of the same
+            // file can be pinned that way (the kernel copies its pages), at the cost of memory
+            // equal to the file's size.
+            Err(e) if e.raw_os_error() == Some(libc::EFAULT) && source.raw_fd().is_some() => {
+                static ONCE: std::sync::Once = std::sync::Once::new();
+                ONCE.call_once(|| {
+                    tracing::warn!("this kernel cannot pin read-only shared file mappings (before 6.2); registering private copies of shuffle data files");
+                });
+                let map = PrivateMap::new(source.raw_fd().unwrap_or(-1), bytes.len()).map_err(|e| fail(e, " (private mapping)"))?;
+                let mr = Mr::register(&self.inner.pd, map.ptr, map.len, ibv_access_flags::IBV_ACCESS_REMOTE_READ).map_err(|e| fail(e, " (private mapping)"))?;
+                (mr, Some(map))
+            }
+            Err(e) => return Err(fail(e, "")),
+        };
         let handle = self.inner.next_source.fetch_add(1, Ordering::Relaxed);
-        let keys = SourceKeys { addr: bytes.as_ptr() as u64, rkey: mr.rkey(), handle };
-        self.inner.sources.lock().insert(handle, mr);
+        let base = private.as_ref().map(|m| m.ptr as u64).unwrap_or(bytes.as_ptr() as u64);
+        let keys = SourceKeys { addr: base, rkey: mr.rkey(), handle };
+        self.inner.sources.lock().insert(handle, SourceReg { _mr: mr, _private: private });
         Ok(keys)
     }
 
