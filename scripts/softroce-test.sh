@@ -3,6 +3,7 @@
 # throw-away qemu guest (TCG) booted from Debian's stock kernel.
 #
 # usage: softroce-test.sh [options] [BINARY...]
+#   (no tests given: runs scripts/verbs-test.sh, the project's verbs suite + cross-device test)
 #   BINARY...             host executables: copied with their shared libraries to /opt/bin
 #                         in the guest and run once each, without arguments
 #   --run 'CMD'           run a shell command line in the guest (repeatable, in order,
@@ -110,8 +111,9 @@ for n in "${TEST_NAMES[@]}"; do
   SEEN[$n]=1
 done
 for i in "${INCS[@]}"; do [ -f "$i" ] || usage_error "--include: no such file: $i"; done
-if [ ${#TEST_NAMES[@]} -eq 0 ] && [ "$SELFTEST" = 0 ]; then
-  log "no tests given: booting to check the SoftRoCE setup only"
+if [ ${#TEST_NAMES[@]} -eq 0 ] && [ "$SELFTEST" = 0 ] && [ ${#INCS[@]} -eq 0 ]; then
+  # No tests named: run the project's verbs suite and the cross-device test.
+  exec "$HERE/verbs-test.sh"
 fi
 
 "$HERE/softroce-prepare.sh" || { log "softroce-prepare.sh failed"; exit 3; }

@@ -58,6 +58,30 @@ pub fn memlock_limit() -> Option<u64> {
     Some(r.rlim_cur)
 }
 
+/// Whether this thread may lock memory beyond the limit (CAP_IPC_LOCK, e.g. root).
+pub fn can_lock_unlimited() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/thread-self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:").map(|v| v.trim().to_string())))
+        .and_then(|hex| u64::from_str_radix(&hex, 16).ok())
+        .map(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+        .unwrap_or(false)
+}
+
+/// Checks that `need` bytes can be registered under `limit` (None = unlimited), unless the
+/// process may exceed the limit. The error names the limit, the need, and what to change.
+pub fn check_memlock(limit: Option<u64>, privileged: bool, need: u64) -> Result<(), String> {
+    match limit {
+        Some(l) if !privileged && l < need => Err(format!(
+            "cannot register the {need}-byte pool: the locked-memory limit is {l} bytes and RDMA needs at least {need}: \
+             raise it (`ulimit -l unlimited`, LimitMEMLOCK=infinity for systemd units, or memlock in \
+             /etc/security/limits.conf), or lower spark.shuffle.rdma.pool.capBytes"
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn memlock_advice(bytes: u64) -> String {
     match memlock_limit() {
         Some(l) => format!(
@@ -308,6 +332,20 @@ impl Drop for Progress {
             libc::close(self.wake[0]);
             libc::close(self.wake[1]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_check_names_the_limit_the_need_and_the_fix() {
+        assert!(check_memlock(None, false, 1 << 40).is_ok());
+        assert!(check_memlock(Some(8 << 20), true, 1 << 30).is_ok(), "CAP_IPC_LOCK is not limited");
+        assert!(check_memlock(Some(1 << 30), false, 1 << 20).is_ok());
+        let e = check_memlock(Some(8 << 20), false, 512 << 20).unwrap_err();
+        assert!(e.contains("8388608") && e.contains("536870912") && e.contains("ulimit -l") && e.contains("spark.shuffle.rdma.pool.capBytes"), "{e}");
     }
 }
 
@@ -743,12 +781,7 @@ impl VerbsProvider {
     /// Opens the device. Fails with a typed error naming what is missing: no device, no
     /// active port, no usable GID, a memlock limit below `config.pool_bytes`.
     pub fn open(config: VerbsConfig) -> Result<Self, FabricError> {
-        if let Some(limit) = memlock_limit() {
-            let need = config.pool_bytes;
-            if limit < need {
-                return Err(err(format!("cannot register the {need}-byte pool: {}", memlock_advice(need))));
-            }
-        }
+        check_memlock(memlock_limit(), can_lock_unlimited(), config.pool_bytes).map_err(err)?;
         // SAFETY: plain verbs calls; every pointer is checked before use.
         unsafe {
             let mut n = 0i32;
