@@ -16,6 +16,14 @@ cargo build --workspace --all-targets --locked
 cargo test --workspace --locked 2>&1 | tee target/test-rust.log
 summarize_cargo target/test-rust.log
 
+step "rust: verbs provider built in, on this host (no RDMA device: auto must pick tcp and say why)"
+scripts/softroce-prepare.sh   # host build deps of rdma-sys (libibverbs-dev, clang) and the VM cache
+cargo test --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle --features verbs --lib 2>&1 | tee target/test-verbs-host.log
+summarize_cargo target/test-verbs-host.log
+
+step "verbs: conformance suite + cross-device test on real kernel RDMA (SoftRoCE VM)"
+scripts/verbs-test.sh
+
 step "rust: criterion micro-benchmarks compile and run once"
 cargo bench --workspace --locked --benches -- --test 2>&1 | tail -n 20
 
