@@ -485,9 +485,10 @@ impl Frame {
                 put_str(out, message);
             }
         }
-        let body_len = (out.len() - body_start) as u64 + self.payload_len();
         // Payload frames larger than u32 are never built (the server chunks pulls); saturate
         // rather than wrap so a bug shows up as a TooLong error on the peer, not as garbage.
+        // The add saturates too: a `PullData` len near u64::MAX must not overflow here.
+        let body_len = ((out.len() - body_start) as u64).saturating_add(self.payload_len());
         let body_len = u32::try_from(body_len).unwrap_or(u32::MAX);
         out[start + 8..start + 12].copy_from_slice(&body_len.to_be_bytes());
     }
@@ -785,6 +786,17 @@ mod tests {
         let mut b = Frame::PullData { region: 1, offset: 0, len: u32::MAX as u64 - 16 }.to_vec();
         b.resize(HEADER_LEN + 16 + 3, 0);
         assert!(matches!(Frame::decode_message(&b, &limits), Err(FrameError::Truncated { .. })));
+    }
+
+    #[test]
+    fn encoding_a_huge_payload_length_saturates_instead_of_overflowing() {
+        // Found by the handshake fuzz target: `encode` is documented never to panic, but
+        // `fixed + payload_len` overflowed for a PullData len near u64::MAX.
+        let b = Frame::PullData { region: 1, offset: 0, len: u64::MAX }.to_vec();
+        assert_eq!(&b[8..12], &u32::MAX.to_be_bytes());
+        let h = Header::decode(&b, &Limits { max_pull: u64::MAX, ..Limits::default() }).unwrap();
+        assert_eq!(h.payload_len(), u32::MAX as u64 - 16);
+        assert!(matches!(Header::decode(&b, &Limits::default()), Err(FrameError::TooLong { kind: FrameKind::PullData, .. })));
     }
 
     #[test]
