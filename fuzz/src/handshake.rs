@@ -387,7 +387,10 @@ fn run_server(c: &mut Cursor<'_>) -> Stats {
                         Ok(f) => watch.feed(&mut s, f, server_mode_resolver),
                         Err(e) => watch.decode_error(&mut s, e),
                     },
-                    Err(FrameError::Truncated { .. }) => {}
+                    // Fewer bytes than a header: a stream driver waits. (With a whole
+                    // header, `Truncated` means a payload frame shorter than its fixed part,
+                    // which is an error.)
+                    Err(FrameError::Truncated { .. }) if bytes.len() < HEADER_LEN => {}
                     Err(e) => watch.decode_error(&mut s, e),
                 }
             }
