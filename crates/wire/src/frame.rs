@@ -220,7 +220,9 @@ impl Header {
         let max = match kind {
             FrameKind::Eager => 12 + limits.max_eager as u64,
             // Servers chunk pulls at MAX_PULL_CHUNK, so this bound costs nothing legitimate.
-            FrameKind::PullData => 16 + limits.max_pull,
+            // Saturating: `max_pull` is a u64 a caller may set to u64::MAX ("no limit"), and
+            // a plain add would overflow (a panic in debug, every pull refused in release).
+            FrameKind::PullData => 16u64.saturating_add(limits.max_pull),
             _ => limits.max_control as u64,
         };
         if body_len > max {
@@ -483,9 +485,10 @@ impl Frame {
                 put_str(out, message);
             }
         }
-        let body_len = (out.len() - body_start) as u64 + self.payload_len();
         // Payload frames larger than u32 are never built (the server chunks pulls); saturate
         // rather than wrap so a bug shows up as a TooLong error on the peer, not as garbage.
+        // The add saturates too: a `PullData` len near u64::MAX must not overflow here.
+        let body_len = ((out.len() - body_start) as u64).saturating_add(self.payload_len());
         let body_len = u32::try_from(body_len).unwrap_or(u32::MAX);
         out[start + 8..start + 12].copy_from_slice(&body_len.to_be_bytes());
     }
@@ -771,6 +774,29 @@ mod tests {
         let f = Frame::Fetch { req: 1, first_index: 0, blocks: vec![BlockSpan::single(0, 0, 0); 5] };
         let roomy = Limits { max_control: 4096, ..limits };
         assert!(matches!(Frame::decode_message(&f.to_vec(), &roomy), Err(FrameError::Malformed { .. })));
+    }
+
+    #[test]
+    fn an_unlimited_pull_limit_does_not_overflow() {
+        // Found by the frame_decode fuzz target: `16 + max_pull` overflowed for u64::MAX.
+        let limits = Limits { max_pull: u64::MAX, ..Limits::default() };
+        let b = Frame::PullData { region: 1, offset: 0, len: 100 }.to_vec();
+        let h = Header::decode(&b, &limits).unwrap();
+        assert_eq!((h.kind, h.payload_len()), (FrameKind::PullData, 100));
+        let mut b = Frame::PullData { region: 1, offset: 0, len: u32::MAX as u64 - 16 }.to_vec();
+        b.resize(HEADER_LEN + 16 + 3, 0);
+        assert!(matches!(Frame::decode_message(&b, &limits), Err(FrameError::Truncated { .. })));
+    }
+
+    #[test]
+    fn encoding_a_huge_payload_length_saturates_instead_of_overflowing() {
+        // Found by the handshake fuzz target: `encode` is documented never to panic, but
+        // `fixed + payload_len` overflowed for a PullData len near u64::MAX.
+        let b = Frame::PullData { region: 1, offset: 0, len: u64::MAX }.to_vec();
+        assert_eq!(&b[8..12], &u32::MAX.to_be_bytes());
+        let h = Header::decode(&b, &Limits { max_pull: u64::MAX, ..Limits::default() }).unwrap();
+        assert_eq!(h.payload_len(), u32::MAX as u64 - 16);
+        assert!(matches!(Header::decode(&b, &Limits::default()), Err(FrameError::TooLong { kind: FrameKind::PullData, .. })));
     }
 
     #[test]

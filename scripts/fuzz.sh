@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Fuzz the wire protocol: each target of fuzz/ for N seconds (default 30).
+#
+#   scripts/fuzz.sh [seconds-per-target]
+#
+# Exits non-zero if any target crashes (a panic, a failed invariant, an input slower than
+# FUZZ_INPUT_TIMEOUT seconds, or more than FUZZ_RSS_MB of memory); the input is saved under
+# fuzz/artifacts/<target>/ and the command to replay it is printed.
+#
+# Toolchain, in order of preference (FUZZ_ENGINE=libfuzzer-nightly|libfuzzer-bootstrap|stable
+# forces one):
+#   1. cargo-fuzz + libFuzzer on nightly; a missing nightly is installed with
+#      `rustup toolchain install nightly --profile minimal` (works where rustup's download
+#      server is reachable);
+#   2. cargo-fuzz + libFuzzer on the stable toolchain with RUSTC_BOOTSTRAP=1, which lets
+#      stable accept the -Z flags cargo-fuzz passes. Same engine, same coverage guidance; it
+#      is what to use where no nightly can be downloaded;
+#   3. if cargo-fuzz itself cannot be built, the coverage-blind random driver in
+#      fuzz/tests/replay.rs on stable (far weaker; says so loudly).
+# cargo-fuzz is installed from crates.io with `cargo install cargo-fuzz --locked` when missing
+# (about 3 minutes on 2 cores).
+#
+# Other settings: FUZZ_TARGETS (default "frame_decode handshake"), FUZZ_SANITIZER (default
+# none: the wire crate and the harnesses forbid unsafe code, and without ASan libFuzzer runs
+# about twice as many inputs; set "address" to check the dependencies' unsafe code too).
+set -euo pipefail
+
+SECONDS_PER_TARGET="${1:-30}"
+TARGETS="${FUZZ_TARGETS:-frame_decode handshake}"
+SANITIZER="${FUZZ_SANITIZER:-none}"
+INPUT_TIMEOUT="${FUZZ_INPUT_TIMEOUT:-10}"
+RSS_MB="${FUZZ_RSS_MB:-2048}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+if ! [[ "$SECONDS_PER_TARGET" =~ ^[0-9]+$ ]] || [ "$SECONDS_PER_TARGET" -lt 1 ]; then
+    echo "usage: $0 [seconds-per-target]   (got '$SECONDS_PER_TARGET')" >&2
+    exit 2
+fi
+
+log() { echo "fuzz.sh: $*" >&2; }
+
+have_nightly() { cargo +nightly --version >/dev/null 2>&1; }
+
+ensure_cargo_fuzz() {
+    if cargo fuzz --version >/dev/null 2>&1; then
+        return 0
+    fi
+    log "cargo-fuzz is missing; installing it from crates.io (takes a few minutes)"
+    local t0=$SECONDS
+    if cargo install cargo-fuzz --locked >&2; then
+        log "cargo-fuzz installed in $((SECONDS - t0)) s"
+        return 0
+    fi
+    log "could not install cargo-fuzz"
+    return 1
+}
+
+pick_engine() {
+    if [ -n "${FUZZ_ENGINE:-}" ]; then
+        echo "$FUZZ_ENGINE"
+        return
+    fi
+    if ! ensure_cargo_fuzz; then
+        echo stable
+        return
+    fi
+    if have_nightly; then
+        echo libfuzzer-nightly
+        return
+    fi
+    log "no nightly toolchain; trying: rustup toolchain install nightly --profile minimal"
+    if rustup toolchain install nightly --profile minimal >&2 && have_nightly; then
+        echo libfuzzer-nightly
+        return
+    fi
+    log "nightly cannot be installed here; using cargo-fuzz on stable with RUSTC_BOOTSTRAP=1"
+    echo libfuzzer-bootstrap
+}
+
+ENGINE="$(pick_engine)"
+log "engine: $ENGINE, ${SECONDS_PER_TARGET} s per target, targets: $TARGETS"
+
+# Seeds: valid frames of every kind and scripts that reach deep session states. They are
+# generated, not committed, and written into the corpus directories libFuzzer reads.
+cargo run --quiet --release --manifest-path fuzz/Cargo.toml --no-default-features --example seeds -- fuzz/corpus
+
+if [ "$ENGINE" = stable ]; then
+    log "WARNING: no libFuzzer; running the coverage-blind random driver (fuzz/tests/replay.rs)"
+    WIRE_FUZZ_SECONDS="$SECONDS_PER_TARGET" WIRE_FUZZ_SEED="${WIRE_FUZZ_SEED:-$RANDOM$RANDOM}" \
+        cargo test --release --manifest-path fuzz/Cargo.toml --no-default-features --test replay -- --nocapture
+    exit $?
+fi
+
+case "$ENGINE" in
+    libfuzzer-nightly) CARGO=(cargo +nightly fuzz) ;;
+    libfuzzer-bootstrap)
+        export RUSTC_BOOTSTRAP=1
+        # A target dir of its own, so switching engines does not rebuild the other's.
+        CARGO=(cargo +stable fuzz)
+        EXTRA_BUILD=(--target-dir "$ROOT/fuzz/target/bootstrap")
+        ;;
+    *) log "unknown FUZZ_ENGINE '$ENGINE'"; exit 2 ;;
+esac
+EXTRA_BUILD=("${EXTRA_BUILD[@]+"${EXTRA_BUILD[@]}"}")
+
+"${CARGO[@]}" build -s "$SANITIZER" "${EXTRA_BUILD[@]+"${EXTRA_BUILD[@]}"}"
+
+failed=()
+summary=()
+for target in $TARGETS; do
+    out="$(mktemp)"
+    log "running $target for ${SECONDS_PER_TARGET} s"
+    set +e
+    "${CARGO[@]}" run -s "$SANITIZER" "${EXTRA_BUILD[@]+"${EXTRA_BUILD[@]}"}" "$target" -- \
+        -max_total_time="$SECONDS_PER_TARGET" -timeout="$INPUT_TIMEOUT" -rss_limit_mb="$RSS_MB" \
+        -print_final_stats=1 2>&1 | tee "$out" | grep -v -E '^#[0-9]+[[:space:]]+(NEW|REDUCE|pulse)'
+    rc=${PIPESTATUS[0]}
+    set -e
+    runs="$(grep -oE '^Done [0-9]+ runs in [0-9]+ second' "$out" | tail -1 || true)"
+    execs="$(grep -oE 'stat::average_exec_per_sec:[[:space:]]+[0-9]+' "$out" | grep -oE '[0-9]+$' | tail -1 || true)"
+    cov="$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$out" | tail -1 || true)"
+    rm -f "$out"
+    if [ "$rc" -ne 0 ]; then
+        failed+=("$target")
+        summary+=("$target: CRASH (exit $rc); see fuzz/artifacts/$target/")
+    else
+        summary+=("$target: ok; ${runs:-? runs}s, ${execs:-?} execs/s, ${cov:-}")
+    fi
+done
+
+log "summary ($ENGINE):"
+for line in "${summary[@]}"; do log "  $line"; done
+if [ "${#failed[@]}" -ne 0 ]; then
+    log "crashes in: ${failed[*]}"
+    exit 1
+fi
