@@ -25,7 +25,8 @@ step "verbs: conformance suite + cross-device test on real kernel RDMA (SoftRoCE
 scripts/verbs-test.sh
 
 step "rust: criterion micro-benchmarks compile and run once"
-cargo bench --workspace --locked --benches -- --test 2>&1 | tail -n 20
+cargo bench --locked -p rdma-shuffle-wire --bench codec -- --test 2>&1 | tail -n 8
+cargo bench --locked -p rdma-shuffle-fabric --bench pool -- --test 2>&1 | tail -n 8
 
 if [ -x scripts/fuzz.sh ]; then
   step "fuzz: frame decoder and handshake, bounded"
