@@ -8,6 +8,12 @@
 //! (d) CPU seconds (both processes) per GiB for (a) and (b).
 //! It prints a table and writes JSON. Machines here are shared and noisy: the ratio of the
 //! engine to the ceiling measured in the same run is the number to watch.
+//!
+//! `engine-bench verbs-sweep [--out FILE] ...` (built with `--features verbs`, run on an RDMA
+//! device: the SoftRoCE VM) compares eager SEND with rendezvous RDMA READ by block size; see
+//! [`verbs_sweep`].
+
+mod verbs_sweep;
 
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
@@ -33,8 +39,14 @@ fn main() {
     match args.get(1).map(String::as_str) {
         Some("serve") => serve(Path::new(&get("--dir").expect("--dir")), get("--maps").and_then(|m| m.parse().ok()).unwrap_or(8)),
         Some("run") | None => run(get("--gib").and_then(|g| g.parse().ok()).unwrap_or(1.0), get("--out").map(PathBuf::from)),
+        Some("verbs-sweep") => {
+            if let Err(e) = verbs_sweep::run(&args[2..]) {
+                eprintln!("{e}");
+                std::process::exit(if matches!(e, verbs_sweep::SweepError::Usage(_) | verbs_sweep::SweepError::NoVerbs) { 2 } else { 1 });
+            }
+        }
         Some(other) => {
-            eprintln!("usage: engine-bench run [--gib N] [--out FILE] | serve --dir D --maps N (got {other})");
+            eprintln!("usage: engine-bench run [--gib N] [--out FILE] | serve --dir D --maps N | {} (got {other})", verbs_sweep::USAGE);
             std::process::exit(2);
         }
     }
