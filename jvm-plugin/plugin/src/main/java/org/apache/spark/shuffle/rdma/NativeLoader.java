@@ -43,6 +43,18 @@ public final class NativeLoader {
       this.failure = failure;
     }
 
+    /**
+     * An outcome made by hand, for tests that stand in for the native library.
+     *
+     * @param loaded whether the library counts as loaded
+     * @param source where it came from
+     * @param failure why it failed, or null
+     * @return the outcome
+     */
+    static Outcome of(boolean loaded, String source, String failure) {
+      return new Outcome(loaded, source, failure);
+    }
+
     /** @return whether the library is loaded in this JVM */
     public boolean isLoaded() {
       return loaded;

@@ -81,7 +81,7 @@ private[rdma] object EngineRegistry {
  * for its lifetime). "No engine" is not cached: it is the rare mixed case, and asking again
  * costs one RPC per fetch request to such an executor.
  */
-private[rdma] final class CachingEngineDirectory(driver: RpcEndpointRef)
+final class CachingEngineDirectory(driver: RpcEndpointRef)
   extends EngineDirectory with Logging {
   import EngineRegistryMessages._
 

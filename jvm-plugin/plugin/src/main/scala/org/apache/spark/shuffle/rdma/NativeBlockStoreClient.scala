@@ -120,6 +120,37 @@ class NativeBlockStoreClient(
     private def claim(index: Int): Boolean =
       index >= 0 && index < ids.length && done.compareAndSet(index, 0, 1)
 
+    // Spark's RetryingBlockTransferor hands us a listener that accepts only the fetch-specific
+    // callbacks (it rejects the generic onBlockTransfer* ones), so dispatch on the type.
+    private def success(blockId: String, buf: org.apache.spark.network.buffer.ManagedBuffer): Unit =
+      listener match {
+        case f: BlockFetchingListener => f.onBlockFetchSuccess(blockId, buf)
+        case other => other.onBlockTransferSuccess(blockId, buf)
+      }
+
+    private def failure(blockId: String, e: Throwable): Unit = {
+      // A listener that throws here would otherwise leave the fetcher waiting for this block
+      // forever (we are on an engine thread; nobody else will report it).
+      try {
+        listener match {
+          case f: BlockFetchingListener => f.onBlockFetchFailure(blockId, e)
+          case other => other.onBlockTransferFailure(blockId, e)
+        }
+      } catch {
+        case NonFatal(t) => logError(s"Fetch listener failed while reporting failure of $blockId", t)
+      }
+    }
+
+    private def deliver(blockId: String, buf: org.apache.spark.network.buffer.ManagedBuffer): Unit = {
+      try {
+        success(blockId, buf)
+      } catch {
+        case NonFatal(t) =>
+          logError(s"Fetch listener failed to accept block $blockId", t)
+          failure(blockId, t)
+      }
+    }
+
     override def onBlock(index: Int, directBuf: ByteBuffer, leaseHandle: Long): Unit = {
       val buf = new NativeManagedBuffer(directBuf, leaseHandle, engine.releaseLease)
       if (!claim(index)) {
@@ -130,7 +161,7 @@ class NativeBlockStoreClient(
         buf.release()
       } else if (downloadFileManager == null) {
         try {
-          listener.onBlockTransferSuccess(ids(index), buf)
+          deliver(ids(index), buf)
         } finally {
           buf.release() // the listener retained what it keeps
         }
@@ -157,7 +188,7 @@ class NativeBlockStoreClient(
           buf.release()
         }
         if (downloadFileManager.registerTempFileToClean(file)) {
-          listener.onBlockTransferSuccess(blockId, fileBuf)
+          deliver(blockId, fileBuf)
         } else {
           // The fetcher is already cleaned up (task finished or failed): nobody wants it.
           file.delete()
@@ -165,7 +196,7 @@ class NativeBlockStoreClient(
       } catch {
         case NonFatal(e) =>
           file.delete()
-          listener.onBlockTransferFailure(blockId, new IOException(
+          failure(blockId, new IOException(
             s"writing block $blockId fetched from executor $execId to ${file.path()} failed", e))
       }
     }
@@ -176,7 +207,7 @@ class NativeBlockStoreClient(
         val cause = new RdmaShuffleException(kind,
           s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
         val error: Throwable = if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
-        listener.onBlockTransferFailure(blockId, error)
+        failure(blockId, error)
       } else {
         logWarning(s"Ignoring unexpected failure for index $index of ${ids.length} from " +
           s"executor $execId engine ${addr.host}:${addr.port}: [$kind] $message")

@@ -102,6 +102,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** Opens this JVM's engine. */
   protected def openEngine(config: String): ShuffleEngine = NativeEngine.open(config)
 
+  /** The directory readers resolve executors through (the driver registry, cached). */
+  protected def readerDirectory(registry: CachingEngineDirectory): EngineDirectory = registry
+
   /**
    * Where the blocks of a reduce range are, like `SortShuffleManager.getReader` computes it.
    * Returns the blocks by address and whether batch fetch may be used.
@@ -308,7 +311,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       val directory = new CachingEngineDirectory(ref)
       val host = advertisedHost(env)
       directory.register(env.executorId, host, eng.port, eng.transport)
-      val client = new NativeBlockStoreClient(eng, directory, env.blockManager.blockStoreClient,
+      val client = new NativeBlockStoreClient(eng, readerDirectory(directory),
+        env.blockManager.blockStoreClient,
         SparkTransportConf.fromSparkConf(env.conf, "shuffle"))
       logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
         s"(transport ${eng.transport})")
