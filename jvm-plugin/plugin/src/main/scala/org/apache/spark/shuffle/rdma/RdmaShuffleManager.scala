@@ -229,6 +229,11 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
             }
           case _ =>
         }
+        logInfo(s"RdmaShuffleManager stopped (isDriver=$isDriver, engine=${engineState match {
+          case EngineState.Running(_, _, _) => "closed"
+          case EngineState.Unavailable(_) => "unavailable"
+          case _ => "never started"
+        }}, handed over shuffles=${handedOver.size})")
         engineState = EngineState.Stopped
         for (ref <- registryRef; env <- Option(SparkEnv.get)) {
           try env.rpcEnv.stop(ref) catch { case NonFatal(_) => }
