@@ -1,10 +1,12 @@
 """Fixtures for the Spark job suite: the Spark runtime (pyspark's SPARK_HOME), the built jars,
 and a cache of job runs shared by all tests of a session.
 
-Each job is an ordinary Spark application (jvm-plugin/jobs) that knows nothing of the plugin.
-It runs twice on `local-cluster[2,1,1024]` (two executor JVMs, so shuffle blocks cross
-processes): once with Spark's default shuffle, once with
+The jobs are ordinary Spark applications (jvm-plugin/jobs) that know nothing of the plugin.
+All of them run in one application (executor start-up on 2 cores costs more than most jobs),
+twice on `local-cluster[2,1,1024]` (two executor JVMs, so shuffle blocks cross processes):
+once with Spark's default shuffle, once with
 `spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager --jars <plugin jar>`.
+Set RDMA_JOBS=terasort,sql to run a subset.
 """
 import glob
 import os
@@ -49,10 +51,12 @@ def spark_env() -> dict:
     return env
 
 
+JOBS = os.environ.get("RDMA_JOBS", "wordcount,terasort,sql,sparse,bigblock").split(",")
+
+
 @dataclass
 class Run:
-    """One spark-submit of one job in one mode."""
-    job: str
+    """One spark-submit of all jobs in one mode."""
     mode: str
     returncode: int
     wall_s: float
@@ -61,12 +65,12 @@ class Run:
     app_id: str | None
     executor_logs: dict = field(default_factory=dict)
 
-    def line(self, prefix: str) -> dict:
-        """Parses the `PREFIX k=v k=v ...` line the job printed."""
+    def line(self, prefix: str, job: str) -> dict:
+        """Parses the `PREFIX job=<job> k=v k=v ...` line the application printed."""
         for ln in self.stdout.splitlines():
-            if ln.startswith(prefix + " "):
+            if ln.startswith(f"{prefix} job={job} "):
                 return dict(kv.split("=", 1) for kv in ln.split()[1:] if "=" in kv)
-        raise AssertionError(f"{self.job}/{self.mode}: no '{prefix}' line in stdout; stderr tail:\n"
+        raise AssertionError(f"{job}/{self.mode}: no '{prefix}' line in stdout; stderr tail:\n"
                              + self.stderr[-3000:])
 
 
@@ -77,13 +81,12 @@ class Runner:
         self.jobs_jar = jobs_jar
         self.cache: dict = {}
 
-    def run(self, job: str, mode: str) -> Run:
-        key = (job, mode)
-        if key not in self.cache:
-            self.cache[key] = self._submit(job, mode)
-        return self.cache[key]
+    def run(self, mode: str) -> Run:
+        if mode not in self.cache:
+            self.cache[mode] = self._submit(mode)
+        return self.cache[mode]
 
-    def _submit(self, job: str, mode: str) -> Run:
+    def _submit(self, mode: str) -> Run:
         spark_home = self.env["SPARK_HOME"]
         cmd = [f"{spark_home}/bin/spark-submit", "--master", "local-cluster[2,1,1024]",
                "--driver-memory", "1g"]
@@ -91,7 +94,7 @@ class Runner:
             cmd += ["--conf", f"{k}={v}"]
         if mode == "plugin":
             cmd += ["--conf", f"spark.shuffle.manager={PLUGIN_CLASS}", "--jars", self.plugin_jar]
-        cmd += ["--class", JOB_CLASS, self.jobs_jar, job]
+        cmd += ["--class", JOB_CLASS, self.jobs_jar, ",".join(JOBS)]
         t0 = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=RUN_TIMEOUT_S)
         wall = time.monotonic() - t0
@@ -101,8 +104,11 @@ class Runner:
         if app_id:
             for f in glob.glob(f"{spark_home}/work/{app_id}/*/stderr"):
                 logs[f] = Path(f).read_text(errors="replace")
-        run = Run(job, mode, p.returncode, wall, p.stdout, p.stderr, app_id, logs)
-        print(f"[spark-suite] {job:9s} {mode:7s} rc={p.returncode} wall={wall:6.1f}s app={app_id}")
+        run = Run(mode, p.returncode, wall, p.stdout, p.stderr, app_id, logs)
+        print(f"\n[spark-suite] {mode:7s} rc={p.returncode} submit wall={wall:6.1f}s app={app_id}")
+        for ln in p.stdout.splitlines():
+            if ln.startswith(("DIGEST ", "SHUFFLE_METRICS ")):
+                print(f"[spark-suite] {mode:7s} {ln}")
         return run
 
 

@@ -1,4 +1,4 @@
-"""Runs each job with Spark's default shuffle and with the plugin and compares outputs.
+"""Runs the jobs with Spark's default shuffle and with the plugin and compares their outputs.
 
 Run: `tests/spark/run.sh` (sets up the venv, builds the jars if needed, runs pytest).
 """
@@ -6,21 +6,21 @@ import re
 
 import pytest
 
-JOBS = ["wordcount", "terasort", "sql", "sparse", "bigblock"]
+from conftest import JOBS
 
 
-def _pair(runner, job):
-    default = runner.run(job, "default")
-    plugin = runner.run(job, "plugin")
+def _pair(runner):
+    default = runner.run("default")
+    plugin = runner.run("plugin")
     for r in (default, plugin):
-        assert r.returncode == 0, f"{job}/{r.mode} failed; stderr tail:\n{r.stderr[-4000:]}"
+        assert r.returncode == 0, f"{r.mode} run failed; stderr tail:\n{r.stderr[-4000:]}"
     return default, plugin
 
 
 @pytest.mark.parametrize("job", JOBS)
 def test_same_output_with_plugin(runner, job):
-    default, plugin = _pair(runner, job)
-    d, p = default.line("DIGEST"), plugin.line("DIGEST")
+    default, plugin = _pair(runner)
+    d, p = default.line("DIGEST", job), plugin.line("DIGEST", job)
     assert d == p, f"{job}: default {d} != plugin {p}"
     assert int(d["records"]) > 0
 
@@ -28,9 +28,9 @@ def test_same_output_with_plugin(runner, job):
 @pytest.mark.parametrize("job", JOBS)
 def test_job_exercises_what_it_should(runner, job):
     """Each job checks the shape it is meant to have, so a silently trivial job cannot pass."""
-    default, plugin = _pair(runner, job)
+    default, plugin = _pair(runner)
     for r in (default, plugin):
-        digest, metrics = r.line("DIGEST"), r.line("SHUFFLE_METRICS")
+        digest, metrics = r.line("DIGEST", job), r.line("SHUFFLE_METRICS", job)
         assert int(metrics["remote_bytes"]) > 0, f"{job}/{r.mode}: no block crossed executors"
         if job == "terasort":
             assert digest["records"] == "1000000"
@@ -47,14 +47,12 @@ def test_job_exercises_what_it_should(runner, job):
             assert int(metrics["remote_bytes"]) > 200 * 1024 * 1024, metrics
 
 
-@pytest.mark.parametrize("job", JOBS)
-def test_plugin_was_instantiated_on_every_executor(runner, job):
-    _, plugin = _pair(runner, job)
+def test_plugin_was_instantiated_and_stopped_on_every_executor(runner):
+    default, plugin = _pair(runner)
     assert "RdmaShuffleManager created (isDriver=true" in plugin.stderr
     assert len(plugin.executor_logs) == 2, f"executor logs of {plugin.app_id}: {list(plugin.executor_logs)}"
     for path, text in plugin.executor_logs.items():
         assert "RdmaShuffleManager created (isDriver=false" in text, path
-    default, _ = _pair(runner, job)
     assert "RdmaShuffleManager" not in default.stderr
 
 
@@ -65,14 +63,13 @@ def _native_loaded(run) -> bool:
 STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
 
 
-@pytest.mark.parametrize("job", JOBS)
-def test_native_engine_moved_the_blocks(runner, job):
+def test_native_engine_moved_the_blocks(runner):
     """NATIVE ASSERTION HOOK. Skipped only while the native library is absent (the plugin then
     hands every shuffle to Spark's sort shuffle, which the tests above cover). Once
     librdma_shuffle_jni.so is bundled or on java.library.path, every executor logs its engine
-    counters at stop, and the fetch counters must show that remote blocks went through the
-    engine."""
-    _, plugin = _pair(runner, job)
+    counters at stop (RdmaShuffleManager.stop), and the fetch counters must show that remote
+    blocks went through the engine."""
+    _, plugin = _pair(runner)
     if not _native_loaded(plugin):
         pytest.skip("native library librdma_shuffle_jni.so absent: shuffles handed to Spark")
     fetched_blocks = fetched_bytes = native_requests = 0
@@ -84,5 +81,5 @@ def test_native_engine_moved_the_blocks(runner, job):
         fetched_bytes += int(kv["bytes_fetched"])
         native_requests += int(kv["native_requests"])
     assert native_requests > 0 and fetched_blocks > 0 and fetched_bytes > 0
-    remote = int(plugin.line("SHUFFLE_METRICS")["remote_bytes"])
+    remote = sum(int(plugin.line("SHUFFLE_METRICS", j)["remote_bytes"]) for j in JOBS)
     assert fetched_bytes >= remote, (fetched_bytes, remote)

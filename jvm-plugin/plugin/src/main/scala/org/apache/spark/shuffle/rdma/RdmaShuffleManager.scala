@@ -84,7 +84,11 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     }
   }
 
-  if (SparkShims.envReadyAtConstruction && SparkEnv.get != null) {
+  // Spark 4: start now, so executors register with the driver as they come up. Spark 3.5 (and
+  // any JVM without an env yet) starts on first use instead. Nothing to start when every
+  // shuffle will be handed over anyway.
+  if (SparkShims.envReadyAtConstruction && SparkEnv.get != null && settings.enabled &&
+      nativeFailure.isEmpty) {
     if (isDriver) startRegistry() else engine()
   }
 

@@ -107,18 +107,22 @@ class NativeBlockStoreClientTest {
   }
 
   @Test def blocksReachTheListenerAndLeasesComeBack(): Unit = {
+    @volatile var engineThread: Thread = null
     val engine = new ScriptedEngine((_, blocks, cb) => {
       // Answer out of order, from another thread, like the native progress thread.
       val t = new Thread(() => {
         cb.onBlock(1, bytesOf(10, 1), 101L)
         cb.onBlock(0, bytesOf(3, 0), 100L)
       })
+      engineThread = t
       t.start()
     })
     val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
     val l = new RecordingListener(retain = true, expected = 2)
     client.fetchBlocks("ignored", 1, "exec-2", Array("shuffle_4_5_6", "shuffle_4_5_7_9"), l, null)
     l.await()
+    // The client drops its own reference after the listener returns, on the engine thread.
+    engineThread.join(10000)
     val (host, port, ranges) = engine.requests.peek()
     assertEquals(("10.1.2.3", 4000), (host, port))
     assertEquals(IndexedSeq(BlockRange(4, 5L, 6, 7), BlockRange(4, 5L, 7, 9)), ranges)
@@ -191,6 +195,10 @@ class NativeBlockStoreClientTest {
     assertTrue(l.failed.isEmpty)
     assertEquals(Set("shuffle_0_1_0", "shuffle_0_1_1"), l.ok.asScala.map(_._1).toSet)
     assertEquals(2, engine.requests.size())
+    // The retry runs on Spark's retry thread, which drops the client's reference after the
+    // listener returned: give it a bounded moment.
+    val deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(10)
+    while (engine.released.size() < 2 && System.nanoTime() < deadline) Thread.sleep(5)
     assertEquals(Set(10L, 11L), engine.released.asScala.toSet)
   }
 

@@ -28,38 +28,48 @@ import org.apache.spark.sql.functions._
  * The digest is order-independent (a sum of 64-bit record hashes) so that it does not depend on
  * how partitions were scheduled; jobs whose output order matters check it themselves.
  *
- * Usage: ShuffleJobs <wordcount|terasort|sql|sparse|bigblock> [scale]
+ * Usage: ShuffleJobs <all|job[,job...]> [scale], jobs: wordcount, terasort, sql, sparse, bigblock
  */
 object ShuffleJobs {
 
+  /** Every job, in the order `all` runs them. */
+  val AllJobs: Seq[String] = Seq("wordcount", "terasort", "sql", "sparse", "bigblock")
+
   def main(args: Array[String]): Unit = {
-    require(args.nonEmpty, "usage: ShuffleJobs <wordcount|terasort|sql|sparse|bigblock> [scale]")
-    val job = args(0)
+    require(args.nonEmpty, s"usage: ShuffleJobs <all|job[,job...]> [scale]; jobs: ${AllJobs.mkString(", ")}")
+    val jobs = if (args(0) == "all") AllJobs else args(0).split(",").map(_.trim).toSeq
+    jobs.foreach(j => require(AllJobs.contains(j), s"unknown job '$j'; jobs: ${AllJobs.mkString(", ")}"))
     val scale = if (args.length > 1) args(1).toDouble else 1.0
-    val spark = SparkSession.builder().appName(s"rdma-shuffle-job-$job").getOrCreate()
+    // Several jobs share one application: on 2 cores, starting the executors of a
+    // local-cluster costs more than most of the jobs themselves.
+    val spark = SparkSession.builder().appName(s"rdma-shuffle-jobs-${jobs.mkString("+")}").getOrCreate()
     val sc = spark.sparkContext
     val metrics = new ShuffleMetricsListener
     sc.addSparkListener(metrics)
-    val start = System.nanoTime()
-    val digest = job match {
-      case "wordcount" => wordCount(sc, scale)
-      case "terasort" => teraSort(sc, scale)
-      case "sql" => sqlAqe(spark, scale)
-      case "sparse" => sparse(sc, scale)
-      case "bigblock" => bigBlock(sc, scale)
-      case other => throw new IllegalArgumentException(s"unknown job '$other'")
+    jobs.foreach { job =>
+      waitForListenerBus(sc)
+      metrics.reset()
+      val start = System.nanoTime()
+      val digest = job match {
+        case "wordcount" => wordCount(sc, scale)
+        case "terasort" => teraSort(sc, scale)
+        case "sql" => sqlAqe(spark, scale)
+        case "sparse" => sparse(sc, scale)
+        case "bigblock" => bigBlock(sc, scale)
+      }
+      val wallMs = (System.nanoTime() - start) / 1000000
+      // Task-end events arrive asynchronously; let the listener bus deliver them.
+      waitForListenerBus(sc)
+      println(s"DIGEST job=$job $digest")
+      println(s"SHUFFLE_METRICS job=$job wall_ms=$wallMs ${metrics.render}")
     }
-    val wallMs = (System.nanoTime() - start) / 1000000
-    // Task-end events arrive asynchronously; wait until the listener bus has delivered them.
-    waitForListenerBus(sc)
-    println(s"DIGEST job=$job $digest")
-    println(s"SHUFFLE_METRICS job=$job wall_ms=$wallMs ${metrics.render}")
     spark.stop()
   }
 
   private def waitForListenerBus(sc: SparkContext): Unit = {
-    // SparkContext.listenerBus is private[spark]; a last tiny job plus a short bounded wait is
-    // enough for the task-end events of earlier stages to be delivered.
+    // SparkContext.listenerBus is private[spark]; a tiny job plus a short bounded wait is
+    // enough for the task-end events of earlier stages to be delivered. Its own task reads no
+    // shuffle, so it does not disturb the numbers.
     sc.parallelize(1 to 1, 1).count()
     Thread.sleep(500)
   }
@@ -269,6 +279,9 @@ class ShuffleMetricsListener extends SparkListener {
   private val localBytes = new AtomicLong
   private val remoteBlocks = new AtomicLong
   private val fetchWaitMs = new AtomicLong
+
+  def reset(): Unit =
+    Seq(writeBytes, remoteBytes, localBytes, remoteBlocks, fetchWaitMs).foreach(_.set(0))
 
   override def onTaskEnd(end: SparkListenerTaskEnd): Unit = {
     val m = end.taskMetrics
