@@ -41,31 +41,31 @@ run() { # mode
 run default
 run plugin
 
-field() { # file prefix key
-  grep "^$2 " "$1" | tr ' ' '\n' | sed -n "s/^$3=//p"
+field() { # file prefix job key
+  grep "^$2 job=$3 " "$1" | tr ' ' '\n' | sed -n "s/^$4=//p"
 }
-printf '\n%-22s %18s %18s\n' "job: $job" "default shuffle" "rdma plugin"
-for m in default plugin; do
-  eval "${m}_submit=\"\$(cat $out/$m.wall) s\""
-  eval "${m}_job=\$(( \$(field $out/$m.out SHUFFLE_METRICS wall_ms) ))"
-  eval "${m}_write=\$(field $out/$m.out SHUFFLE_METRICS write_bytes)"
-  eval "${m}_remote=\$(field $out/$m.out SHUFFLE_METRICS remote_bytes)"
-  eval "${m}_wait=\$(field $out/$m.out SHUFFLE_METRICS fetch_wait_ms)"
-  eval "${m}_digest=\$(grep '^DIGEST ' $out/$m.out | cut -d' ' -f3-)"
-done
 mb() { awk -v x="$1" 'BEGIN{printf "%.1f", x/1048576}'; }
 secs() { awk -v x="$1" 'BEGIN{printf "%.1f", x/1000}'; }
-printf '%-22s %18s %18s\n' "spark-submit wall" "$default_submit" "$plugin_submit"
-printf '%-22s %16s s %16s s\n' "job wall" "$(secs "$default_job")" "$(secs "$plugin_job")"
-printf '%-22s %15s MB %15s MB\n' "shuffle written" "$(mb "$default_write")" "$(mb "$plugin_write")"
-printf '%-22s %15s MB %15s MB\n' "shuffle read remote" "$(mb "$default_remote")" "$(mb "$plugin_remote")"
-printf '%-22s %15s ms %15s ms\n' "fetch wait (sum)" "$default_wait" "$plugin_wait"
-if [ "$default_digest" = "$plugin_digest" ]; then
-  echo "outputs equal: yes ($default_digest)"
-else
-  echo "outputs equal: NO"; echo "  default: $default_digest"; echo "  plugin:  $plugin_digest"; exit 1
-fi
+
+echo
+echo "spark-submit wall (incl. executor start-up): default $(cat "$out/default.wall") s, plugin $(cat "$out/plugin.wall") s"
+printf '%-10s | %9s %9s | %11s %11s | %11s %11s | %11s %11s | %s\n' job "wall s" "" "written MB" "" "remote MB" "" "fetch wait" "ms" "outputs"
+printf '%-10s | %9s %9s | %11s %11s | %11s %11s | %11s %11s | %s\n' "" default plugin default plugin default plugin default plugin equal
+all_equal=yes
+for j in $(grep '^DIGEST ' "$out/default.out" | sed 's/^DIGEST job=\([^ ]*\).*/\1/'); do
+  dd=$(grep "^DIGEST job=$j " "$out/default.out" | cut -d' ' -f3-)
+  pd=$(grep "^DIGEST job=$j " "$out/plugin.out" | cut -d' ' -f3-)
+  eq=yes; [ "$dd" = "$pd" ] || { eq=NO; all_equal=no; }
+  printf '%-10s | %9s %9s | %11s %11s | %11s %11s | %11s %11s | %s\n' "$j" \
+    "$(secs "$(field "$out/default.out" SHUFFLE_METRICS "$j" wall_ms)")" "$(secs "$(field "$out/plugin.out" SHUFFLE_METRICS "$j" wall_ms)")" \
+    "$(mb "$(field "$out/default.out" SHUFFLE_METRICS "$j" write_bytes)")" "$(mb "$(field "$out/plugin.out" SHUFFLE_METRICS "$j" write_bytes)")" \
+    "$(mb "$(field "$out/default.out" SHUFFLE_METRICS "$j" remote_bytes)")" "$(mb "$(field "$out/plugin.out" SHUFFLE_METRICS "$j" remote_bytes)")" \
+    "$(field "$out/default.out" SHUFFLE_METRICS "$j" fetch_wait_ms)" "$(field "$out/plugin.out" SHUFFLE_METRICS "$j" fetch_wait_ms)" \
+    "$eq"
+  [ "$eq" = yes ] || { echo "  default: $dd"; echo "  plugin:  $pd"; }
+done
 if grep -q "native library librdma_shuffle_jni.so could not be" "$out/plugin.err"; then
   echo "note: native library absent -> the plugin handed every shuffle to Spark's sort shuffle"
 fi
 echo "logs: $out"
+[ "$all_equal" = yes ]

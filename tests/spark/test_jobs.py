@@ -47,7 +47,7 @@ def test_job_exercises_what_it_should(runner, job):
             assert int(metrics["remote_bytes"]) > 200 * 1024 * 1024, metrics
 
 
-def test_plugin_was_instantiated_and_stopped_on_every_executor(runner):
+def test_plugin_was_instantiated_on_every_executor(runner):
     default, plugin = _pair(runner)
     assert "RdmaShuffleManager created (isDriver=true" in plugin.stderr
     assert len(plugin.executor_logs) == 2, f"executor logs of {plugin.app_id}: {list(plugin.executor_logs)}"
@@ -66,20 +66,21 @@ STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
 def test_native_engine_moved_the_blocks(runner):
     """NATIVE ASSERTION HOOK. Skipped only while the native library is absent (the plugin then
     hands every shuffle to Spark's sort shuffle, which the tests above cover). Once
-    librdma_shuffle_jni.so is bundled or on java.library.path, every executor logs its engine
-    counters at stop (RdmaShuffleManager.stop), and the fetch counters must show that remote
-    blocks went through the engine."""
+    librdma_shuffle_jni.so is bundled or on java.library.path, reduce tasks report their
+    engine's counters to the driver, whose log ends with one `RDMA_SHUFFLE_ENGINE_STATS
+    executor=<id> key=value...` line per executor (RdmaShuffleManager.stop); the fetch counters
+    must show that remote blocks went through the engine."""
     _, plugin = _pair(runner)
     if not _native_loaded(plugin):
         pytest.skip("native library librdma_shuffle_jni.so absent: shuffles handed to Spark")
-    fetched_blocks = fetched_bytes = native_requests = 0
-    for path, text in plugin.executor_logs.items():
-        m = STATS_RE.search(text)
-        assert m, f"{path}: no engine stats line at executor stop"
+    latest = {}
+    for m in STATS_RE.finditer(plugin.stderr):
         kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
-        fetched_blocks += int(kv["blocks_fetched"])
-        fetched_bytes += int(kv["bytes_fetched"])
-        native_requests += int(kv["native_requests"])
-    assert native_requests > 0 and fetched_blocks > 0 and fetched_bytes > 0
+        latest[kv["executor"]] = kv
+    assert set(latest) >= {"0", "1"}, f"stats lines in the driver log: {sorted(latest)}"
+    fetched_blocks = sum(int(kv["blocks_fetched"]) for kv in latest.values())
+    fetched_bytes = sum(int(kv["bytes_fetched"]) for kv in latest.values())
+    native_requests = sum(int(kv["native_requests"]) for kv in latest.values())
+    assert native_requests > 0 and fetched_blocks > 0 and fetched_bytes > 0, latest
     remote = sum(int(plugin.line("SHUFFLE_METRICS", j)["remote_bytes"]) for j in JOBS)
     assert fetched_bytes >= remote, (fetched_bytes, remote)

@@ -20,6 +20,14 @@ private[rdma] object EngineRegistryMessages {
   /** Where is `executorId`'s engine? Replied with `Option[EngineAddress]`. */
   final case class LookupEngine(executorId: String)
 
+  /**
+   * An executor's engine counters (cumulative), sent one-way after each reduce task. The driver
+   * keeps the latest per executor and logs them when it stops: executors of a standalone or
+   * local-cluster are killed right after the driver commands their shutdown, so their own
+   * stop-time log line is often lost, while the driver's log is complete.
+   */
+  final case class EngineStats(executorId: String, stats: Seq[(String, String)])
+
   /** `executorId`'s engine is gone (stop). One-way: the driver may already be gone. */
   final case class UnregisterEngine(executorId: String)
 }
@@ -34,6 +42,14 @@ private[rdma] final class EngineRegistryEndpoint(override val rpcEnv: RpcEnv)
   import EngineRegistryMessages._
 
   private val engines = new ConcurrentHashMap[String, EngineAddress]()
+  private val latestStats = new ConcurrentHashMap[String, Seq[(String, String)]]()
+
+  /** The latest counters each executor reported. */
+  def statsByExecutor: Map[String, Seq[(String, String)]] = {
+    val b = Map.newBuilder[String, Seq[(String, String)]]
+    latestStats.forEach((k, v) => b += k -> v)
+    b.result()
+  }
 
   /** Engines currently known, for tests and logs. */
   def snapshot: Map[String, EngineAddress] = {
@@ -56,6 +72,8 @@ private[rdma] final class EngineRegistryEndpoint(override val rpcEnv: RpcEnv)
   override def receive: PartialFunction[Any, Unit] = {
     case UnregisterEngine(executorId) =>
       engines.remove(executorId)
+    case EngineStats(executorId, stats) =>
+      latestStats.put(executorId, stats)
   }
 }
 
@@ -108,6 +126,13 @@ final class CachingEngineDirectory(driver: RpcEndpointRef)
   def register(executorId: String, host: String, port: Int, transport: String): Unit = {
     driver.askSync[Boolean](RegisterEngine(executorId, host, port, transport))
     cache.put(executorId, EngineAddress(host, port))
+  }
+
+  /** Best effort, never blocks: reports this engine's counters to the driver. */
+  def reportStats(executorId: String, stats: Seq[(String, String)]): Unit = {
+    try driver.send(EngineStats(executorId, stats)) catch {
+      case NonFatal(e) => logDebug(s"Could not report engine stats of $executorId", e)
+    }
   }
 
   /** Best effort, never blocks: tells the driver this engine is going away. */

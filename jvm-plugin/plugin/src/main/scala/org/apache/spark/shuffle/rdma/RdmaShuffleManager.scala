@@ -33,7 +33,10 @@ import org.apache.spark.util.Utils
  *    [[NativeBlockStoreClient]];
  *  - (c) endpoint discovery: executors register their engine with the driver's
  *    [[EngineRegistryEndpoint]], readers look executors up through a [[CachingEngineDirectory]];
- *  - (d) `unregisterShuffle` / `stop` forward to the engine; stop logs the engine's counters.
+ *  - (d) `unregisterShuffle` / `stop` forward to the engine. Counters: each reduce task reports
+ *    the engine's counters to the driver, which logs every executor's latest
+ *    `RDMA_SHUFFLE_ENGINE_STATS executor=<id> key=value...` line when it stops (executors try
+ *    too, but standalone workers kill them right after the driver's shutdown command).
  *
  * When the native library cannot load (or [[FallbackPolicy]] says so) every shuffle is handed to
  * `SortShuffleManager`, after one warning per JVM; jobs run as without the plugin.
@@ -180,7 +183,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       metrics: ShuffleReadMetricsReporter): ShuffleReader[K, C] = handle match {
     case h: RdmaShuffleHandle[K @unchecked, _, C @unchecked] =>
       engine() match {
-        case EngineState.Running(_, _, client) =>
+        case running @ EngineState.Running(_, _, client) =>
+          // After each reduce task, tell the driver the engine's counters (see EngineStats).
+          context.addTaskCompletionListener[Unit](_ => reportStats(running))
           val (blocksByAddress, canEnableBatchFetch) =
             mapSizesByExecutorId(h, startMapIndex, endMapIndex, startPartition, endPartition)
           new RdmaShuffleReader[K, C](h, blocksByAddress, context, metrics, client,
@@ -217,16 +222,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     if (stopped.compareAndSet(false, true)) {
       synchronized {
         engineState match {
-          case EngineState.Running(eng, directory, client) =>
+          case running @ EngineState.Running(eng, directory, _) =>
             val executorId = Option(SparkEnv.get).map(_.executorId).getOrElse("?")
-            val stats = try eng.stats catch {
-              case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
-            }
-            // One line, key=value, grepped by tests/spark: keep the format stable.
-            logInfo(s"$StatsMarker executor=$executorId transport=${eng.transport} " +
-              s"native_requests=${client.nativeRequestCount} " +
-              s"delegated_requests=${client.delegatedRequestCount} " +
-              stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
+            logStats(executorId, statsOf(running))
             directory.unregister(executorId)
             try eng.close() catch {
               case NonFatal(e) => logWarning("Closing the native shuffle engine failed", e)
@@ -239,6 +237,10 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
           case _ => "never started"
         }}, handed over shuffles=${handedOver.size})")
         engineState = EngineState.Stopped
+        // The driver's log is the reliable place for every executor's final counters.
+        registryEndpoint.foreach(_.statsByExecutor.toSeq.sortBy(_._1).foreach {
+          case (executorId, stats) => logStats(executorId, stats)
+        })
         for (ref <- registryRef; env <- Option(SparkEnv.get)) {
           try env.rpcEnv.stop(ref) catch { case NonFatal(_) => }
         }
@@ -272,6 +274,25 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       engineShuffles.add(c.shuffleId)
     }
   }
+
+  /** The engine's counters plus this JVM's request routing counts. */
+  private def statsOf(running: EngineState.Running): Seq[(String, String)] = {
+    val native = try running.engine.stats catch {
+      case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
+    }
+    Seq("transport" -> running.engine.transport,
+      "native_requests" -> running.client.nativeRequestCount.toString,
+      "delegated_requests" -> running.client.delegatedRequestCount.toString) ++ native
+  }
+
+  private def reportStats(running: EngineState.Running): Unit = {
+    val env = SparkEnv.get
+    if (env != null) running.directory.reportStats(env.executorId, statsOf(running))
+  }
+
+  /** One line, `key=value`, grepped by tests/spark: keep the format stable. */
+  private def logStats(executorId: String, stats: Seq[(String, String)]): Unit =
+    logInfo(s"$StatsMarker executor=$executorId " + stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
 
   /** Starts the driver's registry endpoint once (driver only). */
   private def startRegistry(): Unit = {

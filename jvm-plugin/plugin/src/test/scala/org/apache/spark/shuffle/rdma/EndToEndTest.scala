@@ -57,8 +57,16 @@ class EndToEndTest {
     assertTrue("blocks were served by the engine", engine.blocksServed.get() > 0)
     assertEquals("every lease released", 0, engine.outstanding)
     assertEquals("no lease released twice", 0, engine.doubleReleases.get())
-    val client = manager.runningEngine
-    assertTrue(client.isDefined)
+    assertTrue(manager.runningEngine.isDefined)
+    // Reduce tasks report the engine's counters to the driver's registry (one-way, async).
+    val registry = manager.registry.get
+    val deadline = System.nanoTime() + 10L * 1000 * 1000 * 1000
+    def reported = registry.statsByExecutor.get("driver").map(_.toMap).getOrElse(Map.empty)
+    while (reported.get("native_requests").forall(_.toLong == 0) && System.nanoTime() < deadline) {
+      Thread.sleep(10)
+    }
+    assertTrue(s"stats reported: $reported", reported("native_requests").toLong > 0)
+    assertEquals(engine.blocksServed.get().toString, reported("blocks_fetched"))
     assertTrue(LoopbackShuffleManager.lastConfig.contains("spark.executor.id=driver\n"))
   }
 
