@@ -49,7 +49,7 @@ secs() { awk -v x="$1" 'BEGIN{printf "%.1f", x/1000}'; }
 
 echo
 echo "spark-submit wall (incl. executor start-up): default $(cat "$out/default.wall") s, plugin $(cat "$out/plugin.wall") s"
-printf '%-10s | %9s %9s | %11s %11s | %11s %11s | %11s %11s | %s\n' job "wall s" "" "written MB" "" "remote MB" "" "fetch wait" "ms" "outputs"
+printf '%-10s | %9s %9s | %11s %11s | %11s %11s | %11s %11s | %s\n' job "wall s" "" "written MB" "" "remote MB" "" "fetch wait ms" "" "outputs"
 printf '%-10s | %9s %9s | %11s %11s | %11s %11s | %11s %11s | %s\n' "" default plugin default plugin default plugin default plugin equal
 all_equal=yes
 for j in $(grep '^DIGEST ' "$out/default.out" | sed 's/^DIGEST job=\([^ ]*\).*/\1/'); do
