@@ -1,0 +1,114 @@
+/*
+ * Licensed under the Apache License, Version 2.0.
+ */
+package org.apache.spark.shuffle.rdma;
+
+/**
+ * The JNI surface of the native engine (Rust crate {@code crates/jni}, cdylib
+ * {@code rdma_shuffle_jni}). Every method is static and takes the engine as an opaque
+ * {@code long} handle returned by {@link #engineOpen}.
+ *
+ * <p>Only {@link NativeEngine} calls these; nothing here may be called before
+ * {@link NativeLoader#load()} succeeded. Every method reports errors by throwing
+ * {@link RdmaShuffleException} (with a kind), never by a magic return value.
+ *
+ * <p>Handle lifetime: a handle is valid from {@code engineOpen} until {@code engineClose};
+ * calling anything with a closed handle is a bug the JVM side prevents ({@link NativeEngine}
+ * guards it), so the native side may treat it as undefined behaviour.
+ */
+public final class NativeBridge {
+  private NativeBridge() {}
+
+  /**
+   * Starts an engine: memory pool, progress thread(s), block server listening on a port.
+   *
+   * @param config newline-separated {@code key=value} lines: every {@code spark.shuffle.rdma.*}
+   *     setting with defaults already applied and sizes in bytes / durations in milliseconds
+   *     (see {@code RdmaShuffleConf}), {@code spark.executor.id}, {@code spark.app.id}, and
+   *     {@code spark.authenticate=true} plus {@code spark.authenticate.secret} when Spark
+   *     authentication is on. Keys the native side does not know must be ignored.
+   * @return a non-zero handle
+   */
+  public static native long engineOpen(String config);
+
+  /**
+   * @param h engine handle
+   * @return the TCP port the engine's control/block server listens on (never 0 once open)
+   */
+  public static native int enginePort(long h);
+
+  /**
+   * @param h engine handle
+   * @return the transport actually chosen: {@code "verbs"} or {@code "tcp"}
+   */
+  public static native String engineTransport(long h);
+
+  /**
+   * Makes a committed map output servable. Called once per successful map task, after Spark
+   * has renamed the files into place.
+   *
+   * @param h engine handle
+   * @param shuffleId shuffle id
+   * @param mapId map task id (Spark's unique task attempt id, not the partition index)
+   * @param dataPath absolute path of the .data file. May not exist when every partition of this
+   *     map output is empty (Spark then writes only the index); such blocks are never fetched.
+   * @param indexPath absolute path of the .index file ({@code numPartitions + 1} big-endian longs)
+   * @param numPartitions number of reduce partitions
+   */
+  public static native void registerMapOutput(long h, int shuffleId, long mapId, String dataPath,
+      String indexPath, int numPartitions);
+
+  /**
+   * Forgets every map output of a shuffle and invalidates its remote keys.
+   *
+   * @param h engine handle
+   * @param shuffleId shuffle id
+   * @return the number of map outputs that were registered for that shuffle
+   */
+  public static native int unregisterShuffle(long h, int shuffleId);
+
+  /**
+   * Starts fetching blocks from one remote engine; returns at once. For every index {@code i}
+   * exactly one of {@code cb.onBlock(i, ...)} / {@code cb.onFailure(i, ...)} follows, from a
+   * native thread. Block {@code i} is reduce partitions
+   * {@code [startReduceIds[i], endReduceIds[i])} of map output {@code (shuffleIds[i], mapIds[i])}
+   * as one contiguous byte range (a single partition when the range has length 1).
+   *
+   * <p>The engine applies {@code spark.shuffle.rdma.connectTimeout} and
+   * {@code spark.shuffle.rdma.fetchTimeout}: a hung fetch ends in {@code onFailure(i,"timeout",..)}.
+   *
+   * @param h engine handle
+   * @param host the remote engine's host
+   * @param port the remote engine's port
+   * @param shuffleIds per-block shuffle ids (all arrays have the same length)
+   * @param mapIds per-block map ids
+   * @param startReduceIds per-block first reduce partition (inclusive)
+   * @param endReduceIds per-block last reduce partition (exclusive)
+   * @param cb receives the results
+   */
+  public static native void fetchBlocks(long h, String host, int port, int[] shuffleIds,
+      long[] mapIds, int[] startReduceIds, int[] endReduceIds, FetchCallback cb);
+
+  /**
+   * Returns a fetched block's memory to the pool. Must be called exactly once per lease handed
+   * to {@link FetchCallback#onBlock}; the direct ByteBuffer must not be touched afterwards.
+   *
+   * @param leaseHandle the lease
+   */
+  public static native void releaseLease(long leaseHandle);
+
+  /**
+   * @param h engine handle
+   * @return {@code key=value} lines: at least {@code blocks_served}, {@code bytes_served},
+   *     {@code blocks_fetched}, {@code bytes_fetched}, then transport-specific counters
+   */
+  public static native String engineStats(long h);
+
+  /**
+   * Stops the engine: closes connections, joins native threads, frees the pool. Outstanding
+   * leases must have been released. The handle is invalid afterwards.
+   *
+   * @param h engine handle
+   */
+  public static native void engineClose(long h);
+}

@@ -1,0 +1,276 @@
+/*
+ * Licensed under the Apache License, Version 2.0.
+ */
+package org.apache.spark.shuffle.rdma
+
+import java.io.IOException
+import java.nio.ByteBuffer
+import java.util.concurrent.{CompletableFuture, ExecutorService, LinkedBlockingQueue, ThreadFactory, ThreadPoolExecutor, TimeUnit}
+import java.util.concurrent.atomic.{AtomicInteger, AtomicIntegerArray, AtomicLong}
+
+import scala.util.control.NonFatal
+
+import org.apache.spark.internal.Logging
+import org.apache.spark.network.shuffle.{BlockFetchingListener, BlockStoreClient, BlockTransferListener, DownloadFileManager, RetryingBlockTransferor}
+import org.apache.spark.network.shuffle.checksum.Cause
+import org.apache.spark.network.util.TransportConf
+import org.apache.spark.storage.{BlockId, ShuffleBlockBatchId, ShuffleBlockId}
+
+/** Where a remote executor's engine listens. */
+final case class EngineAddress(host: String, port: Int)
+
+/** Resolves an executor id to its engine's address; `None` when that executor has no engine. */
+trait EngineDirectory {
+  /** The engine of `executorId`, if it registered one. */
+  def lookup(executorId: String): Option[EngineAddress]
+}
+
+/**
+ * The [[BlockStoreClient]] that Spark's own `ShuffleBlockFetcherIterator` fetches remote shuffle
+ * blocks through (see [[RdmaShuffleReader]]): Spark keeps bytes-in-flight limits, corruption
+ * detection, `FetchFailedException` and metrics; this class only moves the bytes.
+ *
+ * A request goes to the native engine when every block id is a plain or batch shuffle block id
+ * and the remote executor registered an engine; anything else (push-merged chunks, executors
+ * whose native library did not load, ...) goes to Spark's own client unchanged. Native fetches
+ * are wrapped in Spark's `RetryingBlockTransferor`, so `spark.shuffle.io.maxRetries` and
+ * `spark.shuffle.io.retryWait` apply exactly as with Netty; transient engine errors therefore
+ * reach it as `IOException`s.
+ *
+ * Requests the fetcher wants on disk (larger than `spark.network.maxRemoteBlockSizeFetchToMem`)
+ * are copied from the native buffer into the fetcher's temp file on a JVM thread, and the
+ * native memory is released at once.
+ *
+ * @param engine the local engine (its client half)
+ * @param directory executor id -> engine address
+ * @param sparkClient Spark's own client (`blockManager.blockStoreClient`), not owned here
+ * @param transportConf Spark's shuffle transport conf (retries, temp-file buffers)
+ */
+class NativeBlockStoreClient(
+    engine: ShuffleEngine,
+    directory: EngineDirectory,
+    sparkClient: BlockStoreClient,
+    transportConf: TransportConf) extends BlockStoreClient with Logging {
+
+  private val nativeRequests = new AtomicLong()
+  private val delegatedRequests = new AtomicLong()
+
+  /** Requests sent through the native engine so far. */
+  def nativeRequestCount: Long = nativeRequests.get()
+
+  /** Requests handed to Spark's own client so far. */
+  def delegatedRequestCount: Long = delegatedRequests.get()
+
+  override def fetchBlocks(
+      host: String,
+      port: Int,
+      execId: String,
+      blockIds: Array[String],
+      listener: BlockFetchingListener,
+      downloadFileManager: DownloadFileManager): Unit = {
+    val ranges = NativeBlockStoreClient.toRanges(blockIds)
+    val target = if (ranges.isDefined) directory.lookup(execId) else None
+    (ranges, target) match {
+      case (Some(_), Some(addr)) =>
+        nativeRequests.incrementAndGet()
+        val starter = new RetryingBlockTransferor.BlockTransferStarter {
+          override def createAndStart(ids: Array[String], l: BlockTransferListener): Unit =
+            startNative(addr, execId, ids, l, downloadFileManager)
+        }
+        if (transportConf.maxIORetries() > 0) {
+          new RetryingBlockTransferor(transportConf, starter, blockIds, listener).start()
+        } else {
+          starter.createAndStart(blockIds, listener)
+        }
+      case _ =>
+        delegatedRequests.incrementAndGet()
+        sparkClient.fetchBlocks(host, port, execId, blockIds, listener, downloadFileManager)
+    }
+  }
+
+  private def startNative(
+      addr: EngineAddress,
+      execId: String,
+      ids: Array[String],
+      listener: BlockTransferListener,
+      downloadFileManager: DownloadFileManager): Unit = {
+    // ids passed by a retry are a subset of the original request, all valid shuffle ids.
+    val ranges = NativeBlockStoreClient.toRanges(ids).getOrElse(
+      throw new IllegalArgumentException(s"not shuffle block ids: ${ids.mkString(",")}"))
+    val callback = new ListenerCallback(addr, execId, ids, listener, downloadFileManager)
+    try {
+      engine.fetchBlocks(addr.host, addr.port, ranges, callback)
+    } catch {
+      case e: RdmaShuffleException if e.isTransient =>
+        throw new IOException(s"fetch of ${ids.length} block(s) from executor $execId engine " +
+          s"${addr.host}:${addr.port} failed to start: ${e.getMessage}", e)
+    }
+  }
+
+  /** Maps the engine's per-index callbacks onto Spark's listener, exactly once per index. */
+  private final class ListenerCallback(
+      addr: EngineAddress,
+      execId: String,
+      ids: Array[String],
+      listener: BlockTransferListener,
+      downloadFileManager: DownloadFileManager) extends FetchCallback {
+
+    private val done = new AtomicIntegerArray(ids.length)
+
+    private def claim(index: Int): Boolean =
+      index >= 0 && index < ids.length && done.compareAndSet(index, 0, 1)
+
+    // Spark's RetryingBlockTransferor hands us a listener that accepts only the fetch-specific
+    // callbacks (it rejects the generic onBlockTransfer* ones), so dispatch on the type.
+    private def success(blockId: String, buf: org.apache.spark.network.buffer.ManagedBuffer): Unit =
+      listener match {
+        case f: BlockFetchingListener => f.onBlockFetchSuccess(blockId, buf)
+        case other => other.onBlockTransferSuccess(blockId, buf)
+      }
+
+    private def failure(blockId: String, e: Throwable): Unit = {
+      // A listener that throws here would otherwise leave the fetcher waiting for this block
+      // forever (we are on an engine thread; nobody else will report it).
+      try {
+        listener match {
+          case f: BlockFetchingListener => f.onBlockFetchFailure(blockId, e)
+          case other => other.onBlockTransferFailure(blockId, e)
+        }
+      } catch {
+        case NonFatal(t) => logError(s"Fetch listener failed while reporting failure of $blockId", t)
+      }
+    }
+
+    private def deliver(blockId: String, buf: org.apache.spark.network.buffer.ManagedBuffer): Unit = {
+      try {
+        success(blockId, buf)
+      } catch {
+        case NonFatal(t) =>
+          logError(s"Fetch listener failed to accept block $blockId", t)
+          failure(blockId, t)
+      }
+    }
+
+    override def onBlock(index: Int, directBuf: ByteBuffer, leaseHandle: Long): Unit = {
+      val buf = new NativeManagedBuffer(directBuf, leaseHandle, engine.releaseLease)
+      if (!claim(index)) {
+        // A second result for one index (or an index out of range) is an engine bug; never let
+        // it leak pool memory or reach Spark twice.
+        logWarning(s"Ignoring unexpected block result for index $index of ${ids.length} from " +
+          s"executor $execId engine ${addr.host}:${addr.port}")
+        buf.release()
+      } else if (downloadFileManager == null) {
+        try {
+          deliver(ids(index), buf)
+        } finally {
+          buf.release() // the listener retained what it keeps
+        }
+      } else {
+        NativeBlockStoreClient.diskWriters.execute(new Runnable {
+          override def run(): Unit = writeToDisk(ids(index), buf)
+        })
+      }
+    }
+
+    private def writeToDisk(blockId: String, buf: NativeManagedBuffer): Unit = {
+      val file = downloadFileManager.createTempFile(transportConf)
+      try {
+        val channel = file.openForWriting()
+        val fileBuf = try {
+          val src = buf.nioByteBuffer()
+          while (src.hasRemaining) channel.write(src)
+          channel.closeAndRead()
+        } catch {
+          case NonFatal(e) =>
+            try channel.close() catch { case NonFatal(_) => }
+            throw e
+        } finally {
+          buf.release()
+        }
+        if (downloadFileManager.registerTempFileToClean(file)) {
+          deliver(blockId, fileBuf)
+        } else {
+          // The fetcher is already cleaned up (task finished or failed): nobody wants it.
+          file.delete()
+        }
+      } catch {
+        case NonFatal(e) =>
+          file.delete()
+          failure(blockId, new IOException(
+            s"writing block $blockId fetched from executor $execId to ${file.path()} failed", e))
+      }
+    }
+
+    override def onFailure(index: Int, kind: String, message: String): Unit = {
+      if (claim(index)) {
+        val blockId = ids(index)
+        val cause = new RdmaShuffleException(kind,
+          s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
+        val error: Throwable = if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
+        failure(blockId, error)
+      } else {
+        logWarning(s"Ignoring unexpected failure for index $index of ${ids.length} from " +
+          s"executor $execId engine ${addr.host}:${addr.port}: [$kind] $message")
+      }
+    }
+  }
+
+  override def diagnoseCorruption(host: String, port: Int, execId: String, shuffleId: Int,
+      mapId: Long, reduceId: Int, checksum: Long, algorithm: String): Cause =
+    sparkClient.diagnoseCorruption(host, port, execId, shuffleId, mapId, reduceId, checksum,
+      algorithm)
+
+  override def getHostLocalDirs(host: String, port: Int, execIds: Array[String],
+      hostLocalDirsCompletable: CompletableFuture[java.util.Map[String, Array[String]]]): Unit =
+    sparkClient.getHostLocalDirs(host, port, execIds, hostLocalDirsCompletable)
+
+  override def setAppAttemptId(appAttemptId: String): Unit =
+    sparkClient.setAppAttemptId(appAttemptId)
+
+  override def getAppAttemptId: String = sparkClient.getAppAttemptId
+
+  /** Spark's client belongs to the BlockManager and the engine to the manager: nothing to do. */
+  override def close(): Unit = ()
+}
+
+/** Block-id mapping and the shared disk-writer pool. */
+object NativeBlockStoreClient {
+
+  /**
+   * Maps Spark block id strings to engine block ranges: `shuffle_S_M_R` -> [R, R+1),
+   * `shuffle_S_M_R1_R2` (a batch) -> [R1, R2). `None` when any id is of another kind.
+   */
+  def toRanges(blockIds: Array[String]): Option[IndexedSeq[BlockRange]] = {
+    val out = new Array[BlockRange](blockIds.length)
+    var i = 0
+    while (i < blockIds.length) {
+      val parsed = try BlockId(blockIds(i)) catch { case NonFatal(_) => null }
+      parsed match {
+        case ShuffleBlockId(s, m, r) => out(i) = BlockRange(s, m, r, r + 1)
+        case ShuffleBlockBatchId(s, m, r1, r2) => out(i) = BlockRange(s, m, r1, r2)
+        case _ => return None
+      }
+      i += 1
+    }
+    Some(out.toIndexedSeq)
+  }
+
+  private val threadCounter = new AtomicInteger()
+
+  /**
+   * Copies to-disk fetches off the engine's progress threads. Daemon threads that die after
+   * 60 s idle, so an idle executor keeps none and stop() has nothing to join.
+   */
+  private[rdma] lazy val diskWriters: ExecutorService = {
+    val pool = new ThreadPoolExecutor(2, 2, 60L, TimeUnit.SECONDS, new LinkedBlockingQueue[Runnable](),
+      new ThreadFactory {
+        override def newThread(r: Runnable): Thread = {
+          val t = new Thread(r, s"rdma-shuffle-disk-writer-${threadCounter.incrementAndGet()}")
+          t.setDaemon(true)
+          t
+        }
+      })
+    pool.allowCoreThreadTimeOut(true)
+    pool
+  }
+}

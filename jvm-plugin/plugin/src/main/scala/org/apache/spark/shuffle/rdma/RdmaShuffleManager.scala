@@ -1,0 +1,391 @@
+/*
+ * Licensed under the Apache License, Version 2.0.
+ */
+package org.apache.spark.shuffle.rdma
+
+import java.util.concurrent.ConcurrentHashMap
+import java.util.concurrent.atomic.AtomicBoolean
+
+import scala.util.control.NonFatal
+
+import org.apache.spark.{ShuffleDependency, SparkConf, SparkEnv, TaskContext}
+import org.apache.spark.internal.Logging
+import org.apache.spark.network.netty.SparkTransportConf
+import org.apache.spark.rpc.RpcEndpointRef
+import org.apache.spark.shuffle._
+import org.apache.spark.shuffle.sort.SortShuffleManager
+import org.apache.spark.storage.{BlockId, BlockManagerId}
+import org.apache.spark.util.Utils
+
+/**
+ * Spark shuffle manager backed by the native RDMA/TCP engine.
+ *
+ * {{{
+ *   spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager
+ * }}}
+ *
+ * It wraps (does not subclass) Spark's `SortShuffleManager`: map tasks write with Spark's own
+ * writers, and the resolver that serves blocks to Spark's Netty transport stays Spark's. The
+ * plugin adds four seams around that:
+ *  - (a) map-output commit: [[CommitNotifyingWriter]] tells [[MapOutputCommitHook]] (here: the
+ *    engine's `registerMapOutput`) about each committed `.data/.index` pair;
+ *  - (b) remote reads: [[RdmaShuffleReader]] runs Spark's `ShuffleBlockFetcherIterator` over a
+ *    [[NativeBlockStoreClient]];
+ *  - (c) endpoint discovery: executors register their engine with the driver's
+ *    [[EngineRegistryEndpoint]], readers look executors up through a [[CachingEngineDirectory]];
+ *  - (d) `unregisterShuffle` / `stop` forward to the engine. Counters: each reduce task reports
+ *    the engine's counters to the driver, which logs every executor's latest
+ *    `RDMA_SHUFFLE_ENGINE_STATS executor=<id> key=value...` line when it stops (executors try
+ *    too, but standalone workers kill them right after the driver's shutdown command).
+ *
+ * When the native library cannot load (or [[FallbackPolicy]] says so) every shuffle is handed to
+ * `SortShuffleManager`, after one warning per JVM; jobs run as without the plugin.
+ *
+ * Per-JVM engine: opened on first use where tasks run (eagerly at construction on Spark 4
+ * executors, see [[SparkShims.envReadyAtConstruction]]), never on a driver that runs no tasks.
+ */
+class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
+  extends ShuffleManagerContract with Logging {
+
+  /** Spark's `(SparkConf)` form: a driver is recognised by its executor id. */
+  def this(conf: SparkConf) =
+    this(conf, conf.get("spark.executor.id", "") == SparkShuffleConstants.DriverId)
+
+  /** Spark's no-argument form: settings come from `spark.*` system properties. */
+  def this() = this(new SparkConf())
+
+  import RdmaShuffleManager._
+
+  private val sort = new SortShuffleManager(conf)
+
+  /** Parsed settings; a bad value fails Spark's start with a message naming the key. */
+  val settings: RdmaShuffleConf = RdmaShuffleConf(conf)
+
+  private val nativeFailure: Option[String] =
+    if (!settings.enabled) None else Option(nativeLibrary().failure())
+
+  private val fallbackPolicy: FallbackPolicy = createFallbackPolicy(settings, nativeFailure)
+
+  /** Shuffle ids handed to Spark's sort shuffle (driver side), with the reason. */
+  private val handedOver = new ConcurrentHashMap[Int, String]()
+
+  /** Shuffles with at least one map output registered with this JVM's engine. */
+  private val engineShuffles = ConcurrentHashMap.newKeySet[Int]()
+
+  @volatile private var engineState: EngineState = EngineState.NotStarted
+  @volatile private var registryRef: Option[RpcEndpointRef] = None
+  @volatile private var registryEndpoint: Option[EngineRegistryEndpoint] = None
+  private val stopped = new AtomicBoolean(false)
+
+  logInfo(s"RdmaShuffleManager created (isDriver=$isDriver, native=" +
+    s"${nativeFailure.fold("loaded")(_ => "unavailable")}, enabled=${settings.enabled})")
+  nativeFailure.foreach { reason =>
+    if (nativeWarningLogged.compareAndSet(false, true)) {
+      logWarning(s"RDMA shuffle: native library lib${NativeLoader.LIB_NAME}.so could not be " +
+        s"loaded ($reason). Every shuffle of this application is handed to Spark's built-in " +
+        "sort shuffle; jobs run unchanged, without the native engine.")
+    }
+  }
+
+  // Spark 4: start now, so executors register with the driver as they come up. Spark 3.5 (and
+  // any JVM without an env yet) starts on first use instead. Nothing to start when every
+  // shuffle will be handed over anyway.
+  if (SparkShims.envReadyAtConstruction && SparkEnv.get != null && settings.enabled &&
+      nativeFailure.isEmpty) {
+    if (isDriver) startRegistry() else engine()
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Overridable collaborators (tests subclass the manager, as Spark instantiates it by name).
+
+  /** Loads (once per JVM) the native library. */
+  protected def nativeLibrary(): NativeLoader.Outcome = NativeLoader.load()
+
+  /** The per-shuffle hand-over decision. */
+  protected def createFallbackPolicy(
+      settings: RdmaShuffleConf, nativeFailure: Option[String]): FallbackPolicy =
+    new DefaultFallbackPolicy(conf, settings, nativeFailure)
+
+  /** Opens this JVM's engine. */
+  protected def openEngine(config: String): ShuffleEngine = NativeEngine.open(config)
+
+  /** The directory readers resolve executors through (the driver registry, cached). */
+  protected def readerDirectory(registry: CachingEngineDirectory): EngineDirectory = registry
+
+  /**
+   * Where the blocks of a reduce range are, like `SortShuffleManager.getReader` computes it.
+   * Returns the blocks by address and whether batch fetch may be used.
+   */
+  protected def mapSizesByExecutorId(
+      handle: BaseShuffleHandle[_, _, _],
+      startMapIndex: Int,
+      endMapIndex: Int,
+      startPartition: Int,
+      endPartition: Int)
+    : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
+    val tracker = SparkEnv.get.mapOutputTracker
+    if (handle.dependency.isShuffleMergeFinalizedMarked) {
+      val res = tracker.getPushBasedShuffleMapSizesByExecutorId(
+        handle.shuffleId, startMapIndex, endMapIndex, startPartition, endPartition)
+      (res.iter, res.enableBatchFetch)
+    } else {
+      (tracker.getMapSizesByExecutorId(
+        handle.shuffleId, startMapIndex, endMapIndex, startPartition, endPartition), true)
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // ShuffleManager
+
+  override def registerShuffle[K, V, C](
+      shuffleId: Int,
+      dependency: ShuffleDependency[K, V, C]): ShuffleHandle = {
+    val sortHandle = sort.registerShuffle(shuffleId, dependency)
+    fallbackPolicy.reasonToHandOver(dependency) match {
+      case Some(reason) =>
+        handedOver.put(shuffleId, reason)
+        logInfo(s"Shuffle $shuffleId handed to Spark's sort shuffle: $reason")
+        sortHandle
+      case None =>
+        startRegistry()
+        new RdmaShuffleHandle(shuffleId, dependency, sortHandle)
+    }
+  }
+
+  override def getWriter[K, V](
+      handle: ShuffleHandle,
+      mapId: Long,
+      context: TaskContext,
+      metrics: ShuffleWriteMetricsReporter): ShuffleWriter[K, V] = handle match {
+    case h: RdmaShuffleHandle[K @unchecked, V @unchecked, _] =>
+      val writer = sort.getWriter[K, V](h.sortHandle, mapId, context, metrics)
+      engine() match {
+        case EngineState.Running(eng, _, _) =>
+          val numPartitions = h.dependency.partitioner.numPartitions
+          new CommitNotifyingWriter[K, V](writer, () => commitHook(eng).onMapOutputCommitted(
+            MapOutputCommit(h.shuffleId, mapId,
+              sort.shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
+              sort.shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
+              numPartitions)))
+        case _ => writer
+      }
+    case other =>
+      sort.getWriter[K, V](other, mapId, context, metrics)
+  }
+
+  override def getReader[K, C](
+      handle: ShuffleHandle,
+      startMapIndex: Int,
+      endMapIndex: Int,
+      startPartition: Int,
+      endPartition: Int,
+      context: TaskContext,
+      metrics: ShuffleReadMetricsReporter): ShuffleReader[K, C] = handle match {
+    case h: RdmaShuffleHandle[K @unchecked, _, C @unchecked] =>
+      engine() match {
+        case running @ EngineState.Running(_, _, client) =>
+          // After each reduce task, tell the driver the engine's counters (see EngineStats).
+          context.addTaskCompletionListener[Unit](_ => reportStats(running))
+          val (blocksByAddress, canEnableBatchFetch) =
+            mapSizesByExecutorId(h, startMapIndex, endMapIndex, startPartition, endPartition)
+          new RdmaShuffleReader[K, C](h, blocksByAddress, context, metrics, client,
+            shouldBatchFetch = canEnableBatchFetch &&
+              SortShuffleManager.canUseBatchFetch(startPartition, endPartition, context))
+        case _ =>
+          // No engine in this JVM: Spark's reader over Netty (engines elsewhere do not matter,
+          // every executor's Netty server still serves its files).
+          sort.getReader[K, C](h.sortHandle, startMapIndex, endMapIndex, startPartition,
+            endPartition, context, metrics)
+      }
+    case other =>
+      sort.getReader[K, C](other, startMapIndex, endMapIndex, startPartition, endPartition,
+        context, metrics)
+  }
+
+  override def unregisterShuffle(shuffleId: Int): Boolean = {
+    handedOver.remove(shuffleId)
+    if (engineShuffles.remove(shuffleId)) {
+      engineState match {
+        case EngineState.Running(eng, _, _) =>
+          try eng.unregisterShuffle(shuffleId) catch {
+            case NonFatal(e) => logWarning(s"Engine could not unregister shuffle $shuffleId", e)
+          }
+        case _ =>
+      }
+    }
+    sort.unregisterShuffle(shuffleId)
+  }
+
+  override def shuffleBlockResolver: IndexShuffleBlockResolver = sort.shuffleBlockResolver
+
+  override def stop(): Unit = {
+    if (stopped.compareAndSet(false, true)) {
+      synchronized {
+        engineState match {
+          case running @ EngineState.Running(eng, directory, _) =>
+            val executorId = Option(SparkEnv.get).map(_.executorId).getOrElse("?")
+            logStats(executorId, statsOf(running))
+            directory.unregister(executorId)
+            try eng.close() catch {
+              case NonFatal(e) => logWarning("Closing the native shuffle engine failed", e)
+            }
+          case _ =>
+        }
+        logInfo(s"RdmaShuffleManager stopped (isDriver=$isDriver, engine=${engineState match {
+          case EngineState.Running(_, _, _) => "closed"
+          case EngineState.Unavailable(_) => "unavailable"
+          case _ => "never started"
+        }}, handed over shuffles=${handedOver.size})")
+        engineState = EngineState.Stopped
+        // The driver's log is the reliable place for every executor's final counters.
+        registryEndpoint.foreach(_.statsByExecutor.toSeq.sortBy(_._1).foreach {
+          case (executorId, stats) => logStats(executorId, stats)
+        })
+        for (ref <- registryRef; env <- Option(SparkEnv.get)) {
+          try env.rpcEnv.stop(ref) catch { case NonFatal(_) => }
+        }
+        registryRef = None
+      }
+      sort.stop()
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Introspection (tests, logs)
+
+  /** Why a shuffle was handed to Spark's sort shuffle, if it was (driver side). */
+  def handOverReason(shuffleId: Int): Option[String] = Option(handedOver.get(shuffleId))
+
+  /** The engine of this JVM, if one is running. */
+  def runningEngine: Option[ShuffleEngine] = engineState match {
+    case EngineState.Running(eng, _, _) => Some(eng)
+    case _ => None
+  }
+
+  /** The driver's registry endpoint, if this is the driver and it was started. */
+  private[rdma] def registry: Option[EngineRegistryEndpoint] = registryEndpoint
+
+  // ---------------------------------------------------------------------------------------------
+  // Internals
+
+  private def commitHook(eng: ShuffleEngine): MapOutputCommitHook = new MapOutputCommitHook {
+    override def onMapOutputCommitted(c: MapOutputCommit): Unit = {
+      eng.registerMapOutput(c.shuffleId, c.mapId, c.dataFile, c.indexFile, c.numPartitions)
+      engineShuffles.add(c.shuffleId)
+    }
+  }
+
+  /** The engine's counters plus this JVM's request routing counts. */
+  private def statsOf(running: EngineState.Running): Seq[(String, String)] = {
+    val native = try running.engine.stats catch {
+      case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
+    }
+    Seq("transport" -> running.engine.transport,
+      "native_requests" -> running.client.nativeRequestCount.toString,
+      "delegated_requests" -> running.client.delegatedRequestCount.toString) ++ native
+  }
+
+  private def reportStats(running: EngineState.Running): Unit = {
+    val env = SparkEnv.get
+    if (env != null) running.directory.reportStats(env.executorId, statsOf(running))
+  }
+
+  /** One line, `key=value`, grepped by tests/spark: keep the format stable. */
+  private def logStats(executorId: String, stats: Seq[(String, String)]): Unit =
+    logInfo(s"$StatsMarker executor=$executorId " + stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
+
+  /** Starts the driver's registry endpoint once (driver only). */
+  private def startRegistry(): Unit = {
+    if (isDriver && registryRef.isEmpty) synchronized {
+      if (registryRef.isEmpty && !stopped.get()) {
+        val env = SparkEnv.get
+        if (env != null) {
+          val (endpoint, ref) = EngineRegistry.startDriverEndpoint(env.rpcEnv)
+          registryEndpoint = Some(endpoint)
+          registryRef = Some(ref)
+        }
+      }
+    }
+  }
+
+  /** This JVM's engine, started on first call; never throws. */
+  private def engine(): EngineState = {
+    val s = engineState
+    if (s != EngineState.NotStarted) s else synchronized {
+      if (engineState == EngineState.NotStarted && !stopped.get()) {
+        engineState = startEngine()
+      }
+      engineState
+    }
+  }
+
+  private def startEngine(): EngineState = {
+    if (!settings.enabled || nativeFailure.isDefined) {
+      return EngineState.Unavailable(nativeFailure.getOrElse("disabled"))
+    }
+    val env = SparkEnv.get
+    if (env == null) return EngineState.NotStarted
+    var opened: Option[ShuffleEngine] = None
+    try {
+      val secret =
+        if (conf.getBoolean("spark.authenticate", false)) Option(env.securityManager.getSecretKey())
+        else None
+      val eng = openEngine(settings.engineConfig(env.executorId, conf.getAppId, secret))
+      opened = Some(eng)
+      val ref = if (isDriver) {
+        startRegistry()
+        registryRef.getOrElse(throw new IllegalStateException("driver registry not started"))
+      } else {
+        EngineRegistry.driverRef(conf, env.rpcEnv)
+      }
+      val directory = new CachingEngineDirectory(ref)
+      val host = advertisedHost(env)
+      directory.register(env.executorId, host, eng.port, eng.transport)
+      val client = new NativeBlockStoreClient(eng, readerDirectory(directory),
+        env.blockManager.blockStoreClient,
+        SparkTransportConf.fromSparkConf(env.conf, "shuffle"))
+      logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
+        s"(transport ${eng.transport})")
+      EngineState.Running(eng, directory, client)
+    } catch {
+      case NonFatal(e) =>
+        opened.foreach(o => try o.close() catch { case NonFatal(_) => })
+        logWarning("RDMA shuffle engine could not start on this executor; its shuffles are " +
+          "written and read through Spark's own block transfer service", e)
+        EngineState.Unavailable(e.toString)
+    }
+  }
+
+  private def advertisedHost(env: SparkEnv): String = {
+    val bm = Option(env.blockManager).flatMap(b => Option(b.blockManagerId))
+    bm.map(_.host).orElse(Option(env.rpcEnv.address).map(_.host))
+      .getOrElse(Utils.localHostNameForURI())
+  }
+}
+
+/** Constants shared by the manager and the test harness. */
+object RdmaShuffleManager {
+  /** Prefix of the engine-stats log line written at stop (grepped by tests/spark). */
+  val StatsMarker = "RDMA_SHUFFLE_ENGINE_STATS"
+
+  private val nativeWarningLogged = new AtomicBoolean(false)
+}
+
+/** Where this JVM's engine is. */
+private[rdma] sealed trait EngineState
+
+private[rdma] object EngineState {
+  case object NotStarted extends EngineState
+  case object Stopped extends EngineState
+  final case class Unavailable(reason: String) extends EngineState
+  final case class Running(
+      engine: ShuffleEngine,
+      directory: CachingEngineDirectory,
+      client: NativeBlockStoreClient) extends EngineState
+}
+
+/** Spark constants that are private in Spark. */
+private[rdma] object SparkShuffleConstants {
+  /** `SparkContext.DRIVER_IDENTIFIER`. */
+  val DriverId = "driver"
+}

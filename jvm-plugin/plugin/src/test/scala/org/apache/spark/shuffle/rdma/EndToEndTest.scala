@@ -1,0 +1,130 @@
+/*
+ * Licensed under the Apache License, Version 2.0.
+ */
+package org.apache.spark.shuffle.rdma
+
+import org.junit.Assert._
+import org.junit.{After, Before, Test}
+
+import org.apache.spark.{SparkConf, SparkContext, SparkEnv, SparkException}
+
+/**
+ * Runs real Spark jobs in local mode through [[RdmaShuffleManager]] (with the loopback engine in
+ * place of the native one): writes are committed to the engine, every reduce-side block is
+ * fetched through the engine via Spark's own fetcher, and every lease comes back.
+ */
+class EndToEndTest {
+  private var sc: SparkContext = _
+
+  @Before def setUp(): Unit = LoopbackShuffleManager.reset()
+
+  @After def tearDown(): Unit = {
+    if (sc != null) sc.stop()
+    sc = null
+    LoopbackShuffleManager.reset()
+  }
+
+  private def start(extra: (String, String)*): SparkContext = {
+    val conf = new SparkConf()
+      .setMaster("local[2]")
+      .setAppName("rdma-shuffle-e2e")
+      .set("spark.shuffle.manager", classOf[LoopbackShuffleManager].getName)
+      .set("spark.ui.enabled", "false")
+      .set("spark.shuffle.io.retryWait", "10ms")
+    extra.foreach { case (k, v) => conf.set(k, v) }
+    sc = new SparkContext(conf)
+    sc
+  }
+
+  private def manager: LoopbackShuffleManager =
+    SparkEnv.get.shuffleManager.asInstanceOf[LoopbackShuffleManager]
+
+  @Test def reduceByKeyAndSortGoThroughTheEngine(): Unit = {
+    start()
+    val data = (1 to 20000).map(i => (i % 101, i.toLong))
+    val expected = data.groupBy(_._1).map { case (k, vs) => (k, vs.map(_._2).sum) }
+    val got = sc.parallelize(data, 4).reduceByKey(_ + _, 5).collect().toMap
+    assertEquals(expected, got)
+
+    // sortByKey exercises the key-ordering branch of the reader (range partitioner, 2 shuffles).
+    val sorted = sc.parallelize(data.map(_.swap), 3).sortByKey(numPartitions = 4).keys.collect()
+    assertArrayEquals(data.map(_._2).sorted.toArray, sorted)
+
+    val engine = LoopbackShuffleManager.engine
+    assertNotNull("engine opened where tasks ran", engine)
+    // 4 map tasks for reduceByKey, 3 for the sort's sample-free shuffle.
+    assertEquals(4 + 3, engine.registered.get())
+    assertTrue("blocks were served by the engine", engine.blocksServed.get() > 0)
+    assertEquals("every lease released", 0, engine.outstanding)
+    assertEquals("no lease released twice", 0, engine.doubleReleases.get())
+    assertTrue(manager.runningEngine.isDefined)
+    // Reduce tasks report the engine's counters to the driver's registry (one-way, async).
+    val registry = manager.registry.get
+    val deadline = System.nanoTime() + 10L * 1000 * 1000 * 1000
+    def reported = registry.statsByExecutor.get("driver").map(_.toMap).getOrElse(Map.empty)
+    while (reported.get("native_requests").forall(_.toLong == 0) && System.nanoTime() < deadline) {
+      Thread.sleep(10)
+    }
+    assertTrue(s"stats reported: $reported", reported("native_requests").toLong > 0)
+    assertEquals(engine.blocksServed.get().toString, reported("blocks_fetched"))
+    assertTrue(LoopbackShuffleManager.lastConfig.contains("spark.executor.id=driver\n"))
+  }
+
+  @Test def transientFailuresAreRetriedBySpark(): Unit = {
+    // The first attempt of every block fails with an I/O error; Spark's retrying transferor
+    // (spark.shuffle.io.maxRetries=3) must fetch it again and the job must succeed.
+    LoopbackShuffleManager.failure = (_, attempt) =>
+      if (attempt == 1) Some(("io", "injected transient failure")) else None
+    start()
+    val got = sc.parallelize(1 to 1000, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3)
+      .collect().toMap
+    assertEquals((0 until 10).map(k => (k, 100)).toMap, got)
+    val engine = LoopbackShuffleManager.engine
+    assertEquals(0, engine.outstanding)
+    assertTrue(engine.blocksServed.get() > 0)
+  }
+
+  @Test def permanentFailuresBecomeFetchFailed(): Unit = {
+    LoopbackShuffleManager.failure = (_, _) => Some(("not_found", "injected missing block"))
+    start("spark.stage.maxConsecutiveAttempts" -> "1")
+    val e = assertThrows(classOf[SparkException], () =>
+      sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect())
+    val text = e.toString + Option(e.getCause).map(_.toString).getOrElse("")
+    assertTrue(s"fetch failure surfaced: $text", text.contains("FetchFailed") ||
+      text.contains("injected missing block"))
+    assertTrue(s"our message surfaced: $text", text.contains("injected missing block"))
+  }
+
+  @Test def unregisterShuffleReachesTheEngine(): Unit = {
+    start()
+    val rdd = sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3)
+    assertEquals(10, rdd.count())
+    val engine = LoopbackShuffleManager.engine
+    val shuffleId = 0
+    assertEquals(2, engine.outputsOf(shuffleId))
+    assertTrue(manager.unregisterShuffle(shuffleId))
+    assertTrue(engine.unregisteredShuffles.contains(shuffleId))
+    assertEquals(0, engine.outputsOf(shuffleId))
+  }
+
+  @Test def stopClosesTheEngine(): Unit = {
+    start()
+    sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).count()
+    val engine = LoopbackShuffleManager.engine
+    sc.stop()
+    sc = null
+    assertTrue(engine.closed)
+    import scala.collection.JavaConverters._
+    val ours = Thread.getAllStackTraces.keySet().asScala
+      .filter(t => t.isAlive && t.getName.startsWith("rdma-shuffle") && !t.isDaemon)
+    assertTrue(s"non-daemon plugin threads left: $ours", ours.isEmpty)
+  }
+
+  @Test def disabledPluginHandsShufflesOver(): Unit = {
+    start("spark.shuffle.rdma.enabled" -> "false")
+    val got = sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect()
+    assertEquals(10, got.length)
+    assertEquals(Some("spark.shuffle.rdma.enabled=false"), manager.handOverReason(0))
+    assertNull("no engine when disabled", LoopbackShuffleManager.engine)
+  }
+}

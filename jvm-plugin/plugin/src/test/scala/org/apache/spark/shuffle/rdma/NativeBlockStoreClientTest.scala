@@ -1,0 +1,228 @@
+/*
+ * Licensed under the Apache License, Version 2.0.
+ */
+package org.apache.spark.shuffle.rdma
+
+import java.io.{File, IOException}
+import java.nio.ByteBuffer
+import java.util.concurrent.{ConcurrentLinkedQueue, CountDownLatch, TimeUnit}
+
+import scala.collection.JavaConverters._
+
+import org.junit.Assert._
+import org.junit.Test
+
+import org.apache.spark.network.buffer.ManagedBuffer
+import org.apache.spark.network.shuffle.{BlockFetchingListener, BlockStoreClient, DownloadFile, DownloadFileManager, SimpleDownloadFile}
+import org.apache.spark.network.util.{MapConfigProvider, TransportConf}
+
+class NativeBlockStoreClientTest {
+
+  private def transportConf(maxRetries: Int): TransportConf =
+    new TransportConf("shuffle", new MapConfigProvider(Map(
+      "spark.shuffle.io.maxRetries" -> maxRetries.toString,
+      "spark.shuffle.io.retryWait" -> "1ms").asJava))
+
+  /** Spark's client stand-in: records what was delegated. */
+  private class RecordingSparkClient extends BlockStoreClient {
+    val calls = new ConcurrentLinkedQueue[(String, Int, String, Seq[String])]()
+    override def fetchBlocks(host: String, port: Int, execId: String, blockIds: Array[String],
+        listener: BlockFetchingListener, dfm: DownloadFileManager): Unit =
+      calls.add((host, port, execId, blockIds.toSeq))
+    override def close(): Unit = ()
+  }
+
+  /** An engine whose fetch answers are scripted per call (call number is 1-based). */
+  private class ScriptedEngine(script: (Int, IndexedSeq[BlockRange], FetchCallback) => Unit)
+    extends ShuffleEngine {
+    val released = new ConcurrentLinkedQueue[Long]()
+    val requests = new ConcurrentLinkedQueue[(String, Int, IndexedSeq[BlockRange])]()
+    @volatile private var calls = 0
+    override def port: Int = 1
+    override def transport: String = "scripted"
+    override def registerMapOutput(s: Int, m: Long, d: File, i: File, n: Int): Unit = ()
+    override def unregisterShuffle(shuffleId: Int): Int = 0
+    override def fetchBlocks(host: String, port: Int, blocks: IndexedSeq[BlockRange],
+        callback: FetchCallback): Unit = {
+      requests.add((host, port, blocks))
+      calls += 1
+      script(calls, blocks, callback)
+    }
+    override def releaseLease(lease: Long): Unit = released.add(lease)
+    override def stats: Seq[(String, String)] = Nil
+    override def close(): Unit = ()
+  }
+
+  private class RecordingListener(retain: Boolean, expected: Int) extends BlockFetchingListener {
+    val ok = new ConcurrentLinkedQueue[(String, Array[Byte])]()
+    val kept = new ConcurrentLinkedQueue[ManagedBuffer]()
+    val failed = new ConcurrentLinkedQueue[(String, Throwable)]()
+    val done = new CountDownLatch(expected)
+    override def onBlockFetchSuccess(blockId: String, buf: ManagedBuffer): Unit = {
+      val bb = buf.nioByteBuffer()
+      val bytes = new Array[Byte](bb.remaining())
+      bb.get(bytes)
+      ok.add((blockId, bytes))
+      if (retain) { buf.retain(); kept.add(buf) }
+      done.countDown()
+    }
+    override def onBlockFetchFailure(blockId: String, e: Throwable): Unit = {
+      failed.add((blockId, e))
+      done.countDown()
+    }
+    def await(): Unit = assertTrue("listener completed", done.await(10, TimeUnit.SECONDS))
+  }
+
+  private def bytesOf(n: Int, seed: Int): ByteBuffer = {
+    val b = ByteBuffer.allocateDirect(n)
+    (0 until n).foreach(i => b.put(((i * 31 + seed) & 0xff).toByte))
+    b.flip()
+    b
+  }
+
+  private val remote = new EngineDirectory {
+    override def lookup(executorId: String): Option[EngineAddress] =
+      if (executorId == "exec-2") Some(EngineAddress("10.1.2.3", 4000)) else None
+  }
+
+  @Test def blockIdsMapToRanges(): Unit = {
+    assertEquals(Some(IndexedSeq(BlockRange(1, 2L, 3, 4), BlockRange(1, 9L, 3, 7))),
+      NativeBlockStoreClient.toRanges(Array("shuffle_1_2_3", "shuffle_1_9_3_7")))
+    assertEquals(None, NativeBlockStoreClient.toRanges(Array("shuffle_1_2_3", "rdd_1_2")))
+    assertEquals(None, NativeBlockStoreClient.toRanges(Array("shuffleChunk_1_0_2_3")))
+    assertEquals(None, NativeBlockStoreClient.toRanges(Array("not a block")))
+  }
+
+  @Test def executorsWithoutEngineAndOtherBlocksGoToSpark(): Unit = {
+    val spark = new RecordingSparkClient
+    val engine = new ScriptedEngine((_, _, _) => fail("engine must not be used"))
+    val client = new NativeBlockStoreClient(engine, remote, spark, transportConf(0))
+    val l = new RecordingListener(false, 0)
+    client.fetchBlocks("h1", 7337, "exec-1", Array("shuffle_0_1_2"), l, null)
+    client.fetchBlocks("h2", 7338, "exec-2", Array("shuffleChunk_0_0_1_2"), l, null)
+    assertEquals(Seq(("h1", 7337, "exec-1", Seq("shuffle_0_1_2")),
+      ("h2", 7338, "exec-2", Seq("shuffleChunk_0_0_1_2"))), spark.calls.asScala.toSeq)
+    assertEquals(2L, client.delegatedRequestCount)
+    assertEquals(0L, client.nativeRequestCount)
+  }
+
+  @Test def blocksReachTheListenerAndLeasesComeBack(): Unit = {
+    @volatile var engineThread: Thread = null
+    val engine = new ScriptedEngine((_, blocks, cb) => {
+      // Answer out of order, from another thread, like the native progress thread.
+      val t = new Thread(() => {
+        cb.onBlock(1, bytesOf(10, 1), 101L)
+        cb.onBlock(0, bytesOf(3, 0), 100L)
+      })
+      engineThread = t
+      t.start()
+    })
+    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
+    val l = new RecordingListener(retain = true, expected = 2)
+    client.fetchBlocks("ignored", 1, "exec-2", Array("shuffle_4_5_6", "shuffle_4_5_7_9"), l, null)
+    l.await()
+    // The client drops its own reference after the listener returns, on the engine thread.
+    engineThread.join(10000)
+    val (host, port, ranges) = engine.requests.peek()
+    assertEquals(("10.1.2.3", 4000), (host, port))
+    assertEquals(IndexedSeq(BlockRange(4, 5L, 6, 7), BlockRange(4, 5L, 7, 9)), ranges)
+    val got = l.ok.asScala.toMap
+    assertArrayEquals(bytes(bytesOf(3, 0)), got("shuffle_4_5_6"))
+    assertArrayEquals(bytes(bytesOf(10, 1)), got("shuffle_4_5_7_9"))
+    // The listener retained both: nothing released until it lets go.
+    assertTrue(engine.released.isEmpty)
+    l.kept.asScala.foreach(_.release())
+    assertEquals(Set(100L, 101L), engine.released.asScala.toSet)
+    assertEquals(2, engine.released.size())
+    assertEquals(1L, client.nativeRequestCount)
+  }
+
+  private def bytes(b: ByteBuffer): Array[Byte] = {
+    val d = b.duplicate(); val a = new Array[Byte](d.remaining()); d.get(a); a
+  }
+
+  @Test def failureKindsMapToRetryableOrNot(): Unit = {
+    val engine = new ScriptedEngine((_, _, cb) => {
+      cb.onFailure(0, "timeout", "no progress for 120000 ms")
+      cb.onFailure(1, "auth", "challenge failed")
+    })
+    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
+    val l = new RecordingListener(false, 2)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0", "shuffle_0_1_1"), l, null)
+    l.await()
+    val byId = l.failed.asScala.toMap
+    val timeout = byId("shuffle_0_1_0")
+    assertTrue(timeout.isInstanceOf[IOException])
+    assertEquals("timeout", timeout.getCause.asInstanceOf[RdmaShuffleException].kind())
+    assertTrue(timeout.getMessage.contains("exec-2"))
+    assertTrue(timeout.getMessage.contains("10.1.2.3:4000"))
+    val auth = byId("shuffle_0_1_1")
+    assertTrue(auth.isInstanceOf[RdmaShuffleException])
+    assertEquals("auth", auth.asInstanceOf[RdmaShuffleException].kind())
+  }
+
+  @Test def duplicateResultsAreDroppedAndTheirLeaseReleased(): Unit = {
+    val engine = new ScriptedEngine((_, _, cb) => {
+      cb.onBlock(0, bytesOf(4, 0), 1L)
+      cb.onBlock(0, bytesOf(4, 0), 2L)
+      cb.onFailure(0, "io", "late failure for a finished block")
+      cb.onBlock(5, bytesOf(4, 0), 3L)
+    })
+    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertEquals(1, l.ok.size())
+    assertTrue(l.failed.isEmpty)
+    assertEquals(Set(1L, 2L, 3L), engine.released.asScala.toSet)
+  }
+
+  @Test def transientFailuresAreRetriedWithSparksPolicy(): Unit = {
+    val engine = new ScriptedEngine((call, blocks, cb) => {
+      if (call == 1) {
+        cb.onBlock(0, bytesOf(2, 0), 10L)
+        cb.onFailure(1, "connect", "connection refused")
+      } else {
+        // Spark retries only what is still outstanding.
+        assertEquals(IndexedSeq(BlockRange(0, 1L, 1, 2)), blocks)
+        cb.onBlock(0, bytesOf(2, 1), 11L)
+      }
+    })
+    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(2))
+    val l = new RecordingListener(false, 2)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0", "shuffle_0_1_1"), l, null)
+    l.await()
+    assertTrue(l.failed.isEmpty)
+    assertEquals(Set("shuffle_0_1_0", "shuffle_0_1_1"), l.ok.asScala.map(_._1).toSet)
+    assertEquals(2, engine.requests.size())
+    // The retry runs on Spark's retry thread, which drops the client's reference after the
+    // listener returned: give it a bounded moment.
+    val deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(10)
+    while (engine.released.size() < 2 && System.nanoTime() < deadline) Thread.sleep(5)
+    assertEquals(Set(10L, 11L), engine.released.asScala.toSet)
+  }
+
+  @Test def toDiskRequestsAreCopiedToTheFetchersFile(): Unit = {
+    val tc = transportConf(0)
+    val dir = java.nio.file.Files.createTempDirectory("rdma-dl").toFile
+    val registered = new ConcurrentLinkedQueue[DownloadFile]()
+    val dfm = new DownloadFileManager {
+      override def createTempFile(conf: TransportConf): DownloadFile =
+        new SimpleDownloadFile(File.createTempFile("blk", ".tmp", dir), conf)
+      override def registerTempFileToClean(file: DownloadFile): Boolean = registered.add(file)
+    }
+    val payload = bytesOf(100000, 7)
+    val engine = new ScriptedEngine((_, _, cb) => cb.onBlock(0, payload.duplicate(), 77L))
+    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, tc)
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, dfm)
+    l.await()
+    assertArrayEquals(bytes(payload), l.ok.peek()._2)
+    assertEquals("native memory released right after the copy", Seq(77L),
+      engine.released.asScala.toSeq)
+    assertEquals(1, registered.size())
+    assertTrue(new File(registered.peek().path()).length() == 100000)
+    registered.asScala.foreach(_.delete())
+    dir.delete()
+  }
+}
