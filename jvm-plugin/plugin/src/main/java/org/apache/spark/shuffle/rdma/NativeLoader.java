@@ -31,6 +31,9 @@ public final class NativeLoader {
   /** Where bundled libraries live in the jar, before {@code <os>/<arch>/<file>}. */
   public static final String RESOURCE_ROOT = "/org/apache/spark/shuffle/rdma/native";
 
+  /** Suffix of the tcp-only build of the library, tried when the verbs build cannot load. */
+  public static final String TCP_SUFFIX = "_tcp";
+
   /** How one attempt turned out. */
   public static final class Outcome {
     private final boolean loaded;
@@ -141,44 +144,62 @@ public final class NativeLoader {
       // UnsatisfiedLinkError (not found, wrong ELF class, missing symbols) or SecurityException.
       fromPath = t.toString();
     }
-    String resource = resourcePath(os, arch);
-    URL url = loader.resource(resource);
-    if (url == null) {
-      return new Outcome(false, null, "not on java.library.path (" + fromPath
-          + ") and the plugin jar has no " + resource + " (a jar built without the native"
-          + " library, or an unsupported platform " + os + "/" + arch + ")");
-    }
-    Path tmp = null;
-    try {
-      tmp = Files.createTempFile("lib" + LIB_NAME + "-", ".so");
-      File f = tmp.toFile();
-      f.deleteOnExit();
-      try (InputStream in = url.openStream()) {
-        Files.copy(in, tmp, StandardCopyOption.REPLACE_EXISTING);
+    // The jar bundles two builds: with the verbs provider (needs libibverbs.so.1) and tcp-only.
+    // Where RDMA user space is missing the first cannot load, and the second still gives the
+    // engine over tcp instead of Spark's built-in shuffle.
+    StringBuilder why = new StringBuilder("not on java.library.path (" + fromPath + ")");
+    for (String variant : new String[] {LIB_NAME, LIB_NAME + TCP_SUFFIX}) {
+      String resource = resourcePath(os, arch, variant);
+      URL url = loader.resource(resource);
+      if (url == null) {
+        why.append("; the plugin jar has no ").append(resource)
+            .append(" (a jar built without the native library, or an unsupported platform ")
+            .append(os).append("/").append(arch).append(")");
+        continue;
       }
-      loader.load(f.getAbsolutePath());
-      return new Outcome(true, f.getAbsolutePath(), null);
-    } catch (IOException | RuntimeException | LinkageError e) {
-      if (tmp != null) {
-        try {
-          Files.deleteIfExists(tmp);
-        } catch (IOException ignored) {
-          // deleteOnExit still removes it later.
+      Path tmp = null;
+      try {
+        tmp = Files.createTempFile("lib" + variant + "-", ".so");
+        File f = tmp.toFile();
+        f.deleteOnExit();
+        try (InputStream in = url.openStream()) {
+          Files.copy(in, tmp, StandardCopyOption.REPLACE_EXISTING);
         }
+        loader.load(f.getAbsolutePath());
+        return new Outcome(true, f.getAbsolutePath(), null);
+      } catch (IOException | RuntimeException | LinkageError e) {
+        if (tmp != null) {
+          try {
+            Files.deleteIfExists(tmp);
+          } catch (IOException ignored) {
+            // deleteOnExit still removes it later.
+          }
+        }
+        why.append("; loading the bundled ").append(resource).append(" failed: ").append(e);
       }
-      return new Outcome(false, null, "not on java.library.path (" + fromPath
-          + ") and loading the bundled " + resource + " failed: " + e);
     }
+    return new Outcome(false, null, why.toString());
   }
 
   /**
    * @param os normalised OS name
    * @param arch normalised architecture
-   * @return the jar resource path of the bundled library for that platform
+   * @return the jar resource path of the bundled (verbs-enabled) library for that platform
    */
   public static String resourcePath(String os, String arch) {
-    return RESOURCE_ROOT + "/" + os + "/" + arch + "/" + System.mapLibraryName(LIB_NAME);
+    return resourcePath(os, arch, LIB_NAME);
   }
+
+  /**
+   * @param os normalised OS name
+   * @param arch normalised architecture
+   * @param variant library name without prefix and suffix
+   * @return the jar resource path of that library for that platform
+   */
+  public static String resourcePath(String os, String arch, String variant) {
+    return RESOURCE_ROOT + "/" + os + "/" + arch + "/" + System.mapLibraryName(variant);
+  }
+
 
   /**
    * Maps {@code os.name} to the folder names used in the jar (Rust's target OS names).
