@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 . scripts/lib.sh
 ensure_rust >/dev/null
 apt_install libibverbs-dev librdmacm-dev libclang-dev clang pkg-config
-ARCH=$(uname -m); case $ARCH in x86_64) ARCH=amd64 ;; aarch64) ARCH=aarch64 ;; esac
+ARCH=$(uname -m)  # x86_64 | aarch64: the names NativeLoader.archName uses
 OUT=jvm-plugin/plugin/target/native/org/apache/spark/shuffle/rdma/native/linux/$ARCH
 mkdir -p "$OUT"
 cargo build --release --locked -p rdma-shuffle-jni --features verbs
