@@ -14,10 +14,11 @@ ARCH=$(uname -m)  # x86_64 | aarch64: the names NativeLoader.archName uses
 OUT=jvm-plugin/plugin/target/native/org/apache/spark/shuffle/rdma/native/linux/$ARCH
 mkdir -p "$OUT"
 cargo build --release --locked -p rdma-shuffle-jni --features verbs
-cp target/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni.so"
+# Debug info stays in target/ (for symbolizing); the jar gets stripped copies.
+objcopy --strip-debug target/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni.so"
 # A separate target dir keeps the two feature sets from rebuilding each other.
 CARGO_TARGET_DIR=target/tcp-only cargo build --release --locked -p rdma-shuffle-jni
-cp target/tcp-only/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni_tcp.so"
+objcopy --strip-debug target/tcp-only/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni_tcp.so"
 if readelf -d "$OUT/librdma_shuffle_jni_tcp.so" | grep -q libibverbs; then
   echo "the tcp-only library must not depend on libibverbs" >&2; exit 1
 fi

@@ -28,6 +28,23 @@ step "rust: criterion micro-benchmarks compile and run once"
 cargo bench --locked -p rdma-shuffle-wire --bench codec -- --test 2>&1 | tail -n 8
 cargo bench --locked -p rdma-shuffle-fabric --bench pool -- --test 2>&1 | tail -n 8
 
+step "jvm: native library (verbs + tcp-only builds) and the plugin jar, both Spark lines (JUnit runs in package)"
+scripts/build-native.sh
+. scripts/spark-env.sh
+(cd jvm-plugin && mvn -B -q package 2>&1 | grep -E "Tests run:|FAIL|ERROR\]" | tail -n 5)
+(cd jvm-plugin && mvn -B -q -Pspark-3.5 package 2>&1 | grep -E "Tests run:|FAIL|ERROR\]" | tail -n 5)
+
+if [ -x scripts/jni-test.sh ]; then
+  step "jni: the real bridge inside a JVM under -Xcheck:jni"
+  scripts/jni-test.sh
+fi
+
+step "spark: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests)"
+tests/spark/run.sh
+
+step "spark over verbs: a job through the plugin on real kernel RDMA in the SoftRoCE VM"
+scripts/spark-verbs-test.sh
+
 if [ -x scripts/fuzz.sh ]; then
   step "fuzz: frame decoder and handshake, bounded"
   scripts/fuzz.sh "${RDMA_SHUFFLE_FUZZ_SECONDS:-30}"
