@@ -31,8 +31,13 @@ cargo bench --locked -p rdma-shuffle-fabric --bench pool -- --test 2>&1 | tail -
 step "jvm: native library (verbs + tcp-only builds) and the plugin jar, both Spark lines (JUnit runs in package)"
 scripts/build-native.sh
 . scripts/spark-env.sh
-(cd jvm-plugin && mvn -B -q package 2>&1 | grep -E "Tests run:|FAIL|ERROR\]" | tail -n 5)
-(cd jvm-plugin && mvn -B -q -Pspark-3.5 package 2>&1 | grep -E "Tests run:|FAIL|ERROR\]" | tail -n 5)
+for profile in "" spark-3.5; do
+  log=target/mvn-${profile:-default}.log
+  if ! (cd jvm-plugin && mvn -B ${profile:+-P$profile} package) > "$log" 2>&1; then
+    tail -n 80 "$log"; echo "maven build ${profile:-default} failed (full log: $log)" >&2; exit 1
+  fi
+  grep -E "^\[(INFO|WARNING|ERROR)\] Tests run:" "$log" | tail -n 3
+done
 
 if [ -x scripts/jni-test.sh ]; then
   step "jni: the real bridge inside a JVM under -Xcheck:jni"
