@@ -4,9 +4,10 @@
 #
 #   scripts/demo.sh [jobs] [scale]   jobs: terasort (default), a comma list of wordcount,terasort,sql,sparse,bigblock, or all
 #
-# Installs what it needs on first use: a venv with pyspark (scripts/spark-env.sh) and the Maven
-# build of jvm-plugin. While the native library is absent the plugin hands every shuffle to
-# Spark (one warning in the logs), so both columns then measure Spark's own transport.
+# Installs what it needs on first use: build dependencies (apt), the native engine
+# (scripts/build-native.sh), a venv with pyspark (scripts/spark-env.sh) and the Maven build of
+# jvm-plugin. On this machine (no RDMA device) the engine runs over tcp; the plugin run prints
+# the engine's own counters, which show the blocks it moved.
 set -euo pipefail
 job="${1:-terasort}"
 scale="${2:-1}"
@@ -16,6 +17,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 line=4.x; [ "${RDMA_SPARK_PROFILE:-}" = spark-3.5 ] && line=3.5
 plugin_jar="$REPO_ROOT/jvm-plugin/plugin/target/spark-$line/rdma-shuffle-spark${line}_${SCALA_BINARY}-0.1.0-SNAPSHOT.jar"
 jobs_jar="$REPO_ROOT/jvm-plugin/jobs/target/spark-$line/rdma-shuffle-jobs-spark${line}_${SCALA_BINARY}-0.1.0-SNAPSHOT.jar"
+echo "== building the native engine"
+"$here/build-native.sh" > "$REPO_ROOT/target/build-native.log" 2>&1 || { tail -30 "$REPO_ROOT/target/build-native.log"; exit 1; }
 echo "== building jvm-plugin (Spark $SPARK_VERSION, Scala $SCALA_BINARY)"
 (cd "$REPO_ROOT/jvm-plugin" && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
 
@@ -67,5 +70,10 @@ done
 if grep -q "native library librdma_shuffle_jni.so could not be" "$out/plugin.err"; then
   echo "note: native library absent -> the plugin handed every shuffle to Spark's sort shuffle"
 fi
+echo
+echo "engine counters per executor (plugin run; from the driver's log):"
+grep -o "RDMA_SHUFFLE_ENGINE_STATS executor=.*" "$out/plugin.err" | tr ' ' '\n' \
+  | grep -E "^(executor|transport|blocks_served|bytes_served|blocks_fetched|bytes_fetched|eager_blocks_fetched|rendezvous_blocks_fetched)=" \
+  | paste -sd' ' | sed 's/ executor=/\nexecutor=/g; s/^/  /'
 echo "logs: $out"
 [ "$all_equal" = yes ]
