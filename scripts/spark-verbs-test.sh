@@ -30,7 +30,9 @@ grep "^DIGEST job=$JOB " "$OUT/default.out" | tee "$OUT/default.digest"
 step "plugin over verbs inside the SoftRoCE VM (emulated: slow)"
 cat > "$OUT/guest.sh" <<GUEST
 #!/bin/sh
-# Runs in the guest, chrooted into the host's root.
+# Runs in the guest, chrooted into the host's root. The guest has no udev: bash's process
+# substitution (spark-class uses it) needs /dev/fd.
+[ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
 export SPARK_HOME='$SPARK_HOME' JAVA_HOME='$JAVA_HOME' SPARK_LOCAL_IP=127.0.0.1 HOME=/root
 "\$SPARK_HOME/bin/spark-submit" --master 'local-cluster[2,1,768]' --driver-memory 768m ${CONF[*]} \
   --conf spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager --jars '$PLUGIN' \
