@@ -197,6 +197,9 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
             return Err(BridgeError::new("invalid_argument", "callback is null"));
         }
         let host = string(env, &host, "host")?;
+        if shuffle_ids.is_null() || map_ids.is_null() || starts.is_null() || ends.is_null() {
+            return Err(BridgeError::new("invalid_argument", "block arrays (shuffleIds, mapIds, startReduceIds, endReduceIds) must not be null"));
+        }
         let n = env.get_array_length(&shuffle_ids)? as usize;
         let lens = [env.get_array_length(&map_ids)?, env.get_array_length(&starts)?, env.get_array_length(&ends)?];
         if lens.iter().any(|l| *l as usize != n) {
