@@ -114,6 +114,13 @@ impl JvmSink {
     fn call(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) -> jni::errors::Result<()> {
         // Daemon attachment: engine threads must never keep the executor JVM alive.
         let mut env = self.vm.attach_current_thread_as_daemon()?;
+        // The thread stays attached for the engine's life and never returns to Java, so the
+        // local references made here (the ByteBuffer, the strings) would otherwise live until
+        // the thread dies: one leaked ByteBuffer per fetched block. A frame per call frees them.
+        env.with_local_frame(4, |env| Self::deliver(env, &self.callback, index, result))
+    }
+
+    fn deliver(env: &mut JNIEnv, callback: &GlobalRef, index: usize, result: Result<FetchedBlock, BlockFailure>) -> jni::errors::Result<()> {
         match result {
             Ok(block) => {
                 let lease = block.into_lease();
@@ -127,7 +134,7 @@ impl JvmSink {
                 // below; the ByteBuffer's documented lifetime ends there (FetchCallback docs).
                 let buf = unsafe { env.new_direct_byte_buffer(ptr, len)? };
                 let handle = lease.map(|l| Lease::into_raw(l) as jlong).unwrap_or(0);
-                let r = env.call_method(&self.callback, "onBlock", "(ILjava/nio/ByteBuffer;J)V", &[JValue::Int(index as jint), (&buf).into(), JValue::Long(handle)]);
+                let r = env.call_method(callback, "onBlock", "(ILjava/nio/ByteBuffer;J)V", &[JValue::Int(index as jint), (&buf).into(), JValue::Long(handle)]);
                 if r.is_err() || env.exception_check()? {
                     // Java never took ownership: give the memory back here.
                     let _ = env.exception_describe();
@@ -139,7 +146,7 @@ impl JvmSink {
             Err(f) => {
                 let kind = env.new_string(f.code.name())?;
                 let msg = env.new_string(&f.message)?;
-                let r = env.call_method(&self.callback, "onFailure", "(ILjava/lang/String;Ljava/lang/String;)V", &[JValue::Int(index as jint), (&kind).into(), (&msg).into()]);
+                let r = env.call_method(callback, "onFailure", "(ILjava/lang/String;Ljava/lang/String;)V", &[JValue::Int(index as jint), (&kind).into(), (&msg).into()]);
                 if r.is_err() || env.exception_check()? {
                     let _ = env.exception_describe();
                     let _ = env.exception_clear();
@@ -190,6 +197,9 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
             return Err(BridgeError::new("invalid_argument", "callback is null"));
         }
         let host = string(env, &host, "host")?;
+        if shuffle_ids.is_null() || map_ids.is_null() || starts.is_null() || ends.is_null() {
+            return Err(BridgeError::new("invalid_argument", "block arrays (shuffleIds, mapIds, startReduceIds, endReduceIds) must not be null"));
+        }
         let n = env.get_array_length(&shuffle_ids)? as usize;
         let lens = [env.get_array_length(&map_ids)?, env.get_array_length(&starts)?, env.get_array_length(&ends)?];
         if lens.iter().any(|l| *l as usize != n) {
