@@ -17,8 +17,20 @@ private[rdma] object EngineRegistryMessages {
   /** An executor's engine is up at `host:port`. Replied with `true`. */
   final case class RegisterEngine(executorId: String, host: String, port: Int, transport: String)
 
-  /** Where is `executorId`'s engine? Replied with `Option[EngineAddress]`. */
+  /**
+   * Where is `executorId`'s engine? Replied with `Option[(String, Int)]` (host, port), never a
+   * class of this plugin: an executor deserializes RPC replies with the class loader its
+   * RpcEnv was created with, which does not see jars shipped with `--jars`/`spark.jars`. A reply
+   * holding a plugin class fails there with ClassNotFoundException inside Netty, which drops
+   * the executor's connection to the driver and makes the executor exit ("Driver
+   * disassociated"). Messages from executors to the driver may carry plugin classes: the
+   * driver's RpcEnv is created after the application jars are on its class loader.
+   */
   final case class LookupEngine(executorId: String)
+
+  /** The wire form of a [[LookupEngine]] reply: JDK and Scala library types only. */
+  def lookupReply(address: Option[EngineAddress]): Option[(String, Int)] =
+    address.map(a => (a.host, a.port))
 
   /**
    * An executor's engine counters (cumulative), sent one-way after each reduce task. The driver
@@ -66,7 +78,7 @@ private[rdma] final class EngineRegistryEndpoint(override val rpcEnv: RpcEnv)
         s"(transport $transport)")
       context.reply(true)
     case LookupEngine(executorId) =>
-      context.reply(Option(engines.get(executorId)))
+      context.reply(lookupReply(Option(engines.get(executorId))))
   }
 
   override def receive: PartialFunction[Any, Unit] = {
@@ -110,7 +122,10 @@ final class CachingEngineDirectory(driver: RpcEndpointRef)
     if (hit != null) {
       Some(hit)
     } else {
-      val answer = try driver.askSync[Option[EngineAddress]](LookupEngine(executorId)) catch {
+      val answer = try {
+        driver.askSync[Option[(String, Int)]](LookupEngine(executorId))
+          .map { case (host, port) => EngineAddress(host, port) }
+      } catch {
         case NonFatal(e) =>
           // The driver is unreachable or slow: Spark's own transfer path still works.
           logWarning(s"Could not look up the shuffle engine of executor $executorId; " +
