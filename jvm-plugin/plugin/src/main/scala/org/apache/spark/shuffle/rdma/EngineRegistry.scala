@@ -12,38 +12,25 @@ import org.apache.spark.internal.Logging
 import org.apache.spark.rpc.{RpcCallContext, RpcEndpointRef, RpcEnv, ThreadSafeRpcEndpoint}
 import org.apache.spark.util.RpcUtils
 
-/**
- * Messages between executors and the driver's [[EngineRegistryEndpoint]].
- *
- * They are built only from Scala/Java library types (tuples, strings, numbers, Option, Seq),
- * never from the plugin's own classes: Spark deserializes RPC messages on Netty threads with
- * its own class loader, which does not see a plugin jar added with `--jars`, and an unknown
- * class there makes the executor drop its connection to the driver and exit.
- */
+/** Messages between executors and the driver's [[EngineRegistryEndpoint]]. */
 private[rdma] object EngineRegistryMessages {
-  private val Register = "rdma-shuffle-register"
-  private val Lookup = "rdma-shuffle-lookup"
-  private val Stats = "rdma-shuffle-stats"
-  private val Unregister = "rdma-shuffle-unregister"
-
   /** An executor's engine is up at `host:port`. Replied with `true`. */
-  object RegisterEngine {
-    def apply(executorId: String, host: String, port: Int, transport: String): AnyRef =
-      (Register, executorId, host, port, transport)
-    def unapply(m: Any): Option[(String, String, Int, String)] = m match {
-      case (Register, e: String, h: String, p: Int, t: String) => Some((e, h, p, t))
-      case _ => None
-    }
-  }
+  final case class RegisterEngine(executorId: String, host: String, port: Int, transport: String)
 
-  /** Where is `executorId`'s engine? Replied with `Option[(host, port)]`. */
-  object LookupEngine {
-    def apply(executorId: String): AnyRef = (Lookup, executorId)
-    def unapply(m: Any): Option[String] = m match {
-      case (Lookup, e: String) => Some(e)
-      case _ => None
-    }
-  }
+  /**
+   * Where is `executorId`'s engine? Replied with `Option[(String, Int)]` (host, port), never a
+   * class of this plugin: an executor deserializes RPC replies with the class loader its
+   * RpcEnv was created with, which does not see jars shipped with `--jars`/`spark.jars`. A reply
+   * holding a plugin class fails there with ClassNotFoundException inside Netty, which drops
+   * the executor's connection to the driver and makes the executor exit ("Driver
+   * disassociated"). Messages from executors to the driver may carry plugin classes: the
+   * driver's RpcEnv is created after the application jars are on its class loader.
+   */
+  final case class LookupEngine(executorId: String)
+
+  /** The wire form of a [[LookupEngine]] reply: JDK and Scala library types only. */
+  def lookupReply(address: Option[EngineAddress]): Option[(String, Int)] =
+    address.map(a => (a.host, a.port))
 
   /**
    * An executor's engine counters (cumulative), sent one-way after each reduce task. The driver
@@ -51,23 +38,10 @@ private[rdma] object EngineRegistryMessages {
    * local-cluster are killed right after the driver commands their shutdown, so their own
    * stop-time log line is often lost, while the driver's log is complete.
    */
-  object EngineStats {
-    def apply(executorId: String, stats: Seq[(String, String)]): AnyRef = (Stats, executorId, stats.toList)
-    def unapply(m: Any): Option[(String, Seq[(String, String)])] = m match {
-      case (Stats, e: String, s: List[_]) =>
-        Some((e, s.collect { case (k: String, v: String) => (k, v) }))
-      case _ => None
-    }
-  }
+  final case class EngineStats(executorId: String, stats: Seq[(String, String)])
 
   /** `executorId`'s engine is gone (stop). One-way: the driver may already be gone. */
-  object UnregisterEngine {
-    def apply(executorId: String): AnyRef = (Unregister, executorId)
-    def unapply(m: Any): Option[String] = m match {
-      case (Unregister, e: String) => Some(e)
-      case _ => None
-    }
-  }
+  final case class UnregisterEngine(executorId: String)
 }
 
 /**
@@ -104,7 +78,7 @@ private[rdma] final class EngineRegistryEndpoint(override val rpcEnv: RpcEnv)
         s"(transport $transport)")
       context.reply(true)
     case LookupEngine(executorId) =>
-      context.reply(Option(engines.get(executorId)).map(a => (a.host, a.port)))
+      context.reply(lookupReply(Option(engines.get(executorId))))
   }
 
   override def receive: PartialFunction[Any, Unit] = {
@@ -149,7 +123,8 @@ final class CachingEngineDirectory(driver: RpcEndpointRef)
       Some(hit)
     } else {
       val answer = try {
-        driver.askSync[Option[(String, Int)]](LookupEngine(executorId)).map { case (h, p) => EngineAddress(h, p) }
+        driver.askSync[Option[(String, Int)]](LookupEngine(executorId))
+          .map { case (host, port) => EngineAddress(host, port) }
       } catch {
         case NonFatal(e) =>
           // The driver is unreachable or slow: Spark's own transfer path still works.
