@@ -20,6 +20,8 @@ JOBS=$(ls "$REPO"/jvm-plugin/jobs/target/spark-4.x/rdma-shuffle-jobs-spark4.x_*.
 CONF=(--conf spark.shuffle.readHostLocalDisk=false --conf spark.shuffle.reduceLocality.enabled=false
       --conf spark.shuffle.compress=false --conf spark.ui.enabled=false)
 OUT=target/spark-verbs
+# Under TCG every JIT compile is expensive: C1 only, one GC thread.
+JOPTS="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 mkdir -p "$OUT"
 
 step "default shuffle on the host ($JOB, scale $SCALE)"
@@ -34,7 +36,9 @@ cat > "$OUT/guest.sh" <<GUEST
 # substitution (spark-class uses it) needs /dev/fd.
 [ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
 export SPARK_HOME='$SPARK_HOME' JAVA_HOME='$JAVA_HOME' SPARK_LOCAL_IP=127.0.0.1 HOME=/root
-"\$SPARK_HOME/bin/spark-submit" --master 'local-cluster[2,1,768]' --driver-memory 768m ${CONF[*]} \
+"\$SPARK_HOME/bin/spark-submit" --master 'local-cluster[2,1,640]' --driver-memory 512m ${CONF[*]} \
+  --conf spark.executor.memory=512m \
+  --conf spark.driver.extraJavaOptions='$JOPTS' --conf spark.executor.extraJavaOptions='$JOPTS' \
   --conf spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager --jars '$PLUGIN' \
   --conf spark.shuffle.rdma.transport=verbs --conf spark.shuffle.rdma.device=rxe0 \
   --conf spark.shuffle.rdma.pool.capBytes=128m --conf spark.network.timeout=300s \
