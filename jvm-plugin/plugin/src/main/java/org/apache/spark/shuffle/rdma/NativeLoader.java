@@ -166,6 +166,10 @@ public final class NativeLoader {
           Files.copy(in, tmp, StandardCopyOption.REPLACE_EXISTING);
         }
         loader.load(f.getAbsolutePath());
+        // Once mapped, the library no longer needs its file: delete it now, or every killed
+        // executor would leave a copy behind in the temp directory (deleteOnExit needs a clean
+        // exit).
+        Files.deleteIfExists(tmp);
         return new Outcome(true, f.getAbsolutePath(), null);
       } catch (IOException | RuntimeException | LinkageError e) {
         if (tmp != null) {

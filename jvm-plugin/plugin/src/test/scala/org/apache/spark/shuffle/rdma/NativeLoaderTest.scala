@@ -16,10 +16,13 @@ class NativeLoaderTest {
   private class FakeLoader(pathLoads: Boolean, resource: Option[URL], fileLoads: Boolean)
     extends NativeLoader.Loader {
     val loadedFiles = ArrayBuffer[String]()
+    /** What each loaded file held at load time (the loader deletes its copy afterwards). */
+    val loadedBytes = ArrayBuffer[Array[Byte]]()
     override def loadLibrary(name: String): Unit =
       if (!pathLoads) throw new UnsatisfiedLinkError(s"no $name in java.library.path")
     override def load(absolutePath: String): Unit = {
       loadedFiles += absolutePath
+      loadedBytes += Files.readAllBytes(new File(absolutePath).toPath)
       if (!fileLoads) throw new UnsatisfiedLinkError(s"$absolutePath: invalid ELF header")
     }
     override def resource(path: String): URL = resource.orNull
@@ -48,8 +51,8 @@ class NativeLoaderTest {
     assertEquals(1, loader.loadedFiles.size)
     val extracted = new File(loader.loadedFiles.head)
     assertEquals(o.source(), extracted.getAbsolutePath)
-    assertArrayEquals(Array[Byte](1, 2, 3, 4), Files.readAllBytes(extracted.toPath))
-    extracted.delete()
+    assertArrayEquals(Array[Byte](1, 2, 3, 4), loader.loadedBytes.head)
+    assertFalse("the extracted copy is deleted once loaded", extracted.exists())
     Files.delete(src)
   }
 
