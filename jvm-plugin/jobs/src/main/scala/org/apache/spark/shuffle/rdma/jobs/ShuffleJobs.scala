@@ -23,7 +23,7 @@ import org.apache.spark.sql.functions._
  * the same output, and prints:
  * {{{
  *   DIGEST job=<name> records=<n> sum=<16 hex digits> [check=...]
- *   SHUFFLE_METRICS job=<name> wall_ms=.. write_bytes=.. remote_bytes=.. local_bytes=.. remote_blocks=.. fetch_wait_ms=..
+ *   SHUFFLE_METRICS job=<name> wall_ms=.. write_bytes=.. remote_bytes=.. local_bytes=.. remote_blocks=.. fetch_wait_ms=.. records_read=..
  * }}}
  * The digest is order-independent (a sum of 64-bit record hashes) so that it does not depend on
  * how partitions were scheduled; jobs whose output order matters check it themselves.
@@ -289,9 +289,10 @@ class ShuffleMetricsListener extends SparkListener {
   private val localBytes = new AtomicLong
   private val remoteBlocks = new AtomicLong
   private val fetchWaitMs = new AtomicLong
+  private val recordsRead = new AtomicLong
 
   def reset(): Unit =
-    Seq(writeBytes, remoteBytes, localBytes, remoteBlocks, fetchWaitMs).foreach(_.set(0))
+    Seq(writeBytes, remoteBytes, localBytes, remoteBlocks, fetchWaitMs, recordsRead).foreach(_.set(0))
 
   override def onTaskEnd(end: SparkListenerTaskEnd): Unit = {
     val m = end.taskMetrics
@@ -301,10 +302,11 @@ class ShuffleMetricsListener extends SparkListener {
       localBytes.addAndGet(m.shuffleReadMetrics.localBytesRead)
       remoteBlocks.addAndGet(m.shuffleReadMetrics.remoteBlocksFetched)
       fetchWaitMs.addAndGet(m.shuffleReadMetrics.fetchWaitTime)
+      recordsRead.addAndGet(m.shuffleReadMetrics.recordsRead)
     }
   }
 
   def render: String =
     s"write_bytes=${writeBytes.get} remote_bytes=${remoteBytes.get} local_bytes=${localBytes.get} " +
-      s"remote_blocks=${remoteBlocks.get} fetch_wait_ms=${fetchWaitMs.get}"
+      s"remote_blocks=${remoteBlocks.get} fetch_wait_ms=${fetchWaitMs.get} records_read=${recordsRead.get}"
 }
