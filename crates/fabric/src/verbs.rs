@@ -199,9 +199,12 @@ impl Drop for Cq {
     fn drop(&mut self) {
         // Unhook from the progress thread first, under its lock, so it never polls a CQ that
         // is being destroyed; the QP using it is already gone (it holds an Arc<Cq>).
-        let mut routes = self.progress.routes.lock();
-        routes.remove(&(self.cq as usize));
-        // SAFETY: no QP is attached and every event of this CQ was acked by the progress thread.
+        self.progress.routes.lock().remove(&(self.cq as usize));
+        // Not under the routes lock: ibv_destroy_cq waits until every completion event it has
+        // reported is acked, and the progress thread acks an event it already took before it
+        // takes that lock. Holding it here deadlocked both (seen in the VM: destroy_cq in
+        // pthread_cond_wait, the progress thread waiting for the lock).
+        // SAFETY: no QP is attached; the CQ is no longer routed, so nothing polls it.
         let rc = unsafe { ibv_destroy_cq(self.cq) };
         if rc != 0 {
             tracing::warn!(rc, "ibv_destroy_cq failed");
@@ -302,24 +305,44 @@ impl Progress {
             if unsafe { ibv_get_cq_event(self.channel, &mut cq, &mut ctx) } != 0 {
                 continue;
             }
-            let routes = self.routes.lock();
-            // SAFETY: `cq` came from the event; acking right away keeps destroy_cq from blocking.
+            // SAFETY: `cq` came from the event, and it stays alive until this ack (destroy_cq
+            // waits for it). Ack before taking the routes lock: see Cq::drop.
             unsafe { ibv_ack_cq_events(cq, 1) };
+            let routes = self.routes.lock();
             let Some(conn) = routes.get(&(cq as usize)).and_then(Weak::upgrade) else { continue };
             // Re-arm before draining so no completion is missed between the two.
             // SAFETY: the CQ is alive: it is in `routes`, and Cq::drop removes it under this lock.
             unsafe { ibv_req_notify_cq(cq, 0) };
-            let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
-            loop {
-                // SAFETY: as above; wcs has room for 32 entries.
-                let n = unsafe { ibv_poll_cq(cq, 32, wcs.as_mut_ptr()) };
-                if n <= 0 {
-                    break;
-                }
-                for wc in &wcs[..n as usize] {
-                    conn.complete(wc);
-                }
-            }
+            // SAFETY: as above.
+            unsafe { poll_all(cq, &conn) };
+        }
+    }
+
+    /// Dispatches every completion already in `cq`, serialized with the progress thread by
+    /// the routes lock (so completions still reach their connection in order).
+    fn drain(&self, cq: *mut ibv_cq) {
+        let routes = self.routes.lock();
+        if let Some(conn) = routes.get(&(cq as usize)).and_then(Weak::upgrade) {
+            // SAFETY: the CQ is in `routes`, so it is alive (Cq::drop removes it under this lock).
+            unsafe { poll_all(cq, &conn) };
+        }
+    }
+}
+
+/// Polls `cq` until it is empty, handing each completion to `conn`.
+///
+/// # Safety
+/// `cq` must be alive, and the caller must hold the progress routes lock.
+unsafe fn poll_all(cq: *mut ibv_cq, conn: &ConnShared) {
+    let mut wcs: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: per the contract; wcs has room for 32 entries.
+        let n = unsafe { ibv_poll_cq(cq, 32, wcs.as_mut_ptr()) };
+        if n <= 0 {
+            break;
+        }
+        for wc in &wcs[..n as usize] {
+            conn.complete(wc);
         }
     }
 }
@@ -965,11 +988,18 @@ impl VerbsProvider {
         let _ = control.set_read_timeout(None);
         // Liveness: the peer's end of the control socket means the peer is gone.
         let s = shared.clone();
+        let watch_cq = cq.clone();
         let watcher = std::thread::Builder::new()
             .name("rdma-shuffle-verbs-watch".into())
             .spawn(move || {
                 let mut buf = [0u8; 1];
                 let _ = control.read(&mut buf);
+                // A peer that closes right after its last SEND (an Error frame refusing auth,
+                // say) waits for that SEND's completion first, and an RC send completes only
+                // once the receiver has its completion queued. Dispatch what is queued before
+                // failing, so that last frame is read instead of lost to a race with this EOF.
+                watch_cq.progress.drain(watch_cq.cq);
+                drop(watch_cq);
                 s.fail(format!("connection to {} closed by the peer", s.peer));
             })
             .map_err(|e| err(format!("watcher thread: {e}")))?;
