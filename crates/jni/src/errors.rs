@@ -6,6 +6,21 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// Java class of every exception the bridge throws.
 pub const EXCEPTION_CLASS: &str = "org/apache/spark/shuffle/rdma/RdmaShuffleException";
 
+/// Every kind the bridge itself raises, and whether a retry may cure it. Per-block fetch
+/// failures use [`FailureCode`](rdma_shuffle_wire::FailureCode) names instead. The Java side
+/// keeps the same lists (`RdmaShuffleException.TRANSIENT_KINDS` / `PERMANENT_KINDS`); a test
+/// checks that they agree.
+pub const BRIDGE_KINDS: [(&str, bool); 8] = [
+    ("connect", true),
+    ("closed", true),
+    ("config", false),
+    ("transport", false),
+    ("register", false),
+    ("invalid_argument", false),
+    ("jni", false),
+    ("internal", false),
+];
+
 /// A failure to report to Java, with the exception kind (see `RdmaShuffleException`).
 #[derive(Debug)]
 pub struct BridgeError {

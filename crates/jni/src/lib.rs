@@ -10,6 +10,6 @@
 #![deny(missing_docs)]
 
 mod bridge;
-mod errors;
+pub mod errors;
 
 pub use errors::{guard, BridgeError};

@@ -96,6 +96,32 @@ pub enum FailureCode {
 }
 
 impl FailureCode {
+    /// Every code, in wire order.
+    pub const ALL: [FailureCode; 12] = [
+        FailureCode::UnknownGroup,
+        FailureCode::UnknownObject,
+        FailureCode::BadRange,
+        FailureCode::Corrupt,
+        FailureCode::Io,
+        FailureCode::PeerGone,
+        FailureCode::Timeout,
+        FailureCode::AuthRefused,
+        FailureCode::PoolExhausted,
+        FailureCode::Protocol,
+        FailureCode::PullFailed,
+        FailureCode::Other,
+    ];
+
+    /// Whether asking again may succeed: transport trouble or a momentary memory shortage.
+    /// Missing or corrupt data, refused credentials and protocol violations give the same
+    /// answer every time.
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            FailureCode::Io | FailureCode::PeerGone | FailureCode::Timeout | FailureCode::PoolExhausted | FailureCode::PullFailed
+        )
+    }
+
     /// Wire value.
     pub fn to_u16(self) -> u16 {
         match self {

@@ -3,26 +3,49 @@
  */
 package org.apache.spark.shuffle.rdma;
 
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.HashSet;
+import java.util.Set;
+
 /**
  * An error raised by the native shuffle engine, or by the JVM glue around it.
  *
  * <p>The native library throws this class (with a {@link #kind()}) from every {@link NativeBridge}
  * method that fails; the JVM side never classifies errors by message text, only by kind.
- * Kinds the JVM side knows (the native side may add more; unknown kinds are treated as
- * non-transient):
+ * Kinds are stable lower-case names. {@link #TRANSIENT_KINDS} and {@link #PERMANENT_KINDS} list
+ * every kind the native side can send (a Rust test checks these lists against the engine's
+ * failure codes and the bridge's error kinds, so the two sides cannot drift apart); a kind in
+ * neither list is treated as permanent.
  * <ul>
- *   <li>{@code connect}, {@code timeout}, {@code io}, {@code closed} — transport trouble that a
- *       retry may cure; fetch failures of these kinds reach Spark as {@link java.io.IOException}
- *       so Spark's own fetch retries ({@code spark.shuffle.io.maxRetries}) apply;</li>
- *   <li>{@code not_found} — the server does not have the block (shuffle unregistered, map output
- *       never registered);</li>
- *   <li>{@code auth} — the peer failed {@code spark.authenticate} challenge-response;</li>
- *   <li>{@code protocol}, {@code too_large}, {@code config}, {@code internal} — bugs, limits or
- *       bad settings; the message names the limit and the setting to change.</li>
+ *   <li>transient: transport trouble or a momentary shortage that a retry may cure. Fetch
+ *       failures of these kinds reach Spark as {@link java.io.IOException}, so Spark's own fetch
+ *       retries ({@code spark.shuffle.io.maxRetries}, {@code spark.shuffle.io.retryWait}) apply
+ *       before a {@code FetchFailedException};</li>
+ *   <li>permanent: the server does not have the block, the data is corrupt, the peer refused
+ *       {@code spark.authenticate}, a protocol violation, or bad settings (the message names the
+ *       limit and the setting to change). Retrying would give the same answer.</li>
  * </ul>
  */
 public class RdmaShuffleException extends RuntimeException {
   private static final long serialVersionUID = 1L;
+
+  /**
+   * Kinds a retry may cure: {@code connect}, {@code closed} (bridge), and the block failure
+   * codes {@code io}, {@code timeout}, {@code peer_gone}, {@code pool_exhausted},
+   * {@code pull_failed}.
+   */
+  public static final Set<String> TRANSIENT_KINDS = kinds(
+      "connect", "closed", "io", "timeout", "peer_gone", "pool_exhausted", "pull_failed");
+
+  /** Kinds a retry cannot cure (block failure codes, then the bridge's own kinds). */
+  public static final Set<String> PERMANENT_KINDS = kinds(
+      "unknown_shuffle", "unknown_map_output", "bad_range", "corrupt", "auth_refused", "protocol",
+      "other", "config", "transport", "register", "invalid_argument", "jni", "internal");
+
+  private static Set<String> kinds(String... names) {
+    return Collections.unmodifiableSet(new HashSet<>(Arrays.asList(names)));
+  }
 
   /** Kind used when the native side did not name one. */
   public static final String KIND_INTERNAL = "internal";
@@ -80,8 +103,7 @@ public class RdmaShuffleException extends RuntimeException {
    * @return whether that kind names transient transport trouble
    */
   public static boolean isTransientKind(String kind) {
-    return "connect".equals(kind) || "timeout".equals(kind) || "io".equals(kind)
-        || "closed".equals(kind);
+    return TRANSIENT_KINDS.contains(kind);
   }
 
   @Override

@@ -142,23 +142,33 @@ class NativeBlockStoreClientTest {
   }
 
   @Test def failureKindsMapToRetryableOrNot(): Unit = {
+    // Kinds as the native engine names them (FailureCode::name): transient ones become
+    // IOExceptions, which Spark's RetryingBlockTransferor retries; permanent ones do not.
+    val kinds = Seq("timeout" -> true, "peer_gone" -> true, "pool_exhausted" -> true,
+      "pull_failed" -> true, "io" -> true, "auth_refused" -> false, "unknown_shuffle" -> false,
+      "corrupt" -> false, "something_new" -> false)
     val engine = new ScriptedEngine((_, _, cb) => {
-      cb.onFailure(0, "timeout", "no progress for 120000 ms")
-      cb.onFailure(1, "auth", "challenge failed")
+      kinds.zipWithIndex.foreach { case ((kind, _), i) => cb.onFailure(i, kind, s"$kind happened") }
     })
     val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
-    val l = new RecordingListener(false, 2)
-    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0", "shuffle_0_1_1"), l, null)
+    val l = new RecordingListener(false, kinds.size)
+    val ids = kinds.indices.map(i => s"shuffle_0_1_$i").toArray
+    client.fetchBlocks("h", 1, "exec-2", ids, l, null)
     l.await()
     val byId = l.failed.asScala.toMap
-    val timeout = byId("shuffle_0_1_0")
-    assertTrue(timeout.isInstanceOf[IOException])
-    assertEquals("timeout", timeout.getCause.asInstanceOf[RdmaShuffleException].kind())
-    assertTrue(timeout.getMessage.contains("exec-2"))
-    assertTrue(timeout.getMessage.contains("10.1.2.3:4000"))
-    val auth = byId("shuffle_0_1_1")
-    assertTrue(auth.isInstanceOf[RdmaShuffleException])
-    assertEquals("auth", auth.asInstanceOf[RdmaShuffleException].kind())
+    kinds.zipWithIndex.foreach { case ((kind, transient), i) =>
+      val e = byId(s"shuffle_0_1_$i")
+      val cause = if (transient) {
+        assertTrue(s"$kind should reach Spark as an IOException", e.isInstanceOf[IOException])
+        e.getCause.asInstanceOf[RdmaShuffleException]
+      } else {
+        assertTrue(s"$kind should not be retried", e.isInstanceOf[RdmaShuffleException])
+        e.asInstanceOf[RdmaShuffleException]
+      }
+      assertEquals(kind, cause.kind())
+      assertTrue(e.getMessage.contains("exec-2"))
+      assertTrue(e.getMessage.contains("10.1.2.3:4000"))
+    }
   }
 
   @Test def duplicateResultsAreDroppedAndTheirLeaseReleased(): Unit = {
