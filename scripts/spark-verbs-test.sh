@@ -36,19 +36,19 @@ cat > "$OUT/guest.sh" <<GUEST
 # substitution (spark-class uses it) needs /dev/fd.
 [ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
 export SPARK_HOME='$SPARK_HOME' JAVA_HOME='$JAVA_HOME' SPARK_LOCAL_IP=127.0.0.1 HOME=/root
-"\$SPARK_HOME/bin/spark-submit" --master 'local-cluster[2,1,640]' --driver-memory 512m ${CONF[*]} \
-  --conf spark.executor.memory=512m \
-  --conf spark.driver.extraJavaOptions='$JOPTS' --conf spark.executor.extraJavaOptions='$JOPTS' \
-  --conf spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager --jars '$PLUGIN' \
-  --conf spark.shuffle.rdma.transport=verbs --conf spark.shuffle.rdma.device=rxe0 \
-  --conf spark.shuffle.rdma.pool.capBytes=128m --conf spark.network.timeout=300s \
-  --class org.apache.spark.shuffle.rdma.jobs.ShuffleJobs '$JOBS' '$JOB' '$SCALE' > /tmp/plugin.out 2> /tmp/plugin.err
-rc=\$?
-echo "SPARK-RC \$rc"
-grep -E '^DIGEST job=' /tmp/plugin.out | sed 's/^/GUEST-OUT /'
-grep -E 'RDMA_SHUFFLE_ENGINE_STATS|shuffle engine|transport' /tmp/plugin.err | sed 's/^/GUEST-ERR /' | head -40
-[ \$rc -eq 0 ] || tail -50 /tmp/plugin.err
-exit \$rc
+# Spark's output reaches the console as it happens (prefixed, filtered to what tells the
+# story), so a run that is cut off still shows how far it got.
+(
+  "\$SPARK_HOME/bin/spark-submit" --master 'local-cluster[2,1,640]' --driver-memory 512m ${CONF[*]} \
+    --conf spark.executor.memory=512m \
+    --conf spark.driver.extraJavaOptions='$JOPTS' --conf spark.executor.extraJavaOptions='$JOPTS' \
+    --conf spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager --jars '$PLUGIN' \
+    --conf spark.shuffle.rdma.transport=verbs --conf spark.shuffle.rdma.device=rxe0 \
+    --conf spark.shuffle.rdma.pool.capBytes=128m --conf spark.network.timeout=300s \
+    --class org.apache.spark.shuffle.rdma.jobs.ShuffleJobs '$JOBS' '$JOB' '$SCALE'
+  echo "SPARK-RC \$?"
+) 2>&1 | grep --line-buffered -E '^(DIGEST|SPARK-RC)|RDMA_SHUFFLE_ENGINE_STATS|shuffle engine|transport|Granted executor|Registered executor|Starting job|Job [0-9]+ finished|ERROR|Exception|rdma' \
+  | sed -u 's/^/GUEST-LOG /'
 GUEST
 chmod +x "$OUT/guest.sh"
 set +e
@@ -56,13 +56,14 @@ scripts/softroce-test.sh --share-host --mem 4G --timeout 1500 --quiet \
   --run-as spark_verbs "hostrun sh $REPO/$OUT/guest.sh" --log "$OUT/console.log" > "$OUT/vm.out" 2>&1
 VMRC=$?
 set -e
-grep -a -E "GUEST-|SPARK-RC|SOFTROCE-RESULT" "$OUT/console.log" | tr -d '\r' > "$OUT/plugin.lines" || true
+grep -a -E "GUEST-LOG|SOFTROCE-RESULT" "$OUT/console.log" | tr -d '\r' > "$OUT/plugin.lines" || true
 cat "$OUT/plugin.lines"
+grep -q "GUEST-LOG SPARK-RC 0" "$OUT/plugin.lines" || { echo "spark-submit in the VM failed (see $OUT/console.log)" >&2; exit 1; }
 [ $VMRC -eq 0 ] || { echo "the VM run failed (see $OUT/console.log)" >&2; exit 1; }
 
 step "compare"
 want=$(sed 's/ elapsed_ms=[0-9]*//' "$OUT/default.digest" | awk '{for(i=1;i<=NF;i++) if ($i ~ /^(job|records|sum|check)=/) printf "%s ", $i}')
-got=$(grep "GUEST-OUT DIGEST job=$JOB " "$OUT/plugin.lines" | sed 's/^GUEST-OUT //' | awk '{for(i=1;i<=NF;i++) if ($i ~ /^(job|records|sum|check)=/) printf "%s ", $i}')
+got=$(grep "GUEST-LOG DIGEST job=$JOB " "$OUT/plugin.lines" | sed 's/^GUEST-LOG //' | awk '{for(i=1;i<=NF;i++) if ($i ~ /^(job|records|sum|check)=/) printf "%s ", $i}')
 echo "default: $want"
 echo "verbs:   $got"
 [ -n "$want" ] && [ "$want" = "$got" ] || { echo "outputs differ" >&2; exit 1; }

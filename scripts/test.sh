@@ -47,6 +47,9 @@ fi
 step "spark: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests)"
 tests/spark/run.sh
 
+step "spark over verbs: an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
+scripts/spark-verbs-test.sh
+
 if [ -x scripts/fuzz.sh ]; then
   step "fuzz: frame decoder and handshake, bounded"
   scripts/fuzz.sh "${RDMA_SHUFFLE_FUZZ_SECONDS:-30}"
