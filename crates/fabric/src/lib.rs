@@ -18,6 +18,7 @@ pub mod link;
 pub mod pool;
 pub mod server;
 pub mod sim;
+mod sock;
 pub mod tcp;
 #[cfg(feature = "verbs")]
 pub mod verbs;

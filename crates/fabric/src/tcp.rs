@@ -5,13 +5,13 @@
 use crate::error::FabricError;
 use crate::link::{Link, Listener, Payload, Placement, Provider, Received};
 use crate::pool::{NoRegistration, Registrar};
+use crate::sock::{self, SocketListener};
 use parking_lot::Mutex;
 use rdma_shuffle_wire::frame::HEADER_LEN;
 use rdma_shuffle_wire::{Frame, Header, Limits};
 use std::io::{self, BufReader, IoSlice, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,21 +56,11 @@ impl Provider for TcpProvider {
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn Listener>, FabricError> {
-        let l = TcpListener::bind(addr).map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-        let local = l.local_addr().map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-        Ok(Box::new(TcpLinkListener { inner: l, local, closed: AtomicBool::new(false) }))
+        Ok(Box::new(TcpLinkListener(SocketListener::bind(addr)?)))
     }
 
     fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Box<dyn Link>, FabricError> {
-        let peer = addr.to_string();
-        let s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
-            if e.kind() == io::ErrorKind::TimedOut || e.kind() == io::ErrorKind::WouldBlock {
-                FabricError::ConnectTimeout { peer: peer.clone(), timeout_ms: timeout.as_millis() as u64 }
-            } else {
-                FabricError::io(&peer, "connect to", e)
-            }
-        })?;
-        Ok(Box::new(TcpLink::new(s, peer)?))
+        Ok(Box::new(TcpLink::new(sock::connect(addr, timeout)?, addr.to_string())?))
     }
 
     fn registrar(&self) -> Arc<dyn Registrar> {
@@ -78,51 +68,20 @@ impl Provider for TcpProvider {
     }
 }
 
-struct TcpLinkListener {
-    inner: TcpListener,
-    local: SocketAddr,
-    closed: AtomicBool,
-}
+struct TcpLinkListener(SocketListener);
 
 impl Listener for TcpLinkListener {
     fn local_addr(&self) -> SocketAddr {
-        self.local
+        self.0.local_addr()
     }
 
     fn accept(&self) -> Result<Box<dyn Link>, FabricError> {
-        loop {
-            if self.closed.load(Ordering::Acquire) {
-                return Err(FabricError::Shutdown);
-            }
-            match self.inner.accept() {
-                Ok((s, peer)) => {
-                    if self.closed.load(Ordering::Acquire) {
-                        return Err(FabricError::Shutdown);
-                    }
-                    return Ok(Box::new(TcpLink::new(s, peer.to_string())?));
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                // Per-connection failures (the client reset before we accepted) must not stop
-                // the listener.
-                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => continue,
-                Err(e) => {
-                    if self.closed.load(Ordering::Acquire) {
-                        return Err(FabricError::Shutdown);
-                    }
-                    return Err(FabricError::io(&self.local.to_string(), "accept on", e));
-                }
-            }
-        }
+        let (s, peer) = self.0.accept()?;
+        Ok(Box::new(TcpLink::new(s, peer.to_string())?))
     }
 
     fn shutdown(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            // shutdown(2) on a listening socket wakes a thread blocked in accept(2) on Linux.
-            // SAFETY: plain syscall on a descriptor we own.
-            unsafe {
-                libc::shutdown(self.inner.as_raw_fd(), libc::SHUT_RDWR);
-            }
-        }
+        self.0.shutdown()
     }
 }
 

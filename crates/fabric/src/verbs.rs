@@ -17,6 +17,7 @@
 use crate::error::FabricError;
 use crate::link::{Link, Listener, Payload, Placement, Provider, Received, Source, SourceKeys};
 use crate::pool::{Lease, PoolError, Registrar, RegionKeys};
+use crate::sock::{self, SocketListener};
 use crossbeam_channel::{select, unbounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
@@ -24,8 +25,7 @@ use rdma_sys::*;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -1067,44 +1067,28 @@ impl VerbsProvider {
 }
 
 struct VerbsListener {
-    inner: TcpListener,
-    local: SocketAddr,
+    socket: SocketListener,
     provider: VerbsProvider,
-    closed: AtomicBool,
 }
 
 impl Listener for VerbsListener {
     fn local_addr(&self) -> SocketAddr {
-        self.local
+        self.socket.local_addr()
     }
 
     fn accept(&self) -> Result<Box<dyn Link>, FabricError> {
         loop {
-            if self.closed.load(Ordering::Acquire) {
-                return Err(FabricError::Shutdown);
-            }
-            match self.inner.accept() {
-                Ok((s, peer)) => match self.provider.establish(s, peer.to_string()) {
-                    Ok(l) => return Ok(l),
-                    // One peer's failed bootstrap must not stop the listener.
-                    Err(e) => tracing::warn!(%peer, error = %e, "verbs connection setup failed"),
-                },
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    if self.closed.load(Ordering::Acquire) {
-                        return Err(FabricError::Shutdown);
-                    }
-                    return Err(FabricError::io(&self.local.to_string(), "accept on", e));
-                }
+            let (s, peer) = self.socket.accept()?;
+            match self.provider.establish(s, peer.to_string()) {
+                Ok(l) => return Ok(l),
+                // One peer's failed bootstrap must not stop the listener.
+                Err(e) => tracing::warn!(%peer, error = %e, "verbs connection setup failed"),
             }
         }
     }
 
     fn shutdown(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            // SAFETY: shutdown(2) on our listening socket wakes a blocked accept.
-            unsafe { libc::shutdown(self.inner.as_raw_fd(), libc::SHUT_RDWR) };
-        }
+        self.socket.shutdown()
     }
 }
 
@@ -1172,21 +1156,11 @@ impl Provider for VerbsProvider {
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn Listener>, FabricError> {
-        let l = TcpListener::bind(addr).map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-        let local = l.local_addr().map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-        Ok(Box::new(VerbsListener { inner: l, local, provider: self.clone(), closed: AtomicBool::new(false) }))
+        Ok(Box::new(VerbsListener { socket: SocketListener::bind(addr)?, provider: self.clone() }))
     }
 
     fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Box<dyn Link>, FabricError> {
-        let peer = addr.to_string();
-        let s = TcpStream::connect_timeout(&addr, timeout).map_err(|e| {
-            if e.kind() == io::ErrorKind::TimedOut {
-                FabricError::ConnectTimeout { peer: peer.clone(), timeout_ms: timeout.as_millis() as u64 }
-            } else {
-                FabricError::io(&peer, "connect to", e)
-            }
-        })?;
-        self.establish(s, peer)
+        self.establish(sock::connect(addr, timeout)?, addr.to_string())
     }
 
     fn registrar(&self) -> Arc<dyn Registrar> {
