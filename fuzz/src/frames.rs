@@ -119,26 +119,8 @@ pub fn write_frame(w: &mut Writer, f: &Frame) {
     }
 }
 
-/// One valid frame of every kind (and both forms of the optional proofs).
-pub fn sample_frames() -> Vec<Frame> {
-    vec![
-        Frame::Hello { min_version: 1, max_version: 1, caps: wire::caps::ALL, nonce: [3; 16], max_eager: 65536 },
-        Frame::Challenge { version: 1, caps: 5, nonce: [9; 16], auth_required: true, credits: 64, eager_threshold: 32768 },
-        Frame::Auth { proof: Some([1; 32]) },
-        Frame::Auth { proof: None },
-        Frame::Ready { proof: Some([2; 32]) },
-        Frame::Ready { proof: None },
-        Frame::Fetch { req: 42, first_index: 7, blocks: vec![BlockSpan::single(1, 2, 3), BlockSpan { group: 4, object: 900, start: 0, end: 9 }] },
-        Frame::Eager { req: 1, index: 2, len: 100 },
-        Frame::Rendezvous { req: 1, index: 0, desc: Descriptor { region: 5, addr: 0xdead, len: 1 << 20, rkey: 77 } },
-        Frame::BlockFailed { req: 3, index: 1, code: FailureCode::Corrupt, message: "bad index é".into() },
-        Frame::Pull { region: 5, offset: 10, len: 20 },
-        Frame::PullData { region: 5, offset: 10, len: 20 },
-        Frame::Release { region: 5 },
-        Frame::Credit { n: 3 },
-        Frame::Error { code: FailureCode::AuthRefused, message: "no".into() },
-    ]
-}
+/// One valid frame of every kind (the wire crate's fixtures).
+pub use wire::frame::sample_frames;
 
 /// Encodes `f` (header and fixed part) and decodes it the way a stream driver does: header
 /// first, then the fixed part; the payload is never materialised, only its length checked.

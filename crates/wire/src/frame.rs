@@ -690,44 +690,43 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// One valid frame of every kind, in kind order (and both forms of the optional proofs, and
+/// extreme field values): the fixtures of the codec tests and the fuzzers' seeds. Built for
+/// tests and with the `samples` feature only.
+#[cfg(any(test, feature = "samples"))]
+pub fn sample_frames() -> Vec<Frame> {
+    use crate::{BlockSpan, Descriptor, FailureCode};
+    vec![
+        Frame::Hello { min_version: 1, max_version: 1, caps: crate::caps::ALL, nonce: [3; 16], max_eager: 65536 },
+        Frame::Challenge { version: 1, caps: 5, nonce: [9; 16], auth_required: true, credits: 64, eager_threshold: 32768 },
+        Frame::Auth { proof: Some([1; 32]) },
+        Frame::Auth { proof: None },
+        Frame::Ready { proof: Some([2; 32]) },
+        Frame::Ready { proof: None },
+        Frame::Fetch {
+            req: 42,
+            first_index: 7,
+            blocks: vec![BlockSpan::single(1, 2, 3), BlockSpan { group: 4, object: u64::MAX, start: 0, end: 9 }],
+        },
+        Frame::Eager { req: 1, index: 2, len: 100 },
+        Frame::Rendezvous { req: 1, index: 0, desc: Descriptor { region: 5, addr: 0xdead, len: 1 << 20, rkey: 77 } },
+        Frame::BlockFailed { req: 3, index: 1, code: FailureCode::Corrupt, message: "bad index é".into() },
+        Frame::Pull { region: 5, offset: 10, len: 20 },
+        Frame::PullData { region: 5, offset: 10, len: 20 },
+        Frame::Release { region: 5 },
+        Frame::Credit { n: 3 },
+        Frame::Error { code: FailureCode::AuthRefused, message: "no".into() },
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn all_frames() -> Vec<Frame> {
-        vec![
-            Frame::Hello { min_version: 1, max_version: 1, caps: 7, nonce: [3; 16], max_eager: 65536 },
-            Frame::Challenge {
-                version: 1,
-                caps: 5,
-                nonce: [9; 16],
-                auth_required: true,
-                credits: 64,
-                eager_threshold: 32768,
-            },
-            Frame::Auth { proof: Some([1; 32]) },
-            Frame::Auth { proof: None },
-            Frame::Ready { proof: Some([2; 32]) },
-            Frame::Fetch {
-                req: 42,
-                first_index: 7,
-                blocks: vec![BlockSpan::single(1, 2, 3), BlockSpan { group: 4, object: u64::MAX, start: 0, end: 9 }],
-            },
-            Frame::Eager { req: 1, index: 2, len: 100 },
-            Frame::Rendezvous { req: 1, index: 0, desc: Descriptor { region: 5, addr: 0xdead, len: 1 << 20, rkey: 77 } },
-            Frame::BlockFailed { req: 3, index: 1, code: FailureCode::Corrupt, message: "bad index é".into() },
-            Frame::Pull { region: 5, offset: 10, len: 20 },
-            Frame::PullData { region: 5, offset: 10, len: 20 },
-            Frame::Release { region: 5 },
-            Frame::Credit { n: 3 },
-            Frame::Error { code: FailureCode::AuthRefused, message: "no".into() },
-        ]
-    }
-
     #[test]
     fn every_frame_round_trips_as_a_message() {
         let limits = Limits::default();
-        for f in all_frames() {
+        for f in sample_frames() {
             let mut buf = f.to_vec();
             let payload = vec![0xab; f.payload_len() as usize];
             buf.extend_from_slice(&payload);
@@ -802,7 +801,7 @@ mod tests {
     #[test]
     fn truncated_messages_are_errors_at_every_cut() {
         let limits = Limits::default();
-        for f in all_frames() {
+        for f in sample_frames() {
             let mut buf = f.to_vec();
             buf.extend(std::iter::repeat_n(7, f.payload_len() as usize));
             for cut in 0..buf.len() {
