@@ -3,7 +3,7 @@
  */
 package org.apache.spark.shuffle.rdma
 
-import org.apache.spark.{InterruptibleIterator, MapOutputTracker, SparkEnv, TaskContext}
+import org.apache.spark.{InterruptibleIterator, MapOutputTracker, ShuffleDependency, SparkEnv, TaskContext}
 import org.apache.spark.internal.{config, Logging}
 import org.apache.spark.io.CompressionCodec
 import org.apache.spark.network.shuffle.BlockStoreClient
@@ -93,6 +93,28 @@ private[rdma] class RdmaShuffleReader[K, C](
     resultIter match {
       case _: InterruptibleIterator[Product2[K, C]] => resultIter
       case _ => new InterruptibleIterator[Product2[K, C]](context, resultIter)
+    }
+  }
+}
+
+/** Post-fetch steps every Spark line shares; the line-specific order lives in [[SparkShims]]. */
+private[rdma] object ShuffleReadSteps {
+  /**
+   * Aggregation by key as Spark's reader does it: merge combiners when the map side already
+   * combined, else combine raw values; without an aggregator the records pass through.
+   */
+  def combineByKey[K, C](
+      dep: ShuffleDependency[K, _, C],
+      context: TaskContext,
+      records: Iterator[(Any, Any)]): Iterator[Product2[K, C]] = {
+    if (dep.aggregator.isDefined) {
+      if (dep.mapSideCombine) {
+        dep.aggregator.get.combineCombinersByKey(records.asInstanceOf[Iterator[(K, C)]], context)
+      } else {
+        dep.aggregator.get.combineValuesByKey(records.asInstanceOf[Iterator[(K, Nothing)]], context)
+      }
+    } else {
+      records.asInstanceOf[Iterator[Product2[K, C]]]
     }
   }
 }

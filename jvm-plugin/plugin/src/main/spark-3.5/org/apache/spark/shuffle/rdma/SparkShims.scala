@@ -23,17 +23,7 @@ private[rdma] object SparkShims {
       dep: ShuffleDependency[K, _, C],
       context: TaskContext,
       interruptibleIter: InterruptibleIterator[(Any, Any)]): Iterator[Product2[K, C]] = {
-    val aggregatedIter: Iterator[Product2[K, C]] = if (dep.aggregator.isDefined) {
-      if (dep.mapSideCombine) {
-        dep.aggregator.get.combineCombinersByKey(
-          interruptibleIter.asInstanceOf[Iterator[(K, C)]], context)
-      } else {
-        dep.aggregator.get.combineValuesByKey(
-          interruptibleIter.asInstanceOf[Iterator[(K, Nothing)]], context)
-      }
-    } else {
-      interruptibleIter.asInstanceOf[Iterator[Product2[K, C]]]
-    }
+    val aggregatedIter = ShuffleReadSteps.combineByKey[K, C](dep, context, interruptibleIter)
     dep.keyOrdering match {
       case Some(keyOrd: Ordering[K]) =>
         val sorter =

@@ -47,16 +47,8 @@ private[rdma] object SparkShims {
           serializer = dep.serializer)
       }
       sorter.insertAllAndUpdateMetrics(interruptibleIter.asInstanceOf[Iterator[(K, Nothing)]])
-    } else if (dep.aggregator.isDefined) {
-      if (dep.mapSideCombine) {
-        dep.aggregator.get.combineCombinersByKey(
-          interruptibleIter.asInstanceOf[Iterator[(K, C)]], context)
-      } else {
-        dep.aggregator.get.combineValuesByKey(
-          interruptibleIter.asInstanceOf[Iterator[(K, Nothing)]], context)
-      }
     } else {
-      interruptibleIter.asInstanceOf[Iterator[(K, C)]]
+      ShuffleReadSteps.combineByKey[K, C](dep, context, interruptibleIter)
     }
   }
 }
