@@ -66,14 +66,16 @@ if [ "${SOFTROCE_SHARE_HOST:-0}" = 1 ]; then
     if mount -t overlay overlay -o lowerdir=/.h9p,upperdir=/.hovl/u,workdir=/.hovl/w /host 2>/tmp/ovl.err; then
       say "host / at /host (9p read-only + tmpfs overlay: writes stay in the guest)"
     else
-      say "overlay failed ($(cat /tmp/ovl.err)); /host is read-only"
+      say "overlay failed ($(cat /tmp/ovl.err)); /host is read-only, /host/tmp an empty tmpfs"
       mount --bind /.h9p /host
+      mount -t tmpfs tmpfs /host/tmp && chmod 1777 /host/tmp
     fi
     mount -t proc proc /host/proc
     mount -t sysfs sysfs /host/sys
     mount --bind /dev /host/dev
     mount -t tmpfs tmpfs /host/run
-    mount -t tmpfs tmpfs /host/tmp && chmod 1777 /host/tmp
+    # The host's /tmp stays visible (a checkout under /tmp, as CI may use, must be reachable);
+    # what the guest writes there lands in the overlay's tmpfs layer.
     export SOFTROCE_HOST=/host
   else
     fail "9p mount of the host root failed"
