@@ -27,7 +27,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use memmap2::{MmapMut, MmapRaw};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use tracing::{debug, trace, warn};
 
 /// Name of the user-facing setting that sets [`PoolConfig::cap_bytes`]; quoted in errors so
@@ -278,6 +278,15 @@ pub struct PoolStats {
     pub oversize: u64,
 }
 
+impl PoolStats {
+    /// Counts one lease of `bytes` (its full capacity) and keeps the peak exact.
+    fn note_lease(&mut self, bytes: u64) {
+        self.bytes_in_use += bytes;
+        self.peak_bytes_in_use = self.peak_bytes_in_use.max(self.bytes_in_use);
+        self.acquires += 1;
+    }
+}
+
 /// A pool of registered buffers in size tiers under a hard byte cap.
 ///
 /// Cheap to clone (an `Arc` inside); all clones share one pool. Leases keep the pool's
@@ -479,23 +488,14 @@ impl TieredPool {
         len: usize,
     ) -> Result<Lease, PoolError> {
         let shared = &*self.shared;
-        // Unmap reclaimed slabs before mapping the new one, so mapped memory stays under
-        // the cap even in between.
-        drop(std::mem::take(&mut res.reclaimed));
         let bytes = res.bytes as usize;
-        // On error `res` is dropped and gives the reservation back.
-        let region = shared.map_region(bytes)?;
-        let mut st = shared.state.lock();
-        res.committed = true;
+        let (region, mut st) = shared.map_reserved(&mut res)?;
         st.tiers[tier].inflight_spare -= nbuf as usize - 1;
         let size = shared.tiers[tier].size;
         let (base, keys) = (region.base, region.keys);
         let slot = shared.install_slab(&mut st, tier, region, bytes, nbuf, true);
-        let s = &mut st.stats;
-        s.grows += 1;
-        s.bytes_in_use += size as u64;
-        s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
-        s.acquires += 1;
+        st.stats.grows += 1;
+        st.stats.note_lease(size as u64);
         // Others may be waiting for this slab's spare buffers.
         if st.waiters > 0 {
             shared.cond.notify_all();
@@ -522,16 +522,10 @@ impl TieredPool {
     /// Maps and registers the one-off buffer reserved in `res` and leases it.
     fn oversize(&self, mut res: Reservation<'_>, len: usize) -> Result<Lease, PoolError> {
         let shared = &*self.shared;
-        drop(std::mem::take(&mut res.reclaimed));
         let bytes = res.bytes as usize;
-        let region = shared.map_region(bytes)?;
-        let mut st = shared.state.lock();
-        res.committed = true;
-        let s = &mut st.stats;
-        s.bytes_in_use += bytes as u64;
-        s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
-        s.acquires += 1;
-        s.oversize += 1;
+        let (region, mut st) = shared.map_reserved(&mut res)?;
+        st.stats.oversize += 1;
+        st.stats.note_lease(bytes as u64);
         drop(st);
         debug!(requested = len, bytes, "pool leased an oversize buffer");
         Ok(Lease {
@@ -1018,11 +1012,8 @@ impl Shared {
         // SAFETY: `index < nbuf`, so the offset stays inside the slab's mapping.
         let ptr = unsafe { slab.region.base.add(buf.index as usize * size) };
         let keys = slab.region.keys;
-        let s = &mut st.stats;
-        s.bytes_in_use += size as u64;
-        s.peak_bytes_in_use = s.peak_bytes_in_use.max(s.bytes_in_use);
-        s.acquires += 1;
-        s.hits += 1;
+        st.stats.hits += 1;
+        st.stats.note_lease(size as u64);
         Some(Taken {
             ptr,
             capacity: size,
@@ -1102,6 +1093,18 @@ impl Shared {
 
     /// Maps `bytes` (a page multiple) of anonymous memory and registers it. Runs without
     /// the pool lock.
+    /// Maps and registers the memory reserved in `res`, then commits the reservation under
+    /// the state lock, which it returns held. Reclaimed slabs are unmapped first, so mapped
+    /// memory stays under the cap even in between; on error `res` (dropped by the caller)
+    /// gives the reservation back.
+    fn map_reserved(&self, res: &mut Reservation<'_>) -> Result<(Region, MutexGuard<'_, State>), PoolError> {
+        drop(std::mem::take(&mut res.reclaimed));
+        let region = self.map_region(res.bytes as usize)?;
+        let st = self.state.lock();
+        res.committed = true;
+        Ok((region, st))
+    }
+
     fn map_region(&self, bytes: usize) -> Result<Region, PoolError> {
         let map: MmapRaw = MmapMut::map_anon(bytes)
             .map_err(|source| PoolError::Alloc { bytes, source })?
