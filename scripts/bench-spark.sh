@@ -66,7 +66,7 @@ step "benchmark: $records records, $rounds round(s), jobs $jobs"
 export BENCH_RECORDS=$records BENCH_ROUNDS=$rounds BENCH_JOBS=$jobs \
   BENCH_PLUGIN_JAR=$plugin_jar BENCH_JOBS_JAR=$jobs_jar
 "$VENV_DIR/bin/python" - <<'PY'
-import ast, glob, json, os, re, shutil, statistics, subprocess, sys, time
+import ast, glob, json, os, re, shutil, statistics, subprocess, sys, threading, time
 from pathlib import Path
 
 repo = Path(os.environ["REPO_ROOT"])
@@ -84,6 +84,22 @@ tree = ast.parse((repo / "tests/spark/conftest.py").read_text())
 cluster_conf = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                     and any(getattr(t, "id", None) == "CLUSTER_CONF" for t in n.targets))
 
+def sample_executor_cpu(proc, cpu):
+    """CPU seconds (user+system) of every executor JVM of the application, sampled from /proc
+    while it runs: task metrics count only task threads, this also counts the engine's threads
+    and Spark's Netty threads, so the two modes compare on all the work they cause."""
+    tick = os.sysconf("SC_CLK_TCK")
+    while proc.poll() is None:
+        for d in glob.glob("/proc/[0-9]*"):
+            try:
+                if b"CoarseGrainedExecutorBackend" not in Path(d, "cmdline").read_bytes():
+                    continue
+                f = Path(d, "stat").read_text().rsplit(")", 1)[1].split()
+                cpu[d] = (int(f[11]) + int(f[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+        time.sleep(0.25)
+
 def submit(mode, rnd):
     cmd = [f"{spark_home}/bin/spark-submit", "--master", "local-cluster[2,1,2048]",
            "--driver-memory", "1g"]
@@ -96,8 +112,18 @@ def submit(mode, rnd):
             os.environ["BENCH_JOBS_JAR"], str(records), ",".join(jobs)]
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                       timeout=3600)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    cpu = {}
+    sampler = threading.Thread(target=sample_executor_cpu, args=(proc, cpu), daemon=True)
+    sampler.start()
+    try:
+        out, err = proc.communicate(timeout=3600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    sampler.join()
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     wall = time.monotonic() - t0
     tag = f"round{rnd}-{mode}"
     (logs / f"{tag}.stdout").write_text(p.stdout)
@@ -122,10 +148,17 @@ def submit(mode, rnd):
         sys.exit(f"{tag}: no BENCH line for {missing}; see {logs}/{tag}.stdout")
     load = (load_before, os.getloadavg()[0])
     summary = "  ".join(f"{j} {int(res[j]['wall_ms'])/1000:.1f}s" for j in jobs)
-    print(f"  {tag:15s} submit {wall:6.1f}s  load {load[0]:.1f}->{load[1]:.1f}  {summary}",
-          flush=True)
+    executor_cpu = sum(cpu.values())
+    print(f"  {tag:15s} submit {wall:6.1f}s  load {load[0]:.1f}->{load[1]:.1f}  "
+          f"executor cpu {executor_cpu:6.1f}s  {summary}", flush=True)
+    for j in jobs:
+        r = res[j]
+        print(f"    {j}: map tasks {int(r.get('map_task_ms', 0))/1000:.1f}s "
+              f"(cpu {int(r.get('map_cpu_ms', 0))/1000:.1f}s)  reduce tasks "
+              f"{int(r.get('reduce_task_ms', 0))/1000:.1f}s (cpu {int(r.get('reduce_cpu_ms', 0))/1000:.1f}s)"
+              f"  gc {int(r.get('gc_ms', 0))/1000:.1f}s", flush=True)
     return {"jobs": res, "stderr": p.stderr, "executor_logs": executor_logs, "submit_s": wall,
-            "load": load}
+            "load": load, "executor_cpu_s": executor_cpu}
 
 runs = {"default": [], "plugin": []}
 for rnd in range(1, rounds + 1):
@@ -202,6 +235,11 @@ for j in jobs:
         "plugin_remote_bytes": col("plugin", j, "remote_bytes"),
         "records": int(runs["default"][0]["jobs"][j]["records"]),
     }
+    # Summed over the job's tasks (task threads only), mean over rounds: where the time went.
+    for key in ("map_task_ms", "map_cpu_ms", "reduce_task_ms", "reduce_cpu_ms", "gc_ms"):
+        if all(key in r["jobs"][j] for m in runs for r in runs[m]):
+            row[f"default_{key}"] = round(statistics.mean(col("default", j, key)))
+            row[f"plugin_{key}"] = round(statistics.mean(col("plugin", j, key)))
     rows.append(row)
     fw = f"{row['default_fetch_wait_ms']:.0f} / {row['plugin_fetch_wait_ms']:.0f}"
     rr = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(d, p))
@@ -219,6 +257,9 @@ report = {
     # people's work is the largest source of noise in these numbers.
     "load_avg": {m: [[round(x, 2) for x in r["load"]] for r in runs[m]] for m in runs},
     "submit_s": {m: [round(r["submit_s"], 1) for r in runs[m]] for m in runs},
+    # CPU seconds of the executor JVMs over each whole application (all jobs, start-up and
+    # warm-up included; every thread, the engine's too), sampled from /proc.
+    "executor_cpu_s": {m: [round(r["executor_cpu_s"], 1) for r in runs[m]] for m in runs},
     "problems": problems,
     "logs": str(logs),
 }

@@ -290,9 +290,19 @@ class ShuffleMetricsListener extends SparkListener {
   private val remoteBlocks = new AtomicLong
   private val fetchWaitMs = new AtomicLong
   private val recordsRead = new AtomicLong
+  // Where the time goes, split by the side of the shuffle a task is on (a task that writes
+  // shuffle output counts as map side, every other task as reduce side): summed task run time,
+  // CPU time and GC time. A wall-time gap between the two shuffles shows up in one of these.
+  private val mapRunMs = new AtomicLong
+  private val mapCpuMs = new AtomicLong
+  private val reduceRunMs = new AtomicLong
+  private val reduceCpuMs = new AtomicLong
+  private val gcMs = new AtomicLong
 
-  def reset(): Unit =
-    Seq(writeBytes, remoteBytes, localBytes, remoteBlocks, fetchWaitMs, recordsRead).foreach(_.set(0))
+  private def all = Seq(writeBytes, remoteBytes, localBytes, remoteBlocks, fetchWaitMs, recordsRead,
+    mapRunMs, mapCpuMs, reduceRunMs, reduceCpuMs, gcMs)
+
+  def reset(): Unit = all.foreach(_.set(0))
 
   override def onTaskEnd(end: SparkListenerTaskEnd): Unit = {
     val m = end.taskMetrics
@@ -303,10 +313,16 @@ class ShuffleMetricsListener extends SparkListener {
       remoteBlocks.addAndGet(m.shuffleReadMetrics.remoteBlocksFetched)
       fetchWaitMs.addAndGet(m.shuffleReadMetrics.fetchWaitTime)
       recordsRead.addAndGet(m.shuffleReadMetrics.recordsRead)
+      val mapSide = m.shuffleWriteMetrics.bytesWritten > 0 || m.shuffleWriteMetrics.recordsWritten > 0
+      (if (mapSide) mapRunMs else reduceRunMs).addAndGet(m.executorRunTime)
+      (if (mapSide) mapCpuMs else reduceCpuMs).addAndGet(m.executorCpuTime / 1000000)
+      gcMs.addAndGet(m.jvmGCTime)
     }
   }
 
   def render: String =
     s"write_bytes=${writeBytes.get} remote_bytes=${remoteBytes.get} local_bytes=${localBytes.get} " +
-      s"remote_blocks=${remoteBlocks.get} fetch_wait_ms=${fetchWaitMs.get} records_read=${recordsRead.get}"
+      s"remote_blocks=${remoteBlocks.get} fetch_wait_ms=${fetchWaitMs.get} records_read=${recordsRead.get} " +
+      s"map_task_ms=${mapRunMs.get} map_cpu_ms=${mapCpuMs.get} reduce_task_ms=${reduceRunMs.get} " +
+      s"reduce_cpu_ms=${reduceCpuMs.get} gc_ms=${gcMs.get}"
 }
