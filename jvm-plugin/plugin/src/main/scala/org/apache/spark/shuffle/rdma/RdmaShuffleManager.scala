@@ -24,9 +24,13 @@ import org.apache.spark.util.Utils
  *   spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager
  * }}}
  *
- * It wraps (does not subclass) Spark's `SortShuffleManager`: map tasks write with Spark's own
- * writers, and the resolver that serves blocks to Spark's Netty transport stays Spark's. The
- * plugin adds four seams around that:
+ * It is Spark's `SortShuffleManager` with the reads replaced: map tasks write with Spark's own
+ * writers (chosen by Spark's own handle), and the resolver that serves blocks to Spark's Netty
+ * transport stays Spark's. Being a subclass matters beyond reuse: Spark SQL's
+ * `ShuffleExchangeExec` copies every row before a shuffle unless the manager
+ * `isInstanceOf[SortShuffleManager]` (its writers serialize records at once, so rows need no
+ * copy). Those writers are the ones used here, so the same holds, and DataFrame shuffles skip
+ * a copy per row that a merely wrapping manager would pay. The plugin adds four seams:
  *  - (a) map-output commit: [[CommitNotifyingWriter]] tells [[MapOutputCommitHook]] (here: the
  *    engine's `registerMapOutput`) about each committed `.data/.index` pair;
  *  - (b) remote reads: [[RdmaShuffleReader]] runs Spark's `ShuffleBlockFetcherIterator` over a
@@ -45,7 +49,7 @@ import org.apache.spark.util.Utils
  * executors, see [[SparkShims.envReadyAtConstruction]]), never on a driver that runs no tasks.
  */
 class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
-  extends ShuffleManagerContract with Logging {
+  extends SortShuffleManager(conf) with ShuffleManagerContract with Logging {
 
   /** Spark's `(SparkConf)` form: a driver is recognised by its executor id. */
   def this(conf: SparkConf) =
@@ -55,8 +59,6 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   def this() = this(new SparkConf())
 
   import RdmaShuffleManager._
-
-  private val sort = new SortShuffleManager(conf)
 
   /** Parsed settings; a bad value fails Spark's start with a message naming the key. */
   val settings: RdmaShuffleConf = RdmaShuffleConf(conf)
@@ -140,7 +142,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   override def registerShuffle[K, V, C](
       shuffleId: Int,
       dependency: ShuffleDependency[K, V, C]): ShuffleHandle = {
-    val sortHandle = sort.registerShuffle(shuffleId, dependency)
+    val sortHandle = super.registerShuffle(shuffleId, dependency)
     fallbackPolicy.reasonToHandOver(dependency) match {
       case Some(reason) =>
         handedOver.put(shuffleId, reason)
@@ -158,19 +160,19 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       context: TaskContext,
       metrics: ShuffleWriteMetricsReporter): ShuffleWriter[K, V] = handle match {
     case h: RdmaShuffleHandle[K @unchecked, V @unchecked, _] =>
-      val writer = sort.getWriter[K, V](h.sortHandle, mapId, context, metrics)
+      val writer = super.getWriter[K, V](h.sortHandle, mapId, context, metrics)
       engine() match {
         case EngineState.Running(eng, _, _) =>
           val numPartitions = h.dependency.partitioner.numPartitions
           new CommitNotifyingWriter[K, V](writer, () => commitHook(eng).onMapOutputCommitted(
             MapOutputCommit(h.shuffleId, mapId,
-              sort.shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
-              sort.shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
+              shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
+              shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
               numPartitions)))
         case _ => writer
       }
     case other =>
-      sort.getWriter[K, V](other, mapId, context, metrics)
+      super.getWriter[K, V](other, mapId, context, metrics)
   }
 
   override def getReader[K, C](
@@ -194,11 +196,11 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
         case _ =>
           // No engine in this JVM: Spark's reader over Netty (engines elsewhere do not matter,
           // every executor's Netty server still serves its files).
-          sort.getReader[K, C](h.sortHandle, startMapIndex, endMapIndex, startPartition,
+          super.getReader[K, C](h.sortHandle, startMapIndex, endMapIndex, startPartition,
             endPartition, context, metrics)
       }
     case other =>
-      sort.getReader[K, C](other, startMapIndex, endMapIndex, startPartition, endPartition,
+      super.getReader[K, C](other, startMapIndex, endMapIndex, startPartition, endPartition,
         context, metrics)
   }
 
@@ -213,10 +215,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
         case _ =>
       }
     }
-    sort.unregisterShuffle(shuffleId)
+    super.unregisterShuffle(shuffleId)
   }
-
-  override def shuffleBlockResolver: IndexShuffleBlockResolver = sort.shuffleBlockResolver
 
   override def stop(): Unit = {
     if (stopped.compareAndSet(false, true)) {
@@ -246,7 +246,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
         }
         registryRef = None
       }
-      sort.stop()
+      super.stop()
     }
   }
 

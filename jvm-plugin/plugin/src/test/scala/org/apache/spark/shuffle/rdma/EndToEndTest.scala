@@ -6,7 +6,8 @@ package org.apache.spark.shuffle.rdma
 import org.junit.Assert._
 import org.junit.{After, Before, Test}
 
-import org.apache.spark.{SparkConf, SparkContext, SparkEnv, SparkException}
+import org.apache.spark.{HashPartitioner, Partitioner, SparkConf, SparkContext, SparkEnv, SparkException}
+import org.apache.spark.shuffle.sort.SortShuffleManager
 
 /**
  * Runs real Spark jobs in local mode through [[RdmaShuffleManager]] (with the loopback engine in
@@ -118,6 +119,23 @@ class EndToEndTest {
     val ours = Thread.getAllStackTraces.keySet().asScala
       .filter(t => t.isAlive && t.getName.startsWith("rdma-shuffle") && !t.isDaemon)
     assertTrue(s"non-daemon plugin threads left: $ours", ours.isEmpty)
+  }
+
+  @Test def sparkSqlSkipsTheRowCopyBeforeShuffles(): Unit = {
+    start()
+    // Spark SQL copies every row before a shuffle unless the manager is a SortShuffleManager
+    // (ShuffleExchangeExec.needToCopyObjectsBeforeShuffle). The plugin writes with Spark's sort
+    // writers, so it must be one, and DataFrame shuffles must not pay a copy per row.
+    assertTrue(manager.isInstanceOf[SortShuffleManager])
+    val exchange = Class.forName("org.apache.spark.sql.execution.exchange.ShuffleExchangeExec$")
+    val method = exchange.getDeclaredMethod("needToCopyObjectsBeforeShuffle", classOf[Partitioner])
+    method.setAccessible(true)
+    val module = exchange.getField("MODULE$").get(null)
+    // 32: the bypass-merge writer; 1000: the serialized (unsafe) writer. Neither buffers rows.
+    for (partitions <- Seq(32, 1000)) {
+      assertEquals(s"row copy before a shuffle into $partitions partitions",
+        false, method.invoke(module, new HashPartitioner(partitions)))
+    }
   }
 
   @Test def disabledPluginHandsShufflesOver(): Unit = {
