@@ -54,6 +54,12 @@ impl SocketListener {
         }
     }
 
+    /// Whether [`shutdown`](Self::shutdown) was called.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// Stops accepting; a thread blocked in [`accept`](Self::accept) returns `Shutdown`.
     pub(crate) fn shutdown(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {

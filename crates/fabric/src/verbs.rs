@@ -1066,29 +1066,127 @@ impl VerbsProvider {
     }
 }
 
+/// Connections bootstrapping at once on their own threads. Beyond this the acceptor sets the
+/// next one up itself: a connection flood gets back-pressure instead of unbounded threads.
+const MAX_PARALLEL_SETUPS: usize = 64;
+
+/// Accepts control connections on its own thread and bootstraps each QP on a thread of its
+/// own, so one slow or silent peer (up to the 30 s bootstrap timeout) never delays the
+/// connections behind it. [`Listener::accept`] hands out links whose QPs are ready.
 struct VerbsListener {
+    shared: Arc<ListenerShared>,
+    ready: Receiver<Box<dyn Link>>,
+    stop_tx: Mutex<Option<Sender<()>>>,
+    stop_rx: Receiver<()>,
+    acceptor: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+struct ListenerShared {
     socket: SocketListener,
     provider: VerbsProvider,
+    /// Control sockets of connections still bootstrapping, so shutdown can abort them.
+    pending: Mutex<HashMap<u64, TcpStream>>,
+}
+
+impl VerbsListener {
+    fn start(socket: SocketListener, provider: VerbsProvider) -> Result<Self, FabricError> {
+        let addr = socket.local_addr();
+        let shared = Arc::new(ListenerShared { socket, provider, pending: Mutex::new(HashMap::new()) });
+        let (ready_tx, ready) = unbounded();
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
+        let s = shared.clone();
+        let acceptor = std::thread::Builder::new()
+            .name(format!("rdma-shuffle-verbs-accept-{}", addr.port()))
+            .spawn(move || accept_control(&s, &ready_tx))
+            .map_err(|e| FabricError::io(&addr.to_string(), "start the verbs acceptor for", e))?;
+        Ok(VerbsListener { shared, ready, stop_tx: Mutex::new(Some(stop_tx)), stop_rx, acceptor: Mutex::new(Some(acceptor)) })
+    }
+}
+
+/// The acceptor thread: control connections in, bootstrap threads out, until shutdown.
+fn accept_control(shared: &Arc<ListenerShared>, ready: &Sender<Box<dyn Link>>) {
+    let mut next_id = 0u64;
+    loop {
+        let (control, peer) = match shared.socket.accept() {
+            Ok(c) => c,
+            Err(FabricError::Shutdown) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "verbs accept failed; continuing");
+                // Resource exhaustion (EMFILE) would otherwise spin.
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        next_id += 1;
+        let id = next_id;
+        let parallel = {
+            let mut pending = shared.pending.lock();
+            if let Ok(c) = control.try_clone() {
+                pending.insert(id, c);
+            }
+            pending.len() <= MAX_PARALLEL_SETUPS
+        };
+        // Shutdown sets `closed` before it aborts the pending sockets: either it saw this
+        // one, or this sees `closed`.
+        if shared.socket.is_closed() {
+            shared.pending.lock().remove(&id);
+            return;
+        }
+        let setup = {
+            let (shared, ready) = (shared.clone(), ready.clone());
+            move || {
+                let result = shared.provider.establish(control, peer.to_string());
+                shared.pending.lock().remove(&id);
+                match result {
+                    // A closed listener dropped the receiver; dropping the link closes it.
+                    Ok(link) => drop(ready.send(link)),
+                    Err(e) if shared.socket.is_closed() => tracing::debug!(%peer, error = %e, "verbs connection setup aborted by shutdown"),
+                    // One peer's failed bootstrap must not stop the listener.
+                    Err(e) => tracing::warn!(%peer, error = %e, "verbs connection setup failed"),
+                }
+            }
+        };
+        if !parallel {
+            setup();
+            continue;
+        }
+        if let Err(e) = std::thread::Builder::new().name("rdma-shuffle-verbs-setup".into()).spawn(setup) {
+            // The closure (and with it the connection) is dropped: the peer sees a reset.
+            shared.pending.lock().remove(&id);
+            tracing::warn!(%peer, error = %e, "cannot start a verbs setup thread; dropping the connection");
+        }
+    }
 }
 
 impl Listener for VerbsListener {
     fn local_addr(&self) -> SocketAddr {
-        self.socket.local_addr()
+        self.shared.socket.local_addr()
     }
 
     fn accept(&self) -> Result<Box<dyn Link>, FabricError> {
-        loop {
-            let (s, peer) = self.socket.accept()?;
-            match self.provider.establish(s, peer.to_string()) {
-                Ok(l) => return Ok(l),
-                // One peer's failed bootstrap must not stop the listener.
-                Err(e) => tracing::warn!(%peer, error = %e, "verbs connection setup failed"),
-            }
+        select! {
+            recv(self.ready) -> link => link.map_err(|_| FabricError::Shutdown),
+            recv(self.stop_rx) -> _ => Err(FabricError::Shutdown),
         }
     }
 
     fn shutdown(&self) {
-        self.socket.shutdown()
+        self.shared.socket.shutdown();
+        // Wakes accept(): the stop channel disconnects.
+        drop(self.stop_tx.lock().take());
+        // Peers still bootstrapping fail now instead of at their 30 s timeout.
+        for control in self.shared.pending.lock().values() {
+            let _ = control.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.acceptor.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for VerbsListener {
+    fn drop(&mut self) {
+        Listener::shutdown(self);
     }
 }
 
@@ -1156,7 +1254,7 @@ impl Provider for VerbsProvider {
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn Listener>, FabricError> {
-        Ok(Box::new(VerbsListener { socket: SocketListener::bind(addr)?, provider: self.clone() }))
+        Ok(Box::new(VerbsListener::start(SocketListener::bind(addr)?, self.clone())?))
     }
 
     fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<Box<dyn Link>, FabricError> {

@@ -9,3 +9,9 @@ fn tcp() -> Arc<dyn Provider> {
 }
 
 provider_suite!(tcp);
+
+// Needs real sockets (the sim provider has none).
+#[test]
+fn silent_connections_do_not_delay_other_clients() {
+    suite::silent_connections_do_not_delay_other_clients(tcp)
+}

@@ -24,3 +24,9 @@ fn verbs() -> Arc<dyn Provider> {
 }
 
 provider_suite!(verbs);
+
+// Needs real sockets (the sim provider has none).
+#[test]
+fn silent_connections_do_not_delay_other_clients() {
+    suite::silent_connections_do_not_delay_other_clients(verbs)
+}

@@ -371,6 +371,31 @@ pub fn client_vanishing_mid_stream_leaves_server_serving(f: Factory) {
     wait_for(|| fx.server.connections() == 1, "the vanished client's connection is gone");
 }
 
+/// Socket-based providers only (tcp, verbs): peers that connect and then say nothing (a hung
+/// executor, a port scanner) must not hold up the clients behind them. The verbs bootstrap
+/// waits up to 30 s for a silent peer; done inside accept, it delayed every later connection.
+pub fn silent_connections_do_not_delay_other_clients(f: Factory) {
+    let fx = server_with(f, server_cfg(None), 1);
+    let addr = fx.server.local_addr();
+    let silent: Vec<std::net::TcpStream> = (0..3).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+    let o = &fx.outputs[0];
+    let c = client(f, None, 16 << 20);
+    let t = Instant::now();
+    let got = fetch_all(&c, addr, &[ShuffleBlock::single(3, o.map_id, 2), ShuffleBlock::single(3, o.map_id, 8)]);
+    assert_eq!(got[&0].as_ref().unwrap(), &o.range_bytes(2, 3));
+    assert_eq!(got[&1].as_ref().unwrap(), &o.range_bytes(8, 9));
+    // Far below one bootstrap timeout, let alone three in a row.
+    assert!(t.elapsed() < Duration::from_secs(15), "fetch behind 3 silent peers took {:?}", t.elapsed());
+    drop(silent);
+    // The server still shuts down promptly with peers mid-bootstrap (verbs aborts them).
+    let t = Instant::now();
+    let extra = std::net::TcpStream::connect(addr).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    fx.server.shutdown();
+    assert!(t.elapsed() < Duration::from_secs(10), "shutdown took {:?}", t.elapsed());
+    drop(extra);
+}
+
 /// A server that completes the handshake, then runs `script` on the first fetch it gets.
 fn scripted_server(f: Factory, script: fn(&dyn Link, &Frame)) -> SocketAddr {
     let provider = f();
