@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Spark-level benchmark: Spark's default shuffle vs the plugin on the workload of
-# notes/spark.md, alternating modes within one run (default, plugin, default, plugin, ...).
+# notes/spark.md, both modes in every round (default first in odd rounds, plugin first in even).
 #
 #   scripts/bench-spark.sh [--records N] [--rounds R] [--jobs sortByKey,partitionBy,repartition]
 #                          [--no-build]
@@ -84,21 +84,29 @@ tree = ast.parse((repo / "tests/spark/conftest.py").read_text())
 cluster_conf = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                     and any(getattr(t, "id", None) == "CLUSTER_CONF" for t in n.targets))
 
+# Executor threads that move shuffle blocks: the engine's (rdma-shuffle-*) and Netty's shuffle
+# transport (shuffle-client-*, shuffle-server-*). Thread names as /proc shows them (15 chars).
+TRANSPORT_THREADS = ("rdma-shuffle", "shuffle-client", "shuffle-server")
+
 def sample_executor_cpu(proc, cpu):
-    """CPU seconds (user+system) of every executor JVM of the application, sampled from /proc
-    while it runs: task metrics count only task threads, this also counts the engine's threads
-    and Spark's Netty threads, so the two modes compare on all the work they cause."""
+    """CPU seconds (user+system) of every thread of every executor JVM of the application,
+    sampled from /proc while it runs. Task metrics count only task threads; this also counts
+    the engine's threads, Netty's and the JIT compiler's, so the modes compare on all the work
+    they cause, and the transport's own share can be told apart."""
     tick = os.sysconf("SC_CLK_TCK")
     while proc.poll() is None:
         for d in glob.glob("/proc/[0-9]*"):
             try:
                 if b"CoarseGrainedExecutorBackend" not in Path(d, "cmdline").read_bytes():
                     continue
-                f = Path(d, "stat").read_text().rsplit(")", 1)[1].split()
-                cpu[d] = (int(f[11]) + int(f[12])) / tick
+                for t in glob.glob(d + "/task/*"):
+                    st = Path(t, "stat").read_text()
+                    name = st[st.index("(") + 1:st.rindex(")")]
+                    f = st.rsplit(")", 1)[1].split()
+                    cpu[t] = (name, (int(f[11]) + int(f[12])) / tick)
             except (OSError, IndexError, ValueError):
                 pass
-        time.sleep(0.25)
+        time.sleep(0.5)
 
 def submit(mode, rnd):
     cmd = [f"{spark_home}/bin/spark-submit", "--master", "local-cluster[2,1,2048]",
@@ -148,9 +156,12 @@ def submit(mode, rnd):
         sys.exit(f"{tag}: no BENCH line for {missing}; see {logs}/{tag}.stdout")
     load = (load_before, os.getloadavg()[0])
     summary = "  ".join(f"{j} {int(res[j]['wall_ms'])/1000:.1f}s" for j in jobs)
-    executor_cpu = sum(cpu.values())
+    executor_cpu = sum(c for _, c in cpu.values())
+    transport_cpu = sum(c for n, c in cpu.values() if n.startswith(TRANSPORT_THREADS))
+    jit_cpu = sum(c for n, c in cpu.values() if "CompilerThre" in n)
     print(f"  {tag:15s} submit {wall:6.1f}s  load {load[0]:.1f}->{load[1]:.1f}  "
-          f"executor cpu {executor_cpu:6.1f}s  {summary}", flush=True)
+          f"executor cpu {executor_cpu:6.1f}s (shuffle transport {transport_cpu:.1f}s, "
+          f"JIT {jit_cpu:.1f}s)  {summary}", flush=True)
     for j in jobs:
         r = res[j]
         print(f"    {j}: map tasks {int(r.get('map_task_ms', 0))/1000:.1f}s "
@@ -158,11 +169,14 @@ def submit(mode, rnd):
               f"{int(r.get('reduce_task_ms', 0))/1000:.1f}s (cpu {int(r.get('reduce_cpu_ms', 0))/1000:.1f}s)"
               f"  gc {int(r.get('gc_ms', 0))/1000:.1f}s", flush=True)
     return {"jobs": res, "stderr": p.stderr, "executor_logs": executor_logs, "submit_s": wall,
-            "load": load, "executor_cpu_s": executor_cpu}
+            "load": load, "executor_cpu_s": executor_cpu, "transport_cpu_s": transport_cpu,
+            "jit_cpu_s": jit_cpu}
 
 runs = {"default": [], "plugin": []}
 for rnd in range(1, rounds + 1):
-    for mode in ("default", "plugin"):
+    # Odd rounds run default first, even rounds plugin first: whichever runs second inherits
+    # the first one's page-cache writeback and the machine's drift, so neither mode always does.
+    for mode in (("default", "plugin") if rnd % 2 else ("plugin", "default")):
         runs[mode].append(submit(mode, rnd))
 
 # --- the plugin really used the native engine ---
@@ -209,7 +223,8 @@ def col(mode, j, key, scale=1.0):
 
 rows = []
 print(f"\n{records} records x 110 bytes, 32 x 32 partitions, local-cluster[2,1,2048], "
-      f"{rounds} round(s) alternating default/plugin; times are per job, inside the app\n")
+      f"{rounds} round(s), default/plugin order alternating per round; times are per job, "
+      f"inside the app\n")
 hdr = f"{'job':12s} | {'default s':>9s} {'plugin s':>9s} {'ratio':>6s} | {'fetch wait ms (default / plugin)':>34s} | rounds (default / plugin s)"
 print(hdr)
 print("-" * len(hdr))
@@ -250,7 +265,7 @@ report = {
                  "reduce_partitions": 32, "master": "local-cluster[2,1,2048]",
                  "executor_memory": "Spark's default (1g)", "driver_memory": "1g",
                  "cluster_conf": cluster_conf, "rounds": rounds,
-                 "order": "default, plugin per round", "spark_version": os.environ.get("SPARK_VERSION")},
+                 "order": "default first in odd rounds, plugin first in even rounds", "spark_version": os.environ.get("SPARK_VERSION")},
     "jobs": rows,
     "plugin_engine_stats": engine_stats,
     # 1-minute load average before/after each application: the machine is shared, and other
@@ -260,6 +275,10 @@ report = {
     # CPU seconds of the executor JVMs over each whole application (all jobs, start-up and
     # warm-up included; every thread, the engine's too), sampled from /proc.
     "executor_cpu_s": {m: [round(r["executor_cpu_s"], 1) for r in runs[m]] for m in runs},
+    # The part of it on threads that move shuffle blocks (engine: rdma-shuffle-*; Netty:
+    # shuffle-client-*, shuffle-server-*), and the JIT compiler's part (large on 2 cores).
+    "transport_cpu_s": {m: [round(r["transport_cpu_s"], 1) for r in runs[m]] for m in runs},
+    "jit_cpu_s": {m: [round(r["jit_cpu_s"], 1) for r in runs[m]] for m in runs},
     "problems": problems,
     "logs": str(logs),
 }
