@@ -1091,8 +1091,6 @@ impl Shared {
         }
     }
 
-    /// Maps `bytes` (a page multiple) of anonymous memory and registers it. Runs without
-    /// the pool lock.
     /// Maps and registers the memory reserved in `res`, then commits the reservation under
     /// the state lock, which it returns held. Reclaimed slabs are unmapped first, so mapped
     /// memory stays under the cap even in between; on error `res` (dropped by the caller)
@@ -1105,6 +1103,8 @@ impl Shared {
         Ok((region, st))
     }
 
+    /// Maps `bytes` (a page multiple) of anonymous memory and registers it. Runs without
+    /// the pool lock.
     fn map_region(&self, bytes: usize) -> Result<Region, PoolError> {
         let map: MmapRaw = MmapMut::map_anon(bytes)
             .map_err(|source| PoolError::Alloc { bytes, source })?
