@@ -10,8 +10,9 @@
 # (hash) and DataFrame repartition(32). One application per mode and round runs all jobs on
 # local-cluster[2,1,2048] with the cluster settings of tests/spark/conftest.py CLUSTER_CONF (read
 # from that file, so both stay the same: readHostLocalDisk=false etc., so blocks cross executors).
-# Each job is timed inside the application after the executors registered and a warm-up shuffle
-# ran: cluster start-up is not in any number. Fetch wait is Spark's shuffleReadMetrics
+# Each job is timed inside the application after the executors registered and every selected job
+# ran once untimed at 1/8 of the size (class loading, connections, JIT): cluster start-up and
+# warm-up are not in any timed number. Fetch wait is Spark's shuffleReadMetrics
 # fetchWaitTime summed over the job's tasks (a SparkListener in the application).
 #
 # Prints a table (mean over rounds, and every round) and writes target/bench/spark.json:

@@ -21,8 +21,9 @@ import org.apache.spark.sql.types.{BinaryType, StructField, StructType}
  *
  * The input is generated inside each job's map stage (seeded per partition, so every run and
  * both modes shuffle the same bytes). Each job is timed by the application itself, after the
- * executors are registered and a small warm-up shuffle ran, so cluster start-up is not part of
- * any number. Output per job:
+ * executors are registered and every selected job ran once untimed at 1/8 of the size (class
+ * loading, connections and JIT), so cluster start-up and warm-up are not part of any number.
+ * Output per job:
  * {{{
  *   BENCH job=<name> wall_ms=.. records=.. digest=<16 hex> write_bytes=.. remote_bytes=.. local_bytes=.. remote_blocks=.. fetch_wait_ms=..
  * }}}
@@ -38,6 +39,9 @@ object ShuffleBench {
   /** Map and reduce partitions of every job. */
   val Partitions = 32
 
+  /** The untimed warm-up runs each selected job over `records / WarmUpFraction` records. */
+  val WarmUpFraction = 8
+
   /** Executors the application waits for before timing anything (local-cluster[2,..]). */
   private val ExpectedExecutors = 2
 
@@ -49,27 +53,35 @@ object ShuffleBench {
     val spark = SparkSession.builder().appName(s"rdma-shuffle-bench-$records").getOrCreate()
     val sc = spark.sparkContext
     waitForExecutors(sc, ExpectedExecutors, timeoutMs = 180000)
-    // A small shuffle first: executors' first shuffle pays for class loading, JIT and
-    // connection set-up in both modes; the measured jobs should not.
-    sc.parallelize(0 until 4096, Partitions).map(i => (i % 97, i.toLong))
-      .reduceByKey(_ + _, Partitions).count()
+    // Warm-up, untimed: every selected job once at 1/WarmUpFraction of the size. Executors'
+    // first shuffles pay for class loading, connection set-up and JIT compilation of the job's
+    // own code paths (C2 alone is about a quarter of executor CPU on 2 cores, and the largest
+    // source of run-to-run spread); the measured jobs should show the shuffle, not those.
+    val warmUpRecords = math.max(records / WarmUpFraction, Partitions.toLong)
+    jobs.foreach { job =>
+      val (n, _) = run(spark, job, warmUpRecords)
+      require(n == warmUpRecords, s"warm-up $job produced $n records, expected $warmUpRecords")
+    }
     val metrics = new ShuffleMetricsListener
     sc.addSparkListener(metrics)
     jobs.foreach { job =>
       settle(sc)
       metrics.reset()
       val start = System.nanoTime()
-      val (n, digest) = job match {
-        case "sortByKey" => sortByKey(sc, records)
-        case "partitionBy" => partitionBy(sc, records)
-        case "repartition" => repartition(spark, records)
-      }
+      val (n, digest) = run(spark, job, records)
       val wallMs = (System.nanoTime() - start) / 1000000
       settle(sc)
       require(n == records, s"$job produced $n records, expected $records")
       println(f"BENCH job=$job wall_ms=$wallMs records=$n digest=$digest%016x ${metrics.render}")
     }
     spark.stop()
+  }
+
+  /** Runs one job over `records` records: (records out, digest). */
+  private def run(spark: SparkSession, job: String, records: Long): (Long, Long) = job match {
+    case "sortByKey" => sortByKey(spark.sparkContext, records)
+    case "partitionBy" => partitionBy(spark.sparkContext, records)
+    case "repartition" => repartition(spark, records)
   }
 
   private def waitForExecutors(sc: SparkContext, n: Int, timeoutMs: Long): Unit = {
