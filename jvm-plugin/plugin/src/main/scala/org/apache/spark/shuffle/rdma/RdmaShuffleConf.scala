@@ -44,8 +44,9 @@ object RdmaShuffleConf {
       "announced by descriptor and pulled (RDMA READ, or a streamed region over tcp).")
 
   /** Size classes of the registered-memory pool. */
-  val PoolTiers = Entry(Prefix + "pool.tiers", "4k,64k,1m,16m",
-    "Comma-separated size classes of the registered buffer pool, ascending.")
+  val PoolTiers = Entry(Prefix + "pool.tiers", "4k,16k,64k,256k,1m,2m,4m,8m,16m",
+    "Comma-separated size classes of the registered buffer pool, ascending. A block takes " +
+      "the smallest class that holds it; larger steps waste more memory per block.")
 
   /** Hard cap on the pool's total bytes. */
   val PoolCapBytes = Entry(Prefix + "pool.capBytes", "512m",

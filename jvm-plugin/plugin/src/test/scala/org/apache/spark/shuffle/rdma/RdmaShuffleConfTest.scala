@@ -20,7 +20,8 @@ class RdmaShuffleConfTest {
     assertTrue(s.enabled)
     assertEquals("auto", s.transport)
     assertEquals(64L * 1024, s.eagerThresholdBytes)
-    assertEquals(Seq(4096L, 65536L, 1L << 20, 16L << 20), s.poolTierBytes)
+    assertEquals(Seq(4L << 10, 16L << 10, 64L << 10, 256L << 10, 1L << 20, 2L << 20, 4L << 20,
+      8L << 20, 16L << 20), s.poolTierBytes)
     assertEquals(512L << 20, s.poolCapBytes)
     assertEquals(0, s.port)
     assertEquals(120000L, s.connectTimeoutMs)
@@ -69,7 +70,8 @@ class RdmaShuffleConfTest {
     assertTrue(text.endsWith("\n"))
     assertTrue(lines.contains("spark.shuffle.rdma.transport=tcp"))
     assertTrue(lines.contains("spark.shuffle.rdma.eagerThreshold=8192"))
-    assertTrue(lines.contains("spark.shuffle.rdma.pool.tiers=4096,65536,1048576,16777216"))
+    assertTrue(lines.contains("spark.shuffle.rdma.pool.tiers=" +
+      "4096,16384,65536,262144,1048576,2097152,4194304,8388608,16777216"))
     assertTrue("native-only keys pass through", lines.contains("spark.shuffle.rdma.verbs.gidIndex=1"))
     assertTrue(lines.contains("spark.executor.id=3"))
     assertTrue(lines.contains("spark.app.id=app-1"))
