@@ -21,7 +21,7 @@
 # Logs of every application: target/bench/spark-logs/.
 # Fails when a plugin run did not move its blocks through the native engine (no
 # RDMA_SHUFFLE_ENGINE_STATS with fetched blocks in the driver log), or when the outputs of the two
-# modes differ. Full size takes ~10-12 min on 2 cores (2 rounds).
+# modes differ. Full size takes ~14 min on 2 cores (2 rounds; 4 rounds ~28 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
