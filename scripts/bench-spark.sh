@@ -204,7 +204,7 @@ for i, r in enumerate(runs["plugin"], 1):
         print(f"  executor={ex} " + " ".join(f"{k}={kv[k]}" for k in keys if k in kv))
     # The engine's counters cover the whole application, warm-up included; Spark's remote
     # bytes only the timed jobs. So the engine must have fetched at least as much.
-    print(f"  engine bytes_fetched {fetched_bytes} (warm-up included) >= Spark remote_bytes "
+    print(f"  engine bytes_fetched {fetched_bytes} (warm-up included) vs Spark remote_bytes "
           f"read by the timed jobs {remote}")
     if set(latest) < {"0", "1"} or fetched == 0 or fetched_bytes < remote:
         problems.append(f"round {i}: engine stats do not show the remote blocks going through "
