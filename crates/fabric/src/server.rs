@@ -194,9 +194,7 @@ fn accept_loop(listener: Arc<dyn Listener>, shared: Arc<Shared>) {
                 if shared.closed.load(Ordering::Acquire) {
                     return;
                 }
-                tracing::warn!(error = %e, "accept failed; continuing");
-                // Resource exhaustion (EMFILE) would otherwise spin.
-                std::thread::sleep(Duration::from_millis(50));
+                crate::sock::pause_after_failed_accept(&listener.local_addr().to_string(), &e);
                 continue;
             }
         };

@@ -70,6 +70,21 @@ impl SocketListener {
     }
 }
 
+/// How long an accept loop pauses after a failed accept before it tries again. The failures
+/// that reach a loop are the persistent kind (EMFILE, ENFILE, ENOMEM: the process or the
+/// machine is out of descriptors or memory), which fail again at once; without a pause the
+/// loop would spin a core at 100 % until the condition clears.
+pub(crate) const ACCEPT_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// The one place accept loops handle a failed accept: log it, naming the listener, and pause
+/// for [`ACCEPT_RETRY_PAUSE`]. The listener keeps running; connections that arrive meanwhile
+/// wait in the kernel's backlog.
+pub(crate) fn pause_after_failed_accept(listener: &str, error: &FabricError) {
+    tracing::warn!(listener, error = %error, retry_ms = ACCEPT_RETRY_PAUSE.as_millis() as u64,
+        "accept failed; the listener keeps running and retries");
+    std::thread::sleep(ACCEPT_RETRY_PAUSE);
+}
+
 /// Connects to `addr` within `timeout`; a timeout is reported as such (with the limit), every
 /// other failure as an I/O error naming the peer.
 pub(crate) fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, FabricError> {

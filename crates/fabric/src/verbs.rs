@@ -1111,9 +1111,7 @@ fn accept_control(shared: &Arc<ListenerShared>, ready: &Sender<Box<dyn Link>>) {
             Ok(c) => c,
             Err(FabricError::Shutdown) => return,
             Err(e) => {
-                tracing::warn!(error = %e, "verbs accept failed; continuing");
-                // Resource exhaustion (EMFILE) would otherwise spin.
-                std::thread::sleep(Duration::from_millis(50));
+                sock::pause_after_failed_accept(&format!("verbs control {}", shared.socket.local_addr()), &e);
                 continue;
             }
         };
