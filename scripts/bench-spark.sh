@@ -15,7 +15,8 @@
 # warm-up are not in any timed number. Fetch wait is Spark's shuffleReadMetrics
 # fetchWaitTime summed over the job's tasks (a SparkListener in the application).
 #
-# Prints a table (mean over rounds, and every round) and writes target/bench/spark.json:
+# Prints a table (mean over rounds and their ratio, in how many rounds the plugin was faster, the
+# median of the per-round ratios, and every round) and writes target/bench/spark.json:
 #   {"jobs": [{"name", "default_s", "plugin_s", "ratio", "default_fetch_wait_ms",
 #              "plugin_fetch_wait_ms", ...}], "plugin_engine_stats": {...}, ...}
 # Logs of every application: target/bench/spark-logs/.
@@ -229,7 +230,8 @@ rows = []
 print(f"\n{records} records x 110 bytes, 32 x 32 partitions, local-cluster[2,1,2048], "
       f"{rounds} round(s), default/plugin order alternating per round; times are per job, "
       f"inside the app\n")
-hdr = f"{'job':12s} | {'default s':>9s} {'plugin s':>9s} {'ratio':>6s} | {'fetch wait ms (default / plugin)':>34s} | rounds (default / plugin s)"
+hdr = (f"{'job':12s} | {'default s':>9s} {'plugin s':>9s} {'ratio':>6s} | {'plugin faster':>13s} "
+       f"{'median':>6s} | {'fetch wait ms (default / plugin)':>34s} | rounds (default / plugin s)")
 print(hdr)
 print("-" * len(hdr))
 for j in jobs:
@@ -245,6 +247,8 @@ for j in jobs:
         # Per round: the two runs of a round are neighbours in time, so under changing load
         # on a shared machine these say more than the ratio of the means.
         "ratio_per_round": [round(b / a, 3) for a, b in zip(d, p)],
+        "median_ratio_per_round": round(statistics.median(b / a for a, b in zip(d, p)), 3),
+        "rounds_plugin_faster": sum(b < a for a, b in zip(d, p)),
         "default_runs_s": [round(x, 2) for x in d],
         "plugin_runs_s": [round(x, 2) for x in p],
         "default_fetch_wait_runs_ms": dw,
@@ -262,7 +266,9 @@ for j in jobs:
     rows.append(row)
     fw = f"{row['default_fetch_wait_ms']:.0f} / {row['plugin_fetch_wait_ms']:.0f}"
     rr = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(d, p))
-    print(f"{j:12s} | {row['default_s']:9.1f} {row['plugin_s']:9.1f} {row['ratio']:6.2f} | {fw:>34s} | {rr}")
+    faster = f"{row['rounds_plugin_faster']} of {rounds}"
+    print(f"{j:12s} | {row['default_s']:9.1f} {row['plugin_s']:9.1f} {row['ratio']:6.2f} | "
+          f"{faster:>13s} {row['median_ratio_per_round']:6.2f} | {fw:>34s} | {rr}")
 
 report = {
     "workload": {"records": records, "key_bytes": 10, "value_bytes": 100, "map_partitions": 32,
