@@ -16,7 +16,9 @@
 # fetchWaitTime summed over the job's tasks (a SparkListener in the application).
 #
 # Prints a table (mean over rounds and their ratio, in how many rounds the plugin was faster, the
-# median of the per-round ratios, and every round) and writes target/bench/spark.json:
+# median of the per-round ratios, and every round), the executor CPU spent during each timed job
+# by kind of thread (tasks, JIT, GC, transport, other; sampled from /proc), and writes
+# target/bench/spark.json:
 #   {"jobs": [{"name", "default_s", "plugin_s", "ratio", "default_fetch_wait_ms",
 #              "plugin_fetch_wait_ms", ...}], "plugin_engine_stats": {...}, ...}
 # Logs of every application: target/bench/spark-logs/.
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
     --no-build) build=no; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "bench-spark.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -89,12 +91,29 @@ cluster_conf = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n
 # Executor threads that move shuffle blocks: the engine's (rdma-shuffle-*) and Netty's shuffle
 # transport (shuffle-client-*, shuffle-server-*). Thread names as /proc shows them (15 chars).
 TRANSPORT_THREADS = ("rdma-shuffle", "shuffle-client", "shuffle-server")
+CPU_KINDS = ("tasks", "jit", "gc", "transport", "other")
 
-def sample_executor_cpu(proc, cpu):
+def cpu_kind(name):
+    """What an executor thread does, by its /proc name: Spark's task threads, the JIT
+    compiler's, the garbage collector's (G1 and the VM thread, which runs its pauses), the
+    shuffle transport's, or anything else (RPC, heartbeats, block manager, ...)."""
+    if name.startswith("Executor task"):
+        return "tasks"
+    if "CompilerThre" in name:
+        return "jit"
+    if name.startswith(("GC Thread", "G1 ", "VM Thread")):
+        return "gc"
+    if name.startswith(TRANSPORT_THREADS):
+        return "transport"
+    return "other"
+
+def sample_executor_cpu(proc, cpu, series):
     """CPU seconds (user+system) of every thread of every executor JVM of the application,
     sampled from /proc while it runs. Task metrics count only task threads; this also counts
     the engine's threads, Netty's and the JIT compiler's, so the modes compare on all the work
-    they cause, and the transport's own share can be told apart."""
+    they cause, and the transport's own share can be told apart. `cpu` keeps each thread's
+    latest total (threads that exit keep theirs); `series` gets (epoch s, {kind: total}) per
+    sweep, so the CPU of a timed job is the difference between its start and end."""
     tick = os.sysconf("SC_CLK_TCK")
     while proc.poll() is None:
         for d in glob.glob("/proc/[0-9]*"):
@@ -108,7 +127,26 @@ def sample_executor_cpu(proc, cpu):
                     cpu[t] = (name, (int(f[11]) + int(f[12])) / tick)
             except (OSError, IndexError, ValueError):
                 pass
+        totals = dict.fromkeys(CPU_KINDS, 0.0)
+        for name, c in list(cpu.values()):
+            totals[cpu_kind(name)] += c
+        series.append((time.time(), totals))
         time.sleep(0.5)
+
+def cpu_between(series, start, end):
+    """Executor CPU seconds by kind between two epoch times, interpolated between sweeps."""
+    def at(t):
+        before = [s for s in series if s[0] <= t]
+        after = [s for s in series if s[0] >= t]
+        if not before or not after:
+            return None
+        (t0, a), (t1, b) = before[-1], after[0]
+        w = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
+        return {k: a[k] + w * (b[k] - a[k]) for k in CPU_KINDS}
+    a, b = at(start), at(end)
+    if a is None or b is None:
+        return None
+    return {k: round(b[k] - a[k], 2) for k in CPU_KINDS}
 
 def submit(mode, rnd):
     cmd = [f"{spark_home}/bin/spark-submit", "--master", "local-cluster[2,1,2048]",
@@ -124,8 +162,8 @@ def submit(mode, rnd):
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
-    cpu = {}
-    sampler = threading.Thread(target=sample_executor_cpu, args=(proc, cpu), daemon=True)
+    cpu, series = {}, []
+    sampler = threading.Thread(target=sample_executor_cpu, args=(proc, cpu, series), daemon=True)
     sampler.start()
     try:
         out, err = proc.communicate(timeout=3600)
@@ -164,14 +202,21 @@ def submit(mode, rnd):
     print(f"  {tag:15s} submit {wall:6.1f}s  load {load[0]:.1f}->{load[1]:.1f}  "
           f"executor cpu {executor_cpu:6.1f}s (shuffle transport {transport_cpu:.1f}s, "
           f"JIT {jit_cpu:.1f}s)  {summary}", flush=True)
+    # Executor CPU (all threads) between each timed job's start and end, by kind of thread.
+    job_cpu = {j: cpu_between(series, int(res[j]["start_epoch_ms"]) / 1000,
+                              int(res[j]["end_epoch_ms"]) / 1000)
+               if "start_epoch_ms" in res[j] else None for j in jobs}
     for j in jobs:
         r = res[j]
+        jc = job_cpu[j]
+        kinds = (f"  executor cpu in job {sum(jc.values()):.1f}s ("
+                 + ", ".join(f"{k} {jc[k]:.1f}" for k in CPU_KINDS) + ")") if jc else ""
         print(f"    {j}: map tasks {int(r.get('map_task_ms', 0))/1000:.1f}s "
               f"(cpu {int(r.get('map_cpu_ms', 0))/1000:.1f}s)  reduce tasks "
               f"{int(r.get('reduce_task_ms', 0))/1000:.1f}s (cpu {int(r.get('reduce_cpu_ms', 0))/1000:.1f}s)"
-              f"  gc {int(r.get('gc_ms', 0))/1000:.1f}s", flush=True)
-    return {"jobs": res, "stderr": p.stderr, "executor_logs": executor_logs, "submit_s": wall,
-            "load": load, "executor_cpu_s": executor_cpu, "transport_cpu_s": transport_cpu,
+              f"  gc {int(r.get('gc_ms', 0))/1000:.1f}s{kinds}", flush=True)
+    return {"jobs": res, "job_cpu": job_cpu, "stderr": p.stderr, "executor_logs": executor_logs,
+            "submit_s": wall, "load": load, "executor_cpu_s": executor_cpu, "transport_cpu_s": transport_cpu,
             "jit_cpu_s": jit_cpu}
 
 runs = {"default": [], "plugin": []}
@@ -264,12 +309,26 @@ for j in jobs:
         if all(key in r["jobs"][j] for m in runs for r in runs[m]):
             row[f"default_{key}"] = round(statistics.mean(col("default", j, key)))
             row[f"plugin_{key}"] = round(statistics.mean(col("plugin", j, key)))
+    # Executor CPU (every thread) during the timed job, mean over rounds, by kind of thread.
+    if all(r["job_cpu"][j] for m in runs for r in runs[m]):
+        for m in runs:
+            row[f"{m}_job_cpu_s"] = {k: round(statistics.mean(r["job_cpu"][j][k] for r in runs[m]), 2)
+                                     for k in CPU_KINDS}
     rows.append(row)
     fw = f"{row['default_fetch_wait_ms']:.0f} / {row['plugin_fetch_wait_ms']:.0f}"
     rr = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(d, p))
     faster = f"{row['rounds_plugin_faster']} of {rounds}"
     print(f"{j:12s} | {row['default_s']:9.1f} {row['plugin_s']:9.1f} {row['ratio']:6.2f} | "
           f"{faster:>13s} {row['median_ratio_per_round']:6.2f} | {fw:>34s} | {rr}")
+
+if all("default_job_cpu_s" in row for row in rows):
+    print("\nexecutor CPU s during each timed job (every thread of both executors, sampled from "
+          "/proc; mean over rounds), default / plugin:")
+    print(f"{'job':12s} | {'total':>13s} | " + " | ".join(f"{k:>11s}" for k in CPU_KINDS))
+    for row in rows:
+        d, p = row["default_job_cpu_s"], row["plugin_job_cpu_s"]
+        print(f"{row['name']:12s} | {sum(d.values()):5.1f} / {sum(p.values()):5.1f} | "
+              + " | ".join(f"{d[k]:4.1f} / {p[k]:4.1f}" for k in CPU_KINDS))
 
 report = {
     "workload": {"records": records, "key_bytes": 10, "value_bytes": 100, "map_partitions": 32,

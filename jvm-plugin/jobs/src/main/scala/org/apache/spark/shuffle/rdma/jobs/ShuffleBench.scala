@@ -25,8 +25,10 @@ import org.apache.spark.sql.types.{BinaryType, StructField, StructType}
  * loading, connections and JIT), so cluster start-up and warm-up are not part of any number.
  * Output per job:
  * {{{
- *   BENCH job=<name> wall_ms=.. records=.. digest=<16 hex> write_bytes=.. remote_bytes=.. local_bytes=.. remote_blocks=.. fetch_wait_ms=..
+ *   BENCH job=<name> wall_ms=.. start_epoch_ms=.. end_epoch_ms=.. records=.. digest=<16 hex> write_bytes=.. remote_bytes=.. local_bytes=.. remote_blocks=.. fetch_wait_ms=..
  * }}}
+ * `start_epoch_ms`/`end_epoch_ms` (wall clock) let a harness attribute what it samples outside
+ * the application, such as executor threads' CPU, to the timed job.
  * `fetch_wait_ms` is Spark's own `shuffleReadMetrics.fetchWaitTime` summed over the job's tasks;
  * `digest` is an order-independent hash of the job's output records, equal across modes.
  *
@@ -67,12 +69,14 @@ object ShuffleBench {
     jobs.foreach { job =>
       settle(sc)
       metrics.reset()
+      val startEpochMs = System.currentTimeMillis()
       val start = System.nanoTime()
       val (n, digest) = run(spark, job, records)
       val wallMs = (System.nanoTime() - start) / 1000000
+      val endEpochMs = System.currentTimeMillis()
       settle(sc)
       require(n == records, s"$job produced $n records, expected $records")
-      println(f"BENCH job=$job wall_ms=$wallMs records=$n digest=$digest%016x ${metrics.render}")
+      println(f"BENCH job=$job wall_ms=$wallMs start_epoch_ms=$startEpochMs end_epoch_ms=$endEpochMs records=$n digest=$digest%016x ${metrics.render}")
     }
     spark.stop()
   }
