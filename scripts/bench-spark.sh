@@ -197,8 +197,8 @@ def submit(mode, rnd):
     load = (load_before, os.getloadavg()[0])
     summary = "  ".join(f"{j} {int(res[j]['wall_ms'])/1000:.1f}s" for j in jobs)
     executor_cpu = sum(c for _, c in cpu.values())
-    transport_cpu = sum(c for n, c in cpu.values() if n.startswith(TRANSPORT_THREADS))
-    jit_cpu = sum(c for n, c in cpu.values() if "CompilerThre" in n)
+    transport_cpu = sum(c for n, c in cpu.values() if cpu_kind(n) == "transport")
+    jit_cpu = sum(c for n, c in cpu.values() if cpu_kind(n) == "jit")
     print(f"  {tag:15s} submit {wall:6.1f}s  load {load[0]:.1f}->{load[1]:.1f}  "
           f"executor cpu {executor_cpu:6.1f}s (shuffle transport {transport_cpu:.1f}s, "
           f"JIT {jit_cpu:.1f}s)  {summary}", flush=True)
@@ -216,8 +216,8 @@ def submit(mode, rnd):
               f"{int(r.get('reduce_task_ms', 0))/1000:.1f}s (cpu {int(r.get('reduce_cpu_ms', 0))/1000:.1f}s)"
               f"  gc {int(r.get('gc_ms', 0))/1000:.1f}s{kinds}", flush=True)
     return {"jobs": res, "job_cpu": job_cpu, "stderr": p.stderr, "executor_logs": executor_logs,
-            "submit_s": wall, "load": load, "executor_cpu_s": executor_cpu, "transport_cpu_s": transport_cpu,
-            "jit_cpu_s": jit_cpu}
+            "submit_s": wall, "load": load, "executor_cpu_s": executor_cpu,
+            "transport_cpu_s": transport_cpu, "jit_cpu_s": jit_cpu}
 
 runs = {"default": [], "plugin": []}
 for rnd in range(1, rounds + 1):
