@@ -85,6 +85,17 @@ log "engine: $ENGINE, ${SECONDS_PER_TARGET} s per target, targets: $TARGETS"
 # generated, not committed, and written into the corpus directories libFuzzer reads.
 cargo run --quiet --release --manifest-path fuzz/Cargo.toml --no-default-features --example seeds -- fuzz/corpus
 
+# Inputs that once failed (fuzz/regressions/<target>/, committed) must pass before any new
+# fuzzing; they also join the corpus, so libFuzzer mutates from them.
+log "replaying past failures (fuzz/regressions/)"
+cargo test --quiet --release --manifest-path fuzz/Cargo.toml --no-default-features --test replay past_crashes_pass
+for target in $TARGETS; do
+    if [ -d "fuzz/regressions/$target" ]; then
+        mkdir -p "fuzz/corpus/$target"
+        cp fuzz/regressions/"$target"/* "fuzz/corpus/$target/"
+    fi
+done
+
 if [ "$ENGINE" = stable ]; then
     log "WARNING: no libFuzzer; running the coverage-blind random driver (fuzz/tests/replay.rs)"
     WIRE_FUZZ_SECONDS="$SECONDS_PER_TARGET" WIRE_FUZZ_SEED="${WIRE_FUZZ_SEED:-$RANDOM$RANDOM}" \

@@ -35,7 +35,7 @@
 
 use crate::cursor::Cursor;
 use crate::frames::{read_frame, same_after_codec, through_codec, TIGHT};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 use wire::frame::{Header, HEADER_LEN, MAX_PULL_CHUNK, NONCE_LEN, PROOF_LEN};
 use wire::{
@@ -195,6 +195,11 @@ struct ServerWatch {
     /// Every region ever announced. Outputs queued before a failure are still flushed after
     /// it, so pull data is checked against these, not against the live table.
     announced: HashMap<u64, u64>,
+    /// Regions whose `Release` the session accepted before the watch saw the `Rendezvous`
+    /// announcing them. Only possible in pair mode, where outputs wait in the session's
+    /// queue until the pump moves them: a corrupted `Release` can name a region the server
+    /// has queued but the client has not heard of. The queued `Rendezvous` must follow.
+    released_early: HashSet<u64>,
     /// Whether the watch takes and discards the outputs after each input (server mode), or
     /// leaves them for the pump to carry to a client (pair mode), which checks them then.
     drains: bool,
@@ -212,6 +217,7 @@ impl ServerWatch {
             valid_auth: false,
             regions: HashMap::new(),
             announced: HashMap::new(),
+            released_early: HashSet::new(),
             drains: true,
             served: 0,
         }
@@ -252,7 +258,12 @@ impl ServerWatch {
             Ok(()) => {
                 assert!(!was_closed && !s.is_closed(), "Ok from a closed session");
                 if let Some(region) = release {
-                    assert!(self.regions.remove(&region).is_some(), "release of unknown region {region} accepted");
+                    if self.regions.remove(&region).is_none() {
+                        // Not announced yet as far as the watch knows: fine only while the
+                        // announcement may still be queued, and never twice.
+                        assert!(!self.drains && !self.announced.contains_key(&region), "release of unknown region {region} accepted");
+                        assert!(self.released_early.insert(region), "region {region} released twice");
+                    }
                 }
             }
             Err(e) => {
@@ -333,7 +344,9 @@ impl ServerWatch {
                     assert!(serving, "rendezvous sent before a valid Auth: {f:?}");
                     assert!(desc.len > eager_limit as u64, "{} bytes offered by rendezvous under the eager threshold {eager_limit}", desc.len);
                     assert!(self.announced.insert(desc.region, desc.len).is_none(), "region id {} reused", desc.region);
-                    self.regions.insert(desc.region, desc.len);
+                    if !self.released_early.remove(&desc.region) {
+                        self.regions.insert(desc.region, desc.len);
+                    }
                 }
                 Frame::BlockFailed { .. } | Frame::Credit { .. } => assert!(serving, "{f:?} sent before a valid Auth"),
                 Frame::Ready { proof } => {
@@ -1031,9 +1044,11 @@ fn run_pair(c: &mut Cursor<'_>) -> Stats {
                 p.client_events();
                 p.server.handle_connection_lost("fuzz: reset");
                 p.sw.check_state(&p.server, false);
-                // The transport is gone: whatever was still queued either way is dropped.
+                // The transport is gone: whatever was still queued either way is dropped,
+                // including announcements of regions released early.
                 while p.client.poll_transmit().is_some() {}
                 while p.server.poll_output().is_some() {}
+                p.sw.released_early.clear();
             }
             _ => {
                 p.now += Duration::from_secs(c.u16() as u64);
@@ -1050,6 +1065,7 @@ fn run_pair(c: &mut Cursor<'_>) -> Stats {
         }
     }
     p.settle();
+    assert!(p.sw.released_early.is_empty(), "the server accepted releases of regions it never announced: {:?}", p.sw.released_early);
 
     let mut stats = Stats {
         mode: Some(Mode::Pair),

@@ -129,3 +129,22 @@ fn handshake_seeds_reach_deep_states() {
         }
     }
 }
+
+/// Every input a fuzzer once failed on (`fuzz/regressions/<target>/`) passes now.
+#[test]
+fn past_crashes_pass() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("regressions");
+    let targets: [(&str, fn(&[u8])); 2] = [("frame_decode", frame_decode::run), ("handshake", handshake::run)];
+    let mut replayed = 0;
+    for (target, harness) in targets {
+        let Ok(entries) = std::fs::read_dir(dir.join(target)) else { continue };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let input = std::fs::read(&path).unwrap();
+            eprintln!("replaying {}", path.display());
+            run_one(target, harness, &input);
+            replayed += 1;
+        }
+    }
+    assert!(replayed > 0, "no inputs under {}", dir.display());
+}
