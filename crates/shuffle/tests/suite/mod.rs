@@ -397,7 +397,7 @@ pub fn silent_connections_do_not_delay_other_clients(f: Factory) {
 }
 
 /// A server that completes the handshake, then runs `script` on the first fetch it gets.
-fn scripted_server(f: Factory, script: fn(&dyn Link, &Frame)) -> SocketAddr {
+fn scripted_server(f: Factory, script: impl FnOnce(&dyn Link, &Frame) + Send + 'static) -> SocketAddr {
     let provider = f();
     let listener = provider.listen(listen_addr()).unwrap();
     let addr = listener.local_addr();
@@ -445,10 +445,11 @@ pub fn server_vanishing_mid_stream_fails_blocks_in_bounded_time(f: Factory) {
 pub fn silent_server_times_out(f: Factory) {
     // The clock starts when the server has the Fetch, not before connecting: under the
     // SoftRoCE VM without KVM (TCG), setting up a verbs connection alone can take seconds.
-    static FETCH_SEEN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     const SILENCE: Duration = Duration::from_secs(5);
-    let addr = scripted_server(f, |link, _| {
-        let _ = FETCH_SEEN.set(Instant::now());
+    let fetch_seen = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let seen = fetch_seen.clone();
+    let addr = scripted_server(f, move |link, _| {
+        let _ = seen.set(Instant::now());
         // Hold the connection open and say nothing.
         std::thread::sleep(SILENCE);
         link.shutdown();
@@ -459,7 +460,7 @@ pub fn silent_server_times_out(f: Factory) {
     let sink = Collect::new(1);
     c.fetch(addr, &[ShuffleBlock::single(1, 1, 0)], sink.clone());
     let got = sink.wait(Duration::from_secs(30));
-    let failed_after = FETCH_SEEN.get().expect("the server never saw the Fetch").elapsed();
+    let failed_after = fetch_seen.get().expect("the server never saw the Fetch").elapsed();
     let e = got[&0].as_ref().unwrap_err();
     // Timeout, not PeerGone: the client gave up before the server's silence ended.
     assert_eq!(e.code, FailureCode::Timeout, "{e}");
