@@ -92,7 +92,8 @@ cargo test --quiet --release --manifest-path fuzz/Cargo.toml --no-default-featur
 for target in $TARGETS; do
     if [ -d "fuzz/regressions/$target" ]; then
         mkdir -p "fuzz/corpus/$target"
-        cp fuzz/regressions/"$target"/* "fuzz/corpus/$target/"
+        # "dir/." rather than "dir/*": an empty regression directory must not stop the run.
+        cp -R "fuzz/regressions/$target/." "fuzz/corpus/$target/"
     fi
 done
 
