@@ -15,13 +15,9 @@ pub const TIGHT: Limits = Limits { max_control: 256, max_eager: 4096, max_pull: 
 pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
     let kind = FrameKind::from_u8(c.u8() % 13 + 1).unwrap_or(FrameKind::Error);
     match kind {
-        FrameKind::Hello => Frame::Hello {
-            min_version: c.u8(),
-            max_version: c.u8(),
-            caps: c.u64(),
-            nonce: c.array(),
-            max_eager: c.u32(),
-        },
+        FrameKind::Hello => {
+            Frame::Hello { min_version: c.u8(), max_version: c.u8(), caps: c.u64(), nonce: c.array(), max_eager: c.u32() }
+        }
         FrameKind::Challenge => Frame::Challenge {
             version: c.u8(),
             caps: c.u64(),
@@ -36,9 +32,8 @@ pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
             let req = c.u64();
             let first_index = c.u32();
             let count = c.u8() as usize;
-            let blocks = (0..count)
-                .map(|_| BlockSpan { group: c.u32(), object: c.u64(), start: c.u32(), end: c.u32() })
-                .collect();
+            let blocks =
+                (0..count).map(|_| BlockSpan { group: c.u32(), object: c.u64(), start: c.u32(), end: c.u32() }).collect();
             Frame::Fetch { req, first_index, blocks }
         }
         FrameKind::Eager => Frame::Eager { req: c.u64(), index: c.u32(), len: c.u32() },
@@ -57,7 +52,9 @@ pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
         FrameKind::PullData => Frame::PullData { region: c.u64(), offset: c.u64(), len: c.u64() },
         FrameKind::Release => Frame::Release { region: c.u64() },
         FrameKind::Credit => Frame::Credit { n: c.u32() },
-        FrameKind::Error => Frame::Error { code: FailureCode::from_u16(c.u16()), message: String::from_utf8_lossy(c.blob()).into_owned() },
+        FrameKind::Error => {
+            Frame::Error { code: FailureCode::from_u16(c.u16()), message: String::from_utf8_lossy(c.blob()).into_owned() }
+        }
     }
 }
 

@@ -239,7 +239,9 @@ impl ServerWatch {
     {
         match &frame {
             Frame::Hello { nonce, max_eager, .. } if self.hello.is_none() => self.hello = Some((*nonce, *max_eager)),
-            Frame::Auth { proof: Some(p) } if self.secret.is_some() && self.hello.is_some() && *p == self.correct_client_proof() => {
+            Frame::Auth { proof: Some(p) }
+                if self.secret.is_some() && self.hello.is_some() && *p == self.correct_client_proof() =>
+            {
                 self.valid_auth = true
             }
             _ => {}
@@ -261,7 +263,10 @@ impl ServerWatch {
                     if self.regions.remove(&region).is_none() {
                         // Not announced yet as far as the watch knows: fine only while the
                         // announcement may still be queued, and never twice.
-                        assert!(!self.drains && !self.announced.contains_key(&region), "release of unknown region {region} accepted");
+                        assert!(
+                            !self.drains && !self.announced.contains_key(&region),
+                            "release of unknown region {region} accepted"
+                        );
                         assert!(self.released_early.insert(region), "region {region} released twice");
                     }
                 }
@@ -301,7 +306,8 @@ impl ServerWatch {
             let frame = match &o {
                 ServerOutput::Frame(f) | ServerOutput::Eager { frame: f, .. } | ServerOutput::PullData { frame: f, .. } => f,
             };
-            let got = through_codec(frame, &client_limits).unwrap_or_else(|e| panic!("server sent {frame:?}, which does not decode: {e}"));
+            let got = through_codec(frame, &client_limits)
+                .unwrap_or_else(|e| panic!("server sent {frame:?}, which does not decode: {e}"));
             assert!(same_after_codec(frame, &got), "{frame:?} decodes as {got:?}");
         }
         self.check_state(s, true);
@@ -310,7 +316,12 @@ impl ServerWatch {
     /// Credits and regions. The region table can only be compared once every output has been
     /// seen (`all_seen`).
     fn check_state(&mut self, s: &ServerSession<u64>, all_seen: bool) {
-        assert!(s.outstanding() <= self.credits.max(1), "{} blocks in flight with {} credits", s.outstanding(), self.credits.max(1));
+        assert!(
+            s.outstanding() <= self.credits.max(1),
+            "{} blocks in flight with {} credits",
+            s.outstanding(),
+            self.credits.max(1)
+        );
         if s.is_closed() {
             assert_eq!(s.open_regions(), 0, "a closed session keeps regions");
             self.regions.clear();
@@ -321,7 +332,8 @@ impl ServerWatch {
 
     fn check_output(&mut self, o: &ServerOutput<u64>) {
         let serving = self.may_serve();
-        if matches!(o, ServerOutput::Eager { .. } | ServerOutput::PullData { .. } | ServerOutput::Frame(Frame::Rendezvous { .. })) {
+        if matches!(o, ServerOutput::Eager { .. } | ServerOutput::PullData { .. } | ServerOutput::Frame(Frame::Rendezvous { .. }))
+        {
             self.served += 1;
         }
         let eager_limit = self.eager_threshold.min(self.hello.map(|h| h.1).unwrap_or(0));
@@ -336,13 +348,20 @@ impl ServerWatch {
                 assert_eq!(len, payload);
                 assert!(*len <= MAX_PULL_CHUNK, "pull chunk of {len} bytes");
                 let rlen = *self.announced.get(region).unwrap_or_else(|| panic!("pull data for unannounced region {region}"));
-                assert!(offset.checked_add(*len).is_some_and(|end| end <= rlen), "pull data {offset}+{len} outside region of {rlen}");
+                assert!(
+                    offset.checked_add(*len).is_some_and(|end| end <= rlen),
+                    "pull data {offset}+{len} outside region of {rlen}"
+                );
             }
             ServerOutput::Eager { .. } | ServerOutput::PullData { .. } => panic!("payload output with the wrong frame: {o:?}"),
             ServerOutput::Frame(f) => match f {
                 Frame::Rendezvous { desc, .. } => {
                     assert!(serving, "rendezvous sent before a valid Auth: {f:?}");
-                    assert!(desc.len > eager_limit as u64, "{} bytes offered by rendezvous under the eager threshold {eager_limit}", desc.len);
+                    assert!(
+                        desc.len > eager_limit as u64,
+                        "{} bytes offered by rendezvous under the eager threshold {eager_limit}",
+                        desc.len
+                    );
                     assert!(self.announced.insert(desc.region, desc.len).is_none(), "region id {} reused", desc.region);
                     if !self.released_early.remove(&desc.region) {
                         self.regions.insert(desc.region, desc.len);
@@ -532,17 +551,18 @@ impl ClientWatch {
         let fetched_closed = c.is_closed();
         let n = spans.len();
         let req = c.fetch(spans.clone(), now);
-        let prev = self.requests.insert(
-            req,
-            RequestWatch { spans, outcome: vec![None; n], requested: vec![false; n], done: false, fetched_closed },
-        );
+        let prev = self
+            .requests
+            .insert(req, RequestWatch { spans, outcome: vec![None; n], requested: vec![false; n], done: false, fetched_closed });
         assert!(prev.is_none(), "request id {req} reused");
     }
 
     fn feed(&mut self, c: &mut ClientSession, frame: Frame, now: Instant) {
         match &frame {
             Frame::Challenge { nonce, .. } if self.challenge.is_none() => self.challenge = Some(*nonce),
-            Frame::Ready { proof } if self.secret.is_some() && self.challenge.is_some() && *proof == self.correct_server_proof() => {
+            Frame::Ready { proof }
+                if self.secret.is_some() && self.challenge.is_some() && *proof == self.correct_server_proof() =>
+            {
                 self.valid_ready = true
             }
             _ => {}
@@ -604,7 +624,8 @@ impl ClientWatch {
 
     fn check_transmit(&mut self, f: &Frame, c: &ClientSession) {
         self.transmitted += 1;
-        let got = through_codec(f, &Limits::default()).unwrap_or_else(|e| panic!("client sent {f:?}, which does not decode: {e}"));
+        let got =
+            through_codec(f, &Limits::default()).unwrap_or_else(|e| panic!("client sent {f:?}, which does not decode: {e}"));
         assert!(same_after_codec(f, &got), "{f:?} decodes as {got:?}");
         match f {
             Frame::Hello { nonce, .. } => {
@@ -632,7 +653,10 @@ impl ClientWatch {
                 // region may be gone; only a live session's pulls can be checked.
                 if !c.is_closed() {
                     let d = self.rendezvous.values().find(|(d, _)| d.region == *region);
-                    assert!(d.is_some_and(|(d, _)| *offset == 0 && *len == d.len), "pull {f:?} does not match an announced region");
+                    assert!(
+                        d.is_some_and(|(d, _)| *offset == 0 && *len == d.len),
+                        "pull {f:?} does not match an announced region"
+                    );
                 }
             }
             Frame::Release { .. } => {}
@@ -671,7 +695,8 @@ impl ClientWatch {
                 assert!(self.rendezvous.insert(token, (desc, 0)).is_none(), "{token:?} announced twice");
             }
             ClientEvent::PullData { token, offset, len, last } => {
-                let (desc, received) = self.rendezvous.get_mut(&token).unwrap_or_else(|| panic!("pull data for {token:?}, not announced"));
+                let (desc, received) =
+                    self.rendezvous.get_mut(&token).unwrap_or_else(|| panic!("pull data for {token:?}, not announced"));
                 assert_eq!(offset, *received, "pull data out of order");
                 *received += len;
                 assert!(*received <= desc.len);
@@ -698,7 +723,8 @@ impl ClientWatch {
         if let Some((granted, _)) = self.connected {
             assert!(c.credits() <= granted, "{} credits with {granted} granted", c.credits());
         }
-        let open: usize = self.requests.values().filter(|r| !r.done).map(|r| r.outcome.iter().filter(|o| o.is_none()).count()).sum();
+        let open: usize =
+            self.requests.values().filter(|r| !r.done).map(|r| r.outcome.iter().filter(|o| o.is_none()).count()).sum();
         assert_eq!(c.outstanding_blocks(), open, "the session and the events disagree on the blocks outstanding");
     }
 }
@@ -756,7 +782,9 @@ fn run_client(c: &mut Cursor<'_>) -> Stats {
             }
             client_op::FETCH => {
                 let n = c.u8() % 12;
-                let spans = (0..n).map(|_| BlockSpan { group: c.u8() as u32, object: c.u8() as u64, start: c.u8() as u32, end: c.u8() as u32 }).collect();
+                let spans = (0..n)
+                    .map(|_| BlockSpan { group: c.u8() as u32, object: c.u8() as u64, start: c.u8() as u32, end: c.u8() as u32 })
+                    .collect();
                 watch.fetch(&mut s, spans, now);
             }
             client_op::EAGER => {
@@ -1022,7 +1050,9 @@ fn run_pair(c: &mut Cursor<'_>) -> Stats {
         match c.u8() % pair_op::COUNT {
             pair_op::FETCH => {
                 let n = c.u8() % 10;
-                let spans = (0..n).map(|_| BlockSpan { group: c.u8() as u32, object: c.u32() as u64, start: c.u8() as u32, end: c.u8() as u32 }).collect();
+                let spans = (0..n)
+                    .map(|_| BlockSpan { group: c.u8() as u32, object: c.u32() as u64, start: c.u8() as u32, end: c.u8() as u32 })
+                    .collect();
                 p.cw.fetch(&mut p.client, spans, p.now);
                 p.client_events();
             }
@@ -1065,7 +1095,11 @@ fn run_pair(c: &mut Cursor<'_>) -> Stats {
         }
     }
     p.settle();
-    assert!(p.sw.released_early.is_empty(), "the server accepted releases of regions it never announced: {:?}", p.sw.released_early);
+    assert!(
+        p.sw.released_early.is_empty(),
+        "the server accepted releases of regions it never announced: {:?}",
+        p.sw.released_early
+    );
 
     let mut stats = Stats {
         mode: Some(Mode::Pair),

@@ -103,7 +103,8 @@ pub fn handshake() -> Vec<(String, Vec<u8>)> {
         let mut w = Writer::new();
         w.u8(Mode::Client as u8).u8(1 | (7 << 2)).u32(1 << 20);
         w.u8(client_op::FETCH).u8(1).u8(1).u8(1).u8(0).u8(1);
-        let challenge = Frame::Challenge { version: 1, caps: 7, nonce: [0x22; 16], auth_required: true, credits: 4, eager_threshold: 1024 };
+        let challenge =
+            Frame::Challenge { version: 1, caps: 7, nonce: [0x22; 16], auth_required: true, credits: 4, eager_threshold: 1024 };
         w.u8(client_op::RAW).blob(&challenge.to_vec());
         let forged = Secret::new("guess").server_proof(&CLIENT_NONCE, &[0x22; 16]);
         w.u8(client_op::RAW).blob(&Frame::Ready { proof: Some(forged) }.to_vec());
@@ -123,35 +124,53 @@ pub fn handshake() -> Vec<(String, Vec<u8>)> {
             w.u8(g).u32(o).u8(s).u8(e);
         }
     };
-    out.push(("pair-secret".into(), pair(3, 3, &|w| {
-        fetch_ops(w);
-        w.u8(pair_op::STEP).u8(3);
-        fetch_ops(w);
-        w.u8(pair_op::SETTLE);
-    })));
-    out.push(("pair-open-tiny-credits".into(), pair(0, 1, &|w| {
-        fetch_ops(w);
-        w.u8(pair_op::SETTLE);
-    })));
-    out.push(("pair-mismatch".into(), pair(1 | 2 | 4, 4, &|w| {
-        fetch_ops(w);
-        w.u8(pair_op::SETTLE);
-        fetch_ops(w);
-    })));
-    out.push(("pair-no-rendezvous".into(), pair(8, 4, &|w| {
-        fetch_ops(w);
-    })));
-    out.push(("pair-corrupt".into(), pair(0, 4, &|w| {
-        fetch_ops(w);
-        w.u8(pair_op::STEP).u8(2);
-        w.u8(pair_op::CORRUPT).u8(1).u16(13).u8(0x40);
-        w.u8(pair_op::SETTLE);
-    })));
-    out.push(("pair-timeout".into(), pair(3, 4, &|w| {
-        fetch_ops(w);
-        w.u8(pair_op::STEP).u8(4);
-        w.u8(pair_op::TIMEOUT).u16(200);
-        w.u8(pair_op::LOST);
-    })));
+    out.push((
+        "pair-secret".into(),
+        pair(3, 3, &|w| {
+            fetch_ops(w);
+            w.u8(pair_op::STEP).u8(3);
+            fetch_ops(w);
+            w.u8(pair_op::SETTLE);
+        }),
+    ));
+    out.push((
+        "pair-open-tiny-credits".into(),
+        pair(0, 1, &|w| {
+            fetch_ops(w);
+            w.u8(pair_op::SETTLE);
+        }),
+    ));
+    out.push((
+        "pair-mismatch".into(),
+        pair(1 | 2 | 4, 4, &|w| {
+            fetch_ops(w);
+            w.u8(pair_op::SETTLE);
+            fetch_ops(w);
+        }),
+    ));
+    out.push((
+        "pair-no-rendezvous".into(),
+        pair(8, 4, &|w| {
+            fetch_ops(w);
+        }),
+    ));
+    out.push((
+        "pair-corrupt".into(),
+        pair(0, 4, &|w| {
+            fetch_ops(w);
+            w.u8(pair_op::STEP).u8(2);
+            w.u8(pair_op::CORRUPT).u8(1).u16(13).u8(0x40);
+            w.u8(pair_op::SETTLE);
+        }),
+    ));
+    out.push((
+        "pair-timeout".into(),
+        pair(3, 4, &|w| {
+            fetch_ops(w);
+            w.u8(pair_op::STEP).u8(4);
+            w.u8(pair_op::TIMEOUT).u16(200);
+            w.u8(pair_op::LOST);
+        }),
+    ));
     out
 }

@@ -11,10 +11,7 @@ use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 
 fn pool() -> TieredPool {
     // Preallocated so every measured acquire is a free-list hit.
-    let config = PoolConfig {
-        prealloc: true,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig { prealloc: true, ..PoolConfig::default() };
     TieredPool::unregistered(config).expect("default config is valid")
 }
 

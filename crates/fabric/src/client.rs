@@ -284,7 +284,10 @@ impl ClientEndpoint {
                 };
                 for (i, span) in blocks.iter().enumerate() {
                     inner.stats.failed_blocks.fetch_add(1, Ordering::Relaxed);
-                    sink.on_block(i, Err(BlockFailure::new(code, format!("{span}: {} cannot reach {addr}: {e}", inner.config.name))));
+                    sink.on_block(
+                        i,
+                        Err(BlockFailure::new(code, format!("{span}: {} cannot reach {addr}: {e}", inner.config.name))),
+                    );
                 }
                 return;
             }
@@ -363,7 +366,11 @@ impl Inner {
         let conn = Arc::new(Conn {
             addr,
             link,
-            st: Mutex::new(ConnState { session: ClientSession::new(cfg, Instant::now()), sinks: HashMap::new(), pulls: HashMap::new() }),
+            st: Mutex::new(ConnState {
+                session: ClientSession::new(cfg, Instant::now()),
+                sinks: HashMap::new(),
+                pulls: HashMap::new(),
+            }),
             dead: AtomicBool::new(false),
         });
         {
@@ -418,7 +425,9 @@ impl Inner {
                         let job = PullJob { conn: conn.clone(), token, desc };
                         let sent = self.pull_tx.lock().as_ref().map(|tx| tx.send(job).is_ok()).unwrap_or(false);
                         if !sent {
-                            let _ = st.session.pull_complete(token, Err(BlockFailure::new(FailureCode::PeerGone, "endpoint is shutting down")));
+                            let _ = st
+                                .session
+                                .pull_complete(token, Err(BlockFailure::new(FailureCode::PeerGone, "endpoint is shutting down")));
                         }
                     }
                     ClientEvent::Failed { token, failure } => {
@@ -477,7 +486,10 @@ impl Inner {
     }
 
     fn pool_failure(&self, conn: &Conn, len: u64, e: impl std::fmt::Display) -> BlockFailure {
-        BlockFailure::new(FailureCode::PoolExhausted, format!("{}: no buffer for a {len}-byte block from {}: {e}", self.config.name, conn.addr))
+        BlockFailure::new(
+            FailureCode::PoolExhausted,
+            format!("{}: no buffer for a {len}-byte block from {}: {e}", self.config.name, conn.addr),
+        )
     }
 }
 
@@ -520,7 +532,9 @@ fn read_loop(inner: &Arc<Inner>, conn: &Arc<Conn>) {
                         plan = Some(PayloadPlan::Pull { token, offset, last, guard: Some(guard) });
                         Placement::Into { lease, at: offset as usize }
                     }
-                    None => Placement::Abort(FabricError::Unsupported(format!("{}: pull data for a block with no buffer", conn.addr))),
+                    None => {
+                        Placement::Abort(FabricError::Unsupported(format!("{}: pull data for a block with no buffer", conn.addr)))
+                    }
                 },
                 None => Placement::Discard,
             }
@@ -552,7 +566,11 @@ fn read_loop(inner: &Arc<Inner>, conn: &Arc<Conn>) {
                                 if let Some(sink) = sink {
                                     inner.stats.rendezvous_blocks.fetch_add(1, Ordering::Relaxed);
                                     inner.stats.stream_pulls.fetch_add(1, Ordering::Relaxed);
-                                    d.push((sink, token.index as usize, Ok(FetchedBlock { lease: Some(lease), _budget: Some(guard) })));
+                                    d.push((
+                                        sink,
+                                        token.index as usize,
+                                        Ok(FetchedBlock { lease: Some(lease), _budget: Some(guard) }),
+                                    ));
                                 }
                                 d
                             }
@@ -624,7 +642,10 @@ fn pull_loop(inner: &Arc<Inner>, rx: Receiver<PullJob>) {
         let Some(guard) = inner.budget.acquire(cost, deadline) else {
             complete(Err(BlockFailure::new(
                 FailureCode::Timeout,
-                format!("{}: {} bytes in flight did not drain within the fetch timeout", inner.config.name, inner.config.max_bytes_in_flight),
+                format!(
+                    "{}: {} bytes in flight did not drain within the fetch timeout",
+                    inner.config.name, inner.config.max_bytes_in_flight
+                ),
             )));
             continue;
         };
@@ -641,7 +662,10 @@ fn pull_loop(inner: &Arc<Inner>, rx: Receiver<PullJob>) {
                     inner.stats.one_sided_reads.fetch_add(1, Ordering::Relaxed);
                     complete(Ok(Some((lease, guard))));
                 }
-                Err(e) => complete(Err(BlockFailure::new(FailureCode::PullFailed, format!("{}: read from {}: {e}", inner.config.name, conn.addr)))),
+                Err(e) => complete(Err(BlockFailure::new(
+                    FailureCode::PullFailed,
+                    format!("{}: read from {}: {e}", inner.config.name, conn.addr),
+                ))),
             }
         } else {
             let deliveries = {

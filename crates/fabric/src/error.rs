@@ -70,7 +70,10 @@ impl FabricError {
     pub fn io(peer: &str, op: &'static str, source: io::Error) -> Self {
         if matches!(
             source.kind(),
-            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted
+            io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::BrokenPipe
+                | io::ErrorKind::ConnectionAborted
         ) {
             return FabricError::Closed { peer: peer.to_string() };
         }

@@ -169,18 +169,12 @@ pub struct PoolConfig {
 /// with a 1 MiB → 16 MiB jump each of them held 16 MiB of registered memory and of the
 /// in-flight budget. Below 1 MiB the absolute waste is small, so fewer, coarser tiers keep the
 /// number of partly used slabs (each a memory registration) down.
-pub const DEFAULT_TIERS: [usize; 9] =
-    [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20];
+pub const DEFAULT_TIERS: [usize; 9] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20];
 
 impl Default for PoolConfig {
     /// [`DEFAULT_TIERS`] (4 KiB … 16 MiB); 4 MiB slabs; a 256 MiB cap; no preallocation.
     fn default() -> Self {
-        Self {
-            tiers: DEFAULT_TIERS.to_vec(),
-            slab_bytes: 4 << 20,
-            cap_bytes: 256 << 20,
-            prealloc: false,
-        }
+        Self { tiers: DEFAULT_TIERS.to_vec(), slab_bytes: 4 << 20, cap_bytes: 256 << 20, prealloc: false }
     }
 }
 
@@ -197,27 +191,21 @@ impl PoolConfig {
             return bad("`tiers` is empty; the pool needs at least one buffer size".into());
         }
         if self.tiers.len() > MAX_TIERS {
-            return bad(format!(
-                "`tiers` has {} sizes; at most {MAX_TIERS} are supported",
-                self.tiers.len()
-            ));
+            return bad(format!("`tiers` has {} sizes; at most {MAX_TIERS} are supported", self.tiers.len()));
         }
         if self.tiers[0] == 0 {
             return bad("`tiers` contains a zero buffer size".into());
         }
         if let Some(w) = self.tiers.windows(2).find(|w| w[0] >= w[1]) {
-            return bad(format!(
-                "`tiers` must be strictly increasing, but {} is followed by {}",
-                w[0], w[1]
-            ));
+            return bad(format!("`tiers` must be strictly increasing, but {} is followed by {}", w[0], w[1]));
         }
         if self.slab_bytes == 0 {
             return bad("`slab_bytes` is 0; a slab must hold at least one buffer".into());
         }
         let page = page_size();
         let largest = *self.tiers.last().unwrap_or(&0);
-        let largest_mapped = round_up(largest, page)
-            .ok_or_else(|| PoolError::Config(format!("tier size {largest} is too large to map")))?;
+        let largest_mapped =
+            round_up(largest, page).ok_or_else(|| PoolError::Config(format!("tier size {largest} is too large to map")))?;
         if (largest_mapped as u64) > self.cap_bytes {
             return bad(format!(
                 "`cap_bytes` ({}, set by {CAP_BYTES_SETTING}) is smaller than one buffer of the \
@@ -241,12 +229,7 @@ impl PoolConfig {
             let slab_mapped = (per_slab as usize)
                 .checked_mul(size)
                 .and_then(|b| round_up(b, page))
-                .ok_or_else(|| {
-                    PoolError::Config(format!(
-                        "`slab_bytes` ({}) is too large to map",
-                        self.slab_bytes
-                    ))
-                })?;
+                .ok_or_else(|| PoolError::Config(format!("`slab_bytes` ({}) is too large to map", self.slab_bytes)))?;
             prealloc_total = prealloc_total.saturating_add(slab_mapped as u64);
             specs.push(TierSpec { size, per_slab });
         }
@@ -375,11 +358,7 @@ impl TieredPool {
         match self.acquire_inner(len, Some(deadline))? {
             Some(lease) => Ok(lease),
             // `acquire_inner` only answers `None` when it may not block.
-            None => Err(PoolError::Timeout {
-                requested: len,
-                cap: self.shared.cap,
-                in_use: self.stats().bytes_in_use,
-            }),
+            None => Err(PoolError::Timeout { requested: len, cap: self.shared.cap, in_use: self.stats().bytes_in_use }),
         }
     }
 
@@ -407,11 +386,7 @@ impl TieredPool {
     }
 
     /// `wait`: `None` = never block; `Some(deadline)` = block until the deadline (if any).
-    fn acquire_inner(
-        &self,
-        len: usize,
-        wait: Option<Option<Instant>>,
-    ) -> Result<Option<Lease>, PoolError> {
+    fn acquire_inner(&self, len: usize, wait: Option<Option<Instant>>) -> Result<Option<Lease>, PoolError> {
         let shared = &*self.shared;
         let class = shared.classify(len)?;
         let mut st = shared.state.lock();
@@ -446,26 +421,13 @@ impl TieredPool {
                 st.stats.timeouts += 1;
                 let in_use = st.stats.bytes_in_use;
                 drop(st);
-                debug!(
-                    requested = len,
-                    in_use,
-                    cap = shared.cap,
-                    "pool acquire timed out"
-                );
-                return Err(PoolError::Timeout {
-                    requested: len,
-                    cap: shared.cap,
-                    in_use,
-                });
+                debug!(requested = len, in_use, cap = shared.cap, "pool acquire timed out");
+                return Err(PoolError::Timeout { requested: len, cap: shared.cap, in_use });
             }
             if backpressure && !counted_wait {
                 counted_wait = true;
                 st.stats.waits += 1;
-                trace!(
-                    requested = len,
-                    in_use = st.stats.bytes_in_use,
-                    "pool at cap, waiting"
-                );
+                trace!(requested = len, in_use = st.stats.bytes_in_use, "pool at cap, waiting");
             }
             st.waiters += 1;
             match deadline {
@@ -490,13 +452,7 @@ impl TieredPool {
 
     /// Maps and registers the slab reserved in `res` (outside the lock), installs it and
     /// leases its first buffer.
-    fn grow(
-        &self,
-        mut res: Reservation<'_>,
-        tier: usize,
-        nbuf: u32,
-        len: usize,
-    ) -> Result<Lease, PoolError> {
+    fn grow(&self, mut res: Reservation<'_>, tier: usize, nbuf: u32, len: usize) -> Result<Lease, PoolError> {
         let shared = &*self.shared;
         let bytes = res.bytes as usize;
         let (region, mut st) = shared.map_reserved(&mut res)?;
@@ -513,18 +469,7 @@ impl TieredPool {
         drop(st);
         debug!(tier = size, buffers = nbuf, bytes, "pool tier grew");
         Ok(self.lease(
-            Taken {
-                ptr: base,
-                capacity: size,
-                keys,
-                origin: Origin::Tier {
-                    tier,
-                    buf: BufRef {
-                        slab: slot,
-                        index: 0,
-                    },
-                },
-            },
+            Taken { ptr: base, capacity: size, keys, origin: Origin::Tier { tier, buf: BufRef { slab: slot, index: 0 } } },
             len,
         ))
     }
@@ -551,10 +496,7 @@ impl TieredPool {
 
 impl fmt::Debug for TieredPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TieredPool")
-            .field("config", &self.shared.config)
-            .field("stats", &self.stats())
-            .finish()
+        f.debug_struct("TieredPool").field("config", &self.shared.config).field("stats", &self.stats()).finish()
     }
 }
 
@@ -578,10 +520,7 @@ impl Lease {
     /// Sets the visible length, e.g. to the number of bytes actually received.
     pub fn set_len(&mut self, len: usize) -> Result<(), PoolError> {
         if len > self.capacity {
-            return Err(PoolError::LenExceedsCapacity {
-                requested: len,
-                capacity: self.capacity,
-            });
+            return Err(PoolError::LenExceedsCapacity { requested: len, capacity: self.capacity });
         }
         self.len = len;
         Ok(())
@@ -770,11 +709,7 @@ unsafe impl Sync for Region {}
 impl Drop for Region {
     fn drop(&mut self) {
         self.registrar.deregister(&self.keys);
-        trace!(
-            bytes = self.map.len(),
-            handle = self.keys.handle,
-            "pool region deregistered"
-        );
+        trace!(bytes = self.map.len(), handle = self.keys.handle, "pool region deregistered");
         // `map` is unmapped when the fields drop, after deregistration.
     }
 }
@@ -860,10 +795,7 @@ impl Shared {
         }
         match round_up(len, self.page) {
             Some(bytes) if bytes as u64 <= self.cap => Ok(Class::Oversize(bytes as u64)),
-            _ => Err(PoolError::ExceedsCap {
-                requested: len,
-                cap: self.cap,
-            }),
+            _ => Err(PoolError::ExceedsCap { requested: len, cap: self.cap }),
         }
     }
 
@@ -888,9 +820,7 @@ impl Shared {
             return Step::Leased(taken);
         }
         if st.tiers[tier].inflight_spare > 0 {
-            return Step::Wait {
-                backpressure: false,
-            };
+            return Step::Wait { backpressure: false };
         }
         let room = self.cap - st.stats.bytes_allocated;
         if let Some((nbuf, bytes)) = self.slab_fit(tier, room) {
@@ -921,34 +851,15 @@ impl Shared {
             return Step::Wait { backpressure: true };
         };
         st.stats.bytes_allocated += bytes;
-        Step::Oversize(Reservation {
-            shared: self,
-            bytes,
-            inflight: None,
-            reclaimed,
-            committed: false,
-        })
+        Step::Oversize(Reservation { shared: self, bytes, inflight: None, reclaimed, committed: false })
     }
 
-    fn reserve_slab<'a>(
-        &'a self,
-        st: &mut State,
-        tier: usize,
-        nbuf: u32,
-        bytes: usize,
-        reclaimed: Vec<Slab>,
-    ) -> Step<'a> {
+    fn reserve_slab<'a>(&'a self, st: &mut State, tier: usize, nbuf: u32, bytes: usize, reclaimed: Vec<Slab>) -> Step<'a> {
         let spare = nbuf as usize - 1;
         st.stats.bytes_allocated += bytes as u64;
         st.tiers[tier].inflight_spare += spare;
         Step::Grow {
-            res: Reservation {
-                shared: self,
-                bytes: bytes as u64,
-                inflight: Some((tier, spare)),
-                reclaimed,
-                committed: false,
-            },
+            res: Reservation { shared: self, bytes: bytes as u64, inflight: Some((tier, spare)), reclaimed, committed: false },
             tier,
             nbuf,
         }
@@ -959,13 +870,8 @@ impl Shared {
     /// registrations are not thrown away for nothing.
     fn reclaim(&self, st: &mut State, need: u64) -> Option<Vec<Slab>> {
         let mut room = self.cap - st.stats.bytes_allocated;
-        let idle: u64 = st
-            .tiers
-            .iter()
-            .flat_map(|t| t.slabs.iter().flatten())
-            .filter(|s| s.busy == 0)
-            .map(|s| s.bytes as u64)
-            .sum();
+        let idle: u64 =
+            st.tiers.iter().flat_map(|t| t.slabs.iter().flatten()).filter(|s| s.busy == 0).map(|s| s.bytes as u64).sum();
         if room + idle < need {
             return None;
         }
@@ -975,12 +881,7 @@ impl Shared {
             if room >= need {
                 break;
             }
-            let TierState {
-                slabs,
-                free,
-                total_buffers,
-                ..
-            } = ts;
+            let TierState { slabs, free, total_buffers, .. } = ts;
             let before = out.len();
             for slot in slabs.iter_mut() {
                 if room >= need {
@@ -1001,12 +902,7 @@ impl Shared {
         let freed: u64 = out.iter().map(|s| s.bytes as u64).sum();
         st.stats.bytes_allocated -= freed;
         st.stats.reclaims += out.len() as u64;
-        debug!(
-            slabs = out.len(),
-            bytes = freed,
-            need,
-            "pool reclaimed idle slabs"
-        );
+        debug!(slabs = out.len(), bytes = freed, need, "pool reclaimed idle slabs");
         Some(out)
     }
 
@@ -1024,26 +920,13 @@ impl Shared {
         let keys = slab.region.keys;
         st.stats.hits += 1;
         st.stats.note_lease(size as u64);
-        Some(Taken {
-            ptr,
-            capacity: size,
-            keys,
-            origin: Origin::Tier { tier, buf },
-        })
+        Some(Taken { ptr, capacity: size, keys, origin: Origin::Tier { tier, buf } })
     }
 
     /// Puts a new slab into `tier` (its bytes are already counted as allocated) and answers
     /// its slot. With `lease_first`, buffer 0 stays out of the free list and counts as busy:
     /// the caller leases it.
-    fn install_slab(
-        &self,
-        st: &mut State,
-        tier: usize,
-        region: Region,
-        bytes: usize,
-        nbuf: u32,
-        lease_first: bool,
-    ) -> u32 {
+    fn install_slab(&self, st: &mut State, tier: usize, region: Region, bytes: usize, nbuf: u32, lease_first: bool) -> u32 {
         let ts = &mut st.tiers[tier];
         let slot = match ts.slabs.iter().position(Option::is_none) {
             Some(slot) => slot,
@@ -1060,12 +943,7 @@ impl Shared {
         for index in (first..nbuf).rev() {
             ts.free.push(BufRef { slab: slot, index });
         }
-        ts.slabs[slot as usize] = Some(Slab {
-            region,
-            bytes,
-            nbuf,
-            busy: first,
-        });
+        ts.slabs[slot as usize] = Some(Slab { region, bytes, nbuf, busy: first });
         slot
     }
 
@@ -1080,11 +958,7 @@ impl Shared {
             }
             // A leased buffer's slab is never reclaimed (busy > 0); log rather than panic
             // inside Drop, which may run under the JVM.
-            None => warn!(
-                tier = size,
-                slab = buf.slab,
-                "pool: lease returned to a missing slab"
-            ),
+            None => warn!(tier = size, slab = buf.slab, "pool: lease returned to a missing slab"),
         }
         st.stats.bytes_in_use -= size as u64;
         if st.waiters > 0 {
@@ -1116,20 +990,11 @@ impl Shared {
     /// Maps `bytes` (a page multiple) of anonymous memory and registers it. Runs without
     /// the pool lock.
     fn map_region(&self, bytes: usize) -> Result<Region, PoolError> {
-        let map: MmapRaw = MmapMut::map_anon(bytes)
-            .map_err(|source| PoolError::Alloc { bytes, source })?
-            .into();
-        let base = NonNull::new(map.as_mut_ptr()).ok_or_else(|| PoolError::Alloc {
-            bytes,
-            source: io::Error::other("mmap returned a null address"),
-        })?;
+        let map: MmapRaw = MmapMut::map_anon(bytes).map_err(|source| PoolError::Alloc { bytes, source })?.into();
+        let base = NonNull::new(map.as_mut_ptr())
+            .ok_or_else(|| PoolError::Alloc { bytes, source: io::Error::other("mmap returned a null address") })?;
         match self.registrar.register(base.as_ptr(), bytes) {
-            Ok(keys) => Ok(Region {
-                map,
-                base,
-                keys,
-                registrar: Arc::clone(&self.registrar),
-            }),
+            Ok(keys) => Ok(Region { map, base, keys, registrar: Arc::clone(&self.registrar) }),
             Err(e) => {
                 // `map` is unmapped on return; nothing was registered.
                 warn!(bytes, error = %e, "pool memory registration failed");
@@ -1144,11 +1009,7 @@ impl Drop for Shared {
         // Runs when the last pool handle and the last lease are gone; the slabs (and their
         // registrations) are released as `state` drops.
         let st = self.state.get_mut();
-        debug!(
-            bytes = st.stats.bytes_allocated,
-            peak_in_use = st.stats.peak_bytes_in_use,
-            "memory pool released"
-        );
+        debug!(bytes = st.stats.bytes_allocated, peak_in_use = st.stats.peak_bytes_in_use, "memory pool released");
     }
 }
 
@@ -1180,12 +1041,7 @@ mod tests {
     const MIB: usize = 1024 * 1024;
 
     fn cfg(tiers: &[usize], slab_bytes: usize, cap_bytes: usize) -> PoolConfig {
-        PoolConfig {
-            tiers: tiers.to_vec(),
-            slab_bytes,
-            cap_bytes: cap_bytes as u64,
-            prealloc: false,
-        }
+        PoolConfig { tiers: tiers.to_vec(), slab_bytes, cap_bytes: cap_bytes as u64, prealloc: false }
     }
 
     /// Registrar that records every region, checks alignment and overlap, and can be told to
@@ -1227,11 +1083,7 @@ mod tests {
             let handle = self.next.fetch_add(1, Ordering::SeqCst) + 1;
             live.insert(handle, (addr, len));
             self.registers.fetch_add(1, Ordering::SeqCst);
-            Ok(RegionKeys {
-                lkey: handle as u32,
-                rkey: handle as u32 + 1000,
-                handle,
-            })
+            Ok(RegionKeys { lkey: handle as u32, rkey: handle as u32 + 1000, handle })
         }
 
         fn deregister(&self, keys: &RegionKeys) {
@@ -1250,14 +1102,9 @@ mod tests {
 
     /// The lease lies inside the region registered under its keys.
     fn assert_inside_its_region(lease: &Lease, reg: &CountingRegistrar) {
-        let (addr, len) = reg
-            .region(lease.keys().handle)
-            .expect("lease keys name a live region");
+        let (addr, len) = reg.region(lease.keys().handle).expect("lease keys name a live region");
         let p = lease.as_ptr() as usize;
-        assert!(
-            p >= addr && p + lease.capacity() <= addr + len,
-            "{lease:?} outside {addr:#x}+{len}"
-        );
+        assert!(p >= addr && p + lease.capacity() <= addr + len, "{lease:?} outside {addr:#x}+{len}");
         assert_eq!(lease.keys().lkey as u64, lease.keys().handle);
         assert_eq!(lease.keys().rkey as u64, lease.keys().handle + 1000);
     }
@@ -1288,37 +1135,20 @@ mod tests {
             (cfg(&[4 * KIB, 4 * KIB], MIB, MIB), "strictly increasing"),
             (cfg(&[4 * KIB], 0, MIB), "slab_bytes"),
             (cfg(&[4 * KIB, MIB], MIB, 512 * KIB), CAP_BYTES_SETTING),
-            (
-                PoolConfig {
-                    prealloc: true,
-                    ..cfg(&[4 * KIB, 64 * KIB], MIB, MIB)
-                },
-                "prealloc",
-            ),
+            (PoolConfig { prealloc: true, ..cfg(&[4 * KIB, 64 * KIB], MIB, MIB) }, "prealloc"),
         ];
         for (config, needle) in cases {
             match config.validate() {
                 Err(PoolError::Config(msg)) => {
-                    assert!(
-                        msg.contains(needle),
-                        "{config:?}: message {msg:?} lacks {needle:?}"
-                    )
+                    assert!(msg.contains(needle), "{config:?}: message {msg:?} lacks {needle:?}")
                 }
                 other => panic!("{config:?} should be rejected, got {other:?}"),
             }
-            assert!(matches!(
-                TieredPool::unregistered(config),
-                Err(PoolError::Config(_))
-            ));
+            assert!(matches!(TieredPool::unregistered(config), Err(PoolError::Config(_))));
         }
         // Exactly at the limits is fine.
         cfg(&[4 * KIB, MIB], MIB, MIB).validate().unwrap();
-        PoolConfig {
-            prealloc: true,
-            ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)
-        }
-        .validate()
-        .unwrap();
+        PoolConfig { prealloc: true, ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB) }.validate().unwrap();
     }
 
     #[test]
@@ -1354,11 +1184,7 @@ mod tests {
         for (len, capacity) in cases {
             assert_eq!(pool.tier_capacity_for(len), Some(capacity), "len {len}");
             let lease = pool.acquire(len, None).unwrap();
-            assert_eq!(
-                (lease.len(), lease.capacity()),
-                (len, capacity),
-                "len {len}"
-            );
+            assert_eq!((lease.len(), lease.capacity()), (len, capacity), "len {len}");
             assert!(!lease.is_oversize());
             assert_eq!(lease.as_slice().len(), len);
         }
@@ -1376,10 +1202,7 @@ mod tests {
         let addr = first.as_ptr();
         assert_eq!(addr as usize % SLAB_ALIGN, 0, "slabs are page-aligned");
         let s = pool.stats();
-        assert_eq!(
-            (s.grows, s.hits, s.acquires, s.bytes_allocated),
-            (1, 0, 1, 16 * KIB as u64)
-        );
+        assert_eq!((s.grows, s.hits, s.acquires, s.bytes_allocated), (1, 0, 1, 16 * KIB as u64));
         drop(first);
         let again = pool.acquire(4 * KIB, None).unwrap();
         assert_eq!(again.as_ptr(), addr, "the returned buffer is reused");
@@ -1393,41 +1216,25 @@ mod tests {
         assert_eq!(pool.stats().grows, 1, "one slab holds four buffers");
         let mut addrs: Vec<usize> = leases.iter().map(|l| l.as_ptr() as usize).collect();
         addrs.sort_unstable();
-        assert!(
-            addrs.windows(2).all(|w| w[1] - w[0] == 4 * KIB),
-            "buffers tile the slab"
-        );
+        assert!(addrs.windows(2).all(|w| w[1] - w[0] == 4 * KIB), "buffers tile the slab");
         leases.push(pool.acquire(1, None).unwrap());
         let s = pool.stats();
-        assert_eq!(
-            (s.grows, s.bytes_allocated, s.bytes_in_use),
-            (2, 32 * KIB as u64, 20 * KIB as u64)
-        );
+        assert_eq!((s.grows, s.bytes_allocated, s.bytes_in_use), (2, 32 * KIB as u64, 20 * KIB as u64));
         drop(leases);
         let s = pool.stats();
-        assert_eq!(
-            (s.bytes_in_use, s.peak_bytes_in_use, s.bytes_allocated),
-            (0, 20 * KIB as u64, 32 * KIB as u64)
-        );
+        assert_eq!((s.bytes_in_use, s.peak_bytes_in_use, s.bytes_allocated), (0, 20 * KIB as u64, 32 * KIB as u64));
         // A new peak reached through free-list hits alone is recorded too.
         let hits_before = s.hits;
         let six: Vec<Lease> = (0..6).map(|_| pool.acquire(1, None).unwrap()).collect();
         let s = pool.stats();
-        assert_eq!(
-            (s.hits - hits_before, s.grows, s.peak_bytes_in_use),
-            (6, 2, 24 * KIB as u64)
-        );
+        assert_eq!((s.hits - hits_before, s.grows, s.peak_bytes_in_use), (6, 2, 24 * KIB as u64));
         drop(six);
     }
 
     #[test]
     fn falls_back_to_a_free_larger_buffer_at_the_cap() {
-        let pool =
-            TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
-        drop((
-            pool.acquire(64 * KIB, None).unwrap(),
-            pool.acquire(64 * KIB, None).unwrap(),
-        ));
+        let pool = TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
+        drop((pool.acquire(64 * KIB, None).unwrap(), pool.acquire(64 * KIB, None).unwrap()));
         assert_eq!(pool.stats().bytes_allocated, 128 * KIB as u64);
         let small = pool.acquire(10, None).unwrap();
         assert_eq!((small.len(), small.capacity()), (10, 64 * KIB));
@@ -1437,23 +1244,17 @@ mod tests {
 
     #[test]
     fn cap_holds_and_a_waiter_wakes_when_a_lease_returns() {
-        let pool =
-            TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
+        let pool = TieredPool::unregistered(cfg(&[4 * KIB, 64 * KIB], 64 * KIB, 128 * KIB)).unwrap();
         let a = pool.acquire(64 * KIB, None).unwrap();
         let b = pool.acquire(64 * KIB, None).unwrap();
         assert!(pool.try_acquire(64 * KIB).unwrap().is_none());
-        assert!(
-            pool.try_acquire(1).unwrap().is_none(),
-            "no room, no free buffer, no idle slab"
-        );
+        assert!(pool.try_acquire(1).unwrap().is_none(), "no room, no free buffer, no idle slab");
         assert_eq!(pool.stats().waits, 0, "try_acquire never waits");
 
         let waiter = {
             let pool = pool.clone();
             // A deadline so a lost wake-up fails the test instead of hanging it.
-            thread::spawn(move || {
-                pool.acquire(60 * KIB, Some(Instant::now() + Duration::from_secs(20)))
-            })
+            thread::spawn(move || pool.acquire(60 * KIB, Some(Instant::now() + Duration::from_secs(20))))
         };
         eventually("the waiter blocks", || pool.stats().waits == 1);
         thread::sleep(Duration::from_millis(20));
@@ -1464,17 +1265,10 @@ mod tests {
         drop(b);
         let got = waiter.join().unwrap().unwrap();
         // Well before its 20 s deadline: woken by the return, not by the deadline's retry.
-        assert!(
-            returned.elapsed() < Duration::from_secs(5),
-            "{:?}",
-            returned.elapsed()
-        );
+        assert!(returned.elapsed() < Duration::from_secs(5), "{:?}", returned.elapsed());
         assert_eq!(got.as_ptr(), b_addr);
         let s = pool.stats();
-        assert_eq!(
-            (s.grows, s.bytes_allocated, s.bytes_in_use),
-            (2, 128 * KIB as u64, 128 * KIB as u64)
-        );
+        assert_eq!((s.grows, s.bytes_allocated, s.bytes_in_use), (2, 128 * KIB as u64, 128 * KIB as u64));
         assert!(s.peak_bytes_in_use <= 128 * KIB as u64);
         drop((a, got));
     }
@@ -1482,39 +1276,21 @@ mod tests {
     #[test]
     fn deadline_gives_a_timeout_error_with_the_numbers() {
         let pool = TieredPool::unregistered(cfg(&[4 * KIB], 4 * KIB, 8 * KIB)).unwrap();
-        let held = (
-            pool.acquire(1, None).unwrap(),
-            pool.acquire(1, None).unwrap(),
-        );
+        let held = (pool.acquire(1, None).unwrap(), pool.acquire(1, None).unwrap());
         let start = Instant::now();
-        let err = pool
-            .acquire(100, Some(start + Duration::from_millis(50)))
-            .unwrap_err();
+        let err = pool.acquire(100, Some(start + Duration::from_millis(50))).unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(50));
         match &err {
-            PoolError::Timeout {
-                requested,
-                cap,
-                in_use,
-            } => {
-                assert_eq!(
-                    (*requested, *cap, *in_use),
-                    (100, 8 * KIB as u64, 8 * KIB as u64)
-                )
+            PoolError::Timeout { requested, cap, in_use } => {
+                assert_eq!((*requested, *cap, *in_use), (100, 8 * KIB as u64, 8 * KIB as u64))
             }
             other => panic!("expected Timeout, got {other:?}"),
         }
         assert!(err.to_string().contains(CAP_BYTES_SETTING), "{err}");
         // A deadline already past still fails cleanly.
-        assert!(matches!(
-            pool.acquire(1, Some(Instant::now())),
-            Err(PoolError::Timeout { .. })
-        ));
+        assert!(matches!(pool.acquire(1, Some(Instant::now())), Err(PoolError::Timeout { .. })));
         let s = pool.stats();
-        assert_eq!(
-            (s.timeouts, s.waits, s.bytes_allocated),
-            (2, 2, 8 * KIB as u64)
-        );
+        assert_eq!((s.timeouts, s.waits, s.bytes_allocated), (2, 2, 8 * KIB as u64));
 
         // A lease coming back before the deadline satisfies the waiter.
         let releaser = thread::spawn(move || {
@@ -1522,14 +1298,8 @@ mod tests {
             drop(held);
         });
         let start = Instant::now();
-        let got = pool
-            .acquire(100, Some(start + Duration::from_secs(20)))
-            .unwrap();
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken by the return: {:?}",
-            start.elapsed()
-        );
+        let got = pool.acquire(100, Some(start + Duration::from_secs(20))).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(5), "woken by the return: {:?}", start.elapsed());
         assert_eq!(got.capacity(), 4 * KIB);
         releaser.join().unwrap();
         assert_eq!(pool.stats().timeouts, 2);
@@ -1543,31 +1313,15 @@ mod tests {
         assert!(big.is_oversize());
         assert_eq!((big.len(), big.capacity()), (100_000, mapped));
         assert_inside_its_region(&big, &reg);
-        assert_eq!(
-            reg.region(big.keys().handle),
-            Some((big.as_ptr() as usize, mapped))
-        );
+        assert_eq!(reg.region(big.keys().handle), Some((big.as_ptr() as usize, mapped)));
         big.fill(0xab);
         assert!(big.iter().all(|&b| b == 0xab));
         let s = pool.stats();
-        assert_eq!(
-            (s.oversize, s.grows, s.bytes_allocated, s.bytes_in_use),
-            (1, 0, mapped as u64, mapped as u64)
-        );
+        assert_eq!((s.oversize, s.grows, s.bytes_allocated, s.bytes_in_use), (1, 0, mapped as u64, mapped as u64));
         drop(big);
         let s = pool.stats();
-        assert_eq!(
-            (s.bytes_allocated, s.bytes_in_use, s.peak_bytes_in_use),
-            (0, 0, mapped as u64)
-        );
-        assert_eq!(
-            (
-                reg.live(),
-                reg.registers.load(Ordering::SeqCst),
-                reg.deregisters.load(Ordering::SeqCst)
-            ),
-            (0, 1, 1)
-        );
+        assert_eq!((s.bytes_allocated, s.bytes_in_use, s.peak_bytes_in_use), (0, 0, mapped as u64));
+        assert_eq!((reg.live(), reg.registers.load(Ordering::SeqCst), reg.deregisters.load(Ordering::SeqCst)), (0, 1, 1));
     }
 
     #[test]
@@ -1598,36 +1352,21 @@ mod tests {
     fn idle_slabs_of_other_tiers_are_reclaimed_to_make_room() {
         let (pool, reg) = counted(cfg(&[4 * KIB, 512 * KIB], 512 * KIB, MIB));
         // 128 small buffers per slab: 129 leases fill two slabs and the whole cap.
-        let mut small: Vec<Lease> = (0..129)
-            .map(|_| pool.acquire(4 * KIB, None).unwrap())
-            .collect();
-        assert_eq!(
-            (pool.stats().grows, pool.stats().bytes_allocated),
-            (2, MIB as u64)
-        );
+        let mut small: Vec<Lease> = (0..129).map(|_| pool.acquire(4 * KIB, None).unwrap()).collect();
+        assert_eq!((pool.stats().grows, pool.stats().bytes_allocated), (2, MIB as u64));
         for (i, l) in small.iter_mut().enumerate() {
             l.fill(i as u8);
         }
-        assert!(
-            pool.try_acquire(512 * KIB).unwrap().is_none(),
-            "both slabs are busy"
-        );
+        assert!(pool.try_acquire(512 * KIB).unwrap().is_none(), "both slabs are busy");
 
         let last = small.pop().unwrap();
         let idle_handle = last.keys().handle;
         drop(last);
-        let large = pool
-            .try_acquire(512 * KIB)
-            .unwrap()
-            .expect("idle slab reclaimed");
+        let large = pool.try_acquire(512 * KIB).unwrap().expect("idle slab reclaimed");
         assert_eq!(large.capacity(), 512 * KIB);
         let s = pool.stats();
         assert_eq!((s.reclaims, s.grows, s.bytes_allocated), (1, 3, MIB as u64));
-        assert_eq!(
-            reg.region(idle_handle),
-            None,
-            "the reclaimed slab was deregistered"
-        );
+        assert_eq!(reg.region(idle_handle), None, "the reclaimed slab was deregistered");
         assert_eq!(reg.deregisters.load(Ordering::SeqCst), 1);
         assert_inside_its_region(&large, &reg);
         for (i, l) in small.iter().enumerate() {
@@ -1640,10 +1379,7 @@ mod tests {
         let huge = pool.acquire(600 * KIB, None).unwrap();
         assert!(huge.is_oversize());
         let s = pool.stats();
-        assert_eq!(
-            (s.reclaims, s.bytes_allocated),
-            (3, round_up(600 * KIB, page_size()).unwrap() as u64)
-        );
+        assert_eq!((s.reclaims, s.bytes_allocated), (3, round_up(600 * KIB, page_size()).unwrap() as u64));
         assert_eq!(reg.live(), 1);
         assert_eq!(reg.violations.load(Ordering::SeqCst), 0);
     }
@@ -1655,9 +1391,7 @@ mod tests {
         let mut rest: Vec<Lease> = (0..128).map(|_| pool.acquire(1, None).unwrap()).collect();
         let waiter = {
             let pool = pool.clone();
-            thread::spawn(move || {
-                pool.acquire(512 * KIB, Some(Instant::now() + Duration::from_secs(20)))
-            })
+            thread::spawn(move || pool.acquire(512 * KIB, Some(Instant::now() + Duration::from_secs(20))))
         };
         eventually("the large request waits", || pool.stats().waits == 1);
         // The 129th lease sits alone in the second slab; returning it makes that slab idle.
@@ -1682,57 +1416,33 @@ mod tests {
             }
         }
         let s = pool.stats();
-        assert_eq!(
-            (s.bytes_allocated, s.bytes_in_use, s.grows, s.acquires),
-            (0, 0, 0, 0)
-        );
+        assert_eq!((s.bytes_allocated, s.bytes_in_use, s.grows, s.acquires), (0, 0, 0, 0));
         assert_eq!((reg.live(), reg.deregisters.load(Ordering::SeqCst)), (0, 0));
 
         reg.fail.store(false, Ordering::SeqCst);
         let ok = pool.acquire(100, None).unwrap();
         assert_inside_its_region(&ok, &reg);
-        assert_eq!(
-            pool.stats().bytes_allocated,
-            64 * KIB as u64,
-            "the failed reservations were returned"
-        );
+        assert_eq!(pool.stats().bytes_allocated, 64 * KIB as u64, "the failed reservations were returned");
 
         // Preallocation surfaces the failure from the constructor.
         let failing = Arc::new(CountingRegistrar::default());
         failing.fail.store(true, Ordering::SeqCst);
-        let config = PoolConfig {
-            prealloc: true,
-            ..cfg(&[4 * KIB], 64 * KIB, MIB)
-        };
-        assert!(matches!(
-            TieredPool::new(config, failing.clone()),
-            Err(PoolError::Registration { .. })
-        ));
+        let config = PoolConfig { prealloc: true, ..cfg(&[4 * KIB], 64 * KIB, MIB) };
+        assert!(matches!(TieredPool::new(config, failing.clone()), Err(PoolError::Registration { .. })));
         assert_eq!(failing.live(), 0);
     }
 
     #[test]
     fn each_slab_is_registered_once_and_deregistered_when_the_last_user_goes() {
-        let config = PoolConfig {
-            prealloc: true,
-            ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, MIB)
-        };
+        let config = PoolConfig { prealloc: true, ..cfg(&[4 * KIB, 64 * KIB], 64 * KIB, MIB) };
         let (pool, reg) = counted(config);
-        assert_eq!(
-            (reg.registers.load(Ordering::SeqCst), pool.stats().grows),
-            (2, 2)
-        );
+        assert_eq!((reg.registers.load(Ordering::SeqCst), pool.stats().grows), (2, 2));
         assert_eq!(pool.stats().bytes_allocated, 128 * KIB as u64);
 
         // 16 small buffers per slab, 1 large: 20 small + 3 large need 2 + 3 slabs.
-        let mut leases: Vec<Lease> = (0..20)
-            .map(|_| pool.acquire(4 * KIB, None).unwrap())
-            .collect();
+        let mut leases: Vec<Lease> = (0..20).map(|_| pool.acquire(4 * KIB, None).unwrap()).collect();
         leases.extend((0..3).map(|_| pool.acquire(64 * KIB, None).unwrap()));
-        assert_eq!(
-            (reg.registers.load(Ordering::SeqCst), pool.stats().grows),
-            (5, 5)
-        );
+        assert_eq!((reg.registers.load(Ordering::SeqCst), pool.stats().grows), (5, 5));
         for l in &leases {
             assert_inside_its_region(l, &reg);
         }
@@ -1742,11 +1452,7 @@ mod tests {
             let y = pool.acquire(64 * KIB, None).unwrap();
             drop((x, y));
         }
-        assert_eq!(
-            reg.registers.load(Ordering::SeqCst),
-            5,
-            "reuse never registers again"
-        );
+        assert_eq!(reg.registers.load(Ordering::SeqCst), 5, "reuse never registers again");
         assert_eq!(reg.deregisters.load(Ordering::SeqCst), 0);
 
         // Dropping the pool with a lease outstanding keeps its memory alive.
@@ -1792,34 +1498,18 @@ mod tests {
             thread::spawn(move || pool.acquire(1, Some(Instant::now() + Duration::from_secs(20))))
         };
         let first = spawn(&pool);
-        eventually("the first acquire is registering", || {
-            reg.calls.load(Ordering::SeqCst) == 1
-        });
+        eventually("the first acquire is registering", || reg.calls.load(Ordering::SeqCst) == 1);
         // Registration runs outside the lock: the pool still answers.
-        assert_eq!(
-            pool.stats().bytes_allocated,
-            64 * KIB as u64,
-            "the slab is reserved"
-        );
+        assert_eq!(pool.stats().bytes_allocated, 64 * KIB as u64, "the slab is reserved");
         let second = spawn(&pool);
         thread::sleep(Duration::from_millis(100));
-        assert_eq!(
-            reg.calls.load(Ordering::SeqCst),
-            1,
-            "the second request waits for the slab in flight"
-        );
+        assert_eq!(reg.calls.load(Ordering::SeqCst), 1, "the second request waits for the slab in flight");
         *reg.open.lock() = true;
         reg.opened.notify_all();
-        let (a, b) = (
-            first.join().unwrap().unwrap(),
-            second.join().unwrap().unwrap(),
-        );
+        let (a, b) = (first.join().unwrap().unwrap(), second.join().unwrap().unwrap());
         assert_ne!(a.as_ptr(), b.as_ptr());
         let s = pool.stats();
-        assert_eq!(
-            (s.grows, s.bytes_allocated, s.waits, s.hits),
-            (1, 64 * KIB as u64, 0, 1)
-        );
+        assert_eq!((s.grows, s.bytes_allocated, s.waits, s.hits), (1, 64 * KIB as u64, 0, 1));
     }
 
     #[test]
@@ -1830,19 +1520,13 @@ mod tests {
 
         let pool = TieredPool::unregistered(cfg(&[4 * KIB], 4 * KIB, MIB)).unwrap();
         let mut lease = pool.acquire(10, None).unwrap();
-        assert_eq!(
-            (lease.len(), lease.capacity(), lease.is_empty()),
-            (10, 4 * KIB, false)
-        );
+        assert_eq!((lease.len(), lease.capacity(), lease.is_empty()), (10, 4 * KIB, false));
         assert_eq!(lease.keys(), RegionKeys::default());
         lease.copy_from_slice(b"0123456789");
         lease.set_len(4 * KIB).unwrap();
         assert_eq!(&lease[..10], b"0123456789");
         match lease.set_len(4 * KIB + 1) {
-            Err(PoolError::LenExceedsCapacity {
-                requested,
-                capacity,
-            }) => {
+            Err(PoolError::LenExceedsCapacity { requested, capacity }) => {
                 assert_eq!((requested, capacity), (4 * KIB + 1, 4 * KIB))
             }
             other => panic!("expected LenExceedsCapacity, got {other:?}"),
@@ -1854,18 +1538,11 @@ mod tests {
         // As a JNI layer would: the handle crosses to another thread as a jlong.
         let addr = lease.as_ptr() as usize;
         let handle = lease.into_raw() as usize as i64;
-        assert_eq!(
-            pool.stats().bytes_in_use,
-            4 * KIB as u64,
-            "still leased while raw"
-        );
+        assert_eq!(pool.stats().bytes_in_use, 4 * KIB as u64, "still leased while raw");
         thread::spawn(move || {
             // SAFETY: `handle` came from `into_raw` and is released exactly once.
             let back = unsafe { Lease::from_raw(handle as usize as *mut Lease) };
-            assert_eq!(
-                (back.as_ptr() as usize, back.as_slice()),
-                (addr, &b"012"[..])
-            );
+            assert_eq!((back.as_ptr() as usize, back.as_slice()), (addr, &b"012"[..]));
         })
         .join()
         .unwrap();
@@ -1937,17 +1614,11 @@ mod tests {
         assert_eq!(s.bytes_in_use, 0);
         assert_eq!(s.acquires, (THREADS * ROUNDS) as u64);
         assert_eq!(s.timeouts, 0);
-        assert!(
-            s.peak_bytes_in_use <= cap as u64 && s.bytes_allocated <= cap as u64,
-            "{s:?}"
-        );
+        assert!(s.peak_bytes_in_use <= cap as u64 && s.bytes_allocated <= cap as u64, "{s:?}");
         assert!(s.waits > 0, "a cap this small must have pushed back: {s:?}");
         drop(pool);
         assert_eq!(reg.live(), 0);
-        assert_eq!(
-            reg.registers.load(Ordering::SeqCst),
-            reg.deregisters.load(Ordering::SeqCst)
-        );
+        assert_eq!(reg.registers.load(Ordering::SeqCst), reg.deregisters.load(Ordering::SeqCst));
         assert_eq!(reg.violations.load(Ordering::SeqCst), 0);
     }
 }

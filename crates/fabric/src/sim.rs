@@ -81,7 +81,8 @@ impl Provider for SimProvider {
         let client_name = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), self.net.next_port.fetch_add(1, Ordering::Relaxed));
         let server_side = SimLink::new(client_name.to_string(), b_tx, a_rx, self.clone());
         let client_side = SimLink::new(addr.to_string(), a_tx, b_rx, self.clone());
-        tx.send(server_side).map_err(|_| FabricError::io(&addr.to_string(), "connect to", std::io::ErrorKind::ConnectionRefused.into()))?;
+        tx.send(server_side)
+            .map_err(|_| FabricError::io(&addr.to_string(), "connect to", std::io::ErrorKind::ConnectionRefused.into()))?;
         Ok(Box::new(client_side))
     }
 
@@ -100,7 +101,10 @@ impl Provider for SimProvider {
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
-        vec![("sim_reads", self.net.reads.load(Ordering::Relaxed)), ("sim_read_bytes", self.net.read_bytes.load(Ordering::Relaxed))]
+        vec![
+            ("sim_reads", self.net.reads.load(Ordering::Relaxed)),
+            ("sim_read_bytes", self.net.read_bytes.load(Ordering::Relaxed)),
+        ]
     }
 }
 
@@ -168,7 +172,8 @@ impl Link for SimLink {
             Payload::Source { source, offset, len } => {
                 let b = source.as_bytes();
                 let range = offset as usize..(offset + len) as usize;
-                let slice = b.get(range).ok_or_else(|| FabricError::Unsupported(format!("{}: payload outside its source", self.peer)))?;
+                let slice =
+                    b.get(range).ok_or_else(|| FabricError::Unsupported(format!("{}: payload outside its source", self.peer)))?;
                 msg.extend_from_slice(slice);
             }
         }
@@ -183,16 +188,17 @@ impl Link for SimLink {
             recv(self.rx) -> m => m.map_err(|_| self.closed())?,
             recv(self.stop_rx) -> _ => return Err(self.closed()),
         };
-        let (frame, off) = Frame::decode_message(&msg, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
+        let (frame, off) =
+            Frame::decode_message(&msg, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
         if frame.kind().payload_offset().is_none() {
             return Ok(Received { frame, payload: None });
         }
         let body = &msg[off..];
         match place(&frame) {
             Placement::Into { mut lease, at } => {
-                let dst = lease
-                    .get_mut(at..at + body.len())
-                    .ok_or_else(|| FabricError::Unsupported(format!("{}: payload of {} bytes does not fit its buffer", self.peer, body.len())))?;
+                let dst = lease.get_mut(at..at + body.len()).ok_or_else(|| {
+                    FabricError::Unsupported(format!("{}: payload of {} bytes does not fit its buffer", self.peer, body.len()))
+                })?;
                 dst.copy_from_slice(body);
                 Ok(Received { frame, payload: Some(lease) })
             }
@@ -210,12 +216,18 @@ impl Link for SimLink {
             return Err(FabricError::Unsupported(format!("{}: one-sided reads are off on this sim network", self.peer)));
         }
         let src = self.provider.net.regions.lock().get(&desc.rkey).cloned();
-        let remote_err = |what: &str| FabricError::Provider { provider: "sim", message: format!("remote access error reading from {}: {what}", self.peer) };
+        let remote_err = |what: &str| FabricError::Provider {
+            provider: "sim",
+            message: format!("remote access error reading from {}: {what}", self.peer),
+        };
         let src = src.ok_or_else(|| remote_err(&format!("rkey {} is not registered", desc.rkey)))?;
         let bytes = src.as_bytes();
         let base = bytes.as_ptr() as u64;
         let start = desc.addr.checked_sub(base).ok_or_else(|| remote_err("address below the region"))?;
-        let end = start.checked_add(desc.len).filter(|e| *e <= bytes.len() as u64).ok_or_else(|| remote_err("range past the region"))?;
+        let end = start
+            .checked_add(desc.len)
+            .filter(|e| *e <= bytes.len() as u64)
+            .ok_or_else(|| remote_err("range past the region"))?;
         if dst.len() < desc.len as usize {
             return Err(remote_err("local buffer shorter than the read"));
         }

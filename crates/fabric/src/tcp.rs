@@ -167,7 +167,9 @@ impl Link for TcpLink {
         let mut w = self.writer.lock();
         match payload {
             Payload::None => w.write_all(&head).map_err(|e| self.write_err(e)),
-            Payload::Bytes(b) => write_all_vectored(&mut w, &mut [IoSlice::new(&head), IoSlice::new(b)]).map_err(|e| self.write_err(e)),
+            Payload::Bytes(b) => {
+                write_all_vectored(&mut w, &mut [IoSlice::new(&head), IoSlice::new(b)]).map_err(|e| self.write_err(e))
+            }
             Payload::Source { source, offset, len } => {
                 if let (Some(fd), true) = (source.raw_fd(), len >= SENDFILE_MIN) {
                     w.write_all(&head).map_err(|e| self.write_err(e))?;
@@ -193,7 +195,8 @@ impl Link for TcpLink {
         let header = Header::decode(&hdr, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
         fixed.resize(header.fixed_len(), 0);
         stream.read_exact(fixed).map_err(read_err)?;
-        let frame = Frame::decode_body(&header, fixed, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
+        let frame =
+            Frame::decode_body(&header, fixed, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
         let n = header.payload_len();
         if n == 0 && header.kind.payload_offset().is_none() {
             return Ok(Received { frame, payload: None });

@@ -16,7 +16,7 @@
 
 use crate::error::FabricError;
 use crate::link::{Link, Listener, Payload, Placement, Provider, Received, Source, SourceKeys};
-use crate::pool::{Lease, PoolError, Registrar, RegionKeys};
+use crate::pool::{Lease, PoolError, RegionKeys, Registrar};
 use crate::sock::{self, SocketListener};
 use crossbeam_channel::{select, unbounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
@@ -114,7 +114,15 @@ pub struct VerbsConfig {
 
 impl Default for VerbsConfig {
     fn default() -> Self {
-        VerbsConfig { device: None, port: 1, gid_index: None, recv_depth: 256, send_depth: 128, max_message: 64 * 1024 + 4096, pool_bytes: 0 }
+        VerbsConfig {
+            device: None,
+            port: 1,
+            gid_index: None,
+            recv_depth: 256,
+            send_depth: 128,
+            max_message: 64 * 1024 + 4096,
+            pool_bytes: 0,
+        }
     }
 }
 
@@ -242,7 +250,9 @@ unsafe impl Sync for Slab {}
 impl Slab {
     fn new(pd: &Arc<Pd>, len: usize) -> Result<Slab, FabricError> {
         // SAFETY: anonymous private mapping; checked for MAP_FAILED below.
-        let ptr = unsafe { libc::mmap(null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        let ptr = unsafe {
+            libc::mmap(null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
         if ptr == libc::MAP_FAILED {
             return Err(os_err(&format!("mmap of {len} bytes for connection buffers")));
         }
@@ -368,7 +378,13 @@ mod tests {
         assert!(check_memlock(Some(8 << 20), true, 1 << 30).is_ok(), "CAP_IPC_LOCK is not limited");
         assert!(check_memlock(Some(1 << 30), false, 1 << 20).is_ok());
         let e = check_memlock(Some(8 << 20), false, 512 << 20).unwrap_err();
-        assert!(e.contains("8388608") && e.contains("536870912") && e.contains("ulimit -l") && e.contains("spark.shuffle.rdma.pool.capBytes"), "{e}");
+        assert!(
+            e.contains("8388608")
+                && e.contains("536870912")
+                && e.contains("ulimit -l")
+                && e.contains("spark.shuffle.rdma.pool.capBytes"),
+            "{e}"
+        );
     }
 }
 
@@ -379,7 +395,9 @@ fn status_text(wc: &ibv_wc) -> String {
         ibv_wc_status::IBV_WC_WR_FLUSH_ERR => " (work request flushed: the queue pair is in error, the connection is down)",
         ibv_wc_status::IBV_WC_RETRY_EXC_ERR => " (transport retry counter exceeded: the peer is unreachable)",
         ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => " (receiver not ready: the peer posted no receive buffer)",
-        ibv_wc_status::IBV_WC_REM_ACCESS_ERR => " (remote access error: the region was deregistered — shuffle unregistered? — or the key is wrong)",
+        ibv_wc_status::IBV_WC_REM_ACCESS_ERR => {
+            " (remote access error: the region was deregistered — shuffle unregistered? — or the key is wrong)"
+        }
         ibv_wc_status::IBV_WC_LOC_PROT_ERR => " (local protection error: buffer not registered with this device)",
         ibv_wc_status::IBV_WC_LOC_LEN_ERR => " (message longer than the receive buffer)",
         _ => "",
@@ -471,7 +489,11 @@ impl ConnShared {
     }
 
     fn post_recv(&self, idx: u32) -> Result<(), FabricError> {
-        let mut sge = ibv_sge { addr: self.recv.ptr as u64 + idx as u64 * self.msg as u64, length: self.msg as u32, lkey: self.recv.lkey() };
+        let mut sge = ibv_sge {
+            addr: self.recv.ptr as u64 + idx as u64 * self.msg as u64,
+            length: self.msg as u32,
+            lkey: self.recv.lkey(),
+        };
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = WR_RECV | idx as u64;
         wr.sg_list = &mut sge;
@@ -610,7 +632,9 @@ impl Link for VerbsLink {
         let s = &self.shared;
         s.counters.recvs.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the completion handed this buffer to us; `len` ≤ msg (the HCA enforces it).
-        let msg = unsafe { std::slice::from_raw_parts((s.recv.ptr as usize + idx as usize * s.msg) as *const u8, (len as usize).min(s.msg)) };
+        let msg = unsafe {
+            std::slice::from_raw_parts((s.recv.ptr as usize + idx as usize * s.msg) as *const u8, (len as usize).min(s.msg))
+        };
         let decoded = Frame::decode_message(msg, limits).map_err(|e| FabricError::Frame { peer: s.peer.clone(), source: e });
         let result = match decoded {
             Err(e) => Err(e),
@@ -814,7 +838,9 @@ impl VerbsProvider {
                 if !list.is_null() {
                     ibv_free_device_list(list);
                 }
-                return Err(err(format!("no RDMA device found (ibv_get_device_list: {e}; no /dev/infiniband or no rdma driver loaded)")));
+                return Err(err(format!(
+                    "no RDMA device found (ibv_get_device_list: {e}; no /dev/infiniband or no rdma driver loaded)"
+                )));
             }
             let mut names = Vec::new();
             let mut chosen = None;
@@ -826,7 +852,8 @@ impl VerbsProvider {
                     let ctx = ibv_open_device(d);
                     if !ctx.is_null() {
                         let mut pa: ibv_port_attr = std::mem::zeroed();
-                        let active = ___ibv_query_port(ctx, config.port, &mut pa) == 0 && pa.state == ibv_port_state::IBV_PORT_ACTIVE;
+                        let active =
+                            ___ibv_query_port(ctx, config.port, &mut pa) == 0 && pa.state == ibv_port_state::IBV_PORT_ACTIVE;
                         if active || config.device.is_some() {
                             chosen = Some((Context { ctx, name: name.clone() }, pa, active));
                         } else {
@@ -838,7 +865,9 @@ impl VerbsProvider {
             }
             ibv_free_device_list(list);
             let (ctx, port_attr, active) = chosen.ok_or_else(|| match &config.device {
-                Some(d) => err(format!("RDMA device {d} not found or cannot be opened (devices: {names:?}); check spark.shuffle.rdma.device")),
+                Some(d) => err(format!(
+                    "RDMA device {d} not found or cannot be opened (devices: {names:?}); check spark.shuffle.rdma.device"
+                )),
                 None => err(format!("no RDMA device has an active port {} (devices: {names:?})", config.port)),
             })?;
             if !active {
@@ -869,7 +898,10 @@ impl VerbsProvider {
                         }
                     }
                     found.ok_or_else(|| {
-                        err(format!("{} port {} has no IPv4-mapped (RoCEv2) GID; set spark.shuffle.rdma.gidIndex", ctx.name, config.port))
+                        err(format!(
+                            "{} port {} has no IPv4-mapped (RoCEv2) GID; set spark.shuffle.rdma.gidIndex",
+                            ctx.name, config.port
+                        ))
                     })?
                 }
             };
@@ -887,9 +919,18 @@ impl VerbsProvider {
                 ibv_destroy_comp_channel(channel);
                 return Err(os_err("pipe for the progress thread"));
             }
-            let progress = Arc::new(Progress { channel, routes: Mutex::new(HashMap::new()), stop: AtomicBool::new(false), wake, _ctx: ctx.clone() });
+            let progress = Arc::new(Progress {
+                channel,
+                routes: Mutex::new(HashMap::new()),
+                stop: AtomicBool::new(false),
+                wake,
+                _ctx: ctx.clone(),
+            });
             let p = progress.clone();
-            let thread = std::thread::Builder::new().name(format!("rdma-shuffle-verbs-{}", ctx.name)).spawn(move || p.run()).map_err(|e| err(format!("progress thread: {e}")))?;
+            let thread = std::thread::Builder::new()
+                .name(format!("rdma-shuffle-verbs-{}", ctx.name))
+                .spawn(move || p.run())
+                .map_err(|e| err(format!("progress thread: {e}")))?;
             tracing::info!(device = %ctx.name, gid_index, mtu = port_attr.active_mtu, "verbs provider ready");
             Ok(VerbsProvider {
                 inner: Arc::new(Inner {
@@ -950,7 +991,8 @@ impl VerbsProvider {
         let recv = Slab::new(&i.pd, msg * depth)?;
         let send = Slab::new(&i.pd, msg * sdepth)?;
         let psn = i.psn_seed.fetch_add(0x9e37, Ordering::Relaxed) & 0xff_ffff;
-        let mine = PeerInfo { qpn: unsafe { (*qp_ptr).qp_num }, psn, gid: i.gid, mtu: i.port_attr.active_mtu, max_message: msg as u32 };
+        let mine =
+            PeerInfo { qpn: unsafe { (*qp_ptr).qp_num }, psn, gid: i.gid, mtu: i.port_attr.active_mtu, max_message: msg as u32 };
         control.write_all(&mine.encode()).map_err(|e| FabricError::io(&peer, "bootstrap with", e))?;
         let mut b = [0u8; INFO_LEN];
         control.read_exact(&mut b).map_err(|e| FabricError::io(&peer, "bootstrap with", e))?;
@@ -1015,7 +1057,10 @@ impl VerbsProvider {
             a.qp_state = ibv_qp_state::IBV_QPS_INIT;
             a.port_num = i.config.port;
             a.qp_access_flags = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_READ).0;
-            let m = ibv_qp_attr_mask::IBV_QP_STATE | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX | ibv_qp_attr_mask::IBV_QP_PORT | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS;
+            let m = ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
+                | ibv_qp_attr_mask::IBV_QP_PORT
+                | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS;
             let rc = ibv_modify_qp(qp, &mut a, m.0 as i32);
             if rc != 0 {
                 return Err(rc_err("modify QP to INIT", rc));
@@ -1138,7 +1183,9 @@ fn accept_control(shared: &Arc<ListenerShared>, ready: &Sender<Box<dyn Link>>) {
                 match result {
                     // A closed listener dropped the receiver; dropping the link closes it.
                     Ok(link) => drop(ready.send(link)),
-                    Err(e) if shared.socket.is_closed() => tracing::debug!(%peer, error = %e, "verbs connection setup aborted by shutdown"),
+                    Err(e) if shared.socket.is_closed() => {
+                        tracing::debug!(%peer, error = %e, "verbs connection setup aborted by shutdown")
+                    }
                     // One peer's failed bootstrap must not stop the listener.
                     Err(e) => tracing::warn!(%peer, error = %e, "verbs connection setup failed"),
                 }
@@ -1232,7 +1279,8 @@ struct VerbsRegistrar {
 impl Registrar for VerbsRegistrar {
     fn register(&self, addr: *mut u8, len: usize) -> Result<RegionKeys, PoolError> {
         let mr = Mr::register(&self.inner.pd, addr, len, ibv_access_flags::IBV_ACCESS_LOCAL_WRITE).map_err(|e| {
-            let advice = if e.raw_os_error() == Some(libc::ENOMEM) { format!("; {}", memlock_advice(len as u64)) } else { String::new() };
+            let advice =
+                if e.raw_os_error() == Some(libc::ENOMEM) { format!("; {}", memlock_advice(len as u64)) } else { String::new() };
             PoolError::Registration { bytes: len, source: format!("ibv_reg_mr on {}: {e}{advice}", self.inner.ctx.name).into() }
         })?;
         let handle = self.next.fetch_add(1, Ordering::Relaxed);
@@ -1269,11 +1317,20 @@ impl Provider for VerbsProvider {
             return Ok(SourceKeys::default());
         }
         let fail = |e: io::Error, what: &str| {
-            let advice = if e.raw_os_error() == Some(libc::ENOMEM) { format!("; {}", memlock_advice(bytes.len() as u64)) } else { String::new() };
+            let advice = if e.raw_os_error() == Some(libc::ENOMEM) {
+                format!("; {}", memlock_advice(bytes.len() as u64))
+            } else {
+                String::new()
+            };
             err(format!("registering a {}-byte shuffle data file{what} on {}: {e}{advice}", bytes.len(), self.inner.ctx.name))
         };
         // Remote READ only: peers may read the mapped data file, never write it.
-        let (mr, private) = match Mr::register(&self.inner.pd, bytes.as_ptr() as *mut u8, bytes.len(), ibv_access_flags::IBV_ACCESS_REMOTE_READ) {
+        let (mr, private) = match Mr::register(
+            &self.inner.pd,
+            bytes.as_ptr() as *mut u8,
+            bytes.len(),
+            ibv_access_flags::IBV_ACCESS_REMOTE_READ,
+        ) {
             Ok(mr) => (mr, None),
             // Kernels before 6.2 pin read-only regions with FOLL_FORCE|FOLL_WRITE, which a
             // read-only shared file mapping refuses (EFAULT). A private mapping of the same
@@ -1284,8 +1341,10 @@ impl Provider for VerbsProvider {
                 ONCE.call_once(|| {
                     tracing::warn!("this kernel cannot pin read-only shared file mappings (before 6.2); registering private copies of shuffle data files");
                 });
-                let map = PrivateMap::new(source.raw_fd().unwrap_or(-1), bytes.len()).map_err(|e| fail(e, " (private mapping)"))?;
-                let mr = Mr::register(&self.inner.pd, map.ptr, map.len, ibv_access_flags::IBV_ACCESS_REMOTE_READ).map_err(|e| fail(e, " (private mapping)"))?;
+                let map =
+                    PrivateMap::new(source.raw_fd().unwrap_or(-1), bytes.len()).map_err(|e| fail(e, " (private mapping)"))?;
+                let mr = Mr::register(&self.inner.pd, map.ptr, map.len, ibv_access_flags::IBV_ACCESS_REMOTE_READ)
+                    .map_err(|e| fail(e, " (private mapping)"))?;
                 (mr, Some(map))
             }
             Err(e) => return Err(fail(e, "")),

@@ -17,8 +17,14 @@ fn init_logging() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         // Executor stderr ends up in Spark's executor log; RUST_LOG overrides the level.
-        let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).with_target(false).try_init();
+        let filter =
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_target(false)
+            .try_init();
     });
 }
 
@@ -40,13 +46,18 @@ fn string(env: &mut JNIEnv, s: &JString, what: &str) -> Result<String, BridgeErr
 }
 
 #[no_mangle]
-pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineOpen(mut env: JNIEnv, _c: JClass, config: JString) -> jlong {
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineOpen(
+    mut env: JNIEnv,
+    _c: JClass,
+    config: JString,
+) -> jlong {
     guard(&mut env, 0, |env| {
         init_logging();
         let text = string(env, &config, "config")?;
         let cfg = EngineConfig::from_kv(&text).map_err(|e| BridgeError::new("config", e.to_string()))?;
         let id = cfg.executor_id.clone();
-        let engine = Engine::open(cfg).map_err(|e| BridgeError::new("transport", format!("executor {id}: cannot start the shuffle engine: {e}")))?;
+        let engine = Engine::open(cfg)
+            .map_err(|e| BridgeError::new("transport", format!("executor {id}: cannot start the shuffle engine: {e}")))?;
         tracing::info!(executor = %id, port = engine.server().local_addr().port(), transport = engine.transport(), "shuffle engine started");
         Ok(Box::into_raw(Box::new(engine)) as jlong)
     })
@@ -58,7 +69,11 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_enginePor
 }
 
 #[no_mangle]
-pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineTransport(mut env: JNIEnv, _c: JClass, h: jlong) -> jstring {
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineTransport(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+) -> jstring {
     guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.transport())?.into_raw()))
 }
 
@@ -78,7 +93,9 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_registerM
         if shuffle_id < 0 || map_id < 0 || num_partitions < 0 {
             return Err(BridgeError::new(
                 "invalid_argument",
-                format!("shuffle {shuffle_id} map {map_id} with {num_partitions} partitions: ids and counts must be non-negative"),
+                format!(
+                    "shuffle {shuffle_id} map {map_id} with {num_partitions} partitions: ids and counts must be non-negative"
+                ),
             ));
         }
         let files = MapOutputFiles {
@@ -95,7 +112,12 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_registerM
 }
 
 #[no_mangle]
-pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_unregisterShuffle(mut env: JNIEnv, _c: JClass, h: jlong, shuffle_id: jint) -> jint {
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_unregisterShuffle(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+    shuffle_id: jint,
+) -> jint {
     guard(&mut env, 0, |_| {
         if shuffle_id < 0 {
             return Ok(0);
@@ -120,7 +142,12 @@ impl JvmSink {
         env.with_local_frame(4, |env| Self::deliver(env, &self.callback, index, result))
     }
 
-    fn deliver(env: &mut JNIEnv, callback: &GlobalRef, index: usize, result: Result<FetchedBlock, BlockFailure>) -> jni::errors::Result<()> {
+    fn deliver(
+        env: &mut JNIEnv,
+        callback: &GlobalRef,
+        index: usize,
+        result: Result<FetchedBlock, BlockFailure>,
+    ) -> jni::errors::Result<()> {
         match result {
             Ok(block) => {
                 let lease = block.into_lease();
@@ -134,7 +161,12 @@ impl JvmSink {
                 // below; the ByteBuffer's documented lifetime ends there (FetchCallback docs).
                 let buf = unsafe { env.new_direct_byte_buffer(ptr, len)? };
                 let handle = lease.map(|l| Lease::into_raw(l) as jlong).unwrap_or(0);
-                let r = env.call_method(callback, "onBlock", "(ILjava/nio/ByteBuffer;J)V", &[JValue::Int(index as jint), (&buf).into(), JValue::Long(handle)]);
+                let r = env.call_method(
+                    callback,
+                    "onBlock",
+                    "(ILjava/nio/ByteBuffer;J)V",
+                    &[JValue::Int(index as jint), (&buf).into(), JValue::Long(handle)],
+                );
                 if r.is_err() || env.exception_check()? {
                     // Java never took ownership: give the memory back here.
                     let _ = env.exception_describe();
@@ -146,7 +178,12 @@ impl JvmSink {
             Err(f) => {
                 let kind = env.new_string(f.code.name())?;
                 let msg = env.new_string(&f.message)?;
-                let r = env.call_method(callback, "onFailure", "(ILjava/lang/String;Ljava/lang/String;)V", &[JValue::Int(index as jint), (&kind).into(), (&msg).into()]);
+                let r = env.call_method(
+                    callback,
+                    "onFailure",
+                    "(ILjava/lang/String;Ljava/lang/String;)V",
+                    &[JValue::Int(index as jint), (&kind).into(), (&msg).into()],
+                );
                 if r.is_err() || env.exception_check()? {
                     let _ = env.exception_describe();
                     let _ = env.exception_clear();
@@ -198,7 +235,10 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
         }
         let host = string(env, &host, "host")?;
         if shuffle_ids.is_null() || map_ids.is_null() || starts.is_null() || ends.is_null() {
-            return Err(BridgeError::new("invalid_argument", "block arrays (shuffleIds, mapIds, startReduceIds, endReduceIds) must not be null"));
+            return Err(BridgeError::new(
+                "invalid_argument",
+                "block arrays (shuffleIds, mapIds, startReduceIds, endReduceIds) must not be null",
+            ));
         }
         let n = env.get_array_length(&shuffle_ids)? as usize;
         let lens = [env.get_array_length(&map_ids)?, env.get_array_length(&starts)?, env.get_array_length(&ends)?];
@@ -216,7 +256,10 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
         let mut blocks = Vec::with_capacity(n);
         for i in 0..n {
             if s[i] < 0 || m[i] < 0 || a[i] < 0 || b[i] < 0 {
-                return Err(BridgeError::new("invalid_argument", format!("block {i}: negative id in shuffle_{}_{}_{}_{}", s[i], m[i], a[i], b[i])));
+                return Err(BridgeError::new(
+                    "invalid_argument",
+                    format!("block {i}: negative id in shuffle_{}_{}_{}_{}", s[i], m[i], a[i], b[i]),
+                ));
             }
             blocks.push(ShuffleBlock::batch(s[i] as u32, m[i] as u64, a[i] as u32, b[i] as u32));
         }
@@ -245,7 +288,11 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_releaseLe
 }
 
 #[no_mangle]
-pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineStats(mut env: JNIEnv, _c: JClass, h: jlong) -> jstring {
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineStats(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+) -> jstring {
     guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.stats_text())?.into_raw()))
 }
 

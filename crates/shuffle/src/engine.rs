@@ -116,7 +116,9 @@ impl EngineConfig {
             let Some((k, v)) = line.split_once('=') else { continue };
             let (k, v) = (k.trim(), v.trim());
             let bad = |why: &str| EngineError::Setting { key: k.to_string(), value: v.to_string(), why: why.to_string() };
-            let num = |max: u64| v.parse::<u64>().ok().filter(|n| *n <= max).ok_or_else(|| bad(&format!("expected an integer up to {max}")));
+            let num = |max: u64| {
+                v.parse::<u64>().ok().filter(|n| *n <= max).ok_or_else(|| bad(&format!("expected an integer up to {max}")))
+            };
             match k {
                 "spark.shuffle.rdma.transport" => {
                     c.transport = match v {
@@ -344,7 +346,13 @@ mod tests {
     #[test]
     fn engines_fetch_from_each_other_and_count_it() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = |id: &str| EngineConfig { transport: Transport::Tcp, bind_host: "127.0.0.1".parse().unwrap(), executor_id: id.into(), pool_cap: 64 << 20, ..EngineConfig::default() };
+        let cfg = |id: &str| EngineConfig {
+            transport: Transport::Tcp,
+            bind_host: "127.0.0.1".parse().unwrap(),
+            executor_id: id.into(),
+            pool_cap: 64 << 20,
+            ..EngineConfig::default()
+        };
         let a = Engine::open(cfg("1")).unwrap();
         let b = Engine::open(cfg("2")).unwrap();
         let out = crate::testkit::write_map_output(dir.path(), 0, 5, &[10, 100_000, 0], 1).unwrap();
@@ -356,7 +364,8 @@ mod tests {
                 let _ = self.0.lock().send((i, r.map(|b| b.len()).unwrap_or(usize::MAX)));
             }
         }
-        let blocks = [crate::ShuffleBlock::single(0, 5, 0), crate::ShuffleBlock::single(0, 5, 1), crate::ShuffleBlock::single(0, 5, 2)];
+        let blocks =
+            [crate::ShuffleBlock::single(0, 5, 0), crate::ShuffleBlock::single(0, 5, 1), crate::ShuffleBlock::single(0, 5, 2)];
         b.client().fetch(a.server().local_addr(), &blocks, Arc::new(S(parking_lot::Mutex::new(tx))));
         let mut got: Vec<_> = (0..3).map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
         got.sort();

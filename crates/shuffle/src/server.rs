@@ -1,9 +1,14 @@
 //! The block server: Spark's committed map outputs, exposed to remote executors through a
 //! fabric [`ServerEndpoint`].
 
-use crate::store::{CorruptIndexPolicy, StoreConfig, MapId, MapOutput, MapOutputFiles, MapOutputId, MapOutputStore, ShuffleId, StoreError, StoreErrorClass};
+use crate::store::{
+    CorruptIndexPolicy, MapId, MapOutput, MapOutputFiles, MapOutputId, MapOutputStore, ShuffleId, StoreConfig, StoreError,
+    StoreErrorClass,
+};
 use parking_lot::RwLock;
-use rdma_shuffle_fabric::{BlockSource, FabricError, Provider, ServerEndpoint, ServerEndpointConfig, ServerStats, Source, SourceKeys};
+use rdma_shuffle_fabric::{
+    BlockSource, FabricError, Provider, ServerEndpoint, ServerEndpointConfig, ServerStats, Source, SourceKeys,
+};
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, FailureCode, Resolved};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -106,7 +111,10 @@ impl BlockServer {
             // A corrupt index is kept and every fetch from it fails with the exact reason, so
             // the reducer's FetchFailedException says what is wrong (and Spark recomputes the
             // map task) instead of a bare "unknown map output".
-            store: MapOutputStore::with_config(StoreConfig { corrupt_index: CorruptIndexPolicy::FailResolves, ..StoreConfig::default() }),
+            store: MapOutputStore::with_config(StoreConfig {
+                corrupt_index: CorruptIndexPolicy::FailResolves,
+                ..StoreConfig::default()
+            }),
             name: config.name.clone(),
             provider: provider.clone(),
             exposed: RwLock::new(HashMap::new()),

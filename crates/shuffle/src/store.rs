@@ -100,10 +100,7 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self {
-            max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
-            corrupt_index: CorruptIndexPolicy::default(),
-        }
+        Self { max_index_entries: DEFAULT_MAX_INDEX_ENTRIES, corrupt_index: CorruptIndexPolicy::default() }
     }
 }
 
@@ -198,7 +195,9 @@ pub enum StoreError {
     },
     /// The index holds more entries than `numPartitions + 1` for the partition count the caller
     /// declared: the files do not belong to a shuffle of that many partitions.
-    #[error("shuffle {shuffle_id} map {map_id}: index file has {entries} offsets, expected exactly {expected} (numPartitions + 1)")]
+    #[error(
+        "shuffle {shuffle_id} map {map_id}: index file has {entries} offsets, expected exactly {expected} (numPartitions + 1)"
+    )]
     IndexTooLong {
         /// The shuffle of the map output.
         shuffle_id: ShuffleId,
@@ -356,12 +355,8 @@ impl StoreError {
     /// The broad class of the error (what a block server tells its client).
     pub fn class(&self) -> StoreErrorClass {
         match self {
-            Self::UnknownShuffle { .. } | Self::UnknownMapOutput { .. } => {
-                StoreErrorClass::NotFound
-            }
-            Self::EmptyRange { .. } | Self::PartitionOutOfRange { .. } => {
-                StoreErrorClass::BadRequest
-            }
+            Self::UnknownShuffle { .. } | Self::UnknownMapOutput { .. } => StoreErrorClass::NotFound,
+            Self::EmptyRange { .. } | Self::PartitionOutOfRange { .. } => StoreErrorClass::BadRequest,
             Self::IndexTooShort { .. }
             | Self::IndexTooLong { .. }
             | Self::IndexNotMultipleOf8 { .. }
@@ -381,110 +376,35 @@ impl StoreError {
 /// `Clone`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
-    EmptyRange {
-        start: u32,
-        end: u32,
-    },
-    PartitionOutOfRange {
-        start: u32,
-        end: u32,
-        num_partitions: u32,
-    },
-    IndexTooShort {
-        entries: u64,
-        needed: u64,
-    },
-    FirstOffsetNotZero {
-        offset: i64,
-    },
-    OffsetsDecreasing {
-        partition: u32,
-        prev: i64,
-        next: i64,
-    },
-    NegativeOffset {
-        partition: u32,
-        offset: i64,
-    },
-    OffsetPastEnd {
-        partition: u32,
-        offset: i64,
-        data_len: u64,
-    },
-    LastOffsetMismatch {
-        last_offset: i64,
-        data_len: u64,
-    },
+    EmptyRange { start: u32, end: u32 },
+    PartitionOutOfRange { start: u32, end: u32, num_partitions: u32 },
+    IndexTooShort { entries: u64, needed: u64 },
+    FirstOffsetNotZero { offset: i64 },
+    OffsetsDecreasing { partition: u32, prev: i64, next: i64 },
+    NegativeOffset { partition: u32, offset: i64 },
+    OffsetPastEnd { partition: u32, offset: i64, data_len: u64 },
+    LastOffsetMismatch { last_offset: i64, data_len: u64 },
 }
 
 impl Fault {
     fn into_error(self, shuffle_id: ShuffleId, map_id: MapId) -> StoreError {
         match self {
-            Fault::EmptyRange { start, end } => StoreError::EmptyRange {
-                shuffle_id,
-                map_id,
-                start,
-                end,
-            },
-            Fault::PartitionOutOfRange {
-                start,
-                end,
-                num_partitions,
-            } => StoreError::PartitionOutOfRange {
-                shuffle_id,
-                map_id,
-                start,
-                end,
-                num_partitions,
-            },
-            Fault::IndexTooShort { entries, needed } => StoreError::IndexTooShort {
-                shuffle_id,
-                map_id,
-                entries,
-                needed,
-            },
-            Fault::FirstOffsetNotZero { offset } => StoreError::FirstOffsetNotZero {
-                shuffle_id,
-                map_id,
-                offset,
-            },
-            Fault::OffsetsDecreasing {
-                partition,
-                prev,
-                next,
-            } => StoreError::OffsetsDecreasing {
-                shuffle_id,
-                map_id,
-                partition,
-                prev,
-                next,
-            },
-            Fault::NegativeOffset { partition, offset } => StoreError::NegativeOffset {
-                shuffle_id,
-                map_id,
-                partition,
-                offset,
-            },
-            Fault::OffsetPastEnd {
-                partition,
-                offset,
-                data_len,
-            } => StoreError::OffsetPastEnd {
-                shuffle_id,
-                map_id,
-                partition,
-                offset,
-                data_len,
-            },
-            Fault::LastOffsetMismatch {
-                last_offset,
-                data_len,
-            } => StoreError::LastOffsetMismatch {
-                shuffle_id,
-                map_id,
-                last_offset,
-                data_len,
-            },
+            Fault::EmptyRange { start, end } => StoreError::EmptyRange { shuffle_id, map_id, start, end },
+            Fault::PartitionOutOfRange { start, end, num_partitions } => {
+                StoreError::PartitionOutOfRange { shuffle_id, map_id, start, end, num_partitions }
+            }
+            Fault::IndexTooShort { entries, needed } => StoreError::IndexTooShort { shuffle_id, map_id, entries, needed },
+            Fault::FirstOffsetNotZero { offset } => StoreError::FirstOffsetNotZero { shuffle_id, map_id, offset },
+            Fault::OffsetsDecreasing { partition, prev, next } => {
+                StoreError::OffsetsDecreasing { shuffle_id, map_id, partition, prev, next }
+            }
+            Fault::NegativeOffset { partition, offset } => StoreError::NegativeOffset { shuffle_id, map_id, partition, offset },
+            Fault::OffsetPastEnd { partition, offset, data_len } => {
+                StoreError::OffsetPastEnd { shuffle_id, map_id, partition, offset, data_len }
+            }
+            Fault::LastOffsetMismatch { last_offset, data_len } => {
+                StoreError::LastOffsetMismatch { shuffle_id, map_id, last_offset, data_len }
+            }
         }
     }
 }
@@ -501,84 +421,49 @@ fn scan_index(offsets: &[i64], data_len: u64) -> Option<Fault> {
         let partition = partition as u32;
         let (start, end) = (pair[0], pair[1]);
         if end < start {
-            return Some(Fault::OffsetsDecreasing {
-                partition,
-                prev: start,
-                next: end,
-            });
+            return Some(Fault::OffsetsDecreasing { partition, prev: start, next: end });
         }
         // `end >= start >= 0` here (induction from first == 0), so the cast is exact.
         if end as u64 > data_len {
-            return Some(Fault::OffsetPastEnd {
-                partition,
-                offset: end,
-                data_len,
-            });
+            return Some(Fault::OffsetPastEnd { partition, offset: end, data_len });
         }
     }
     let last = offsets[offsets.len() - 1];
     if last as u64 != data_len {
-        return Some(Fault::LastOffsetMismatch {
-            last_offset: last,
-            data_len,
-        });
+        return Some(Fault::LastOffsetMismatch { last_offset: last, data_len });
     }
     None
 }
 
 /// The resolve-time check of one reduce range: returns the byte range `[from, to)` of the data
 /// file, guaranteed `from <= to <= data_len`, whatever the index contains.
-fn check_range(
-    offsets: &[i64],
-    data_len: u64,
-    num_partitions: u32,
-    start: ReduceId,
-    end: ReduceId,
-) -> Result<(u64, u64), Fault> {
+fn check_range(offsets: &[i64], data_len: u64, num_partitions: u32, start: ReduceId, end: ReduceId) -> Result<(u64, u64), Fault> {
     if start >= end {
         return Err(Fault::EmptyRange { start, end });
     }
     if end > num_partitions {
-        return Err(Fault::PartitionOutOfRange {
-            start,
-            end,
-            num_partitions,
-        });
+        return Err(Fault::PartitionOutOfRange { start, end, num_partitions });
     }
     let needed = u64::from(end) + 1;
     if (offsets.len() as u64) < needed {
-        return Err(Fault::IndexTooShort {
-            entries: offsets.len() as u64,
-            needed,
-        });
+        return Err(Fault::IndexTooShort { entries: offsets.len() as u64, needed });
     }
     let from = offsets[start as usize];
     if from < 0 {
-        return Err(Fault::NegativeOffset {
-            partition: start,
-            offset: from,
-        });
+        return Err(Fault::NegativeOffset { partition: start, offset: from });
     }
     // Every partition of the range must have a non-negative length: a batch whose total is
     // positive but whose inner offsets go backwards is still corrupt.
     for partition in start..end {
         let (prev, next) = (offsets[partition as usize], offsets[partition as usize + 1]);
         if next < prev {
-            return Err(Fault::OffsetsDecreasing {
-                partition,
-                prev,
-                next,
-            });
+            return Err(Fault::OffsetsDecreasing { partition, prev, next });
         }
     }
     let to = offsets[end as usize];
     // `to >= from >= 0` by the loop above.
     if to as u64 > data_len {
-        return Err(Fault::OffsetPastEnd {
-            partition: end - 1,
-            offset: to,
-            data_len,
-        });
+        return Err(Fault::OffsetPastEnd { partition: end - 1, offset: to, data_len });
     }
     Ok((from as u64, to as u64))
 }
@@ -705,15 +590,13 @@ impl MapOutput {
 
     /// Size in bytes of reduce partition `reduce_id`, validated like a resolve.
     pub fn partition_len(&self, reduce_id: ReduceId) -> Result<u64, StoreError> {
-        let end = reduce_id
-            .checked_add(1)
-            .ok_or(StoreError::PartitionOutOfRange {
-                shuffle_id: self.shuffle_id,
-                map_id: self.map_id,
-                start: reduce_id,
-                end: reduce_id,
-                num_partitions: self.num_partitions,
-            })?;
+        let end = reduce_id.checked_add(1).ok_or(StoreError::PartitionOutOfRange {
+            shuffle_id: self.shuffle_id,
+            map_id: self.map_id,
+            start: reduce_id,
+            end: reduce_id,
+            num_partitions: self.num_partitions,
+        })?;
         let (from, to) = self.byte_range(reduce_id, end)?;
         Ok(to - from)
     }
@@ -727,23 +610,12 @@ impl MapOutput {
             return Err(err(Fault::EmptyRange { start, end }));
         }
         if end > self.num_partitions {
-            return Err(err(Fault::PartitionOutOfRange {
-                start,
-                end,
-                num_partitions: self.num_partitions,
-            }));
+            return Err(err(Fault::PartitionOutOfRange { start, end, num_partitions: self.num_partitions }));
         }
         if let Some(fault) = self.fault {
             return Err(err(fault));
         }
-        check_range(
-            &self.offsets,
-            self.data_len,
-            self.num_partitions,
-            start,
-            end,
-        )
-        .map_err(err)
+        check_range(&self.offsets, self.data_len, self.num_partitions, start, end).map_err(err)
     }
 }
 
@@ -872,10 +744,7 @@ pub struct MapOutputStore {
 
 impl fmt::Debug for MapOutputStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MapOutputStore")
-            .field("config", &self.config)
-            .field("stats", &self.stats())
-            .finish()
+        f.debug_struct("MapOutputStore").field("config", &self.config).field("stats", &self.stats()).finish()
     }
 }
 
@@ -893,11 +762,7 @@ impl MapOutputStore {
 
     /// An empty store with the given settings.
     pub fn with_config(config: StoreConfig) -> Self {
-        Self {
-            config,
-            shuffles: RwLock::new(HashMap::new()),
-            counters: Counters::default(),
-        }
+        Self { config, shuffles: RwLock::new(HashMap::new()), counters: Counters::default() }
     }
 
     /// The store's settings.
@@ -922,19 +787,12 @@ impl MapOutputStore {
         let output = match self.load(files) {
             Ok(output) => Arc::new(output),
             Err(e) => {
-                self.counters
-                    .rejected_registrations
-                    .fetch_add(1, Ordering::Relaxed);
+                self.counters.rejected_registrations.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(shuffle_id, map_id, error = %e, "map output registration refused");
                 return Err(e);
             }
         };
-        let previous = self
-            .shuffles
-            .write()
-            .entry(shuffle_id)
-            .or_default()
-            .insert(map_id, Arc::clone(&output));
+        let previous = self.shuffles.write().entry(shuffle_id).or_default().insert(map_id, Arc::clone(&output));
         self.counters.registrations.fetch_add(1, Ordering::Relaxed);
         if let Some(previous) = previous {
             self.counters.replacements.fetch_add(1, Ordering::Relaxed);
@@ -960,13 +818,7 @@ impl MapOutputStore {
 
     /// Opens, reads, maps and scans; no lock held.
     fn load(&self, files: MapOutputFiles) -> Result<MapOutput, StoreError> {
-        let MapOutputFiles {
-            shuffle_id,
-            map_id,
-            data_path,
-            index_path,
-            num_partitions,
-        } = files;
+        let MapOutputFiles { shuffle_id, map_id, data_path, index_path, num_partitions } = files;
         let io_err = |action: &'static str, path: &Path, source: io::Error| StoreError::Io {
             shuffle_id,
             map_id,
@@ -976,50 +828,27 @@ impl MapOutputStore {
         };
 
         let mut index_file = File::open(&index_path).map_err(|e| io_err("open", &index_path, e))?;
-        let index_len = index_file
-            .metadata()
-            .map_err(|e| io_err("stat", &index_path, e))?
-            .len();
+        let index_len = index_file.metadata().map_err(|e| io_err("stat", &index_path, e))?.len();
         let limit = self.config.max_index_entries.min(HARD_MAX_INDEX_ENTRIES);
         // Bound the size before reading anything: the allocation below is index_len bytes.
         if index_len / 8 > limit {
-            return Err(StoreError::IndexTooLarge {
-                shuffle_id,
-                map_id,
-                entries: index_len / 8,
-                limit,
-            });
+            return Err(StoreError::IndexTooLarge { shuffle_id, map_id, entries: index_len / 8, limit });
         }
         if index_len % 8 != 0 {
-            return Err(StoreError::IndexNotMultipleOf8 {
-                shuffle_id,
-                map_id,
-                len: index_len,
-            });
+            return Err(StoreError::IndexNotMultipleOf8 { shuffle_id, map_id, len: index_len });
         }
         let entries = index_len / 8;
         let needed = num_partitions.map_or(1, |n| u64::from(n) + 1);
         // A short index whose partition count Spark told us is kept under FailResolves, so
         // every fetch from it reports exactly this (and the reducer's FetchFailed says why).
-        let keep_short = entries >= 1
-            && num_partitions.is_some()
-            && self.config.corrupt_index == CorruptIndexPolicy::FailResolves;
+        let keep_short =
+            entries >= 1 && num_partitions.is_some() && self.config.corrupt_index == CorruptIndexPolicy::FailResolves;
         if entries < needed && !keep_short {
-            return Err(StoreError::IndexTooShort {
-                shuffle_id,
-                map_id,
-                entries,
-                needed,
-            });
+            return Err(StoreError::IndexTooShort { shuffle_id, map_id, entries, needed });
         }
         let short_fault = (entries < needed).then_some(Fault::IndexTooShort { entries, needed });
         if num_partitions.is_some() && entries > needed {
-            return Err(StoreError::IndexTooLong {
-                shuffle_id,
-                map_id,
-                entries,
-                expected: needed,
-            });
+            return Err(StoreError::IndexTooLong { shuffle_id, map_id, entries, expected: needed });
         }
         // entries is in 1..=u32::MAX + 1 here, so this cannot truncate.
         let num_partitions = match short_fault {
@@ -1028,26 +857,17 @@ impl MapOutputStore {
         };
 
         let mut raw = vec![0u8; index_len as usize];
-        index_file
-            .read_exact(&mut raw)
-            .map_err(|e| io_err("read", &index_path, e))?;
+        index_file.read_exact(&mut raw).map_err(|e| io_err("read", &index_path, e))?;
         drop(index_file);
-        let offsets: Box<[i64]> = raw
-            .chunks_exact(8)
-            .map(|b| i64::from_be_bytes(b.try_into().expect("chunks_exact yields 8 bytes")))
-            .collect();
+        let offsets: Box<[i64]> =
+            raw.chunks_exact(8).map(|b| i64::from_be_bytes(b.try_into().expect("chunks_exact yields 8 bytes"))).collect();
 
         let (file, data_len) = match File::open(&data_path) {
             Ok(file) => {
-                let len = file
-                    .metadata()
-                    .map_err(|e| io_err("stat", &data_path, e))?
-                    .len();
+                let len = file.metadata().map_err(|e| io_err("stat", &data_path, e))?.len();
                 (Some(file), len)
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound && offsets[offsets.len() - 1] == 0 => {
-                (None, 0)
-            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound && offsets[offsets.len() - 1] == 0 => (None, 0),
             Err(e) => return Err(io_err("open", &data_path, e)),
         };
         let mmap = match &file {
@@ -1056,18 +876,14 @@ impl MapOutputStore {
                     io_err(
                         "memory-map",
                         &data_path,
-                        io::Error::new(
-                            io::ErrorKind::InvalidInput,
-                            "file larger than the address space",
-                        ),
+                        io::Error::new(io::ErrorKind::InvalidInput, "file larger than the address space"),
                     )
                 })?;
                 // SAFETY: the mapping is read-only and covers exactly the length just stat'ed.
                 // Spark never modifies a committed shuffle file in place (it renames new files
                 // over old names and deletes whole files), so the mapped pages stay valid for
                 // the mapping's lifetime; see `register`'s docs for the one external hazard.
-                let map = unsafe { MmapOptions::new().len(len).map(file) }
-                    .map_err(|e| io_err("memory-map", &data_path, e))?;
+                let map = unsafe { MmapOptions::new().len(len).map(file) }.map_err(|e| io_err("memory-map", &data_path, e))?;
                 Some(map)
             }
             _ => None,
@@ -1132,12 +948,8 @@ impl MapOutputStore {
     /// The registered output of `(shuffle_id, map_id)`, if any.
     pub fn get(&self, shuffle_id: ShuffleId, map_id: MapId) -> Result<Arc<MapOutput>, StoreError> {
         let shuffles = self.shuffles.read();
-        let maps = shuffles
-            .get(&shuffle_id)
-            .ok_or(StoreError::UnknownShuffle { shuffle_id })?;
-        maps.get(&map_id)
-            .cloned()
-            .ok_or(StoreError::UnknownMapOutput { shuffle_id, map_id })
+        let maps = shuffles.get(&shuffle_id).ok_or(StoreError::UnknownShuffle { shuffle_id })?;
+        maps.get(&map_id).cloned().ok_or(StoreError::UnknownMapOutput { shuffle_id, map_id })
     }
 
     /// Resolves the reduce range `[start_reduce, end_reduce)` of one map output to its bytes
@@ -1151,19 +963,13 @@ impl MapOutputStore {
     ) -> Result<BlockSlice, StoreError> {
         let result = self.get(shuffle_id, map_id).and_then(|output| {
             let (from, to) = output.byte_range(start_reduce, end_reduce)?;
-            Ok(BlockSlice {
-                output,
-                offset: from,
-                len: to - from,
-            })
+            Ok(BlockSlice { output, offset: from, len: to - from })
         });
         match &result {
             Ok(_) => self.counters.resolves.fetch_add(1, Ordering::Relaxed),
             Err(e) => {
                 tracing::debug!(shuffle_id, map_id, start_reduce, end_reduce, error = %e, "resolve failed");
-                self.counters
-                    .failed_resolves
-                    .fetch_add(1, Ordering::Relaxed)
+                self.counters.failed_resolves.fetch_add(1, Ordering::Relaxed)
             }
         };
         result
@@ -1252,51 +1058,14 @@ mod tests {
 
     #[test]
     fn scan_reports_first_fault_in_file_order() {
-        assert_eq!(
-            scan_index(&[4, 4, 10], 10),
-            Some(Fault::FirstOffsetNotZero { offset: 4 })
-        );
-        assert_eq!(
-            scan_index(&[0, 5, 3, 10], 10),
-            Some(Fault::OffsetsDecreasing {
-                partition: 1,
-                prev: 5,
-                next: 3
-            })
-        );
+        assert_eq!(scan_index(&[4, 4, 10], 10), Some(Fault::FirstOffsetNotZero { offset: 4 }));
+        assert_eq!(scan_index(&[0, 5, 3, 10], 10), Some(Fault::OffsetsDecreasing { partition: 1, prev: 5, next: 3 }));
         // A negative offset after a valid start is a decrease.
-        assert_eq!(
-            scan_index(&[0, -1, 10], 10),
-            Some(Fault::OffsetsDecreasing {
-                partition: 0,
-                prev: 0,
-                next: -1
-            })
-        );
-        assert_eq!(
-            scan_index(&[0, 11, 11], 10),
-            Some(Fault::OffsetPastEnd {
-                partition: 0,
-                offset: 11,
-                data_len: 10
-            })
-        );
-        assert_eq!(
-            scan_index(&[0, 4, 8], 10),
-            Some(Fault::LastOffsetMismatch {
-                last_offset: 8,
-                data_len: 10
-            })
-        );
+        assert_eq!(scan_index(&[0, -1, 10], 10), Some(Fault::OffsetsDecreasing { partition: 0, prev: 0, next: -1 }));
+        assert_eq!(scan_index(&[0, 11, 11], 10), Some(Fault::OffsetPastEnd { partition: 0, offset: 11, data_len: 10 }));
+        assert_eq!(scan_index(&[0, 4, 8], 10), Some(Fault::LastOffsetMismatch { last_offset: 8, data_len: 10 }));
         // i64::MIN / MAX must not wrap into something plausible.
-        assert_eq!(
-            scan_index(&[0, i64::MAX], 10),
-            Some(Fault::OffsetPastEnd {
-                partition: 0,
-                offset: i64::MAX,
-                data_len: 10
-            })
-        );
+        assert_eq!(scan_index(&[0, i64::MAX], 10), Some(Fault::OffsetPastEnd { partition: 0, offset: i64::MAX, data_len: 10 }));
     }
 
     #[test]
@@ -1311,18 +1080,8 @@ mod tests {
     #[test]
     fn range_check_rejects_bad_requests() {
         let idx = [0, 3, 3, 10];
-        assert_eq!(
-            check_range(&idx, 10, 3, 2, 2),
-            Err(Fault::EmptyRange { start: 2, end: 2 })
-        );
-        assert_eq!(
-            check_range(&idx, 10, 3, 2, 4),
-            Err(Fault::PartitionOutOfRange {
-                start: 2,
-                end: 4,
-                num_partitions: 3
-            })
-        );
+        assert_eq!(check_range(&idx, 10, 3, 2, 2), Err(Fault::EmptyRange { start: 2, end: 2 }));
+        assert_eq!(check_range(&idx, 10, 3, 2, 4), Err(Fault::PartitionOutOfRange { start: 2, end: 4, num_partitions: 3 }));
     }
 
     /// The resolve-time check stands on its own: it catches every kind of corrupt index even
@@ -1330,49 +1089,18 @@ mod tests {
     #[test]
     fn range_check_catches_corrupt_index_on_its_own() {
         // Index shorter than the declared partition count.
-        assert_eq!(
-            check_range(&[0, 3], 3, 3, 1, 3),
-            Err(Fault::IndexTooShort {
-                entries: 2,
-                needed: 4
-            })
-        );
-        assert_eq!(
-            check_range(&[0, -7, 3], 3, 2, 1, 2),
-            Err(Fault::NegativeOffset {
-                partition: 1,
-                offset: -7
-            })
-        );
+        assert_eq!(check_range(&[0, 3], 3, 3, 1, 3), Err(Fault::IndexTooShort { entries: 2, needed: 4 }));
+        assert_eq!(check_range(&[0, -7, 3], 3, 2, 1, 2), Err(Fault::NegativeOffset { partition: 1, offset: -7 }));
         // Decrease inside a batch whose total span is positive.
-        assert_eq!(
-            check_range(&[0, 6, 2, 8], 8, 3, 0, 3),
-            Err(Fault::OffsetsDecreasing {
-                partition: 1,
-                prev: 6,
-                next: 2
-            })
-        );
-        assert_eq!(
-            check_range(&[0, 6, 20], 8, 2, 1, 2),
-            Err(Fault::OffsetPastEnd {
-                partition: 1,
-                offset: 20,
-                data_len: 8
-            })
-        );
+        assert_eq!(check_range(&[0, 6, 2, 8], 8, 3, 0, 3), Err(Fault::OffsetsDecreasing { partition: 1, prev: 6, next: 2 }));
+        assert_eq!(check_range(&[0, 6, 20], 8, 2, 1, 2), Err(Fault::OffsetPastEnd { partition: 1, offset: 20, data_len: 8 }));
         // A range untouched by the corruption still resolves.
         assert_eq!(check_range(&[0, 6, 2, 8], 8, 3, 0, 1), Ok((0, 6)));
     }
 
     #[test]
     fn error_accessors_and_classes() {
-        let e = Fault::OffsetsDecreasing {
-            partition: 1,
-            prev: 6,
-            next: 2,
-        }
-        .into_error(7, 42);
+        let e = Fault::OffsetsDecreasing { partition: 1, prev: 6, next: 2 }.into_error(7, 42);
         assert_eq!(e.shuffle_id(), 7);
         assert_eq!(e.map_id(), Some(42));
         assert_eq!(e.class(), StoreErrorClass::CorruptOutput);
@@ -1383,11 +1111,6 @@ mod tests {
         let e = StoreError::UnknownShuffle { shuffle_id: 9 };
         assert_eq!(e.map_id(), None);
         assert_eq!(e.class(), StoreErrorClass::NotFound);
-        assert_eq!(
-            Fault::EmptyRange { start: 1, end: 1 }
-                .into_error(0, 0)
-                .class(),
-            StoreErrorClass::BadRequest
-        );
+        assert_eq!(Fault::EmptyRange { start: 1, end: 1 }.into_error(0, 0).class(), StoreErrorClass::BadRequest);
     }
 }

@@ -39,9 +39,7 @@ impl TestRng {
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
-        Self {
-            state: if z == 0 { 0x2545_F491_4F6C_DD1D } else { z },
-        }
+        Self { state: if z == 0 { 0x2545_F491_4F6C_DD1D } else { z } }
     }
 
     /// The next 64 pseudo-random bits.
@@ -179,9 +177,7 @@ pub fn write_map_output(
     for p in &out.partitions {
         data.write_all(p)?;
     }
-    data.into_inner()
-        .map_err(io::IntoInnerError::into_error)?
-        .sync_data()?;
+    data.into_inner().map_err(io::IntoInnerError::into_error)?.sync_data()?;
     write_index(&out.index_path, &out.offsets())?;
     Ok(out)
 }
@@ -229,12 +225,7 @@ pub fn corrupt_index(out: &GeneratedOutput, how: IndexCorruption) -> io::Result<
     let mut offsets = out.offsets();
     let n = out.partitions.len();
     let data_len = out.data_len() as i64;
-    let invalid = |what: &str| {
-        Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            what.to_string(),
-        ))
-    };
+    let invalid = |what: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, what.to_string()));
     match how {
         IndexCorruption::Truncate { entries } => {
             if entries > offsets.len() {
@@ -312,9 +303,6 @@ mod tests {
     #[test]
     fn file_names_match_spark() {
         assert_eq!(data_file_name(0, 5), "shuffle_0_5_0.data");
-        assert_eq!(
-            index_file_name(12, 9_000_000_001),
-            "shuffle_12_9000000001_0.index"
-        );
+        assert_eq!(index_file_name(12, 9_000_000_001), "shuffle_12_9000000001_0.index");
     }
 }

@@ -7,12 +7,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use rdma_shuffle_shuffle::store::{
-    CorruptIndexPolicy, MapOutputFiles, MapOutputStore, StoreConfig, StoreError, StoreErrorClass,
-};
-use rdma_shuffle_shuffle::testkit::{
-    corrupt_index, write_index, write_map_output, GeneratedOutput, IndexCorruption, TestRng,
-};
+use rdma_shuffle_shuffle::store::{CorruptIndexPolicy, MapOutputFiles, MapOutputStore, StoreConfig, StoreError, StoreErrorClass};
+use rdma_shuffle_shuffle::testkit::{corrupt_index, write_index, write_map_output, GeneratedOutput, IndexCorruption, TestRng};
 
 fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("create temp dir")
@@ -25,17 +21,13 @@ fn check_all_ranges(store: &MapOutputStore, gen: &GeneratedOutput) {
     let offsets = gen.offsets();
     for start in 0..n {
         for end in start + 1..=n {
-            let slice = store
-                .resolve(gen.shuffle_id, gen.map_id, start, end)
-                .unwrap_or_else(|e| panic!("resolve [{start},{end}): {e}"));
+            let slice =
+                store.resolve(gen.shuffle_id, gen.map_id, start, end).unwrap_or_else(|e| panic!("resolve [{start},{end}): {e}"));
             let expected = gen.range_bytes(start, end);
             assert_eq!(slice.offset(), offsets[start as usize] as u64);
             assert_eq!(slice.len(), expected.len() as u64);
             assert_eq!(slice.is_empty(), expected.is_empty());
-            assert!(
-                slice.as_bytes() == expected.as_slice(),
-                "bytes of [{start},{end}) differ"
-            );
+            assert!(slice.as_bytes() == expected.as_slice(), "bytes of [{start},{end}) differ");
             // What an RDMA provider would expose: base + offset is the block.
             assert_eq!(slice.mmap_len() as u64, gen.data_len());
             if !expected.is_empty() {
@@ -44,11 +36,7 @@ fn check_all_ranges(store: &MapOutputStore, gen: &GeneratedOutput) {
             }
             // What the TCP provider would sendfile from.
             let mut via_fd = vec![0u8; expected.len()];
-            slice
-                .file()
-                .expect("data file open")
-                .read_exact_at(&mut via_fd, slice.offset())
-                .unwrap();
+            slice.file().expect("data file open").read_exact_at(&mut via_fd, slice.offset()).unwrap();
             assert_eq!(via_fd, expected);
         }
     }
@@ -129,13 +117,7 @@ fn missing_data_file_is_accepted_only_for_an_empty_output() {
     let full = write_map_output(dir.path(), 4, 10, &[0, 7], 1).unwrap();
     fs::remove_file(&full.data_path).unwrap();
     match store.register(full.map_output_files()) {
-        Err(StoreError::Io {
-            shuffle_id: 4,
-            map_id: 10,
-            action: "open",
-            path,
-            source,
-        }) => {
+        Err(StoreError::Io { shuffle_id: 4, map_id: 10, action: "open", path, source }) => {
             assert_eq!(path, full.data_path);
             assert_eq!(source.kind(), io::ErrorKind::NotFound);
         }
@@ -191,22 +173,10 @@ fn unknown_shuffle_and_map_output() {
     let store = MapOutputStore::new();
     registered(dir.path(), &store);
     let e = store.resolve(2, 10, 0, 1).unwrap_err();
-    assert!(
-        matches!(e, StoreError::UnknownShuffle { shuffle_id: 2 }),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::UnknownShuffle { shuffle_id: 2 }), "{e:?}");
     assert_eq!(e.class(), StoreErrorClass::NotFound);
     let e = store.resolve(1, 11, 0, 1).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            StoreError::UnknownMapOutput {
-                shuffle_id: 1,
-                map_id: 11
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::UnknownMapOutput { shuffle_id: 1, map_id: 11 }), "{e:?}");
     assert_eq!(store.stats().failed_resolves, 2);
 }
 
@@ -225,18 +195,7 @@ fn empty_and_out_of_range_requests() {
     }
     for (start, end) in [(0, 5), (4, 5), (3, u32::MAX)] {
         let e = store.resolve(1, 10, start, end).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                StoreError::PartitionOutOfRange {
-                    shuffle_id: 1,
-                    map_id: 10,
-                    num_partitions: 4,
-                    ..
-                }
-            ),
-            "{e:?}"
-        );
+        assert!(matches!(e, StoreError::PartitionOutOfRange { shuffle_id: 1, map_id: 10, num_partitions: 4, .. }), "{e:?}");
         assert!(e.to_string().contains("4 partitions"), "{e}");
     }
     // The last valid range still works.
@@ -248,11 +207,7 @@ fn empty_and_out_of_range_requests() {
 fn expect_rejected(store: &MapOutputStore, files: MapOutputFiles) -> StoreError {
     let before = store.list();
     let e = store.register(files).unwrap_err();
-    assert_eq!(
-        store.list(),
-        before,
-        "a refused registration changed the store"
-    );
+    assert_eq!(store.list(), before, "a refused registration changed the store");
     e
 }
 
@@ -263,18 +218,7 @@ fn truncated_index_is_too_short() {
     let gen = write_map_output(dir.path(), 3, 1, &[5, 0, 7, 2], 1).unwrap();
     corrupt_index(&gen, IndexCorruption::Truncate { entries: 3 }).unwrap();
     let e = expect_rejected(&store, gen.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::IndexTooShort {
-                shuffle_id: 3,
-                map_id: 1,
-                entries: 3,
-                needed: 5
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::IndexTooShort { shuffle_id: 3, map_id: 1, entries: 3, needed: 5 }), "{e:?}");
     assert_eq!(e.class(), StoreErrorClass::CorruptOutput);
 
     // An empty index file has not even the leading 0.
@@ -282,17 +226,7 @@ fn truncated_index_is_too_short() {
     let mut files = gen.map_output_files();
     files.num_partitions = None;
     let e = expect_rejected(&store, files);
-    assert!(
-        matches!(
-            e,
-            StoreError::IndexTooShort {
-                entries: 0,
-                needed: 1,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::IndexTooShort { entries: 0, needed: 1, .. }), "{e:?}");
 }
 
 #[test]
@@ -303,17 +237,7 @@ fn index_longer_than_declared_partition_count() {
     let mut files = gen.map_output_files();
     files.num_partitions = Some(3);
     let e = expect_rejected(&store, files);
-    assert!(
-        matches!(
-            e,
-            StoreError::IndexTooLong {
-                entries: 5,
-                expected: 4,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::IndexTooLong { entries: 5, expected: 4, .. }), "{e:?}");
 }
 
 #[test]
@@ -323,41 +247,18 @@ fn partial_entry_is_not_a_multiple_of_8() {
     let gen = write_map_output(dir.path(), 3, 3, &[5, 0, 7, 2], 1).unwrap();
     corrupt_index(&gen, IndexCorruption::PartialEntry).unwrap();
     let e = expect_rejected(&store, gen.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::IndexNotMultipleOf8 {
-                shuffle_id: 3,
-                map_id: 3,
-                len: 36
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::IndexNotMultipleOf8 { shuffle_id: 3, map_id: 3, len: 36 }), "{e:?}");
 }
 
 #[test]
 fn index_larger_than_the_limit_is_not_read() {
     let dir = tempdir();
-    let store = MapOutputStore::with_config(StoreConfig {
-        max_index_entries: 4,
-        ..StoreConfig::default()
-    });
+    let store = MapOutputStore::with_config(StoreConfig { max_index_entries: 4, ..StoreConfig::default() });
     let ok = write_map_output(dir.path(), 3, 4, &[1, 2, 3], 1).unwrap();
     store.register(ok.map_output_files()).unwrap();
     let big = write_map_output(dir.path(), 3, 5, &[1, 2, 3, 4], 1).unwrap();
     let e = expect_rejected(&store, big.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::IndexTooLarge {
-                entries: 5,
-                limit: 4,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::IndexTooLarge { entries: 5, limit: 4, .. }), "{e:?}");
     // The message names the setting to change.
     assert!(e.to_string().contains("max_index_entries"), "{e}");
 }
@@ -371,67 +272,22 @@ fn offset_faults_are_refused_at_registration() {
     let gen = write_map_output(dir.path(), 5, 1, &sizes, 1).unwrap();
     corrupt_index(&gen, IndexCorruption::FirstOffsetNonZero).unwrap();
     let e = expect_rejected(&store, gen.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::FirstOffsetNotZero {
-                shuffle_id: 5,
-                map_id: 1,
-                offset: 1
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::FirstOffsetNotZero { shuffle_id: 5, map_id: 1, offset: 1 }), "{e:?}");
 
     let gen = write_map_output(dir.path(), 5, 2, &sizes, 1).unwrap();
     corrupt_index(&gen, IndexCorruption::Decreasing { partition: 2 }).unwrap();
     let e = expect_rejected(&store, gen.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::OffsetsDecreasing {
-                map_id: 2,
-                partition: 2,
-                prev: 5,
-                next: 4,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::OffsetsDecreasing { map_id: 2, partition: 2, prev: 5, next: 4, .. }), "{e:?}");
 
     let gen = write_map_output(dir.path(), 5, 3, &sizes, 1).unwrap();
     corrupt_index(&gen, IndexCorruption::PastEnd { partition: 1 }).unwrap();
     let e = expect_rejected(&store, gen.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::OffsetPastEnd {
-                map_id: 3,
-                partition: 1,
-                offset: 15,
-                data_len: 14,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::OffsetPastEnd { map_id: 3, partition: 1, offset: 15, data_len: 14, .. }), "{e:?}");
 
     let gen = write_map_output(dir.path(), 5, 4, &sizes, 1).unwrap();
     corrupt_index(&gen, IndexCorruption::LastShort).unwrap();
     let e = expect_rejected(&store, gen.map_output_files());
-    assert!(
-        matches!(
-            e,
-            StoreError::LastOffsetMismatch {
-                map_id: 4,
-                last_offset: 13,
-                data_len: 14,
-                ..
-            }
-        ),
-        "{e:?}"
-    );
+    assert!(matches!(e, StoreError::LastOffsetMismatch { map_id: 4, last_offset: 13, data_len: 14, .. }), "{e:?}");
     assert_eq!(store.stats().rejected_registrations, 4);
     assert!(store.is_empty());
 }
@@ -455,61 +311,31 @@ fn missing_index_is_an_io_error_naming_the_file() {
 #[test]
 fn corrupt_index_registered_under_fail_resolves_fails_every_fetch() {
     let dir = tempdir();
-    let store = MapOutputStore::with_config(StoreConfig {
-        corrupt_index: CorruptIndexPolicy::FailResolves,
-        ..StoreConfig::default()
-    });
+    let store =
+        MapOutputStore::with_config(StoreConfig { corrupt_index: CorruptIndexPolicy::FailResolves, ..StoreConfig::default() });
     let good = write_map_output(dir.path(), 8, 1, &[5, 0, 7, 2], 1).unwrap();
     store.register(good.map_output_files()).unwrap();
     let bad = write_map_output(dir.path(), 8, 2, &[5, 0, 7, 2], 2).unwrap();
     corrupt_index(&bad, IndexCorruption::Decreasing { partition: 2 }).unwrap();
     let output = store.register(bad.map_output_files()).unwrap();
     assert!(!output.index_valid());
-    assert!(
-        !store
-            .list()
-            .iter()
-            .find(|i| i.map_id == 2)
-            .unwrap()
-            .index_valid
-    );
+    assert!(!store.list().iter().find(|i| i.map_id == 2).unwrap().index_valid);
 
     // Even ranges whose own offsets look fine: the index as a whole cannot be trusted.
     for (start, end) in [(0, 1), (2, 3), (0, 4)] {
         let e = store.resolve(8, 2, start, end).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                StoreError::OffsetsDecreasing {
-                    shuffle_id: 8,
-                    map_id: 2,
-                    partition: 2,
-                    ..
-                }
-            ),
-            "{e:?}"
-        );
+        assert!(matches!(e, StoreError::OffsetsDecreasing { shuffle_id: 8, map_id: 2, partition: 2, .. }), "{e:?}");
     }
     assert!(output.partition_len(0).is_err());
     // A malformed request is still reported as such.
-    assert!(matches!(
-        store.resolve(8, 2, 1, 1),
-        Err(StoreError::EmptyRange { .. })
-    ));
+    assert!(matches!(store.resolve(8, 2, 1, 1), Err(StoreError::EmptyRange { .. })));
     check_all_ranges(&store, &good);
 
     // Same for a past-end offset: slicing must never reach outside the mapping.
     let past = write_map_output(dir.path(), 8, 3, &[5, 0, 7, 2], 3).unwrap();
     corrupt_index(&past, IndexCorruption::PastEnd { partition: 3 }).unwrap();
     store.register(past.map_output_files()).unwrap();
-    assert!(matches!(
-        store.resolve(8, 3, 3, 4),
-        Err(StoreError::OffsetPastEnd {
-            offset: 15,
-            data_len: 14,
-            ..
-        })
-    ));
+    assert!(matches!(store.resolve(8, 3, 3, 4), Err(StoreError::OffsetPastEnd { offset: 15, data_len: 14, .. })));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -574,16 +400,10 @@ fn unregister_stops_new_resolves_but_outstanding_slices_stay_readable() {
     fs::remove_file(&a.data_path).unwrap();
     fs::remove_file(&a.index_path).unwrap();
 
-    assert!(matches!(
-        store.resolve(3, 1, 0, 1),
-        Err(StoreError::UnknownShuffle { shuffle_id: 3 })
-    ));
+    assert!(matches!(store.resolve(3, 1, 0, 1), Err(StoreError::UnknownShuffle { shuffle_id: 3 })));
     assert!(held.as_bytes() == a.range_bytes(0, 3).as_slice());
     let mut via_fd = vec![0u8; 10];
-    held.file()
-        .unwrap()
-        .read_exact_at(&mut via_fd, 4096)
-        .unwrap();
+    held.file().unwrap().read_exact_at(&mut via_fd, 4096).unwrap();
     assert_eq!(via_fd, a.partitions[2]);
 
     assert_eq!(store.shuffle_ids(), vec![4]);
@@ -593,10 +413,7 @@ fn unregister_stops_new_resolves_but_outstanding_slices_stay_readable() {
     assert!(store.unregister_map_output(4, 1));
     assert!(!store.unregister_map_output(4, 1));
     assert!(store.is_empty());
-    assert!(matches!(
-        store.resolve(4, 1, 0, 1),
-        Err(StoreError::UnknownShuffle { .. })
-    ));
+    assert!(matches!(store.resolve(4, 1, 0, 1), Err(StoreError::UnknownShuffle { .. })));
 }
 
 #[test]
@@ -619,13 +436,7 @@ fn list_and_stats_describe_the_store() {
 
     store.resolve(9, 2, 0, 2).unwrap();
     // A zero-partition output has nothing to fetch.
-    assert!(matches!(
-        store.resolve(1, 7, 0, 1),
-        Err(StoreError::PartitionOutOfRange {
-            num_partitions: 0,
-            ..
-        })
-    ));
+    assert!(matches!(store.resolve(1, 7, 0, 1), Err(StoreError::PartitionOutOfRange { num_partitions: 0, .. })));
     let stats = store.stats();
     assert_eq!(stats.shuffles, 2);
     assert_eq!(stats.map_outputs, 3);
@@ -645,13 +456,7 @@ fn raw_index_with_declared_partitions() {
     fs::write(&data, b"hello world").unwrap();
     write_index(&index, &[0, 5, 5, 11]).unwrap();
     store
-        .register(MapOutputFiles {
-            shuffle_id: 0,
-            map_id: 0,
-            data_path: data,
-            index_path: index,
-            num_partitions: Some(3),
-        })
+        .register(MapOutputFiles { shuffle_id: 0, map_id: 0, data_path: data, index_path: index, num_partitions: Some(3) })
         .unwrap();
     assert_eq!(store.resolve(0, 0, 0, 1).unwrap().as_bytes(), b"hello");
     assert_eq!(store.resolve(0, 0, 1, 3).unwrap().as_bytes(), b" world");
@@ -668,9 +473,8 @@ fn raw_index_with_declared_partitions() {
 fn concurrent_resolves_during_registration_churn() {
     let dir = tempdir();
     let store = Arc::new(MapOutputStore::new());
-    let stable: Vec<GeneratedOutput> = (0..4)
-        .map(|m| write_map_output(dir.path(), 0, m, &[300, 0, 1200, 17, 64], m).unwrap())
-        .collect();
+    let stable: Vec<GeneratedOutput> =
+        (0..4).map(|m| write_map_output(dir.path(), 0, m, &[300, 0, 1200, 17, 64], m).unwrap()).collect();
     for g in &stable {
         store.register(g.map_output_files()).unwrap();
     }
@@ -682,9 +486,7 @@ fn concurrent_resolves_during_registration_churn() {
         .enumerate()
         .map(|(v, d)| {
             let sizes: &[usize] = if v == 0 { &[50, 60] } else { &[7, 0, 900] };
-            (0..3)
-                .map(|m| write_map_output(d.path(), 1, m, sizes, 100 + v as u64 * 10 + m).unwrap())
-                .collect()
+            (0..3).map(|m| write_map_output(d.path(), 1, m, sizes, 100 + v as u64 * 10 + m).unwrap()).collect()
         })
         .collect();
 
@@ -705,16 +507,11 @@ fn concurrent_resolves_during_registration_churn() {
                     let m = rng.below(3);
                     match store.resolve(1, m, 0, 2) {
                         Ok(slice) => {
-                            let v = if slice.output().num_partitions() == 2 {
-                                0
-                            } else {
-                                1
-                            };
+                            let v = if slice.output().num_partitions() == 2 { 0 } else { 1 };
                             let expected = churn[v][m as usize].range_bytes(0, 2);
                             assert!(slice.as_bytes() == expected.as_slice());
                         }
-                        Err(StoreError::UnknownShuffle { .. })
-                        | Err(StoreError::UnknownMapOutput { .. }) => {}
+                        Err(StoreError::UnknownShuffle { .. }) | Err(StoreError::UnknownMapOutput { .. }) => {}
                         Err(e) => panic!("unexpected error during churn: {e}"),
                     }
                     checked += 1;

@@ -18,7 +18,8 @@ fn verbs() -> Arc<dyn Provider> {
             max_message: suite::EAGER + 8192,
             ..VerbsConfig::default()
         };
-        VerbsProvider::open(cfg).unwrap_or_else(|e| panic!("verbs suite needs an RDMA device (run it via scripts/softroce-test.sh): {e}"))
+        VerbsProvider::open(cfg)
+            .unwrap_or_else(|e| panic!("verbs suite needs an RDMA device (run it via scripts/softroce-test.sh): {e}"))
     });
     Arc::new(p.clone())
 }

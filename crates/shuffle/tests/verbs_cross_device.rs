@@ -31,7 +31,10 @@ fn blocks_cross_between_two_rdma_devices() {
     let ips = std::env::var("SOFTROCE_VETH_IPS").expect("SOFTROCE_VETH_IPS unset");
     let devs: Vec<&str> = devs.split_whitespace().collect();
     let ips: Vec<&str> = ips.split_whitespace().collect();
-    let open = |d: &str| VerbsProvider::open(VerbsConfig { device: Some(d.to_string()), max_message: 64 * 1024 + 8192, ..VerbsConfig::default() }).unwrap();
+    let open = |d: &str| {
+        VerbsProvider::open(VerbsConfig { device: Some(d.to_string()), max_message: 64 * 1024 + 8192, ..VerbsConfig::default() })
+            .unwrap()
+    };
     let server_p = open(devs[0]);
     let client_p = open(devs[1]);
     assert_ne!(server_p.device(), client_p.device());
@@ -39,7 +42,9 @@ fn blocks_cross_between_two_rdma_devices() {
     let dir = tempfile::tempdir().unwrap();
     let sizes = [100usize, 70_000, 3 << 20, 0, 64 * 1024];
     let out = write_map_output(dir.path(), 1, 7, &sizes, 5).unwrap();
-    let server = BlockServer::bind(Arc::new(server_p.clone()), format!("{}:0", ips[0]).parse().unwrap(), ServerEndpointConfig::default()).unwrap();
+    let server =
+        BlockServer::bind(Arc::new(server_p.clone()), format!("{}:0", ips[0]).parse().unwrap(), ServerEndpointConfig::default())
+            .unwrap();
     server.register(out.map_output_files()).unwrap();
 
     let cp: Arc<dyn Provider> = Arc::new(client_p.clone());
@@ -111,7 +116,8 @@ fn memlock_limit_too_low_is_a_typed_error() {
             libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old);
             libc::setrlimit(libc::RLIMIT_MEMLOCK, &low);
         }
-        let e = VerbsProvider::open(VerbsConfig { pool_bytes: 32 << 20, ..VerbsConfig::default() }).err().expect("open must refuse");
+        let e =
+            VerbsProvider::open(VerbsConfig { pool_bytes: 32 << 20, ..VerbsConfig::default() }).err().expect("open must refuse");
         let msg = e.to_string();
         assert!(msg.contains("ulimit -l") && msg.contains("33554432") && msg.contains("1048576"), "{msg}");
         // Registration itself: the kernel refuses the 16 MiB slab with ENOMEM.

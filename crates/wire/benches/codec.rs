@@ -27,14 +27,22 @@ fn encode_decode(c: &mut Criterion, name: &str, frame: Frame) {
 }
 
 fn codec(c: &mut Criterion) {
-    let fetch = |n: u32| Frame::Fetch { req: 7, first_index: 0, blocks: (0..n).map(|i| BlockSpan::single(3, 1000 + i as u64, i)).collect() };
+    let fetch = |n: u32| Frame::Fetch {
+        req: 7,
+        first_index: 0,
+        blocks: (0..n).map(|i| BlockSpan::single(3, 1000 + i as u64, i)).collect(),
+    };
     encode_decode(c, "fetch_1_block/encode+decode", fetch(1));
     encode_decode(c, "fetch_64_blocks/encode+decode", fetch(64));
     encode_decode(c, "eager_header/encode+decode", Frame::Eager { req: 7, index: 3, len: 32 * 1024 });
     encode_decode(
         c,
         "rendezvous/encode+decode",
-        Frame::Rendezvous { req: 7, index: 3, desc: Descriptor { region: 11, addr: 0x7f00_0000_1000, len: 8 << 20, rkey: 0x1234 } },
+        Frame::Rendezvous {
+            req: 7,
+            index: 3,
+            desc: Descriptor { region: 11, addr: 0x7f00_0000_1000, len: 8 << 20, rkey: 0x1234 },
+        },
     );
 
     let limits = Limits::default();

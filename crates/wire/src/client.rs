@@ -243,10 +243,7 @@ impl ClientSession {
             // The silence clock only runs while something is outstanding.
             self.last_progress = now;
         }
-        self.requests.insert(
-            req,
-            Request { state: vec![BlockState::Queued; n], blocks, remaining: n, next_unsent: 0 },
-        );
+        self.requests.insert(req, Request { state: vec![BlockState::Queued; n], blocks, remaining: n, next_unsent: 0 });
         if self.is_closed() {
             let failure = BlockFailure::new(FailureCode::PeerGone, format!("connection to {} is closed", self.config.peer));
             for index in 0..n as u32 {
@@ -291,9 +288,11 @@ impl ClientSession {
     /// Fails the connection if a deadline has passed.
     pub fn handle_timeout(&mut self, now: Instant) {
         let (what, since, limit) = match self.state {
-            State::AwaitChallenge | State::AwaitReady { .. } => {
-                ("waiting for the handshake", self.handshake_deadline - self.config.handshake_timeout, self.config.handshake_timeout)
-            }
+            State::AwaitChallenge | State::AwaitReady { .. } => (
+                "waiting for the handshake",
+                self.handshake_deadline - self.config.handshake_timeout,
+                self.config.handshake_timeout,
+            ),
             State::Ready if self.has_in_flight() => ("waiting for blocks", self.last_progress, self.config.fetch_timeout),
             _ => return,
         };
@@ -344,7 +343,10 @@ impl ClientSession {
     fn on_frame(&mut self, frame: Frame) -> Result<(), ProtocolError> {
         match (&self.state, frame) {
             (_, Frame::Error { code, message }) => Err(ProtocolError::PeerError { code, message }),
-            (State::AwaitChallenge, Frame::Challenge { version, caps: server_caps, nonce, auth_required, credits, eager_threshold }) => {
+            (
+                State::AwaitChallenge,
+                Frame::Challenge { version, caps: server_caps, nonce, auth_required, credits, eager_threshold },
+            ) => {
                 if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
                     return Err(ProtocolError::NoCommonVersion {
                         peer_min: version,
@@ -371,7 +373,8 @@ impl ClientSession {
                 };
                 self.transmit.push_back(Frame::Auth { proof });
                 let eager = eager_threshold.min(self.config.max_eager);
-                self.state = State::AwaitReady { server_nonce: nonce, version, caps: server_caps & self.config.caps, credits, eager };
+                self.state =
+                    State::AwaitReady { server_nonce: nonce, version, caps: server_caps & self.config.caps, credits, eager };
                 Ok(())
             }
             (State::AwaitReady { server_nonce, version, caps, credits, eager }, Frame::Ready { proof }) => {
@@ -417,7 +420,10 @@ impl ClientSession {
                 let token = Token { req, index };
                 self.expect(token, |s| matches!(s, BlockState::Requested))?;
                 if self.caps & caps::RENDEZVOUS == 0 {
-                    return Err(ProtocolError::UnexpectedFrame { kind: FrameKind::Rendezvous, state: "rendezvous was not negotiated" });
+                    return Err(ProtocolError::UnexpectedFrame {
+                        kind: FrameKind::Rendezvous,
+                        state: "rendezvous was not negotiated",
+                    });
                 }
                 if self.regions.contains_key(&desc.region) {
                     return Err(ProtocolError::InvalidRequest(format!("region {} announced twice", desc.region)));
@@ -486,10 +492,12 @@ impl ClientSession {
 
     /// The span a token refers to.
     pub fn span(&self, token: Token) -> BlockSpan {
-        self.requests
-            .get(&token.req)
-            .and_then(|r| r.blocks.get(token.index as usize).copied())
-            .unwrap_or(BlockSpan { group: 0, object: 0, start: 0, end: 0 })
+        self.requests.get(&token.req).and_then(|r| r.blocks.get(token.index as usize).copied()).unwrap_or(BlockSpan {
+            group: 0,
+            object: 0,
+            start: 0,
+            end: 0,
+        })
     }
 
     fn state_name(&self) -> &'static str {

@@ -48,12 +48,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_control: 256 * 1024,
-            max_eager: 1024 * 1024,
-            max_pull: MAX_PULL_CHUNK,
-            max_blocks_per_fetch: 8192,
-        }
+        Limits { max_control: 256 * 1024, max_eager: 1024 * 1024, max_pull: MAX_PULL_CHUNK, max_blocks_per_fetch: 8192 }
     }
 }
 
@@ -205,11 +200,7 @@ impl Header {
         }
         let version = buf[4];
         if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
-            return Err(FrameError::UnsupportedVersion {
-                found: version,
-                min: MIN_PROTOCOL_VERSION,
-                max: PROTOCOL_VERSION,
-            });
+            return Err(FrameError::UnsupportedVersion { found: version, min: MIN_PROTOCOL_VERSION, max: PROTOCOL_VERSION });
         }
         let kind = FrameKind::from_u8(buf[5]).ok_or(FrameError::UnknownKind(buf[5]))?;
         let flags = u16::from_be_bytes([buf[6], buf[7]]);
@@ -534,54 +525,34 @@ impl Frame {
                     return Err(r.malformed("empty block list".into()));
                 }
                 if count > limits.max_blocks_per_fetch {
-                    return Err(r.malformed(format!(
-                        "{count} blocks exceed the limit of {} per request",
-                        limits.max_blocks_per_fetch
-                    )));
+                    return Err(
+                        r.malformed(format!("{count} blocks exceed the limit of {} per request", limits.max_blocks_per_fetch))
+                    );
                 }
                 let need = count as usize * BlockSpan::ENCODED_LEN;
                 if r.remaining() != need {
-                    return Err(r.malformed(format!(
-                        "{count} blocks need {need} bytes, body has {}",
-                        r.remaining()
-                    )));
+                    return Err(r.malformed(format!("{count} blocks need {need} bytes, body has {}", r.remaining())));
                 }
                 let mut blocks = Vec::with_capacity(count as usize);
                 for _ in 0..count {
-                    blocks.push(BlockSpan {
-                        group: r.u32()?,
-                        object: r.u64()?,
-                        start: r.u32()?,
-                        end: r.u32()?,
-                    });
+                    blocks.push(BlockSpan { group: r.u32()?, object: r.u64()?, start: r.u32()?, end: r.u32()? });
                 }
                 if first_index.checked_add(count).is_none() {
                     return Err(r.malformed("block indices overflow".into()));
                 }
                 Frame::Fetch { req, first_index, blocks }
             }
-            FrameKind::Eager => Frame::Eager {
-                req: r.u64()?,
-                index: r.u32()?,
-                len: header.payload_len() as u32,
-            },
+            FrameKind::Eager => Frame::Eager { req: r.u64()?, index: r.u32()?, len: header.payload_len() as u32 },
             FrameKind::Rendezvous => Frame::Rendezvous {
                 req: r.u64()?,
                 index: r.u32()?,
                 desc: Descriptor { region: r.u64()?, addr: r.u64()?, len: r.u64()?, rkey: r.u32()? },
             },
-            FrameKind::BlockFailed => Frame::BlockFailed {
-                req: r.u64()?,
-                index: r.u32()?,
-                code: FailureCode::from_u16(r.u16()?),
-                message: r.string()?,
-            },
+            FrameKind::BlockFailed => {
+                Frame::BlockFailed { req: r.u64()?, index: r.u32()?, code: FailureCode::from_u16(r.u16()?), message: r.string()? }
+            }
             FrameKind::Pull => Frame::Pull { region: r.u64()?, offset: r.u64()?, len: r.u64()? },
-            FrameKind::PullData => Frame::PullData {
-                region: r.u64()?,
-                offset: r.u64()?,
-                len: header.payload_len(),
-            },
+            FrameKind::PullData => Frame::PullData { region: r.u64()?, offset: r.u64()?, len: header.payload_len() },
             FrameKind::Release => Frame::Release { region: r.u64()? },
             FrameKind::Credit => Frame::Credit { n: r.u32()? },
             FrameKind::Error => Frame::Error { code: FailureCode::from_u16(r.u16()?), message: r.string()? },

@@ -207,7 +207,8 @@ impl<H: Clone> ServerSession<H> {
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), SessionError> {
         if matches!(self.state, State::AwaitHello | State::AwaitAuth { .. }) && now >= self.handshake_deadline {
             let t = self.config.handshake_timeout.as_millis() as u64;
-            return Err(self.fail(ProtocolError::Timeout { what: "waiting for the client's handshake", waited_ms: t, timeout_ms: t }, true));
+            return Err(self
+                .fail(ProtocolError::Timeout { what: "waiting for the client's handshake", waited_ms: t, timeout_ms: t }, true));
         }
         Ok(())
     }
@@ -280,8 +281,12 @@ impl<H: Clone> ServerSession<H> {
                     (Some(s), Some(p)) if s.verify_client(&client_nonce, &self.config.nonce, &p) => {
                         Some(s.server_proof(&client_nonce, &self.config.nonce))
                     }
-                    (Some(_), Some(_)) => return Err(ProtocolError::AuthRefused("the client's proof of the shared secret is wrong".into())),
-                    (Some(_), None) => return Err(ProtocolError::AuthRefused("the client sent no proof but authentication is required".into())),
+                    (Some(_), Some(_)) => {
+                        return Err(ProtocolError::AuthRefused("the client's proof of the shared secret is wrong".into()))
+                    }
+                    (Some(_), None) => {
+                        return Err(ProtocolError::AuthRefused("the client sent no proof but authentication is required".into()))
+                    }
                 };
                 self.out.push_back(ServerOutput::Frame(Frame::Ready { proof: server_proof }));
                 self.state = State::Ready;
@@ -319,9 +324,10 @@ impl<H: Clone> ServerSession<H> {
                 self.out.push_back(ServerOutput::Frame(Frame::Credit { n: 1 }));
                 Ok(())
             }
-            (State::AwaitHello | State::AwaitAuth { .. }, other) => {
-                Err(ProtocolError::UnexpectedFrame { kind: other.kind(), state: "waiting for the handshake (no block is served before it)" })
-            }
+            (State::AwaitHello | State::AwaitAuth { .. }, other) => Err(ProtocolError::UnexpectedFrame {
+                kind: other.kind(),
+                state: "waiting for the handshake (no block is served before it)",
+            }),
             (_, other) => Err(ProtocolError::UnexpectedFrame { kind: other.kind(), state: "serving" }),
         }
     }

@@ -74,17 +74,19 @@ fn handshake_eager_rendezvous_and_failures() {
     assert!(matches!(ev[0], ClientEvent::Connected { credits: 8, eager_threshold: 1024, .. }), "{ev:?}");
     let req = c.fetch(
         vec![
-            BlockSpan::single(1, 100, 0),                       // 100 B: eager
+            BlockSpan::single(1, 100, 0),                           // 100 B: eager
             BlockSpan { group: 1, object: 5000, start: 0, end: 2 }, // 10 000 B: rendezvous
-            BlockSpan::single(9, 1, 0),                         // unknown shuffle
-            BlockSpan::single(1, 0, 3),                         // empty block: eager, 0 B
+            BlockSpan::single(9, 1, 0),                             // unknown shuffle
+            BlockSpan::single(1, 0, 3),                             // empty block: eager, 0 B
         ],
         now,
     );
     let ev = pump(&mut c, &mut s, now);
     assert!(ev.contains(&ClientEvent::Eager { token: Token { req, index: 0 }, len: 100 }));
     assert!(ev.contains(&ClientEvent::Eager { token: Token { req, index: 3 }, len: 0 }));
-    assert!(ev.iter().any(|e| matches!(e, ClientEvent::Rendezvous { token, desc } if token.index == 1 && desc.len == 10_000 && desc.rkey == 7)));
+    assert!(ev.iter().any(
+        |e| matches!(e, ClientEvent::Rendezvous { token, desc } if token.index == 1 && desc.len == 10_000 && desc.rkey == 7)
+    ));
     assert!(ev.iter().any(|e| matches!(e, ClientEvent::PullData { token, len: 10_000, last: true, .. } if token.index == 1)));
     assert!(ev.iter().any(|e| matches!(e, ClientEvent::Failed { token, failure } if token.index == 2 && failure.code == FailureCode::UnknownGroup && failure.message.contains("server-1"))));
     assert_eq!(ev.last(), Some(&ClientEvent::RequestDone { req }));
@@ -97,7 +99,10 @@ fn wrong_secret_is_refused_and_no_block_is_served() {
     let (mut c, mut s, now) = pair(Some("wrong"), Some("right"), 8);
     c.fetch(vec![BlockSpan::single(1, 10, 0)], now);
     let ev = pump(&mut c, &mut s, now);
-    assert!(ev.iter().any(|e| matches!(e, ClientEvent::Failed { failure, .. } if failure.code == FailureCode::AuthRefused)), "{ev:?}");
+    assert!(
+        ev.iter().any(|e| matches!(e, ClientEvent::Failed { failure, .. } if failure.code == FailureCode::AuthRefused)),
+        "{ev:?}"
+    );
     assert!(matches!(ev.last(), Some(ClientEvent::Closed { .. })));
     assert!(s.is_closed());
     assert_eq!(s.counters().eager_blocks, 0);
@@ -194,10 +199,13 @@ fn peer_vanishing_mid_transfer_fails_every_outstanding_block() {
     c.handle_frame(f, now).unwrap();
     c.handle_connection_lost("reset by peer");
     let ev: Vec<_> = std::iter::from_fn(|| c.poll_event()).collect();
-    let failed: Vec<_> = ev.iter().filter_map(|e| match e {
-        ClientEvent::Failed { token, failure } => Some((token.index, failure.code)),
-        _ => None,
-    }).collect();
+    let failed: Vec<_> = ev
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Failed { token, failure } => Some((token.index, failure.code)),
+            _ => None,
+        })
+        .collect();
     assert_eq!(failed, vec![(0, FailureCode::PeerGone), (1, FailureCode::PeerGone)]);
     assert!(ev.contains(&ClientEvent::RequestDone { req }));
     // New requests on the dead session fail at once instead of hanging.
@@ -227,7 +235,9 @@ fn silence_past_the_fetch_timeout_fails_the_connection() {
 #[test]
 fn frames_before_the_handshake_are_refused() {
     let (_c, mut s, _) = pair(None, None, 8);
-    let err = s.handle_frame(Frame::Fetch { req: 1, first_index: 0, blocks: vec![BlockSpan::single(1, 1, 0)] }, &mut resolver).unwrap_err();
+    let err = s
+        .handle_frame(Frame::Fetch { req: 1, first_index: 0, blocks: vec![BlockSpan::single(1, 1, 0)] }, &mut resolver)
+        .unwrap_err();
     assert!(matches!(err.error, ProtocolError::UnexpectedFrame { kind: FrameKind::Fetch, .. }));
     assert_eq!(HEADER_LEN, 12);
 }

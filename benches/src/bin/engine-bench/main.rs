@@ -42,11 +42,18 @@ fn main() {
         Some("verbs-sweep") => {
             if let Err(e) = verbs_sweep::run(&args[2..]) {
                 eprintln!("{e}");
-                std::process::exit(if matches!(e, verbs_sweep::SweepError::Usage(_) | verbs_sweep::SweepError::NoVerbs) { 2 } else { 1 });
+                std::process::exit(if matches!(e, verbs_sweep::SweepError::Usage(_) | verbs_sweep::SweepError::NoVerbs) {
+                    2
+                } else {
+                    1
+                });
             }
         }
         Some(other) => {
-            eprintln!("usage: engine-bench run [--gib N] [--out FILE] | serve --dir D --maps N | {} (got {other})", verbs_sweep::USAGE);
+            eprintln!(
+                "usage: engine-bench run [--gib N] [--out FILE] | serve --dir D --maps N | {} (got {other})",
+                verbs_sweep::USAGE
+            );
             std::process::exit(2);
         }
     }
@@ -73,13 +80,25 @@ fn serve(dir: &Path, maps: u64) {
         let data = dir.join(format!("shuffle_1_{m}_0.data"));
         let index = dir.join(format!("shuffle_1_{m}_0.index"));
         server
-            .register(rdma_shuffle_shuffle::store::MapOutputFiles { shuffle_id: 1, map_id: m, data_path: data, index_path: index, num_partitions: None })
+            .register(rdma_shuffle_shuffle::store::MapOutputFiles {
+                shuffle_id: 1,
+                map_id: m,
+                data_path: data,
+                index_path: index,
+                num_partitions: None,
+            })
             .expect("register big");
     }
     let data = dir.join("shuffle_2_0_0.data");
     let index = dir.join("shuffle_2_0_0.index");
     server
-        .register(rdma_shuffle_shuffle::store::MapOutputFiles { shuffle_id: 2, map_id: 0, data_path: data, index_path: index, num_partitions: None })
+        .register(rdma_shuffle_shuffle::store::MapOutputFiles {
+            shuffle_id: 2,
+            map_id: 0,
+            data_path: data,
+            index_path: index,
+            num_partitions: None,
+        })
         .expect("register small");
     let raw = TcpListener::bind("127.0.0.1:0").unwrap();
     println!("{} {}", server.local_addr().port(), raw.local_addr().unwrap().port());
@@ -145,7 +164,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 fn run(gib: f64, out: Option<PathBuf>) {
     let maps = ((gib * 1024.0) / BIG_PARTS as f64).ceil().max(1.0) as u64;
-    let dir = tempfile::tempdir_in(std::env::var("BENCH_DIR").unwrap_or_else(|_| std::env::temp_dir().display().to_string())).unwrap();
+    let dir =
+        tempfile::tempdir_in(std::env::var("BENCH_DIR").unwrap_or_else(|_| std::env::temp_dir().display().to_string())).unwrap();
     eprintln!("writing {maps} map outputs of {BIG_PARTS} x 1 MiB in {}", dir.path().display());
     for m in 0..maps {
         write_map_output(dir.path(), 1, m, &vec![MIB; BIG_PARTS], m).unwrap();
@@ -190,7 +210,12 @@ fn run(gib: f64, out: Option<PathBuf>) {
 
     // (b) engine, 1 MiB blocks: every map output's blocks in one fetch, all maps at once.
     let pool = TieredPool::unregistered(PoolConfig { prealloc: true, ..PoolConfig::default() }).unwrap();
-    let client = BlockClient::new(Arc::new(TcpProvider::new()), pool, ClientEndpointConfig { name: "bench-client".into(), ..Default::default() }).unwrap();
+    let client = BlockClient::new(
+        Arc::new(TcpProvider::new()),
+        pool,
+        ClientEndpointConfig { name: "bench-client".into(), ..Default::default() },
+    )
+    .unwrap();
     let fetch_big = |client: &BlockClient| {
         let w = Waiter::new(maps as usize * BIG_PARTS);
         for m in 0..maps {

@@ -195,8 +195,14 @@ impl SweepConfig {
         let mut c = SweepConfig::default();
         let mut it = args.iter();
         while let Some(flag) = it.next() {
-            let mut value = || it.next().cloned().ok_or_else(|| SweepError::Usage(format!("{flag} needs a value; usage: {USAGE}")));
-            let num = |v: String, what: &str| v.parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| SweepError::Usage(format!("{what}: '{v}' is not a positive number")));
+            let mut value =
+                || it.next().cloned().ok_or_else(|| SweepError::Usage(format!("{flag} needs a value; usage: {USAGE}")));
+            let num = |v: String, what: &str| {
+                v.parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .ok_or_else(|| SweepError::Usage(format!("{what}: '{v}' is not a positive number")))
+            };
             match flag.as_str() {
                 "--out" => c.out = Some(PathBuf::from(value()?)),
                 "--dir" => c.dir = PathBuf::from(value()?),
@@ -423,8 +429,16 @@ pub fn render_json(results: &[SizeResult], info: &RunInfo, cfg: &SweepConfig) ->
 /// The short table printed at the end.
 pub fn render_table(results: &[SizeResult], info: &RunInfo) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "eager SEND vs rendezvous RDMA READ on {} (kernel {}; emulation speeds, compare within the run)", info.device, info.kernel);
-    let _ = writeln!(o, "  {:>7} {:>11} {:>11} {:>7} {:>12} {:>12}", "block", "SEND Mb/s", "READ Mb/s", "faster", "SEND p50 us", "READ p50 us");
+    let _ = writeln!(
+        o,
+        "eager SEND vs rendezvous RDMA READ on {} (kernel {}; emulation speeds, compare within the run)",
+        info.device, info.kernel
+    );
+    let _ = writeln!(
+        o,
+        "  {:>7} {:>11} {:>11} {:>7} {:>12} {:>12}",
+        "block", "SEND Mb/s", "READ Mb/s", "faster", "SEND p50 us", "READ p50 us"
+    );
     for r in results {
         let faster = if r.read.mbps > r.send.mbps { "READ" } else { "SEND" };
         let _ = writeln!(
@@ -458,7 +472,8 @@ pub fn run(args: &[String]) -> Result<(), SweepError> {
     match &cfg.out {
         Some(out) => {
             if let Some(p) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(p).map_err(|e| SweepError::Io { what: format!("creating {}", p.display()), source: e })?;
+                std::fs::create_dir_all(p)
+                    .map_err(|e| SweepError::Io { what: format!("creating {}", p.display()), source: e })?;
             }
             std::fs::write(out, &json).map_err(|e| SweepError::Io { what: format!("writing {}", out.display()), source: e })?;
         }
@@ -575,7 +590,8 @@ mod measure {
                 .map_err(|e| fail(format!("binding the block server: {e}")))?;
             server.register(files.clone()).map_err(|e| fail(format!("registering the data file: {e}")))?;
             // READ destinations must be registered with the client's device.
-            let pool = TieredPool::new(PoolConfig::default(), cp.registrar()).map_err(|e| fail(format!("building the pool: {e}")))?;
+            let pool =
+                TieredPool::new(PoolConfig::default(), cp.registrar()).map_err(|e| fail(format!("building the pool: {e}")))?;
             let ccfg = ClientEndpointConfig {
                 max_eager: eager as u32,
                 limits,
@@ -583,7 +599,8 @@ mod measure {
                 name: format!("sweep-{path}-client"),
                 ..ClientEndpointConfig::default()
             };
-            let client = BlockClient::new(Arc::new(cp.clone()), pool, ccfg).map_err(|e| fail(format!("starting the client: {e}")))?;
+            let client =
+                BlockClient::new(Arc::new(cp.clone()), pool, ccfg).map_err(|e| fail(format!("starting the client: {e}")))?;
             let addr = server.local_addr();
             Ok(Setup { path, size, server, client, addr, client_provider: cp })
         }
@@ -596,7 +613,13 @@ mod measure {
         /// checks their bytes against `data`. Returns the bytes moved.
         fn fetch(&self, blocks: &[ShuffleBlock], data: &Arc<Vec<u8>>, first: usize) -> Result<u64, SweepError> {
             let expect = (data.clone(), self.size, first);
-            let c = Arc::new(Collect { left: Mutex::new(blocks.len()), cv: Condvar::new(), bytes: Mutex::new(0), failures: Mutex::new(Vec::new()), expect });
+            let c = Arc::new(Collect {
+                left: Mutex::new(blocks.len()),
+                cv: Condvar::new(),
+                bytes: Mutex::new(0),
+                failures: Mutex::new(Vec::new()),
+                expect,
+            });
             self.client.fetch(self.addr, blocks, c.clone());
             let mut left = c.left.lock();
             let mut last = *left;
@@ -606,7 +629,12 @@ mod measure {
                 if *left != last {
                     (last, since) = (*left, Instant::now());
                 } else if since.elapsed() > STALL {
-                    return Err(self.err(format!("fetch stalled: {} of {} blocks outstanding for {} s", *left, blocks.len(), STALL.as_secs())));
+                    return Err(self.err(format!(
+                        "fetch stalled: {} of {} blocks outstanding for {} s",
+                        *left,
+                        blocks.len(),
+                        STALL.as_secs()
+                    )));
                 }
             }
             drop(left);
@@ -624,7 +652,8 @@ mod measure {
             let eager = s.eager_blocks.load(std::sync::atomic::Ordering::Relaxed);
             let rendezvous = s.rendezvous_blocks.load(std::sync::atomic::Ordering::Relaxed);
             let reads = self.client.stats().one_sided_reads.load(std::sync::atomic::Ordering::Relaxed);
-            let device_reads = self.client_provider.counters().iter().find(|(n, _)| *n == "rdma_reads").map(|(_, v)| *v).unwrap_or(0);
+            let device_reads =
+                self.client_provider.counters().iter().find(|(n, _)| *n == "rdma_reads").map(|(_, v)| *v).unwrap_or(0);
             let ok = match self.path {
                 PathKind::Send => eager > 0 && rendezvous == 0 && reads == 0 && device_reads == 0,
                 PathKind::Read => eager == 0 && rendezvous > 0 && reads == rendezvous && device_reads == rendezvous,
@@ -645,7 +674,10 @@ mod measure {
     fn mem_available_mib() -> u64 {
         std::fs::read_to_string("/proc/meminfo")
             .ok()
-            .and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemAvailable:").map(|v| v.trim().trim_end_matches("kB").trim().to_string())))
+            .and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("MemAvailable:").map(|v| v.trim().trim_end_matches("kB").trim().to_string()))
+            })
             .and_then(|v| v.parse::<u64>().ok())
             .map(|kb| kb / 1024)
             .unwrap_or(0)
@@ -653,7 +685,13 @@ mod measure {
 
     /// Measures both paths at one size, alternating between them round by round and sample by
     /// sample, so both see the same share of a noisy (emulated, shared) machine.
-    fn measure_size(cfg: &SweepConfig, files: &MapOutputFiles, data: &Arc<Vec<u8>>, size: usize, n: usize) -> Result<(PathResult, PathResult, String), SweepError> {
+    fn measure_size(
+        cfg: &SweepConfig,
+        files: &MapOutputFiles,
+        data: &Arc<Vec<u8>>,
+        size: usize,
+        n: usize,
+    ) -> Result<(PathResult, PathResult, String), SweepError> {
         let send = Setup::open(cfg, PathKind::Send, files, size)?;
         let read = match Setup::open(cfg, PathKind::Read, files, size) {
             Ok(r) => r,
@@ -706,7 +744,12 @@ mod measure {
             }
             let bytes = (n * size) as f64;
             let [mut ls, mut lr] = lat;
-            let r = |k: usize, l: &mut Vec<f64>| PathResult { mbps: bytes * rounds[k] as f64 * 8.0 / secs[k] / 1e6, p50_us: median(l), samples: l.len(), rounds: rounds[k] };
+            let r = |k: usize, l: &mut Vec<f64>| PathResult {
+                mbps: bytes * rounds[k] as f64 * 8.0 / secs[k] / 1e6,
+                p50_us: median(l),
+                samples: l.len(),
+                rounds: rounds[k],
+            };
             Ok((r(0, &mut ls), r(1, &mut lr)))
         })();
         send.close();
@@ -716,7 +759,8 @@ mod measure {
 
     pub(super) fn sweep(cfg: &SweepConfig) -> Result<(Vec<SizeResult>, RunInfo), SweepError> {
         let t0 = Instant::now();
-        let dir = tempfile::tempdir_in(&cfg.dir).map_err(|e| SweepError::Io { what: format!("creating a directory in {}", cfg.dir.display()), source: e })?;
+        let dir = tempfile::tempdir_in(&cfg.dir)
+            .map_err(|e| SweepError::Io { what: format!("creating a directory in {}", cfg.dir.display()), source: e })?;
         let mut device = String::new();
         let mut results = Vec::new();
         // One stream of pseudo-random bytes; each size's data file is its first blocks × size
@@ -740,7 +784,10 @@ mod measure {
                 index_path: dir.path().join(index_file_name(SHUFFLE, map_id)),
                 num_partitions: Some(n as u32),
             };
-            let io = |what: &str, e| SweepError::Io { what: format!("writing the {what} file for {n} blocks of {size} bytes in {}", dir.path().display()), source: e };
+            let io = |what: &str, e| SweepError::Io {
+                what: format!("writing the {what} file for {n} blocks of {size} bytes in {}", dir.path().display()),
+                source: e,
+            };
             std::fs::write(&files.data_path, &data[..n * size]).map_err(|e| io("data", e))?;
             let offsets: Vec<i64> = (0..=n).map(|i| (i * size) as i64).collect();
             write_index(&files.index_path, &offsets).map_err(|e| io("index", e))?;
@@ -801,7 +848,16 @@ mod tests {
         // Empty device / gid (unset variables in the guest) mean "pick one".
         let c = SweepConfig::from_args(&["--device".into(), "".into(), "--gid-index".into(), "".into()]).unwrap();
         assert_eq!((c.device, c.gid_index), (None, None));
-        for bad in ["--sizes 16k,4k", "--sizes 1k", "--sizes 64m", "--secs 0", "--lat-samples 5:2", "--gid-index 300", "--bogus 1", "--out"] {
+        for bad in [
+            "--sizes 16k,4k",
+            "--sizes 1k",
+            "--sizes 64m",
+            "--secs 0",
+            "--lat-samples 5:2",
+            "--gid-index 300",
+            "--bogus 1",
+            "--out",
+        ] {
             let e = SweepConfig::from_args(&a(bad)).unwrap_err();
             assert!(matches!(e, SweepError::Usage(_)), "{bad}: {e}");
         }
@@ -845,7 +901,16 @@ mod tests {
         let rs = [res(4096, 50.0, 10.0), res(1 << 20, 90.0, 200.0)];
         let cfg = SweepConfig::default();
         let j = render_json(&rs, &info, &cfg);
-        for key in ["\"device\": \"rxe0\"", "\"crossover_bytes\": 1048576", "\"note\"", "\"bytes\": 4096", "\"send_mbps\": 50.0", "\"read_mbps\": 200.0", "\"send_p50_us\": 100.0", "\"read_p50_us\""] {
+        for key in [
+            "\"device\": \"rxe0\"",
+            "\"crossover_bytes\": 1048576",
+            "\"note\"",
+            "\"bytes\": 4096",
+            "\"send_mbps\": 50.0",
+            "\"read_mbps\": 200.0",
+            "\"send_p50_us\": 100.0",
+            "\"read_p50_us\"",
+        ] {
             assert!(j.contains(key), "missing {key} in {j}");
         }
         assert!(render_json(&rs[..1], &info, &cfg).contains("\"crossover_bytes\": null"));

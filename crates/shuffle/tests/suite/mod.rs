@@ -10,7 +10,9 @@ use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::testkit::{corrupt_index, write_map_output, GeneratedOutput, IndexCorruption};
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
 use rdma_shuffle_wire::frame::HEADER_LEN;
-use rdma_shuffle_wire::{BlockFailure, ClientConfig, ClientSession, FailureCode, Frame, Limits, Secret, ServerConfig, ServerSession};
+use rdma_shuffle_wire::{
+    BlockFailure, ClientConfig, ClientSession, FailureCode, Frame, Limits, Secret, ServerConfig, ServerSession,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -40,7 +42,13 @@ pub struct Collect {
 
 impl Collect {
     pub fn new(expected: usize) -> Arc<Self> {
-        Arc::new(Collect { expected, results: Mutex::new(HashMap::new()), cv: Condvar::new(), hold: Mutex::new(Vec::new()), duplicate: Mutex::new(false) })
+        Arc::new(Collect {
+            expected,
+            results: Mutex::new(HashMap::new()),
+            cv: Condvar::new(),
+            hold: Mutex::new(Vec::new()),
+            duplicate: Mutex::new(false),
+        })
     }
 
     pub fn wait(&self, limit: Duration) -> HashMap<usize, Result<Vec<u8>, BlockFailure>> {
@@ -48,7 +56,12 @@ impl Collect {
         let mut r = self.results.lock();
         while r.len() < self.expected {
             if self.cv.wait_until(&mut r, deadline).timed_out() {
-                panic!("only {} of {} blocks reported within {limit:?}: {:?}", r.len(), self.expected, r.keys().collect::<Vec<_>>());
+                panic!(
+                    "only {} of {} blocks reported within {limit:?}: {:?}",
+                    r.len(),
+                    self.expected,
+                    r.keys().collect::<Vec<_>>()
+                );
             }
         }
         assert!(!*self.duplicate.lock(), "a block was reported twice");
@@ -100,7 +113,12 @@ pub fn server_with(factory: Factory, cfg: ServerEndpointConfig, maps: u64) -> Fi
 }
 
 pub fn server_cfg(secret: Option<&str>) -> ServerEndpointConfig {
-    ServerEndpointConfig { secret: secret.map(Secret::new), eager_threshold: EAGER, name: "exec-server".into(), ..Default::default() }
+    ServerEndpointConfig {
+        secret: secret.map(Secret::new),
+        eager_threshold: EAGER,
+        name: "exec-server".into(),
+        ..Default::default()
+    }
 }
 
 pub fn client_cfg(secret: Option<&str>) -> ClientEndpointConfig {
@@ -214,11 +232,11 @@ pub fn unknown_blocks_get_typed_errors(f: Factory) {
     let c = client(f, None, 16 << 20);
     let o = &fx.outputs[0];
     let blocks = [
-        ShuffleBlock::single(77, 1, 0),                 // unknown shuffle
-        ShuffleBlock::single(3, 999, 0),                // unknown map
-        ShuffleBlock::single(3, o.map_id, 10),          // partition out of range (10 partitions)
-        ShuffleBlock::batch(3, o.map_id, 4, 4),         // empty range
-        ShuffleBlock::single(3, o.map_id, 2),           // fine
+        ShuffleBlock::single(77, 1, 0),         // unknown shuffle
+        ShuffleBlock::single(3, 999, 0),        // unknown map
+        ShuffleBlock::single(3, o.map_id, 10),  // partition out of range (10 partitions)
+        ShuffleBlock::batch(3, o.map_id, 4, 4), // empty range
+        ShuffleBlock::single(3, o.map_id, 2),   // fine
     ];
     let got = fetch_all(&c, fx.server.local_addr(), &blocks);
     let code = |i: usize| got[&i].as_ref().unwrap_err().code;
@@ -228,7 +246,10 @@ pub fn unknown_blocks_get_typed_errors(f: Factory) {
     assert_eq!(code(3), FailureCode::BadRange);
     assert!(got[&4].is_ok());
     let msg = &got[&1].as_ref().unwrap_err().message;
-    assert!(msg.contains("shuffle_3_999_0") && msg.contains(&fx.server.local_addr().to_string()) && msg.contains("exec-server"), "{msg}");
+    assert!(
+        msg.contains("shuffle_3_999_0") && msg.contains(&fx.server.local_addr().to_string()) && msg.contains("exec-server"),
+        "{msg}"
+    );
     // After unregistering, the shuffle's blocks are gone.
     assert_eq!(fx.server.unregister_shuffle(3), 1);
     let got = fetch_all(&c, fx.server.local_addr(), &[ShuffleBlock::single(3, o.map_id, 2)]);
@@ -326,7 +347,11 @@ pub fn bad_input_gets_typed_errors_and_server_keeps_serving(f: Factory) {
     assert!(expect_error_frame(&*link).contains("unknown region 4242"));
     // A fetch before the handshake.
     let link = f().connect(addr, Duration::from_secs(5)).unwrap();
-    link.send(&Frame::Fetch { req: 1, first_index: 0, blocks: vec![ShuffleBlockSpan::of(3, 100, 0)] }, rdma_shuffle_fabric::Payload::None).unwrap();
+    link.send(
+        &Frame::Fetch { req: 1, first_index: 0, blocks: vec![ShuffleBlockSpan::of(3, 100, 0)] },
+        rdma_shuffle_fabric::Payload::None,
+    )
+    .unwrap();
     assert!(expect_error_frame(&*link).contains("no block is served before"));
     // A truncated frame, then the client vanishes.
     let link = f().connect(addr, Duration::from_secs(5)).unwrap();
@@ -465,7 +490,13 @@ pub fn silent_server_times_out(f: Factory) {
     // Timeout, not PeerGone: the client gave up before the server's silence ended.
     assert_eq!(e.code, FailureCode::Timeout, "{e}");
     assert!(e.message.contains("spark.network.timeout") || e.message.contains("fetchTimeout"), "{e}");
-    let waited_ms: u64 = e.message.split("no progress for ").nth(1).and_then(|m| m.split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no wait in: {e}"));
+    let waited_ms: u64 = e
+        .message
+        .split("no progress for ")
+        .nth(1)
+        .and_then(|m| m.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no wait in: {e}"));
     assert!(waited_ms >= timeout.as_millis() as u64, "fired early: {e}");
     // The 100 ms timer tick plus scheduling; far below the silence either way.
     assert!(failed_after < SILENCE / 2, "failed {failed_after:?} after the server saw the Fetch: {e}");
@@ -502,14 +533,14 @@ pub fn many_fetchers_through_a_small_pool(f: Factory) {
     let small_tiers = PoolConfig { cap_bytes: cap, tiers: vec![4096, 64 * 1024, top], ..PoolConfig::default() };
     let p = f();
     let small = pool_for(&p, small_tiers);
-    let c = Arc::new(BlockClient::new(p, small, ClientEndpointConfig { max_bytes_in_flight: 4 << 20, ..client_cfg(None) }).unwrap());
+    let c =
+        Arc::new(BlockClient::new(p, small, ClientEndpointConfig { max_bytes_in_flight: 4 << 20, ..client_cfg(None) }).unwrap());
     let addr = server.local_addr();
     let outs = Arc::new(outs);
     let moved = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let threads: Vec<_> = (0..64u64)
         .map(|t| {
             let (c, outs, moved) = (c.clone(), outs.clone(), moved.clone());
-            let rounds = rounds;
             std::thread::spawn(move || {
                 for round in 0..rounds {
                     let o = &outs[((t + round) % 8) as usize];
