@@ -363,7 +363,7 @@ def cmd_compare(a) -> int:
     }
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
 
-    print(f"\ncompare: {report['job']} {' '.join(report['args'])} on {report['workers']} workers, "
+    print(f"\ncompare: {report['class'].rsplit('.', 1)[-1]} {' '.join(report['args'])} on {report['workers']} workers, "
           f"Spark {report['spark_version']}, {report['rounds']} round(s)")
     print(f"  {'job':12s} {'default ms':>12s} {'plugin ms':>12s} {'ratio':>6s}  output")
     for j, v in per_job.items():
