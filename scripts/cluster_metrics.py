@@ -70,8 +70,14 @@ def _status(pid: int) -> dict | None:
 
 
 def thread_group(comm: str) -> str:
-    """A thread's name without its sequence number: 'GC Thread#3' -> 'GC Thread'."""
-    return re.sub(r"[-_ #]*\d+$", "", comm.strip()) or comm.strip()
+    """A thread's name without its sequence numbers: 'GC Thread#3' -> 'GC Thread',
+    'rpc-client-3-1' -> 'rpc-client'."""
+    name = comm.strip()
+    while True:
+        shorter = re.sub(r"[-_ #]*\d+-?$", "", name)
+        if shorter == name or not shorter:
+            return name
+        name = shorter
 
 
 def _groups(pid: int) -> dict:
