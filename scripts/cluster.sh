@@ -28,7 +28,8 @@
 #
 # Environment (optional):
 #   RDMA_SPARK_PROFILE     "" (Spark 4.2.0, default) | spark-3.5   fixed at `up` for the cluster
-#   CLUSTER_EXECUTOR_MEMORY  executor heap (default 512m); CLUSTER_DRIVER_MEMORY (default 1g)
+#   CLUSTER_EXECUTOR_MEMORY  executor heap (default 512m); CLUSTER_DRIVER_MEMORY (default 1g);
+#                          CLUSTER_DAEMON_MEMORY master and worker daemons' heap (default 256m)
 #   CLUSTER_PREFIX         prefix of namespaces/links (default rsb2); CLUSTER_SUBNET (default 10.77.0,
 #                          a /24); CLUSTER_DIR state and logs (default <repo>/target/cluster)
 #   CLUSTER_RUN_TIMEOUT    seconds before a run is killed (default 1800)
