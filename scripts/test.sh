@@ -47,6 +47,9 @@ fi
 step "spark: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests)"
 tests/spark/run.sh
 
+step "cluster: Spark standalone, master + 3 workers in network namespaces, default shuffle vs the plugin"
+tests/cluster/run.sh
+
 step "spark over verbs: an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
 scripts/spark-verbs-test.sh
 
