@@ -47,6 +47,10 @@ fi
 step "spark: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests)"
 tests/spark/run.sh
 
+step "container: the podman image and a standalone cluster of containers, default shuffle vs the plugin"
+docker/build.sh
+docker/cluster.sh terasort,wordcount 0.1
+
 step "spark over verbs: an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
 scripts/spark-verbs-test.sh
 
