@@ -10,9 +10,9 @@
 #      localhost/rdma-shuffle-base:bookworm (no image registry is reachable here);
 #   3. the native engine and the plugin + jobs jars (scripts/build-native.sh, mvn package),
 #      rebuilt when a source under crates/ or jvm-plugin/ is newer than the jar;
-#   4. the pyspark wheel (built once from PyPI's sdist on the host, kept in $RDMA_DOCKER_CACHE):
-#      pip inside the build cannot reach PyPI wherever TLS goes through a proxy whose CA only
-#      the host trusts, and a cached wheel makes a rebuild download nothing;
+#   4. the pyspark wheel, fetched by the host's pip (from pip's own cache after the first time)
+#      into target/docker/wheels: pip inside the build cannot reach PyPI wherever TLS goes
+#      through a proxy whose CA only the host trusts;
 #   5. `podman build`, with apt's download cache mounted.
 # Output: the image $RDMA_DOCKER_IMAGE (default localhost/rdma-shuffle-spark:4.2.0).
 set -euo pipefail
@@ -110,11 +110,11 @@ else
 fi
 
 step "pyspark $SPARK_VERSION wheel"
-wheels="$CACHE_DIR/wheels/pyspark-$SPARK_VERSION"
+wheels="$WORK_DIR/wheels/pyspark-$SPARK_VERSION"
 if ! ls "$wheels"/pyspark-"$SPARK_VERSION"-*.whl >/dev/null 2>&1; then
   python3 -m pip --version >/dev/null 2>&1 || apt_install_locked python3-pip
   rm -rf "$wheels.tmp"
-  echo "pip wheel pyspark==$SPARK_VERSION (~460 MB, once)"
+  echo "pip wheel pyspark==$SPARK_VERSION (~460 MB; pip caches the download)"
   python3 -m pip wheel -q --disable-pip-version-check -w "$wheels.tmp" "pyspark==$SPARK_VERSION" \
     || { echo "pip wheel pyspark==$SPARK_VERSION failed" >&2; exit 1; }
   rm -rf "$wheels"

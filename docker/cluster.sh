@@ -12,8 +12,8 @@
 # spark-defaults.conf installs it. The script fails unless
 #   - both runs succeed and print the same digest for every job;
 #   - each executor's engine registered with the driver at its own worker container's address;
-#   - every engine fetched blocks, over tcp (no RDMA device is passed into the containers), and
-#     the engines together fetched at least the remote bytes Spark's read metrics count.
+#   - the engines ran over tcp (no RDMA device is passed into the containers), served in all
+#     what they fetched in all, and fetched at least the remote bytes Spark's read metrics count.
 # Everything it creates is removed on exit (also on failure); logs stay in target/docker/cluster/.
 set -euo pipefail
 # shellcheck source=docker/lib.sh
@@ -189,13 +189,15 @@ for ex in sorted(set(registered) | set(stats)):
           f"requests native {n(kv, 'native_requests')} delegated {n(kv, 'delegated_requests')}")
     if kv.get("transport") != "tcp" or transport != "tcp":
         problems.append(f"executor {ex}: transport {kv.get('transport')}/{transport}, expected tcp (no RDMA device in the containers)")
-    if n(kv, "blocks_fetched") <= 0 or n(kv, "blocks_served") <= 0:
-        problems.append(f"executor {ex}: its engine fetched {n(kv, 'blocks_fetched')} and served "
-                        f"{n(kv, 'blocks_served')} blocks; both must be > 0")
+# Each executor is alone in its container, so every block an engine fetched came from the other
+# container: what the engines served in all must be what they fetched in all.
 fetched = sum(n(kv, "bytes_fetched") for kv in stats.values())
-print(f"  engines fetched {fetched} B in all; Spark counted {remote_plugin} remote shuffle bytes")
+served = sum(n(kv, "bytes_served") for kv in stats.values())
+print(f"  engines served {served} B and fetched {fetched} B in all; Spark counted {remote_plugin} remote shuffle bytes")
 if not (remote_plugin > 0 and fetched >= remote_plugin):
     problems.append(f"engines fetched {fetched} B, less than Spark's remote shuffle bytes ({remote_plugin})")
+if served != fetched:
+    problems.append(f"engines served {served} B but fetched {fetched} B")
 
 app = re.search(r"app ID (app-\S+)", err)
 if app:
