@@ -50,6 +50,10 @@ tests/spark/run.sh
 step "cluster: Spark standalone, master + 3 workers in network namespaces, default shuffle vs the plugin"
 tests/cluster/run.sh
 
+step "container: the podman image and a standalone cluster of containers, default shuffle vs the plugin"
+docker/build.sh
+docker/cluster.sh terasort,wordcount 0.1
+
 step "spark over verbs: an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
 scripts/spark-verbs-test.sh
 
