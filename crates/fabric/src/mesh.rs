@@ -1232,6 +1232,19 @@ impl Mesh {
         }
     }
 
+    /// Closes every link at once without a goodbye, as a crashed process would: peers see
+    /// the links fail. For fault-injection tests; [`close`](Mesh::close) is the clean way out.
+    pub fn sever(&self) {
+        {
+            let mut st = self.shared.state.lock();
+            st.closed = true;
+            self.shared.cond.notify_all();
+        }
+        for link in self.shared.links.iter().flatten() {
+            link.shutdown();
+        }
+    }
+
     /// The abort this mesh saw, if any: `(rank that aborted, reason)`.
     pub fn aborted(&self) -> Option<(usize, String)> {
         self.shared.state.lock().abort.clone()
@@ -1241,17 +1254,21 @@ impl Mesh {
     /// threads. Also done on drop.
     pub fn close(&mut self) {
         let s = &*self.shared;
-        {
+        let was_closed = {
             let mut st = s.state.lock();
-            if st.closed {
-                return;
-            }
+            let was = st.closed;
             st.closed = true;
             s.cond.notify_all();
+            was
+        };
+        if self.readers.is_empty() && was_closed {
+            return;
         }
-        for link in s.links.iter().flatten() {
-            let _ = link.send(&Frame::Eager { req: 0, index: KIND_BYE, len: 0 }, Payload::Bytes(&[]));
-            link.flush_sends(Duration::from_millis(200));
+        if !was_closed {
+            for link in s.links.iter().flatten() {
+                let _ = link.send(&Frame::Eager { req: 0, index: KIND_BYE, len: 0 }, Payload::Bytes(&[]));
+                link.flush_sends(Duration::from_millis(200));
+            }
         }
         for link in s.links.iter().flatten() {
             link.shutdown();
