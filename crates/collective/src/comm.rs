@@ -247,6 +247,7 @@ impl Rendezvous for StoreRendezvous {
         self.client.set(&format!("{}/addr/{rank}", self.prefix), mine.to_string().as_bytes())?;
         let mut out = Vec::with_capacity(world);
         let mut missing = Vec::new();
+        let mut note = String::new();
         for r in 0..world {
             if r == rank {
                 out.push(mine);
@@ -255,19 +256,27 @@ impl Rendezvous for StoreRendezvous {
             let key = format!("{}/addr/{r}", self.prefix);
             if !missing.is_empty() {
                 // After one timeout, only ask which others are missing too.
-                let mut probe = StoreClient::connect(self.client_addr(), Instant::now() + Duration::from_secs(2))?;
-                if probe.get(&key, Instant::now() + Duration::from_millis(20))?.is_none() {
+                let probe = StoreClient::connect(self.client_addr(), Instant::now() + Duration::from_secs(1))
+                    .and_then(|mut p| p.get(&key, Instant::now() + Duration::from_millis(20)));
+                if !matches!(probe, Ok(Some(_))) {
                     missing.push(r);
                 }
                 continue;
             }
-            match self.client.get(&key, deadline)? {
-                Some(v) => out.push(
+            match self.client.get(&key, deadline) {
+                Ok(Some(v)) => out.push(
                     String::from_utf8_lossy(&v).parse().map_err(|_| format!("rank {r} published an unreadable address {v:?}"))?,
                 ),
-                None => {
+                Ok(None) => {
                     missing.push(r);
-                    self.client = StoreClient::connect(self.client_addr(), Instant::now() + Duration::from_secs(2))?;
+                    if let Ok(c) = StoreClient::connect(self.client_addr(), Instant::now() + Duration::from_secs(1)) {
+                        self.client = c;
+                    }
+                }
+                Err(e) => {
+                    // The store went away while this rank waited (rank 0 gave up first).
+                    missing.push(r);
+                    note = format!("; then the store closed: {e}");
                 }
             }
         }
@@ -275,8 +284,8 @@ impl Rendezvous for StoreRendezvous {
             Ok(out)
         } else {
             Err(format!(
-                "rank(s) {missing:?} never joined: their addresses did not appear in the store within the timeout (are all \
-                 {world} ranks started with the same MASTER_ADDR/MASTER_PORT? raise MOBIUS_TIMEOUT if they start late)"
+                "rank(s) {missing:?} never joined: their addresses did not appear in the store within the timeout{note} (are \
+                 all {world} ranks started with the same MASTER_ADDR/MASTER_PORT? raise MOBIUS_TIMEOUT if they start late)"
             ))
         }
     }

@@ -1158,8 +1158,8 @@ impl Mesh {
     }
 
     /// Receives whichever of two expected messages arrives first: `(0, m)` for `first`,
-    /// `(1, m)` for `second`. Collectives use it to watch for a check message from one peer
-    /// while waiting for data from another.
+    /// `(1, m)` for `second` (which wins when both are there). Collectives use it to watch
+    /// for a check message from one peer while waiting for data from another.
     pub fn recv_either(
         &self,
         first: (usize, Tag),
@@ -1174,13 +1174,15 @@ impl Mesh {
         let started = Instant::now();
         let mut st = s.state.lock();
         loop {
-            if let Some(m) = take(&mut st.inbox[first.0], first.1) {
-                return Ok((0, m));
-            }
+            // The watched message first: when both are there, the check it carries must run
+            // before the data is used.
             if let Some((p, t)) = second {
                 if let Some(m) = take(&mut st.inbox[p], t) {
                     return Ok((1, m));
                 }
+            }
+            if let Some(m) = take(&mut st.inbox[first.0], first.1) {
+                return Ok((0, m));
             }
             s.check_locked(&st, first.0)?;
             if let Some((p, _)) = second {

@@ -215,6 +215,15 @@ impl<'t, T: Transport> Ctx<'t, T> {
                 continue;
             }
             if msg.len() != expect {
+                // Differing buffers usually mean differing arguments: if the left neighbour's
+                // header is still due, its comparison names the argument.
+                if let Some(mine) = self.header.take() {
+                    let left = (self.rank + self.world - 1) % self.world;
+                    let soon = self.deadline.min(Instant::now() + std::time::Duration::from_secs(2));
+                    if let Ok((_, h)) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, soon) {
+                        mine.compare(&h, self.rank, left)?;
+                    }
+                }
                 return Err(CollectiveError::Mismatch {
                     rank: self.rank,
                     op: self.op_name,
