@@ -18,13 +18,18 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# Ports of this suite: 29500-29999 (the range assigned to the Mobius tests); one is taken
-# per launch, skipping ports in use.
-_PORTS = iter(range(29500 + (os.getpid() % 50) * 10, 30000))
+# Ports of this suite: 29500-29999 (the range assigned to the Mobius tests). Launches take
+# them in turn, from an offset that differs between concurrent test sessions, wrapping
+# around and skipping ports in use.
+_LOW, _HIGH = 29500, 30000
+_next = _LOW + (os.getpid() * 37) % (_HIGH - _LOW)
 
 
 def free_port() -> int:
-    for port in _PORTS:
+    global _next
+    for _ in range(_HIGH - _LOW):
+        port = _next
+        _next = _LOW + (_next + 1 - _LOW) % (_HIGH - _LOW)
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -32,7 +37,7 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free port left in 29500-29999")
+    raise RuntimeError(f"no free port in {_LOW}-{_HIGH - 1}")
 
 
 class Group:

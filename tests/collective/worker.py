@@ -259,6 +259,17 @@ def scenario_policy(args):
     comm.close()
 
 
+def scenario_policy_table(args):
+    """The policy's decisions over sizes, with the model measured at start (bench.py policy)."""
+    comm = comm_for(timeout=60, tune=True)
+    table = {}
+    for op in ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"):
+        for shift in range(10, 29, 2):
+            table[f"{op}/{1 << shift}"] = comm.decide(op, 1 << shift)
+    report({"model": comm.cost_model(), "table": table})
+    comm.close()
+
+
 # ----- torch ---------------------------------------------------------------------------------
 def _torch_init(backend):
     import datetime
