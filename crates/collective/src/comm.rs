@@ -298,14 +298,14 @@ impl StoreRendezvous {
 }
 
 /// Seconds per byte of an `f32` sum and of a copy on this machine (medians of a few runs over
-/// 1 MiB, in cache-warm buffers as a pipelined collective sees them).
+/// 8 MiB: larger than caches, as the buffers whose cost the model matters for).
 fn local_speeds() -> (f64, f64) {
-    let n = 1 << 20;
+    let n = 8 << 20;
     let a = vec![1.0f32; n / 4];
     let mut b = vec![2.0f32; n / 4];
     let mut sums = Vec::new();
     let mut copies = Vec::new();
-    for _ in 0..7 {
+    for _ in 0..5 {
         let t = Instant::now();
         crate::dtype::reduce_into(DType::F32, ReduceOp::Sum, bytemuck::cast_slice_mut(&mut b), bytemuck::cast_slice(&a));
         sums.push(t.elapsed().as_secs_f64());

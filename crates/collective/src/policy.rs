@@ -401,7 +401,8 @@ impl Policy {
         let seg = self.segment(bytes, steps, elem);
         if let Some(&algo) = self.overrides.algo.get(&op) {
             let estimate = self.cost(op, algo, bytes, p, seg).unwrap_or(f64::NAN);
-            return Decision { algo, segment: seg, estimate, forced: true };
+            let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
+            return Decision { algo, segment, estimate, forced: true };
         }
         let mut best: Option<(Algo, f64)> = None;
         for &algo in op.algorithms() {
@@ -412,7 +413,20 @@ impl Policy {
             }
         }
         let (algo, estimate) = best.unwrap_or((op.algorithms()[0], f64::NAN));
-        Decision { algo, segment: seg, estimate, forced: false }
+        let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
+        Decision { algo, segment, estimate, forced: false }
+    }
+
+    /// Algorithms that send a whole buffer per step gain nothing from segments below the
+    /// eager limit: such a buffer goes as one message.
+    fn whole_if_unpipelined(&self, algo: Algo, seg: usize, bytes: usize, elem: usize) -> usize {
+        match algo {
+            Algo::Ring | Algo::Tree => seg,
+            _ => {
+                let whole = bytes.min(self.eager_limit).min(self.max_message);
+                seg.max((whole / elem).max(1) * elem)
+            }
+        }
     }
 
     /// The protocol of one message of `bytes`: eager when it fits the eager limit and costs
