@@ -927,6 +927,13 @@ impl Mesh {
         for t in threads.into_iter().flatten() {
             let _ = t.join();
         }
+        // Connections that never became mesh links (strays, refused duplicates) are closed,
+        // which also ends their handshake threads.
+        for l in pending.lock().iter() {
+            if !links.iter().flatten().any(|m| Arc::ptr_eq(m, l)) {
+                l.shutdown();
+            }
+        }
         let one_sided = links.iter().flatten().all(|l| l.one_sided_read());
         let names = links
             .iter()
@@ -1872,6 +1879,32 @@ mod tests {
             c.secret = (c.rank == 0).then(|| Secret::new("s3cret"));
         });
         assert!(half.iter().all(|m| m.as_ref().is_err_and(|e| e.to_string().contains("secret"))));
+    }
+
+    #[test]
+    fn a_stray_connection_sending_junk_does_not_stop_the_mesh() {
+        use std::io::Write;
+        let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+        let listeners: Vec<MeshListener> =
+            (0..2).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+        let mut stray = std::net::TcpStream::connect(addrs[0]).unwrap();
+        stray.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || {
+                    let mut c = MeshConfig::new(r, 2);
+                    c.connect_timeout = Duration::from_secs(20);
+                    Mesh::connect(l, &addrs, c)
+                })
+            })
+            .collect();
+        let meshes: Vec<Mesh> = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        meshes[1].wait(meshes[1].send(0, 3, b"ok", Proto::Eager, None).unwrap(), soon()).unwrap();
+        assert_eq!(&*meshes[0].recv(1, 3, soon()).unwrap(), b"ok");
     }
 
     #[test]
