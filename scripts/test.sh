@@ -16,6 +16,9 @@ cargo build --workspace --all-targets --locked
 cargo test --workspace --locked 2>&1 | tee target/test-rust.log
 summarize_cargo target/test-rust.log
 
+step "mobius: collectives in real processes (numpy, torch backend, DDP vs gloo, faults, bench smoke)"
+tests/collective/run.sh
+
 step "rust: verbs provider built in, on this host (no RDMA device: auto must pick tcp and say why)"
 scripts/softroce-prepare.sh   # host build deps of rdma-sys (libibverbs-dev, clang) and the VM cache
 cargo test --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle --features verbs --lib 2>&1 | tee target/test-verbs-host.log

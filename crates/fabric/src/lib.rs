@@ -15,6 +15,7 @@
 pub mod client;
 pub mod error;
 pub mod link;
+pub mod mesh;
 pub mod pool;
 pub mod server;
 pub mod sim;

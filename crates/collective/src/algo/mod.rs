@@ -1,0 +1,401 @@
+//! The algorithms, and the per-call context they run in.
+//!
+//! # Tags
+//!
+//! A collective message's tag is `seq (31 bits) | step (12 bits) | segment (20 bits)`: `seq`
+//! numbers the calls of a communicator (all ranks call collectives in the same order), `step`
+//! is the algorithm's step, `segment` the piece of a block. Bit 63 is set for point-to-point
+//! messages (see `comm`). The per-call header goes under the reserved step [`STEP_HEADER`]
+//! with `seq` 0, so headers queue in call order whatever the ranks' `seq` numbers are.
+//!
+//! # Memory
+//!
+//! Algorithms work in place on raw byte ranges of the caller's buffers: a range sent from is
+//! read by the transport until the send completes (one-sided rendezvous: until the peer has
+//! read it). [`Ctx::fence`] waits for every pending send overlapping a range before the
+//! range is written, so no algorithm overwrites bytes a peer is still reading, whatever its
+//! order of steps.
+
+pub(crate) mod exchange;
+pub(crate) mod reducing;
+pub(crate) mod rooted;
+
+use crate::dtype::{reduce_into, DType, ReduceOp};
+use crate::error::CollectiveError;
+use crate::header::Header;
+use crate::policy::Policy;
+use crate::transport::{Proto, Tag, Transport, TransportError};
+use std::time::Instant;
+
+/// Step number reserved for the per-call header.
+pub(crate) const STEP_HEADER: u32 = 0xFFF;
+/// Largest step an algorithm may use.
+pub(crate) const MAX_STEP: u32 = STEP_HEADER - 1;
+/// Segments per block are numbered in 20 bits.
+pub(crate) const MAX_SEGMENTS: usize = 1 << 20;
+/// Bytes a ring keeps in flight per link at its start before it waits for its first receive.
+const RING_WINDOW: usize = 8 << 20;
+
+/// The tag of a collective message.
+pub(crate) fn tag(seq: u32, step: u32, seg: u32) -> Tag {
+    ((seq as u64 & 0x7FFF_FFFF) << 32) | ((step as u64 & 0xFFF) << 20) | (seg as u64 & 0xF_FFFF)
+}
+
+/// Splits `count` elements into `n` blocks (the first `count % n` one element longer), as
+/// `(byte offset, byte length)`.
+pub(crate) fn blocks(count: usize, n: usize, elem: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (count / n, count % n);
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0;
+    for i in 0..n {
+        let len = (base + usize::from(i < extra)) * elem;
+        out.push((at, len));
+        at += len;
+    }
+    out
+}
+
+/// The byte span covering blocks `[a, b)`.
+pub(crate) fn span(blocks: &[(usize, usize)], (a, b): (usize, usize)) -> (usize, usize) {
+    if a >= b {
+        return (blocks.get(a).map(|x| x.0).unwrap_or(0), 0);
+    }
+    let start = blocks[a].0;
+    (start, blocks[b - 1].0 + blocks[b - 1].1 - start)
+}
+
+pub(crate) fn log2_floor(p: usize) -> usize {
+    (usize::BITS - 1 - p.leading_zeros()) as usize
+}
+
+struct Pending<'t, T: Transport + 't> {
+    ticket: T::Ticket<'t>,
+    start: usize,
+    end: usize,
+}
+
+/// Everything one call needs. Field order is drop order: pending sends are waited for
+/// (tickets wait in their drop) before scratch memory and registrations go.
+pub(crate) struct Ctx<'t, T: Transport> {
+    pending: Vec<Pending<'t, T>>,
+    scratch: Vec<Vec<u8>>,
+    regs: Vec<(usize, usize, T::Reg)>,
+    t: &'t T,
+    pub rank: usize,
+    pub world: usize,
+    pub seq: u32,
+    pub deadline: Instant,
+    pub dtype: DType,
+    /// The pairwise operation (`Avg` already turned into `Sum`).
+    pub op: ReduceOp,
+    pub seg: usize,
+    policy: &'t Policy,
+    /// The header expected from the left neighbour, until it has been checked.
+    header: Option<Header>,
+    label: String,
+    op_name: &'static str,
+}
+
+impl<'t, T: Transport> Ctx<'t, T> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        t: &'t T,
+        policy: &'t Policy,
+        seq: u32,
+        deadline: Instant,
+        dtype: DType,
+        op: ReduceOp,
+        seg: usize,
+        header: Option<Header>,
+        label: String,
+        op_name: &'static str,
+    ) -> Self {
+        Ctx {
+            pending: Vec::new(),
+            scratch: Vec::new(),
+            regs: Vec::new(),
+            t,
+            rank: t.rank(),
+            world: t.world(),
+            seq,
+            deadline,
+            dtype,
+            op: op.combining(),
+            seg,
+            policy,
+            header,
+            label,
+            op_name,
+        }
+    }
+
+    pub(crate) fn elem(&self) -> usize {
+        self.dtype.size()
+    }
+
+    fn err(&self, source: TransportError) -> CollectiveError {
+        CollectiveError::Transport { rank: self.rank, op: self.label.clone(), source }
+    }
+
+    /// A zeroed scratch buffer owned by the call (freed only after every send from it).
+    pub(crate) fn scratch(&mut self, len: usize) -> *mut u8 {
+        self.scratch.push(vec![0u8; len]);
+        self.scratch.last_mut().map(|v| v.as_mut_ptr()).unwrap_or(std::ptr::null_mut())
+    }
+
+    /// Registers `[ptr, ptr + len)` for zero-copy sends, when this call can send rendezvous
+    /// messages on a one-sided transport (a no-op otherwise).
+    pub(crate) fn register(&mut self, ptr: *const u8, len: usize) -> Result<(), CollectiveError> {
+        if len == 0 || !self.t.one_sided() || self.policy.proto(self.seg.min(len)) == Proto::Eager {
+            return Ok(());
+        }
+        // SAFETY: the ranges registered are the caller's buffers (alive for the whole call) or
+        // scratch owned by this context; registrations drop after the pending sends and
+        // before the scratch (field order).
+        let reg = unsafe { self.t.register(ptr, len) }.map_err(|e| self.err(e))?;
+        self.regs.push((ptr as usize, len, reg));
+        Ok(())
+    }
+
+    /// Segments of a `len`-byte block: `(index, offset, length)`.
+    pub(crate) fn segs(&self, len: usize) -> impl Iterator<Item = (u32, usize, usize)> {
+        let seg = self.seg;
+        (0..len.div_ceil(seg)).map(move |j| (j as u32, j * seg, seg.min(len - j * seg)))
+    }
+
+    /// Sends `len` bytes at `ptr` to `peer`.
+    pub(crate) fn send(&mut self, peer: usize, step: u32, seg: u32, ptr: *const u8, len: usize) -> Result<(), CollectiveError> {
+        // SAFETY: `ptr..ptr+len` lies in a caller buffer or scratch that outlives the pending
+        // send (see the type's field order), and is not written before `fence` waits for it.
+        let data: &'t [u8] = unsafe { std::slice::from_raw_parts(ptr, len) };
+        let proto = self.policy.proto(len);
+        let (start, end) = (ptr as usize, ptr as usize + len);
+        let reg = self.regs.iter().find(|(p, l, _)| start >= *p && end <= p + l).map(|(_, _, r)| r);
+        let ticket = self.t.send(peer, tag(self.seq, step, seg), data, proto, reg).map_err(|e| self.err(e))?;
+        if !T::is_complete(&ticket) {
+            self.pending.push(Pending { ticket, start, end });
+        }
+        Ok(())
+    }
+
+    /// Sends every segment of `[ptr, ptr + len)`.
+    pub(crate) fn send_all(&mut self, peer: usize, step: u32, ptr: *const u8, len: usize) -> Result<(), CollectiveError> {
+        let segs: Vec<_> = self.segs(len).collect();
+        for (j, off, l) in segs {
+            // SAFETY: in bounds of the range.
+            self.send(peer, step, j, unsafe { ptr.add(off) }, l)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for pending sends that read any byte of `[ptr, ptr + len)`.
+    pub(crate) fn fence(&mut self, ptr: *const u8, len: usize) -> Result<(), CollectiveError> {
+        let (start, end) = (ptr as usize, ptr as usize + len);
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &self.pending[i];
+            if p.start < end && start < p.end {
+                let p = self.pending.swap_remove(i);
+                self.t.wait(p.ticket, self.deadline).map_err(|e| self.err(e))?;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives one message, checking the left neighbour's header when it comes first.
+    fn recv(&mut self, peer: usize, step: u32, seg: u32, expect: usize) -> Result<T::Buf, CollectiveError> {
+        let want = tag(self.seq, step, seg);
+        loop {
+            let also = self.header.as_ref().map(|_| ((self.rank + self.world - 1) % self.world, tag(0, STEP_HEADER, 0)));
+            let (which, msg) = self.t.recv(peer, want, also, self.deadline).map_err(|e| self.err(e))?;
+            if which == 1 {
+                self.check_header(&msg)?;
+                continue;
+            }
+            if msg.len() != expect {
+                // Differing buffers usually mean differing arguments: if the left neighbour's
+                // header is still due, its comparison names the argument.
+                if let Some(mine) = self.header.take() {
+                    let left = (self.rank + self.world - 1) % self.world;
+                    let soon = self.deadline.min(Instant::now() + std::time::Duration::from_secs(2));
+                    if let Ok((_, h)) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, soon) {
+                        mine.compare(&h, self.rank, left)?;
+                    }
+                }
+                return Err(CollectiveError::Mismatch {
+                    rank: self.rank,
+                    op: self.op_name,
+                    peer,
+                    message: format!(
+                        "received {} bytes where {expect} were expected (step {step}, segment {seg}); the ranks' buffers differ",
+                        msg.len()
+                    ),
+                });
+            }
+            return Ok(msg);
+        }
+    }
+
+    fn check_header(&mut self, msg: &[u8]) -> Result<(), CollectiveError> {
+        let left = (self.rank + self.world - 1) % self.world;
+        if let Some(mine) = self.header.take() {
+            mine.compare(msg, self.rank, left)?;
+        }
+        Ok(())
+    }
+
+    /// Receives `len` bytes from `peer` into `dst`.
+    pub(crate) fn recv_copy(
+        &mut self,
+        peer: usize,
+        step: u32,
+        seg: u32,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), CollectiveError> {
+        self.fence(dst, len)?;
+        let msg = self.recv(peer, step, seg, len)?;
+        // SAFETY: `dst..dst+len` is in a caller buffer or scratch, and no pending send reads it.
+        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, len) };
+        Ok(())
+    }
+
+    /// Receives `len` bytes from `peer` and reduces them into `dst`.
+    pub(crate) fn recv_reduce(
+        &mut self,
+        peer: usize,
+        step: u32,
+        seg: u32,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), CollectiveError> {
+        self.fence(dst, len)?;
+        let msg = self.recv(peer, step, seg, len)?;
+        // SAFETY: as in `recv_copy`.
+        let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+        reduce_into(self.dtype, self.op, d, &msg);
+        Ok(())
+    }
+
+    /// `recv_copy` over every segment of a range.
+    pub(crate) fn recv_copy_all(&mut self, peer: usize, step: u32, dst: *mut u8, len: usize) -> Result<(), CollectiveError> {
+        let segs: Vec<_> = self.segs(len).collect();
+        for (j, off, l) in segs {
+            // SAFETY: in bounds of the range.
+            self.recv_copy(peer, step, j, unsafe { dst.add(off) }, l)?;
+        }
+        Ok(())
+    }
+
+    /// `recv_reduce` over every segment of a range.
+    pub(crate) fn recv_reduce_all(&mut self, peer: usize, step: u32, dst: *mut u8, len: usize) -> Result<(), CollectiveError> {
+        let segs: Vec<_> = self.segs(len).collect();
+        for (j, off, l) in segs {
+            // SAFETY: in bounds of the range.
+            self.recv_reduce(peer, step, j, unsafe { dst.add(off) }, l)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the call: waits for every send and checks the left neighbour's header if no
+    /// receive has done so yet.
+    pub(crate) fn finish(&mut self) -> Result<(), CollectiveError> {
+        while let Some(p) = self.pending.pop() {
+            self.t.wait(p.ticket, self.deadline).map_err(|e| self.err(e))?;
+        }
+        if self.header.is_some() {
+            let left = (self.rank + self.world - 1) % self.world;
+            let (_, msg) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, self.deadline).map_err(|e| self.err(e))?;
+            self.check_header(&msg)?;
+        }
+        Ok(())
+    }
+
+    /// A ring pass over `blocks` of `buf` (see the module docs of `reducing`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ring_pass(
+        &mut self,
+        buf: *mut u8,
+        blocks: &[(usize, usize)],
+        first: usize,
+        step_base: u32,
+        reduce: bool,
+        send_first: bool,
+        forward_last: bool,
+    ) -> Result<(), CollectiveError> {
+        let p = self.world;
+        let (right, left) = ((self.rank + 1) % p, (self.rank + p - 1) % p);
+        let nsteps = p - 1;
+        let window = (RING_WINDOW / self.seg).max(1);
+        let (f_off, f_len) = blocks[first];
+        let first_segs: Vec<_> = self.segs(f_len).collect();
+        let mut sent = 0;
+        // SAFETY (every `buf.add`): offsets come from `blocks`, which partition `buf`.
+        if send_first {
+            while sent < first_segs.len() && sent < window {
+                let (j, off, l) = first_segs[sent];
+                self.send(right, step_base, j, unsafe { buf.add(f_off + off) }, l)?;
+                sent += 1;
+            }
+        }
+        for k in 0..nsteps {
+            let c = (first + 2 * p - k - 1) % p;
+            let (b_off, b_len) = blocks[c];
+            let segs: Vec<_> = self.segs(b_len).collect();
+            for (j, off, l) in segs {
+                let dst = unsafe { buf.add(b_off + off) };
+                let step = step_base + k as u32;
+                if reduce {
+                    self.recv_reduce(left, step, j, dst, l)?;
+                } else {
+                    self.recv_copy(left, step, j, dst, l)?;
+                }
+                if k + 1 < nsteps || forward_last {
+                    self.send(right, step + 1, j, dst, l)?;
+                }
+                if k == 0 && send_first && sent < first_segs.len() {
+                    let (j, off, l) = first_segs[sent];
+                    self.send(right, step_base, j, unsafe { buf.add(f_off + off) }, l)?;
+                    sent += 1;
+                }
+            }
+            while k == 0 && send_first && sent < first_segs.len() {
+                let (j, off, l) = first_segs[sent];
+                self.send(right, step_base, j, unsafe { buf.add(f_off + off) }, l)?;
+                sent += 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_partition_every_element_once() {
+        for count in [0usize, 1, 5, 7, 64, 1001] {
+            for n in 1..6 {
+                let b = blocks(count, n, 4);
+                assert_eq!(b.len(), n);
+                assert_eq!(b.iter().map(|x| x.1).sum::<usize>(), count * 4);
+                for w in b.windows(2) {
+                    assert_eq!(w[0].0 + w[0].1, w[1].0, "contiguous");
+                    assert!(w[0].1 >= w[1].1, "longer blocks first");
+                }
+                assert_eq!(span(&b, (0, n)), (0, count * 4));
+            }
+        }
+    }
+
+    #[test]
+    fn tags_keep_fields_apart() {
+        let t = tag(5, 3, 7);
+        assert_eq!((t >> 32, (t >> 20) & 0xFFF, t & 0xFFFFF), (5, 3, 7));
+        assert_ne!(tag(0, STEP_HEADER, 0), tag(0, MAX_STEP, 0));
+        assert_eq!(t >> 63, 0, "bit 63 is reserved for point-to-point");
+    }
+}

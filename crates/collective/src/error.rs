@@ -1,0 +1,70 @@
+//! Errors of Mobius. Each names the rank that reports it, the operation, and what to change.
+
+use crate::transport::TransportError;
+
+/// What went wrong in a collective or while setting up a communicator.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// This rank's own arguments are unusable (wrong buffer length, root out of range, ...).
+    #[error("rank {rank}: {op}: invalid argument `{argument}`: {message}")]
+    InvalidArgument {
+        /// This rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// The argument.
+        argument: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// Ranks called the same collective with different arguments (or different collectives).
+    #[error("rank {rank}: {op} arguments differ from rank {peer}'s: {message}")]
+    Mismatch {
+        /// This rank.
+        rank: usize,
+        /// This rank's operation.
+        op: &'static str,
+        /// The rank whose call differs.
+        peer: usize,
+        /// Which argument differs, with both values.
+        message: String,
+    },
+    /// Moving data failed: a peer died, left, aborted, or was silent past the timeout.
+    #[error("rank {rank}: {op} failed: {source}")]
+    Transport {
+        /// This rank.
+        rank: usize,
+        /// The operation, algorithm and size.
+        op: String,
+        /// The cause (names the peer).
+        #[source]
+        source: TransportError,
+    },
+    /// Ranks could not meet (store unreachable, a rank never joined, handshake refused).
+    #[error("rank {rank}: rendezvous failed: {message}")]
+    Rendezvous {
+        /// This rank.
+        rank: usize,
+        /// What failed, naming the store address, missing ranks and the setting to change.
+        message: String,
+    },
+    /// The communicator failed earlier and cannot be used again.
+    #[error("rank {rank}: the communicator is unusable after an earlier failure ({first}); create a new one")]
+    Broken {
+        /// This rank.
+        rank: usize,
+        /// The first failure.
+        first: String,
+    },
+    /// A setting is invalid; the message names it.
+    #[error("invalid Mobius setting: {0}")]
+    Config(String),
+}
+
+impl CollectiveError {
+    /// Whether the error came from another rank's abort (so this rank need not abort too).
+    pub(crate) fn is_remote_abort(&self) -> bool {
+        matches!(self, CollectiveError::Transport { source, .. } if matches!(source.kind, crate::transport::TransportErrorKind::Aborted { .. }))
+    }
+}

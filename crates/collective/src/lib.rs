@@ -1,0 +1,50 @@
+//! **Mobius**: collective communication for distributed deep learning, on the rdma-shuffle
+//! fabric.
+//!
+//! Layers, bottom up:
+//!
+//! * **transport** — [`Transport`]: tagged, ordered, full-duplex messages among ranks, eager
+//!   or rendezvous. [`MeshTransport`] is a thin adapter over `rdma_shuffle_fabric::mesh`,
+//!   where every provider-facing piece lives (tcp, sim, verbs);
+//! * **algorithms** — ring (segmented, pipelined), recursive doubling, halving-doubling
+//!   (Rabenseifner), binomial trees, pipelined chains, direct and pairwise exchange, for any
+//!   world size;
+//! * **policy** — [`Policy`]: per call, the algorithm, segment size and protocol with the
+//!   least estimated time under a cost model measured when the communicator starts
+//!   (`MOBIUS_ALGO`, `MOBIUS_PROTO`, `MOBIUS_SEGMENT` override; `MOBIUS_DEBUG=policy` logs);
+//! * **input** — [`Communicator`] (this crate's Rust API) and the Python package `mobius`
+//!   with its `torch.distributed` backend (crate `mobius-py`).
+//!
+//! ```no_run
+//! use mobius_collective::{Communicator, ReduceOp};
+//! // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT as for torch.distributed.
+//! let comm = Communicator::from_env()?;
+//! let mut grads = vec![1.0f32; 1 << 20];
+//! comm.allreduce(&mut grads, ReduceOp::Avg)?;
+//! # Ok::<(), mobius_collective::CollectiveError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod algo;
+mod comm;
+mod dtype;
+mod error;
+mod header;
+mod mesh_transport;
+mod policy;
+mod store;
+mod transport;
+
+pub use comm::{CommConfig, CommStats, Communicator, Rendezvous, StoreRendezvous, TransportKind, MAX_WORLD};
+pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
+pub use error::CollectiveError;
+pub use mesh_transport::MeshTransport;
+pub use policy::{parse_bytes, Algo, CostModel, Decision, Op, Overrides, Policy};
+pub use store::{StoreClient, StoreServer};
+pub use transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
+
+/// The fabric pieces a caller needs to build a communicator on a provider of its choice.
+pub mod fabric {
+    pub use rdma_shuffle_fabric::mesh::{Mesh, MeshConfig, MeshListener};
+    pub use rdma_shuffle_fabric::{Provider, SimProvider, TcpProvider};
+}

@@ -1,0 +1,130 @@
+//! The fabric-backed [`Transport`]: a thin adapter over `rdma_shuffle_fabric::mesh`, which
+//! holds every provider-facing piece of Mobius.
+
+use crate::transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
+use rdma_shuffle_fabric::mesh::{self, Mesh, MeshError, Message, Registration, SendTicket};
+use std::time::Instant;
+
+/// [`Transport`] over a fabric [`Mesh`] (tcp, sim or verbs provider).
+#[derive(Debug)]
+pub struct MeshTransport {
+    mesh: Mesh,
+}
+
+impl MeshTransport {
+    /// Wraps a connected mesh.
+    pub fn new(mesh: Mesh) -> Self {
+        MeshTransport { mesh }
+    }
+
+    /// The mesh (for its provider counters).
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// Drops cached registrations of `[ptr, ptr + len)`: the memory is about to be freed.
+    pub fn invalidate(&self, ptr: *const u8, len: usize) {
+        self.mesh.invalidate(ptr, len)
+    }
+}
+
+fn convert(e: MeshError) -> TransportError {
+    let kind = match &e {
+        MeshError::PeerFailed { peer, .. } => TransportErrorKind::PeerFailed { peer: *peer },
+        MeshError::PeerLeft { peer, .. } => TransportErrorKind::PeerLeft { peer: *peer },
+        MeshError::Aborted { by, .. } => TransportErrorKind::Aborted { by: *by },
+        MeshError::Timeout { peer, .. } => TransportErrorKind::Timeout { peer: *peer },
+        _ => TransportErrorKind::Other,
+    };
+    TransportError { kind, message: e.to_string() }
+}
+
+fn proto(p: Proto) -> mesh::Proto {
+    match p {
+        Proto::Eager => mesh::Proto::Eager,
+        Proto::Rendezvous => mesh::Proto::Rendezvous,
+    }
+}
+
+impl Transport for MeshTransport {
+    type Buf = Message;
+    type Reg = Registration;
+    type Ticket<'a> = SendTicket<'a>;
+
+    fn rank(&self) -> usize {
+        self.mesh.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.mesh.world()
+    }
+
+    fn provider(&self) -> &str {
+        self.mesh.provider_name()
+    }
+
+    fn eager_limit(&self) -> usize {
+        self.mesh.eager_limit()
+    }
+
+    fn max_message(&self) -> usize {
+        self.mesh.max_message()
+    }
+
+    fn one_sided(&self) -> bool {
+        self.mesh.one_sided()
+    }
+
+    unsafe fn register(&self, ptr: *const u8, len: usize) -> Result<Registration, TransportError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.mesh.register(ptr, len) }.map_err(convert)
+    }
+
+    fn send<'a>(
+        &'a self,
+        peer: usize,
+        tag: Tag,
+        data: &'a [u8],
+        p: Proto,
+        reg: Option<&Registration>,
+    ) -> Result<SendTicket<'a>, TransportError> {
+        self.mesh.send(peer, tag, data, proto(p), reg).map_err(convert)
+    }
+
+    fn is_complete(ticket: &SendTicket<'_>) -> bool {
+        ticket.is_complete()
+    }
+
+    fn wait(&self, ticket: SendTicket<'_>, deadline: Instant) -> Result<(), TransportError> {
+        self.mesh.wait(ticket, deadline).map_err(convert)
+    }
+
+    fn recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        also: Option<(usize, Tag)>,
+        deadline: Instant,
+    ) -> Result<(usize, Message), TransportError> {
+        self.mesh.recv_either((peer, tag), also, deadline).map_err(convert)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.mesh.abort(reason)
+    }
+
+    fn stats(&self) -> TransportStats {
+        let s = self.mesh.stats();
+        TransportStats {
+            eager_messages: s.eager_sent,
+            eager_bytes: s.eager_sent_bytes,
+            rendezvous_messages: s.rendezvous_sent,
+            rendezvous_bytes: s.rendezvous_sent_bytes,
+            eager_received: s.eager_received,
+            rendezvous_received: s.rendezvous_received,
+            one_sided_reads: s.reads,
+            registrations: s.registrations,
+            registration_hits: s.registration_hits,
+        }
+    }
+}

@@ -1,0 +1,543 @@
+//! Policy: which algorithm, segment size and protocol each call uses.
+//!
+//! Every choice comes from one cost model, `time = α·steps + β·bytes moved + γ·bytes
+//! reduced + c·bytes copied`, as in the textbook analyses (Thakur, Rabenseifner & Gropp 2005)
+//! that Open MPI's decision tables and NCCL's tuner encode:
+//!
+//! * **α** — latency of one message, **β** — seconds per byte on the wire: measured when the
+//!   communicator starts by a ping-pong between ranks 0 and 1 (small eager messages, then
+//!   large rendezvous ones), and, on one-sided providers, **α_rndv**, the latency of a
+//!   rendezvous message (request, READ, done);
+//! * **γ** — seconds per byte of an `f32` sum, **c** — seconds per byte of `memcpy`:
+//!   measured on rank 0.
+//!
+//! Rank 0's numbers are sent to every rank, so all ranks make the same choice for the same
+//! call (a different choice would deadlock); the choice is also part of the per-call header
+//! that ranks compare, so differing `MOBIUS_ALGO` settings are reported, not hung on.
+//!
+//! Overrides: `MOBIUS_ALGO` (`ring`, or per op: `allreduce=rd,broadcast=tree`),
+//! `MOBIUS_PROTO` (`eager` | `rendezvous`), `MOBIUS_SEGMENT` (bytes). With
+//! `MOBIUS_DEBUG=policy` every decision is logged (target `mobius::policy`).
+
+use crate::dtype::DType;
+use crate::error::CollectiveError;
+use crate::transport::Proto;
+use std::collections::HashMap;
+use std::fmt;
+
+/// A collective operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Op {
+    /// Reduce across ranks; every rank gets the result.
+    AllReduce = 1,
+    /// Root's buffer to every rank.
+    Broadcast = 2,
+    /// Reduce across ranks; the root gets the result.
+    Reduce = 3,
+    /// Every rank's block to every rank.
+    AllGather = 4,
+    /// Reduce across ranks; rank `i` gets block `i` of the result.
+    ReduceScatter = 5,
+    /// Block `j` of rank `i` goes to rank `j` (as block `i`).
+    AllToAll = 6,
+    /// Wait until every rank has arrived.
+    Barrier = 7,
+}
+
+impl Op {
+    /// Every collective.
+    pub const ALL: [Op; 7] =
+        [Op::AllReduce, Op::Broadcast, Op::Reduce, Op::AllGather, Op::ReduceScatter, Op::AllToAll, Op::Barrier];
+
+    /// Name as in `MOBIUS_ALGO` and in errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "allreduce",
+            Op::Broadcast => "broadcast",
+            Op::Reduce => "reduce",
+            Op::AllGather => "allgather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllToAll => "alltoall",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    /// The algorithms implemented for this op, the default first.
+    pub fn algorithms(self) -> &'static [Algo] {
+        match self {
+            Op::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling],
+            Op::Broadcast => &[Algo::Tree, Algo::Ring],
+            Op::Reduce => &[Algo::Tree, Algo::Ring],
+            Op::AllGather => &[Algo::Ring, Algo::RecursiveDoubling],
+            Op::ReduceScatter => &[Algo::Ring, Algo::HalvingDoubling],
+            Op::AllToAll => &[Algo::Direct, Algo::Pairwise],
+            Op::Barrier => &[Algo::Dissemination],
+        }
+    }
+
+    pub(crate) fn from_code(c: u8) -> Option<Op> {
+        Op::ALL.into_iter().find(|o| *o as u8 == c)
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A collective algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Algo {
+    /// Ring, segmented and pipelined (allreduce = reduce-scatter + allgather; broadcast and
+    /// reduce as a pipelined chain).
+    Ring = 1,
+    /// Recursive doubling (allreduce; allgather, where non-powers of two use Bruck's
+    /// variant); non-powers of two fold the extra ranks in first.
+    RecursiveDoubling = 2,
+    /// Rabenseifner: reduce-scatter by recursive halving, allgather by recursive doubling.
+    HalvingDoubling = 3,
+    /// Binomial tree (broadcast, reduce), pipelined by segment.
+    Tree = 4,
+    /// Every block posted at once (small alltoall).
+    Direct = 5,
+    /// One peer per step (large alltoall; bounded memory).
+    Pairwise = 6,
+    /// Dissemination barrier.
+    Dissemination = 7,
+}
+
+impl Algo {
+    /// Every algorithm.
+    pub const ALL: [Algo; 7] = [
+        Algo::Ring,
+        Algo::RecursiveDoubling,
+        Algo::HalvingDoubling,
+        Algo::Tree,
+        Algo::Direct,
+        Algo::Pairwise,
+        Algo::Dissemination,
+    ];
+
+    /// Name as in `MOBIUS_ALGO`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::RecursiveDoubling => "rd",
+            Algo::HalvingDoubling => "rhd",
+            Algo::Tree => "tree",
+            Algo::Direct => "direct",
+            Algo::Pairwise => "pairwise",
+            Algo::Dissemination => "dissemination",
+        }
+    }
+
+    pub(crate) fn from_code(c: u8) -> Option<Algo> {
+        Algo::ALL.into_iter().find(|a| *a as u8 == c)
+    }
+
+    fn parse(s: &str) -> Option<Algo> {
+        let s = s.trim().to_ascii_lowercase();
+        Algo::ALL.into_iter().find(|a| a.name() == s).or(match s.as_str() {
+            "recursive_doubling" | "bruck" => Some(Algo::RecursiveDoubling),
+            "rabenseifner" | "halving_doubling" => Some(Algo::HalvingDoubling),
+            "binomial" => Some(Algo::Tree),
+            "chain" => Some(Algo::Ring),
+            _ => None,
+        })
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Parameters of the cost model, in seconds and seconds per byte.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Latency of one eager message.
+    pub alpha: f64,
+    /// Wire time per byte.
+    pub beta: f64,
+    /// Reduction time per byte (`f32` sum).
+    pub gamma: f64,
+    /// `memcpy` time per byte.
+    pub copy: f64,
+    /// Latency of one rendezvous message.
+    pub alpha_rndv: f64,
+}
+
+impl CostModel {
+    /// Values used when nothing was measured (world of 1, or `MOBIUS_TUNE=off`): typical of
+    /// TCP on one host.
+    pub fn assumed() -> Self {
+        // A rendezvous costs a request, the READ and a completion: about three latencies.
+        CostModel { alpha: 30e-6, beta: 1.0 / 2.0e9, gamma: 1.0 / 4.0e9, copy: 1.0 / 8.0e9, alpha_rndv: 90e-6 }
+    }
+
+    pub(crate) fn to_bytes(self) -> [u8; 40] {
+        let mut b = [0u8; 40];
+        for (i, v) in [self.alpha, self.beta, self.gamma, self.copy, self.alpha_rndv].iter().enumerate() {
+            b[i * 8..i * 8 + 8].copy_from_slice(&v.to_be_bytes());
+        }
+        b
+    }
+
+    pub(crate) fn from_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != 40 {
+            return None;
+        }
+        let v = |i: usize| f64::from_be_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        let m = CostModel { alpha: v(0), beta: v(1), gamma: v(2), copy: v(3), alpha_rndv: v(4) };
+        [m.alpha, m.beta, m.gamma, m.copy, m.alpha_rndv].iter().all(|x| x.is_finite() && *x >= 0.0).then_some(m)
+    }
+}
+
+/// User overrides (`MOBIUS_ALGO`, `MOBIUS_PROTO`, `MOBIUS_SEGMENT`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    /// Forced algorithm per op.
+    pub algo: HashMap<Op, Algo>,
+    /// Forced protocol for every message.
+    pub proto: Option<Proto>,
+    /// Forced segment size in bytes.
+    pub segment: Option<usize>,
+}
+
+impl Overrides {
+    /// Parses the three settings (`None` = unset). `algo` is a comma-separated list of
+    /// `name` (every op that has it) or `op=name`.
+    pub fn parse(algo: Option<&str>, proto: Option<&str>, segment: Option<&str>) -> Result<Self, CollectiveError> {
+        let mut o = Overrides::default();
+        if let Some(spec) = algo.map(str::trim).filter(|s| !s.is_empty() && *s != "auto") {
+            for part in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let bad = || {
+                    CollectiveError::Config(format!(
+                        "MOBIUS_ALGO={spec:?}: {part:?} is not an algorithm; use one of {} or op=algorithm with ops {}",
+                        Algo::ALL.map(|a| a.name()).join(" "),
+                        Op::ALL.map(|o| o.name()).join(" ")
+                    ))
+                };
+                match part.split_once('=') {
+                    Some((op, name)) => {
+                        let op = Op::ALL.into_iter().find(|o| o.name() == op.trim().to_ascii_lowercase()).ok_or_else(bad)?;
+                        let a = Algo::parse(name).ok_or_else(bad)?;
+                        if !op.algorithms().contains(&a) {
+                            return Err(CollectiveError::Config(format!(
+                                "MOBIUS_ALGO: {op} has no algorithm {a}; it has {}",
+                                op.algorithms().iter().map(|a| a.name()).collect::<Vec<_>>().join(" ")
+                            )));
+                        }
+                        o.algo.insert(op, a);
+                    }
+                    None => {
+                        let a = Algo::parse(part).ok_or_else(bad)?;
+                        let mut any = false;
+                        for op in Op::ALL {
+                            if op.algorithms().contains(&a) {
+                                o.algo.entry(op).or_insert(a);
+                                any = true;
+                            }
+                        }
+                        if !any {
+                            return Err(bad());
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(p) = proto.map(str::trim).filter(|s| !s.is_empty() && *s != "auto") {
+            o.proto = Some(match p.to_ascii_lowercase().as_str() {
+                "eager" => Proto::Eager,
+                "rendezvous" | "rndv" => Proto::Rendezvous,
+                _ => return Err(CollectiveError::Config(format!("MOBIUS_PROTO={p:?}: use eager, rendezvous or auto"))),
+            });
+        }
+        if let Some(s) = segment.map(str::trim).filter(|s| !s.is_empty()) {
+            let n = parse_bytes(s)
+                .ok_or_else(|| CollectiveError::Config(format!("MOBIUS_SEGMENT={s:?}: not a byte size (e.g. 262144 or 256k)")))?;
+            if n < 64 {
+                return Err(CollectiveError::Config(format!("MOBIUS_SEGMENT={s:?}: at least 64 bytes")));
+            }
+            o.segment = Some(n);
+        }
+        Ok(o)
+    }
+}
+
+/// Parses `123`, `64k`, `4m`, `1g` (binary multiples).
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim().to_ascii_lowercase();
+    let s = s.strip_suffix("ib").or_else(|| s.strip_suffix('b')).unwrap_or(&s);
+    let (num, mult) = match s.chars().last()? {
+        'k' => (&s[..s.len() - 1], 1usize << 10),
+        'm' => (&s[..s.len() - 1], 1 << 20),
+        'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+/// One decision of the policy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Decision {
+    /// The algorithm.
+    pub algo: Algo,
+    /// Segment size in bytes (a multiple of the element size).
+    pub segment: usize,
+    /// Estimated time in seconds of the chosen algorithm.
+    pub estimate: f64,
+    /// Whether the algorithm was forced.
+    pub forced: bool,
+}
+
+/// The policy of one communicator.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// The model (identical on every rank).
+    pub model: CostModel,
+    /// Overrides.
+    pub overrides: Overrides,
+    /// Log every decision.
+    pub debug: bool,
+    pub(crate) eager_limit: usize,
+    pub(crate) max_message: usize,
+    pub(crate) one_sided: bool,
+}
+
+fn log2_floor(p: usize) -> usize {
+    (usize::BITS - 1 - p.leading_zeros()) as usize
+}
+
+fn log2_ceil(p: usize) -> usize {
+    if p <= 1 {
+        0
+    } else {
+        log2_floor(p - 1) + 1
+    }
+}
+
+impl Policy {
+    /// Estimated seconds of `algo` for `op` over `bytes` on `p` ranks with segments of
+    /// `seg` bytes (`bytes` is the buffer for allreduce/broadcast/reduce, the whole output for
+    /// allgather, the whole input for reduce-scatter and alltoall). `None` where the
+    /// algorithm does not apply.
+    pub fn cost(&self, op: Op, algo: Algo, bytes: usize, p: usize, seg: usize) -> Option<f64> {
+        let CostModel { alpha: a, beta: b, gamma: g, copy: c, .. } = self.model;
+        let n = bytes as f64;
+        let pf = p as f64;
+        let lg = log2_ceil(p) as f64;
+        let p2 = 1usize << log2_floor(p);
+        let lg2 = log2_floor(p) as f64;
+        let p2f = p2 as f64;
+        let np2 = if p2 != p { 1.0 } else { 0.0 };
+        let k = bytes.div_ceil(seg.max(1)).max(1) as f64;
+        let s = (seg.min(bytes.max(1))) as f64;
+        let frac = (pf - 1.0) / pf;
+        Some(match (op, algo) {
+            (Op::AllReduce, Algo::Ring) => 2.0 * (pf - 1.0) * a + 2.0 * frac * n * b + frac * n * g,
+            (Op::AllReduce, Algo::RecursiveDoubling) => lg2 * (a + n * b + n * g) + np2 * (2.0 * (a + n * b) + n * g),
+            (Op::AllReduce, Algo::HalvingDoubling) => {
+                let f2 = (p2f - 1.0) / p2f;
+                2.0 * lg2 * a + 2.0 * f2 * n * b + f2 * n * g + np2 * (2.0 * (a + n * b) + n * g)
+            }
+            (Op::Broadcast, Algo::Tree) => lg * (k * a + n * b),
+            (Op::Broadcast, Algo::Ring) => (pf - 2.0 + k) * (a + s * b),
+            (Op::Reduce, Algo::Tree) => lg * (k * a + n * (b + g)),
+            (Op::Reduce, Algo::Ring) => (pf - 2.0 + k) * (a + s * (b + g)),
+            (Op::AllGather, Algo::Ring) => (pf - 1.0) * a + frac * n * b,
+            (Op::AllGather, Algo::RecursiveDoubling) => lg * a + frac * n * b + np2 * n * c,
+            (Op::ReduceScatter, Algo::Ring) => (pf - 1.0) * a + frac * n * (b + g) + n * c,
+            (Op::ReduceScatter, Algo::HalvingDoubling) => {
+                let f2 = (p2f - 1.0) / p2f;
+                lg2 * a + f2 * n * (b + g) + n * c + np2 * (2.0 * a + n * (b + g) + n / pf * b)
+            }
+            (Op::AllToAll, Algo::Direct) => {
+                // Every block is in flight at once and lands in unexpected buffers: only for
+                // blocks that go eager.
+                if bytes / p.max(1) > self.eager_limit {
+                    return None;
+                }
+                a + frac * n * b
+            }
+            (Op::AllToAll, Algo::Pairwise) => (pf - 1.0) * a + frac * n * b,
+            (Op::Barrier, Algo::Dissemination) => lg * a,
+            _ => return None,
+        })
+    }
+
+    /// The segment size for `bytes` moved over `steps` pipelined steps: the optimum of
+    /// `(steps + k - 1)(α + sβ)`, `s* = sqrt(bytes·α / (β·(steps - 1)))`, kept between
+    /// 16 KiB and the message limit (the eager limit when eager is forced) and rounded to
+    /// whole elements.
+    pub fn segment(&self, bytes: usize, steps: usize, elem: usize) -> usize {
+        let mut s = match self.overrides.segment {
+            Some(s) => s,
+            None => {
+                let m = &self.model;
+                let ideal = ((bytes as f64) * m.alpha / (m.beta.max(1e-15) * (steps.max(2) - 1) as f64)).sqrt();
+                let ideal = if ideal.is_finite() { ideal as usize } else { usize::MAX };
+                ideal.clamp(16 << 10, 4 << 20)
+            }
+        };
+        s = s.min(self.max_message);
+        if self.overrides.proto == Some(Proto::Eager) {
+            s = s.min(self.eager_limit);
+        }
+        (s / elem).max(1) * elem
+    }
+
+    /// Chooses the algorithm and segment size for one call.
+    pub fn choose(&self, op: Op, bytes: usize, dtype: DType, p: usize) -> Decision {
+        let elem = dtype.size();
+        let steps = match op {
+            Op::Broadcast | Op::Reduce => p,
+            _ => 2 * p,
+        };
+        let seg = self.segment(bytes, steps, elem);
+        if let Some(&algo) = self.overrides.algo.get(&op) {
+            let estimate = self.cost(op, algo, bytes, p, seg).unwrap_or(f64::NAN);
+            let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
+            return Decision { algo, segment, estimate, forced: true };
+        }
+        let mut best: Option<(Algo, f64)> = None;
+        for &algo in op.algorithms() {
+            if let Some(t) = self.cost(op, algo, bytes, p, seg) {
+                if best.is_none_or(|(_, bt)| t < bt) {
+                    best = Some((algo, t));
+                }
+            }
+        }
+        let (algo, estimate) = best.unwrap_or((op.algorithms()[0], f64::NAN));
+        let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
+        Decision { algo, segment, estimate, forced: false }
+    }
+
+    /// Algorithms that send a whole buffer per step gain nothing from segments below the
+    /// eager limit: such a buffer goes as one message.
+    fn whole_if_unpipelined(&self, algo: Algo, seg: usize, bytes: usize, elem: usize) -> usize {
+        match algo {
+            Algo::Ring | Algo::Tree => seg,
+            _ => {
+                let whole = bytes.min(self.eager_limit).min(self.max_message);
+                seg.max((whole / elem).max(1) * elem)
+            }
+        }
+    }
+
+    /// The protocol of one message of `bytes`: eager when it fits the eager limit and costs
+    /// no more than rendezvous (`α + n(β + 2c)` for eager on one-sided providers, which copy
+    /// into and out of bounce buffers, against `α_rndv + nβ`; on stream providers both are
+    /// one write and one read, so eager wins every tie).
+    pub fn proto(&self, bytes: usize) -> Proto {
+        if let Some(p) = self.overrides.proto {
+            return if p == Proto::Eager && bytes > self.eager_limit { Proto::Rendezvous } else { p };
+        }
+        if bytes > self.eager_limit {
+            return Proto::Rendezvous;
+        }
+        if !self.one_sided {
+            return Proto::Eager;
+        }
+        let m = &self.model;
+        let n = bytes as f64;
+        if m.alpha + n * (m.beta + 2.0 * m.copy) <= m.alpha_rndv + n * m.beta {
+            Proto::Eager
+        } else {
+            Proto::Rendezvous
+        }
+    }
+
+    /// The decision table for `p` ranks: for each op, the algorithm and protocol chosen at
+    /// sizes 1 KiB … 256 MiB (`f32`). Printed by the README generator and `MOBIUS_DEBUG`.
+    pub fn table(&self, p: usize) -> Vec<(Op, usize, Decision, Proto)> {
+        let mut out = Vec::new();
+        for op in [Op::AllReduce, Op::Broadcast, Op::Reduce, Op::AllGather, Op::ReduceScatter, Op::AllToAll] {
+            let mut bytes = 1usize << 10;
+            while bytes <= 256 << 20 {
+                let d = self.choose(op, bytes, DType::F32, p);
+                out.push((op, bytes, d, self.proto(d.segment.min(bytes))));
+                bytes <<= 2;
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(one_sided: bool) -> Policy {
+        Policy {
+            model: CostModel::assumed(),
+            overrides: Overrides::default(),
+            debug: false,
+            eager_limit: 64 << 10,
+            max_message: 16 << 20,
+            one_sided,
+        }
+    }
+
+    #[test]
+    fn small_allreduce_goes_recursive_doubling_and_large_goes_bandwidth_optimal() {
+        let p = policy(false);
+        for world in [2, 3, 4, 8] {
+            assert_eq!(p.choose(Op::AllReduce, 4 << 10, DType::F32, world).algo, Algo::RecursiveDoubling, "world {world}");
+            let big = p.choose(Op::AllReduce, 64 << 20, DType::F32, world).algo;
+            assert!(matches!(big, Algo::Ring | Algo::HalvingDoubling), "world {world}: {big}");
+        }
+        assert_eq!(p.choose(Op::Broadcast, 1 << 10, DType::F32, 8).algo, Algo::Tree);
+        assert_eq!(p.choose(Op::Broadcast, 256 << 20, DType::F32, 8).algo, Algo::Ring);
+        assert_eq!(p.choose(Op::AllToAll, 4 << 10, DType::F32, 4).algo, Algo::Direct);
+        assert_eq!(p.choose(Op::AllToAll, 64 << 20, DType::F32, 4).algo, Algo::Pairwise);
+    }
+
+    #[test]
+    fn protocol_crossover_follows_the_measured_rendezvous_latency() {
+        let mut p = policy(true);
+        p.model.alpha_rndv = 3.0 * p.model.alpha;
+        // Crossover at (α_rndv − α) / 2c = 60 µs / (2 × 0.125 ns) = 240 KB > the eager limit.
+        assert_eq!(p.proto(64 << 10), Proto::Eager);
+        p.model.alpha_rndv = p.model.alpha + 2.0 * p.model.copy * 8192.0;
+        assert_eq!(p.proto(4096), Proto::Eager);
+        assert_eq!(p.proto(16384), Proto::Rendezvous);
+        assert_eq!(policy(false).proto(64 << 10), Proto::Eager);
+        assert_eq!(policy(false).proto((64 << 10) + 1), Proto::Rendezvous);
+    }
+
+    #[test]
+    fn overrides_parse_force_and_explain_mistakes() {
+        let o = Overrides::parse(Some("ring,broadcast=tree"), Some("eager"), Some("256k")).unwrap();
+        assert_eq!(o.algo[&Op::AllReduce], Algo::Ring);
+        assert_eq!(o.algo[&Op::Broadcast], Algo::Tree);
+        assert_eq!(o.algo[&Op::AllGather], Algo::Ring);
+        assert!(!o.algo.contains_key(&Op::AllToAll));
+        assert_eq!((o.proto, o.segment), (Some(Proto::Eager), Some(256 << 10)));
+        let mut p = policy(false);
+        p.overrides = o;
+        let d = p.choose(Op::AllReduce, 4 << 10, DType::F32, 4);
+        assert!(d.forced && d.algo == Algo::Ring);
+        assert_eq!(p.segment(1 << 30, 8, 4), 64 << 10, "forced eager caps segments at the eager limit");
+        let e = Overrides::parse(Some("allreduce=tree"), None, None).unwrap_err().to_string();
+        assert!(e.contains("allreduce has no algorithm tree") && e.contains("ring rd rhd"), "{e}");
+        assert!(Overrides::parse(Some("fastest"), None, None).unwrap_err().to_string().contains("MOBIUS_ALGO"));
+        assert!(Overrides::parse(None, Some("carrier-pigeon"), None).unwrap_err().to_string().contains("MOBIUS_PROTO"));
+        assert_eq!(parse_bytes("4MiB"), Some(4 << 20));
+    }
+
+    #[test]
+    fn segments_are_whole_elements_within_limits() {
+        let p = policy(false);
+        for bytes in [1usize, 1000, 1 << 20, 1 << 30] {
+            let s = p.segment(bytes, 8, 8);
+            assert!(s.is_multiple_of(8) && (16 << 10..=4 << 20).contains(&s), "{bytes}: {s}");
+        }
+        let m = CostModel::assumed();
+        assert_eq!(CostModel::from_bytes(&m.to_bytes()), Some(m));
+    }
+}

@@ -1,0 +1,160 @@
+//! What the collective algorithms need from a network: tagged, ordered, full-duplex messages
+//! between ranks, in two protocols, with deadlines. [`MeshTransport`](crate::MeshTransport)
+//! implements it over the fabric's mesh; the algorithms know nothing else about providers.
+
+use std::fmt;
+use std::ops::Deref;
+use std::time::Instant;
+
+/// Message tag (see `algo` for the layout collectives use).
+pub type Tag = u64;
+
+/// How one message moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Proto {
+    /// Copied through pre-registered buffers; bounded by [`Transport::eager_limit`].
+    Eager,
+    /// Zero-copy from the sender's buffer (RDMA READ on verbs, one streamed write on tcp).
+    Rendezvous,
+}
+
+impl Proto {
+    /// `eager` or `rendezvous`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Proto::Eager => "eager",
+            Proto::Rendezvous => "rendezvous",
+        }
+    }
+}
+
+impl fmt::Display for Proto {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a transport operation failed. The message already names this rank and the peer.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct TransportError {
+    /// The kind, for callers that react differently.
+    pub kind: TransportErrorKind,
+    /// Human-readable cause, naming ranks and the setting to change where there is one.
+    pub message: String,
+}
+
+/// Kinds of [`TransportError`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportErrorKind {
+    /// The link to `peer` failed (process died, connection reset).
+    PeerFailed {
+        /// The peer.
+        peer: usize,
+    },
+    /// `peer` closed its communicator.
+    PeerLeft {
+        /// The peer.
+        peer: usize,
+    },
+    /// Rank `by` aborted and told everyone.
+    Aborted {
+        /// The rank that aborted.
+        by: usize,
+    },
+    /// Nothing came from `peer` before the deadline.
+    Timeout {
+        /// The peer.
+        peer: usize,
+    },
+    /// Anything else (limits, memory, closed transport).
+    Other,
+}
+
+/// Counters a transport keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransportStats {
+    /// Eager messages sent.
+    pub eager_messages: u64,
+    /// Eager bytes sent.
+    pub eager_bytes: u64,
+    /// Rendezvous messages sent.
+    pub rendezvous_messages: u64,
+    /// Rendezvous bytes sent.
+    pub rendezvous_bytes: u64,
+    /// Eager messages received.
+    pub eager_received: u64,
+    /// Rendezvous messages received.
+    pub rendezvous_received: u64,
+    /// One-sided reads done for rendezvous receives.
+    pub one_sided_reads: u64,
+    /// User-buffer registrations made.
+    pub registrations: u64,
+    /// Registration cache hits.
+    pub registration_hits: u64,
+}
+
+/// A network among `world` ranks. Messages between two ranks under one tag arrive in the
+/// order they were sent; sends never wait for the receiver to post a matching receive.
+pub trait Transport: Send + Sync {
+    /// A received message (a pool buffer, returned when dropped).
+    type Buf: Deref<Target = [u8]> + Send;
+    /// A registration of user memory for zero-copy sends.
+    type Reg: Send;
+    /// A posted send that may still read its buffer.
+    type Ticket<'a>: Send
+    where
+        Self: 'a;
+
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world(&self) -> usize;
+    /// Provider name, for logs (`tcp`, `sim`, `verbs`).
+    fn provider(&self) -> &str;
+    /// Largest eager message.
+    fn eager_limit(&self) -> usize;
+    /// Largest message of any protocol; callers segment above it.
+    fn max_message(&self) -> usize;
+    /// Whether rendezvous is one-sided (needs registrations of the sent memory).
+    fn one_sided(&self) -> bool;
+
+    /// Registers `len` bytes at `ptr` for rendezvous sends out of them.
+    ///
+    /// # Safety
+    /// The memory must stay valid while the registration lives.
+    unsafe fn register(&self, ptr: *const u8, len: usize) -> Result<Self::Reg, TransportError>;
+
+    /// Sends `data` to `peer` under `tag`; `reg` must cover `data` when given.
+    fn send<'a>(
+        &'a self,
+        peer: usize,
+        tag: Tag,
+        data: &'a [u8],
+        proto: Proto,
+        reg: Option<&Self::Reg>,
+    ) -> Result<Self::Ticket<'a>, TransportError>;
+
+    /// Whether a ticket completed when posted (no need to wait).
+    fn is_complete(ticket: &Self::Ticket<'_>) -> bool;
+
+    /// Waits until a send no longer needs its buffer.
+    fn wait(&self, ticket: Self::Ticket<'_>, deadline: Instant) -> Result<(), TransportError>;
+
+    /// Receives the next message from `peer` under `tag`, or — when `also` is given —
+    /// whichever of the two arrives first (`0` = the first, `1` = `also`).
+    fn recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        also: Option<(usize, Tag)>,
+        deadline: Instant,
+    ) -> Result<(usize, Self::Buf), TransportError>;
+
+    /// Tells every peer this rank gives up.
+    fn abort(&self, reason: &str);
+
+    /// Counters.
+    fn stats(&self) -> TransportStats;
+}

@@ -1,0 +1,457 @@
+//! Every collective × dtype × reduce op against a reference computed here, on worlds of 1–4
+//! ranks (threads in one process), over the sim provider (one-sided rendezvous, as verbs)
+//! and real tcp sockets, with every algorithm forced in turn and with the policy's choice.
+//!
+//! Inputs are small integers, so every reduction is exact in every dtype (f16/bf16 included)
+//! and results are compared bit for bit; tolerance tests with random floats are in the
+//! Python suite.
+
+use half::{bf16, f16};
+use mobius_collective::fabric::{Mesh, MeshConfig, MeshListener, Provider, SimProvider, TcpProvider};
+use mobius_collective::{CollectiveError, CommConfig, Communicator, DType, MeshTransport, Op, Overrides, ReduceOp};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+type Comm = Communicator<MeshTransport>;
+
+/// Builds a group of `world` communicators over `provider`, one per thread.
+fn group(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut CommConfig, &mut MeshConfig) + Sync) -> Vec<Comm> {
+    let listeners: Vec<MeshListener> =
+        (0..world).map(|r| MeshListener::bind(provider.clone(), "127.0.0.1:0".parse().unwrap(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let (addrs, tweak) = (addrs.clone(), &tweak);
+                s.spawn(move || {
+                    let mut c = CommConfig::new(r, world);
+                    c.tune = false;
+                    c.timeout = Duration::from_secs(60);
+                    let mut m = MeshConfig::new(r, world);
+                    m.pool.cap_bytes = 256 << 20;
+                    tweak(&mut c, &mut m);
+                    let mesh = Mesh::connect(l, &addrs, m).unwrap();
+                    Communicator::with_transport(MeshTransport::new(mesh), &c).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Runs `f(rank, comm)` on every rank at once; returns the results in rank order.
+fn on_all<R: Send>(comms: &[Comm], f: impl Fn(usize, &Comm) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn({
+                    let f = &f;
+                    move || f(r, c)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Input element `i` of `rank` for `op` (small values keep every reduction exact).
+fn value(rank: usize, i: usize, op: ReduceOp, dtype: DType) -> f64 {
+    let h = (rank * 7 + i * 3 + 1) % 11;
+    match (op, dtype) {
+        (ReduceOp::Prod, DType::U8) => [1.0, 2.0, 1.0, 3.0][h % 4],
+        (ReduceOp::Prod, DType::I32 | DType::I64) => [1.0, 2.0, -1.0, 3.0][h % 4],
+        (ReduceOp::Prod, _) => [1.0, 2.0, -1.0, 0.5][h % 4],
+        (_, DType::U8) => h as f64,
+        _ => h as f64 - 5.0,
+    }
+}
+
+fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * dtype.size());
+    for &x in v {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(x as f32).to_ne_bytes()),
+            DType::F64 => out.extend_from_slice(&x.to_ne_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f64(x).to_ne_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(x).to_ne_bytes()),
+            DType::I32 => out.extend_from_slice(&(x as i32).to_ne_bytes()),
+            DType::I64 => out.extend_from_slice(&(x as i64).to_ne_bytes()),
+            DType::U8 => out.push(x as u8),
+        }
+    }
+    out
+}
+
+fn input(rank: usize, n: usize, op: ReduceOp, dtype: DType) -> Vec<u8> {
+    encode(dtype, &(0..n).map(|i| value(rank, i, op, dtype)).collect::<Vec<_>>())
+}
+
+/// The reduction of element `i` over ranks, as the dtype stores it.
+fn reduced(world: usize, i: usize, op: ReduceOp, dtype: DType) -> f64 {
+    let vals: Vec<f64> = (0..world).map(|r| value(r, i, op, dtype)).collect();
+    let int = matches!(dtype, DType::I32 | DType::I64 | DType::U8);
+    match op {
+        ReduceOp::Sum => vals.iter().sum(),
+        ReduceOp::Prod => vals.iter().product(),
+        ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => {
+            let s: f64 = vals.iter().sum();
+            if int {
+                (s / world as f64).trunc()
+            } else {
+                s / world as f64
+            }
+        }
+    }
+}
+
+fn expect(world: usize, n: usize, op: ReduceOp, dtype: DType, offset: usize) -> Vec<u8> {
+    encode(dtype, &(0..n).map(|i| reduced(world, i + offset, op, dtype)).collect::<Vec<_>>())
+}
+
+fn check(fails: &mut Vec<String>, what: String, got: &[u8], want: &[u8]) {
+    if got != want {
+        let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+        fails.push(format!("{what}: {} bytes vs {} expected, first difference at byte {first}", got.len(), want.len()));
+    }
+}
+
+const SIZES: [usize; 5] = [0, 1, 7, 1000, 20_003];
+
+/// Every op, dtype, reduce op and size on one group; returns the failures of every rank.
+fn run_matrix(comms: &[Comm], label: &str) -> Vec<String> {
+    let world = comms.len();
+    let root = world - 1;
+    on_all(comms, |rank, c| {
+        let mut fails = Vec::new();
+        for dtype in DType::ALL {
+            for &n in &SIZES {
+                for op in ReduceOp::ALL {
+                    let tag = format!("{label} rank {rank} {dtype} {op} n={n}");
+                    let mut buf = input(rank, n, op, dtype);
+                    match c.allreduce_bytes(&mut buf, dtype, op) {
+                        Ok(()) => check(&mut fails, format!("{tag} allreduce"), &buf, &expect(world, n, op, dtype, 0)),
+                        Err(e) => fails.push(format!("{tag} allreduce: {e}")),
+                    }
+                    let mut buf = input(rank, n, op, dtype);
+                    match c.reduce_bytes(&mut buf, dtype, op, root) {
+                        Ok(()) if rank == root => {
+                            check(&mut fails, format!("{tag} reduce"), &buf, &expect(world, n, op, dtype, 0))
+                        }
+                        Ok(()) => {}
+                        Err(e) => fails.push(format!("{tag} reduce: {e}")),
+                    }
+                    // reduce_scatter: `n` elements per rank, so the input has world × n.
+                    let send = input(rank, n * world, op, dtype);
+                    let mut recv = vec![0xAB; n * dtype.size()];
+                    match c.reduce_scatter_bytes(&send, &mut recv, dtype, op) {
+                        Ok(()) => {
+                            check(&mut fails, format!("{tag} reduce_scatter"), &recv, &expect(world, n, op, dtype, rank * n))
+                        }
+                        Err(e) => fails.push(format!("{tag} reduce_scatter: {e}")),
+                    }
+                }
+                let tag = format!("{label} rank {rank} {dtype} n={n}");
+                let mine = input(rank, n, ReduceOp::Sum, dtype);
+                let mut buf = if rank == root { mine.clone() } else { vec![0x5A; mine.len()] };
+                match c.broadcast_bytes(&mut buf, dtype, root) {
+                    Ok(()) => check(&mut fails, format!("{tag} broadcast"), &buf, &input(root, n, ReduceOp::Sum, dtype)),
+                    Err(e) => fails.push(format!("{tag} broadcast: {e}")),
+                }
+                let mut all = vec![0u8; mine.len() * world];
+                match c.allgather_bytes(&mine, &mut all, dtype) {
+                    Ok(()) => {
+                        let want: Vec<u8> = (0..world).flat_map(|r| input(r, n, ReduceOp::Sum, dtype)).collect();
+                        check(&mut fails, format!("{tag} allgather"), &all, &want)
+                    }
+                    Err(e) => fails.push(format!("{tag} allgather: {e}")),
+                }
+                // alltoall: block j of rank r holds values of "rank" r*world+j.
+                let send: Vec<u8> = (0..world).flat_map(|j| input(rank * world + j, n, ReduceOp::Sum, dtype)).collect();
+                let mut recv = vec![0u8; send.len()];
+                match c.alltoall_bytes(&send, &mut recv, dtype) {
+                    Ok(()) => {
+                        let want: Vec<u8> = (0..world).flat_map(|j| input(j * world + rank, n, ReduceOp::Sum, dtype)).collect();
+                        check(&mut fails, format!("{tag} alltoall"), &recv, &want)
+                    }
+                    Err(e) => fails.push(format!("{tag} alltoall: {e}")),
+                }
+            }
+        }
+        if let Err(e) = c.barrier() {
+            fails.push(format!("{label} rank {rank} barrier: {e}"));
+        }
+        fails
+    })
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+fn providers() -> Vec<(&'static str, Arc<dyn Provider>)> {
+    vec![("sim", Arc::new(SimProvider::new(true))), ("tcp", Arc::new(TcpProvider::new()))]
+}
+
+fn matrix_for(world: usize) {
+    let mut fails = Vec::new();
+    for (pname, provider) in providers() {
+        for algo in ["auto", "ring", "rd", "rhd", "tree", "direct", "pairwise"] {
+            // Small segments and eager limit so blocks split and both protocols run.
+            let comms = group(provider.clone(), world, |c, m| {
+                c.overrides = Overrides::parse(Some(algo), None, Some("1k")).unwrap();
+                m.eager_limit = 2048;
+            });
+            fails.extend(run_matrix(&comms, &format!("{pname} world {world} algo {algo}")));
+            let stats = comms[0].stats();
+            if world > 1 && algo != "auto" {
+                let forced: u64 = stats.calls.iter().filter(|(k, _)| k.ends_with(&format!(".{algo}"))).map(|(_, v)| v).sum();
+                assert!(forced > 0, "{pname} world {world}: MOBIUS_ALGO={algo} never ran: {:?}", stats.calls);
+            }
+        }
+    }
+    assert!(fails.is_empty(), "{} failures:\n{}", fails.len(), fails.iter().take(40).cloned().collect::<Vec<_>>().join("\n"));
+}
+
+#[test]
+fn every_op_dtype_and_reduce_op_world_1() {
+    matrix_for(1);
+}
+
+#[test]
+fn every_op_dtype_and_reduce_op_world_2() {
+    matrix_for(2);
+}
+
+#[test]
+fn every_op_dtype_and_reduce_op_world_3() {
+    matrix_for(3);
+}
+
+#[test]
+fn every_op_dtype_and_reduce_op_world_4() {
+    matrix_for(4);
+}
+
+#[test]
+fn non_power_of_two_worlds_beyond_four_and_large_buffers() {
+    for world in [5, 6, 7] {
+        for algo in ["ring", "rd", "rhd", "tree"] {
+            let comms = group(Arc::new(SimProvider::new(true)), world, |c, _| {
+                c.overrides = Overrides::parse(Some(algo), None, None).unwrap()
+            });
+            let n = 1_000_003;
+            let fails: Vec<String> = on_all(&comms, |rank, c| {
+                let mut fails = Vec::new();
+                let mut buf = input(rank, n, ReduceOp::Sum, DType::F32);
+                c.allreduce_bytes(&mut buf, DType::F32, ReduceOp::Sum).unwrap();
+                check(
+                    &mut fails,
+                    format!("world {world} {algo} rank {rank} allreduce"),
+                    &buf,
+                    &expect(world, n, ReduceOp::Sum, DType::F32, 0),
+                );
+                let mut buf = input(rank, n, ReduceOp::Max, DType::I64);
+                c.reduce_bytes(&mut buf, DType::I64, ReduceOp::Max, 2).unwrap();
+                if rank == 2 {
+                    check(
+                        &mut fails,
+                        format!("world {world} {algo} reduce"),
+                        &buf,
+                        &expect(world, n, ReduceOp::Max, DType::I64, 0),
+                    );
+                }
+                let mine = input(rank, 333_333, ReduceOp::Sum, DType::U8);
+                let mut all = vec![0u8; mine.len() * world];
+                c.allgather_bytes(&mine, &mut all, DType::U8).unwrap();
+                let want: Vec<u8> = (0..world).flat_map(|r| input(r, 333_333, ReduceOp::Sum, DType::U8)).collect();
+                check(&mut fails, format!("world {world} {algo} allgather"), &all, &want);
+                fails
+            })
+            .into_iter()
+            .flatten()
+            .collect();
+            assert!(fails.is_empty(), "{fails:?}");
+        }
+    }
+}
+
+#[test]
+fn results_are_bitwise_identical_on_every_rank_with_random_floats() {
+    for algo in ["ring", "rd", "rhd"] {
+        let comms =
+            group(Arc::new(TcpProvider::new()), 3, |c, _| c.overrides = Overrides::parse(Some(algo), None, None).unwrap());
+        let outs = on_all(&comms, |rank, c| {
+            let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ rank as u64;
+            let mut buf: Vec<f32> = (0..100_001)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % 1_000_000) as f32 / 7919.0 - 60.0
+                })
+                .collect();
+            c.allreduce(&mut buf, ReduceOp::Sum).unwrap();
+            buf
+        });
+        assert!(
+            outs.windows(2).all(|w| w[0].iter().zip(&w[1]).all(|(a, b)| a.to_bits() == b.to_bits())),
+            "{algo}: ranks disagree"
+        );
+    }
+}
+
+#[test]
+fn counters_show_eager_for_small_and_rendezvous_for_large_messages() {
+    for (name, provider) in providers() {
+        let comms = group(provider, 2, |_, m| m.eager_limit = 64 << 10);
+        on_all(&comms, |_, c| {
+            let mut small = vec![1.0f32; 256];
+            c.allreduce(&mut small, ReduceOp::Sum).unwrap();
+        });
+        let s1 = comms[0].stats().transport;
+        assert!(s1.eager_messages > 0 && s1.rendezvous_messages == 0, "{name}: {s1:?}");
+        on_all(&comms, |_, c| {
+            let mut big = vec![1.0f32; 4 << 20];
+            c.allreduce(&mut big, ReduceOp::Sum).unwrap();
+            assert!(big.iter().all(|v| *v == 2.0));
+        });
+        let s2 = comms[0].stats().transport;
+        assert!(s2.rendezvous_messages > 0 && s2.rendezvous_bytes >= 8 << 20, "{name}: {s2:?}");
+        if name == "sim" {
+            assert!(s2.one_sided_reads > 0, "sim rendezvous must be one-sided reads: {s2:?}");
+            assert!(s2.registration_hits > 0 || s2.registrations <= 2, "the user buffer is registered once per call: {s2:?}");
+        }
+    }
+}
+
+#[test]
+fn policy_picks_recursive_doubling_for_small_and_reports_it() {
+    let comms = group(Arc::new(TcpProvider::new()), 4, |_, _| {});
+    on_all(&comms, |_, c| {
+        let mut v = vec![1.0f32; 1024];
+        c.allreduce(&mut v, ReduceOp::Sum).unwrap();
+    });
+    let calls = comms[0].stats().calls;
+    assert_eq!(calls.get("allreduce.rd"), Some(&1), "{calls:?}");
+    assert_eq!(comms[0].decide(Op::AllReduce, 4096, DType::F32).algo.name(), "rd");
+}
+
+#[test]
+fn mismatched_counts_dtypes_and_ops_name_the_argument_and_both_ranks_fail() {
+    type Call = Box<dyn Fn(usize, &Comm) -> Result<(), CollectiveError> + Sync>;
+    let cases: Vec<(&str, Call)> = vec![
+        ("`count` differs", Box::new(|r, c| c.allreduce(&mut vec![1.0f32; 10 + 2 * r], ReduceOp::Sum))),
+        (
+            "`dtype` differs",
+            Box::new(|r, c| {
+                if r == 0 {
+                    c.allreduce(&mut [1.0f32; 4], ReduceOp::Sum)
+                } else {
+                    c.allreduce(&mut [1i32; 4], ReduceOp::Sum)
+                }
+            }),
+        ),
+        (
+            "reduce `op` differs",
+            Box::new(|r, c| c.allreduce(&mut [1.0f64; 4], if r == 0 { ReduceOp::Sum } else { ReduceOp::Max })),
+        ),
+        (
+            "called broadcast",
+            Box::new(|r, c| if r == 0 { c.allreduce(&mut [1.0f32; 4], ReduceOp::Sum) } else { c.broadcast(&mut [1.0f32; 4], 0) }),
+        ),
+        ("`root` differs", Box::new(|r, c| c.broadcast(&mut [1u8; 4], r % 2))),
+    ];
+    for (want, f) in cases {
+        let comms = group(Arc::new(TcpProvider::new()), 2, |c, _| c.timeout = Duration::from_secs(20));
+        let started = Instant::now();
+        let errs = on_all(&comms, |r, c| f(r, c).unwrap_err().to_string());
+        assert!(started.elapsed() < Duration::from_secs(15), "{want}: took {:?}", started.elapsed());
+        assert!(errs.iter().any(|e| e.contains(want)), "{want}: {errs:?}");
+        for (r, e) in errs.iter().enumerate() {
+            assert!(e.contains(&format!("rank {r}")) && e.contains(&format!("rank {}", 1 - r)), "{e}");
+        }
+        // The communicator is unusable afterwards, and says why.
+        let again = comms[0].barrier().unwrap_err().to_string();
+        assert!(again.contains("unusable"), "{again}");
+    }
+}
+
+#[test]
+fn bad_local_arguments_are_refused_before_any_communication() {
+    let comms = group(Arc::new(SimProvider::new(true)), 2, |_, _| {});
+    let e = comms[0].allgather(&[1.0f32; 3], &mut [0.0f32; 5]).unwrap_err().to_string();
+    assert!(e.contains("`recv`") && e.contains("world (2)"), "{e}");
+    let e = comms[0].broadcast(&mut [0u8; 3], 2).unwrap_err().to_string();
+    assert!(e.contains("`root`") && e.contains("2 is not a rank"), "{e}");
+    let e = comms[0].allreduce_bytes(&mut [0u8; 6], DType::F32, ReduceOp::Sum).unwrap_err().to_string();
+    assert!(e.contains("6 bytes is not a whole number of f32"), "{e}");
+    let e = comms[1].send(&[1u8], 1, 0).unwrap_err().to_string();
+    assert!(e.contains("`peer`"), "{e}");
+    // Refused calls did not break the communicator.
+    on_all(&comms, |_, c| c.barrier().unwrap());
+}
+
+#[test]
+fn a_rank_that_dies_mid_allreduce_makes_the_others_fail_naming_it() {
+    for (name, provider) in providers() {
+        let mut comms = group(provider, 4, |c, _| c.timeout = Duration::from_secs(10));
+        let victim = comms.remove(2);
+        let started = Instant::now();
+        let errs = std::thread::scope(|s| {
+            s.spawn(|| {
+                // The others are inside the allreduce, waiting for rank 2, when its links
+                // go down without a goodbye, as when its process is killed.
+                std::thread::sleep(Duration::from_millis(300));
+                victim.transport().mesh().sever();
+            });
+            on_all(&comms, |_, c| {
+                let mut v = vec![1.0f32; 1 << 20];
+                c.allreduce(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+            })
+        });
+        assert!(started.elapsed() < Duration::from_secs(9), "{name}: took {:?}", started.elapsed());
+        for e in &errs {
+            assert!(e.contains("rank 2"), "{name}: {e}");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_calls_times_out_naming_the_rank_it_waited_for() {
+    let comms = group(Arc::new(TcpProvider::new()), 3, |c, _| c.timeout = Duration::from_millis(1500));
+    let started = Instant::now();
+    let errs = on_all(&comms[..2], |_, c| {
+        let mut v = vec![1.0f32; 100];
+        c.allreduce(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+    });
+    assert!(started.elapsed() < Duration::from_secs(6), "took {:?}", started.elapsed());
+    assert!(errs.iter().any(|e| e.contains("timed out") && e.contains("rank 2")), "{errs:?}");
+}
+
+#[test]
+fn point_to_point_messages_of_any_size_arrive_whole_and_size_mismatches_are_named() {
+    let comms = group(Arc::new(TcpProvider::new()), 2, |_, m| m.max_message = 1 << 20);
+    on_all(&comms, |r, c| {
+        let big: Vec<u8> = (0..3_500_001u32).map(|i| (i % 253) as u8).collect();
+        if r == 0 {
+            c.send(&big, 1, 7).unwrap();
+            c.send(&[1.5f64, 2.5], 1, 8).unwrap();
+            c.send(&[1u8; 10], 1, 9).unwrap();
+        } else {
+            let mut got = vec![0u8; big.len()];
+            c.recv(&mut got, 0, 7).unwrap();
+            assert!(got == big);
+            let mut f = [0.0f64; 2];
+            c.recv(&mut f, 0, 8).unwrap();
+            assert_eq!(f, [1.5, 2.5]);
+            let e = c.recv(&mut [0u8; 12], 0, 9).unwrap_err().to_string();
+            assert!(e.contains("expects 12 bytes") && e.contains("sent 10 bytes"), "{e}");
+        }
+    });
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Mobius vs torch gloo vs Open MPI (TCP) vs a plain TCP ring ceiling: allreduce on 2 and 4
+# ranks over loopback. Writes target/bench/collective.json (rows: library, op, bytes, world,
+# time_us, algbw_gbs, busbw_gbs; nccl-tests definitions), prints the nccl-tests-style table
+# and draws target/bench/collective.png (busbw against size, one line per library).
+#
+#   scripts/bench-collective.sh            the full sweep: 4 KiB … 256 MiB, 3 interleaved rounds
+#   scripts/bench-collective.sh --tiny     a smoke run (4 KiB, 64 KiB, 1 MiB; 1 round) that
+#                                          checks the pipeline, not the speed
+#   extra arguments go to tests/collective/bench.py (e.g. --ops allreduce,allgather)
+#
+# Installs what it needs: Open MPI (apt), and a venv with torch, mpi4py, matplotlib (cached in
+# ~/.cache/rdma-shuffle/torch-venv); builds the mobius wheel from this tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p target/bench
+. tests/collective/env.sh
+
+args=()
+if [ "${1:-}" = "--tiny" ]; then
+  shift
+  args=(--sizes 4k,64k,1m --iters 5 --warmup 1 --rounds 1)
+fi
+exec "$MOBIUS_PY" tests/collective/bench.py run --out target/bench "${args[@]}" "$@"

@@ -1,0 +1,326 @@
+"""Collective benchmark: Mobius vs torch gloo vs Open MPI (TCP) vs a plain TCP ring ceiling.
+
+    bench.py run --worlds 2,4 --sizes 4k,64k,1m --iters 10 --rounds 3 --out target/bench
+
+Each round runs every library once, in turn (interleaved rounds: machine load drifts
+between rounds, not between libraries of a round). Within a run, for every size: warm-up
+iterations, then `iters` timed iterations, each a barrier followed by the operation; an
+iteration's time is the slowest rank's. A round's time is the median over iterations; the
+report gives the median over rounds and the spread (min, max) of the round medians.
+
+Definitions are nccl-tests': algbw = bytes / time; busbw = algbw × 2(n−1)/n for allreduce,
+(n−1)/n for allgather, 1 for broadcast; GB = 1e9 bytes.
+
+Libraries:
+* ``mobius`` — this project (policy on, α/β measured at start, tcp);
+* ``gloo`` — torch.distributed's gloo backend (torch from PyPI);
+* ``mpi`` — Open MPI (Debian) through mpi4py, TCP only: ``--mca pml ob1 --mca btl tcp,self``;
+* ``ring`` — plain Python sockets doing a ring allreduce's sends and receives (each step
+  sends one chunk right while receiving one from the left), without reducing: the data
+  movement any TCP ring must do, an upper bound for TCP rings on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+LIBRARIES = ("mobius", "gloo", "mpi", "ring")
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(s[-1], 1)
+    return int(s[:-1] if s[-1] in "kmg" else s) * mult
+
+
+def bus_factor(op: str, n: int) -> float:
+    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}[op]
+
+
+# ----- one rank ------------------------------------------------------------------------------
+def timed(sizes, iters, warmup, barrier, op_for):
+    """{size: [seconds per iteration]} for this rank."""
+    out = {}
+    for size in sizes:
+        op = op_for(size)
+        for _ in range(warmup):
+            barrier()
+            op()
+        times = []
+        for _ in range(iters):
+            barrier()
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        out[size] = times
+    return out
+
+
+def rank_mobius(cfg, rank, world):
+    import numpy as np
+    import mobius
+    comm = mobius.init(rank, world, "127.0.0.1", cfg["port"], timeout=600)
+
+    def op_for(size):
+        n = max(size // 4, 1)
+        if cfg["op"] == "allreduce":
+            buf = np.ones(n, np.float32)
+            return lambda: comm.allreduce(buf)
+        if cfg["op"] == "allgather":
+            send, recv = np.ones(max(n // world, 1), np.float32), np.ones(max(n // world, 1) * world, np.float32)
+            return lambda: comm.allgather(send, recv)
+        buf = np.ones(n, np.float32)
+        return lambda: comm.broadcast(buf, 0)
+
+    res = timed(cfg["sizes"], cfg["iters"], cfg["warmup"], comm.barrier, op_for)
+    extra = {"decisions": {s: comm.decide(cfg["op"], s) for s in cfg["sizes"]}, "model": comm.cost_model(),
+             "stats": comm.stats()}
+    comm.close()
+    return res, extra
+
+
+def rank_gloo(cfg, rank, world):
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
+
+    def op_for(size):
+        n = max(size // 4, 1)
+        if cfg["op"] == "allreduce":
+            t = torch.ones(n)
+            return lambda: dist.all_reduce(t)
+        if cfg["op"] == "allgather":
+            inp, out = torch.ones(max(n // world, 1)), torch.ones(max(n // world, 1) * world)
+            return lambda: dist.all_gather_into_tensor(out, inp)
+        t = torch.ones(n)
+        return lambda: dist.broadcast(t, 0)
+
+    res = timed(cfg["sizes"], cfg["iters"], cfg["warmup"], dist.barrier, op_for)
+    dist.barrier()
+    return res, {}
+
+
+def rank_mpi(cfg, rank, world):
+    import numpy as np
+    from mpi4py import MPI
+    c = MPI.COMM_WORLD
+
+    def op_for(size):
+        n = max(size // 4, 1)
+        if cfg["op"] == "allreduce":
+            buf = np.ones(n, np.float32)
+            return lambda: c.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if cfg["op"] == "allgather":
+            send, recv = np.ones(max(n // world, 1), np.float32), np.ones(max(n // world, 1) * world, np.float32)
+            return lambda: c.Allgather(send, recv)
+        buf = np.ones(n, np.float32)
+        return lambda: c.Bcast(buf, root=0)
+
+    return timed(cfg["sizes"], cfg["iters"], cfg["warmup"], c.Barrier, op_for), {}
+
+
+def rank_ring(cfg, rank, world):
+    """Plain sockets: the ring's sends and receives (2(n−1) steps of size/n bytes)."""
+    from harness_ring import RingSockets
+    ring = RingSockets(rank, world, cfg["port"])
+
+    def op_for(size):
+        chunk = max(size // world, 1)
+        sbuf, rbuf = bytearray(chunk), bytearray(chunk)
+        steps = {"allreduce": 2 * (world - 1), "allgather": world - 1, "broadcast": world - 1}[cfg["op"]]
+        return lambda: [ring.step(sbuf, rbuf) for _ in range(steps)]
+
+    res = timed(cfg["sizes"], cfg["iters"], cfg["warmup"], ring.barrier, op_for)
+    ring.close()
+    return res, {}
+
+
+def rank_main(lib, cfg_path, rank=None, world=None):
+    cfg = json.loads(Path(cfg_path).read_text())
+    if lib == "mpi":
+        from mpi4py import MPI
+        rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    res, extra = {"mobius": rank_mobius, "gloo": rank_gloo, "mpi": rank_mpi, "ring": rank_ring}[lib](cfg, rank, world)
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"times": {str(k): v for k, v in res.items()}, **extra}))
+    if lib == "gloo":
+        # torch 2.15's gloo can abort in teardown ("terminate called without an active
+        # exception"); the measurements are written, so leave without it.
+        os._exit(0)
+
+
+# ----- driver --------------------------------------------------------------------------------
+def launch(lib, world, cfg, workdir: Path, timeout: float):
+    from harness import free_port
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = dict(cfg, port=free_port(), out=str(workdir))
+    cfg_path = workdir / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RING_DIR=str(workdir), MOBIUS_TUNE="on")
+    log = open(workdir / "log.txt", "w")
+    if lib == "mpi":
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world), "--mca", "pml", "ob1",
+               "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
+               sys.executable, __file__, "rank", lib, str(cfg_path)]
+        procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)]
+    else:
+        procs = [subprocess.Popen([sys.executable, __file__, "rank", lib, str(cfg_path), str(r), str(world)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                 for r in range(world)]
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            rc = p.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                try:
+                    os.killpg(q.pid, 9)
+                except ProcessLookupError:
+                    pass
+            raise RuntimeError(f"{lib} world {world} timed out; log {workdir / 'log.txt'}")
+        if rc != 0:
+            raise RuntimeError(f"{lib} world {world} failed ({rc}):\n{(workdir / 'log.txt').read_text()[-3000:]}")
+    ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world)]
+    per_size = {}
+    for s in cfg["sizes"]:
+        its = zip(*[rk["times"][str(s)] for rk in ranks])
+        per_size[s] = statistics.median(max(it) for it in its)
+    return per_size, ranks[0]
+
+
+def run(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    worlds = [int(w) for w in args.worlds.split(",")]
+    libs = [x for x in args.libs.split(",") if x]
+    ops = args.ops.split(",")
+    rounds: dict = {}
+    extras: dict = {}
+    for rnd in range(args.rounds):
+        for world in worlds:
+            for op in ops:
+                for lib in libs if rnd % 2 == 0 else list(reversed(libs)):
+                    cfg = {"sizes": sizes, "iters": args.iters, "warmup": args.warmup, "op": op}
+                    t, extra = launch(lib, world, cfg, out / "runs" / f"{lib}-{op}-w{world}-r{rnd}", args.timeout)
+                    for s, v in t.items():
+                        rounds.setdefault((lib, op, world, s), []).append(v)
+                    if extra.get("decisions"):
+                        extras[(op, world)] = extra
+                    print(f"round {rnd + 1}/{args.rounds} {lib:6s} {op} world {world}: done", file=sys.stderr)
+    rows = []
+    for (lib, op, world, size), ts in sorted(rounds.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], kv[0][0])):
+        t = statistics.median(ts)
+        algbw = size / t / 1e9
+        rows.append({"library": lib, "op": op, "bytes": size, "world": world, "time_us": t * 1e6,
+                     "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
+                     "time_us_min": min(ts) * 1e6, "time_us_max": max(ts) * 1e6, "rounds": len(ts),
+                     "iters": args.iters})
+    report = {"rows": rows, "config": vars(args),
+              "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"]}
+                                for (op, w), e in extras.items()}}
+    (out / "collective.json").write_text(json.dumps(report, indent=1))
+    print_table(rows, libs)
+    plot(rows, out / "collective.png")
+    print(f"\nwrote {out / 'collective.json'} and {out / 'collective.png'}")
+
+
+def print_table(rows, libs):
+    by = {(r["library"], r["op"], r["world"], r["bytes"]): r for r in rows}
+    for op in sorted({r["op"] for r in rows}):
+        for world in sorted({r["world"] for r in rows}):
+            sizes = sorted({r["bytes"] for r in rows if r["world"] == world and r["op"] == op})
+            print(f"\n# {op}, {world} ranks, float32 (time: median over rounds [min-max]; busbw in GB/s)")
+            head = f"#{'size':>11}" + "".join(f"{lib + ' time(us)':>26}{'busbw':>8}" for lib in libs)
+            print(head)
+            for s in sizes:
+                line = f"{s:>12}"
+                for lib in libs:
+                    r = by.get((lib, op, world, s))
+                    if r is None:
+                        line += f"{'-':>26}{'-':>8}"
+                    else:
+                        cell = f"{r['time_us']:.1f} [{r['time_us_min']:.0f}-{r['time_us_max']:.0f}]"
+                        line += f"{cell:>26}{r['busbw_gbs']:>8.3f}"
+                print(line)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    combos = sorted({(r["op"], r["world"]) for r in rows})
+    fig, axes = plt.subplots(1, len(combos), figsize=(6 * len(combos), 4.5), squeeze=False)
+    for ax, (op, world) in zip(axes[0], combos):
+        for lib in LIBRARIES:
+            pts = sorted((r["bytes"], r["busbw_gbs"]) for r in rows if r["library"] == lib and r["op"] == op and r["world"] == world)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lib)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{op}, {world} ranks, loopback")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def policy_table(worlds):
+    """Prints the policy's decision table (markdown) for each world, as measured now."""
+    import tempfile
+    from harness import run as run_group
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as d:
+            res = run_group("policy_table", world, Path(d), env={"MOBIUS_TUNE": "on"})[0]
+        m = res["model"]
+        print(f"\n{world} ranks, tcp loopback; measured: alpha {m['alpha'] * 1e6:.1f} us, beta {1e-9 / m['beta']:.2f} GB/s, "
+              f"gamma {1e-9 / m['gamma']:.1f} GB/s, copy {1e-9 / m['copy']:.1f} GB/s\n")
+        ops = ["allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"]
+        print("| bytes | " + " | ".join(ops) + " |")
+        print("|---" * (len(ops) + 1) + "|")
+        sizes = sorted({int(k.split("/")[1]) for k in res["table"]})
+        for s in sizes:
+            cells = []
+            for op in ops:
+                algo, seg, proto = res["table"][f"{op}/{s}"]
+                cells.append(f"{algo} ({proto}, seg {seg >> 10}k)")
+            label = f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB"
+            print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "rank":
+        lib, cfg = sys.argv[2], sys.argv[3]
+        rank = int(sys.argv[4]) if len(sys.argv) > 4 else None
+        world = int(sys.argv[5]) if len(sys.argv) > 5 else None
+        return rank_main(lib, cfg, rank, world)
+    if len(sys.argv) > 1 and sys.argv[1] == "policy":
+        return policy_table([int(w) for w in (sys.argv[2] if len(sys.argv) > 2 else "2,4").split(",")])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", choices=["run"])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--sizes", default="4k,16k,64k,256k,1m,4m,16m,64m,256m")
+    p.add_argument("--ops", default="allreduce")
+    p.add_argument("--libs", default=",".join(LIBRARIES))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default="target/bench")
+    run(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The Mobius suite in real processes: correctness against numpy (every op × dtype × reduce op,
+# worlds 1-4, every algorithm forced and the policy's choice, up to 64 MiB), zero-copy numpy and
+# torch buffers, the torch.distributed backend and DDP against gloo, faults (a killed rank, a
+# rank that never joins, mismatched arguments) and the benchmark pipeline at a tiny size.
+#
+#   tests/collective/run.sh [pytest args]      e.g. -k ddp, -x
+#
+# Sets up its own Python (tests/collective/env.sh: cached torch venv, mobius wheel built from
+# this tree). The Rust side of Mobius is tested by `cargo test -p mobius-collective` and the
+# mesh by `cargo test -p rdma-shuffle-fabric mesh`.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p target
+. tests/collective/env.sh
+cd tests/collective
+exec "$MOBIUS_PY" -m pytest -q "$@"
