@@ -47,13 +47,16 @@ final class EngineMetricsSource(read: () => Seq[(String, String)]) extends Sourc
   /** Reads the counters and registers a gauge for every key not seen before. */
   def refresh(): Unit = synchronized {
     readSinceRefresh.clear()
-    val now = try read() catch {
-      case NonFatal(e) =>
-        logDebug("RDMA shuffle engine counters could not be read; keeping the last values", e)
-        Nil
-    }
+    val now =
+      try read()
+      catch {
+        case NonFatal(e) =>
+          logDebug("RDMA shuffle engine counters could not be read; keeping the last values", e)
+          Nil
+      }
     val numeric = now.flatMap { case (k, v) =>
-      try Some(k -> v.trim.toLong) catch { case _: NumberFormatException => None }
+      try Some(k -> v.trim.toLong)
+      catch { case _: NumberFormatException => None }
     }
     if (numeric.nonEmpty) snapshot = snapshot ++ numeric
     numeric.map(_._1).filterNot(registered.contains).foreach { key =>
@@ -67,6 +70,7 @@ final class EngineMetricsSource(read: () => Seq[(String, String)]) extends Sourc
 
 /** Names of the metrics source. */
 object EngineMetricsSource {
+
   /** The source name that prefixes every gauge. */
   val Name = "rdmaShuffle"
 }

@@ -10,6 +10,7 @@ import org.apache.spark.{ShuffleDependency, SparkConf}
  * One method: a reason to hand over, or `None` to serve it with the plugin.
  */
 trait FallbackPolicy {
+
   /** Why `dependency` must be handed to Spark's sort shuffle, or `None`. */
   def reasonToHandOver(dependency: ShuffleDependency[_, _, _]): Option[String]
 
@@ -33,7 +34,10 @@ trait FallbackPolicy {
  *
  * @param nativeFailure why the native library did not load, if it did not
  */
-class DefaultFallbackPolicy(conf: SparkConf, settings: RdmaShuffleConf, nativeFailure: Option[String])
+class DefaultFallbackPolicy(
+    conf: SparkConf,
+    settings: RdmaShuffleConf,
+    nativeFailure: Option[String])
   extends FallbackPolicy {
 
   /** The setting asking for encrypted traffic, if any (see the companion). */
@@ -56,7 +60,7 @@ class DefaultFallbackPolicy(conf: SparkConf, settings: RdmaShuffleConf, nativeFa
     } else if (conf.get("spark.shuffle.sort.io.plugin.class", localDiskIo) != localDiskIo) {
       Some(s"spark.shuffle.sort.io.plugin.class=${conf.get("spark.shuffle.sort.io.plugin.class")}")
     } else if (conf.getBoolean("spark.decommission.enabled", false) &&
-        conf.getBoolean("spark.storage.decommission.shuffleBlocks.enabled", false)) {
+      conf.getBoolean("spark.storage.decommission.shuffleBlocks.enabled", false)) {
       Some("shuffle block migration on decommission is enabled")
     } else {
       None
@@ -86,7 +90,8 @@ object DefaultFallbackPolicy {
   def encryptionRequested(conf: SparkConf): Option[String] = {
     def on(key: String) = conf.getOption(key).exists(_.trim.equalsIgnoreCase("true"))
     val ssl = conf.getOption("spark.ssl.rpc.enabled") match {
-      case Some(v) => if (v.trim.equalsIgnoreCase("true")) Some("spark.ssl.rpc.enabled=true") else None
+      case Some(v) =>
+        if (v.trim.equalsIgnoreCase("true")) Some("spark.ssl.rpc.enabled=true") else None
       case None => if (on("spark.ssl.enabled")) Some("spark.ssl.enabled=true") else None
     }
     Seq("spark.network.crypto.enabled", "spark.authenticate.enableSaslEncryption")

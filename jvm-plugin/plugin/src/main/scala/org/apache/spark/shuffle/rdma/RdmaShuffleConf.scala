@@ -48,14 +48,19 @@ object RdmaShuffleConf {
     checkCapHoldsLargestTier(byKey)
     val unknown = conf.getAll.map(_._1).filter(_.startsWith(Prefix))
       .filterNot(k => values.contains(k)).sorted.toSeq
-    RdmaShuffleConf(byKey, values.collect { case (k, FromExecutorHost) => k }.toSet,
-      conf.contains(BindHostKey), unknown)
+    RdmaShuffleConf(
+      byKey,
+      values.collect { case (k, FromExecutorHost) => k }.toSet,
+      conf.contains(BindHostKey),
+      unknown)
   }
 
   /** A resolved setting. */
   private sealed trait Resolved
+
   /** Canonical value; empty for a setting that is unset. */
   private final case class Value(canonical: String) extends Resolved
+
   /** Not set: takes the executor's host, known only when the engine starts. */
   private case object FromExecutorHost extends Resolved
 
@@ -81,15 +86,18 @@ object RdmaShuffleConf {
     def fail(why: String): Nothing = throw new RdmaShuffleConfigException(s"$shown $why")
     def scalar(text: String): Long = s.kind match {
       case "size" | "sizes" =>
-        try JavaUtils.byteStringAsBytes(text) catch {
+        try JavaUtils.byteStringAsBytes(text)
+        catch {
           case NonFatal(_) => fail(s"is not a size ('$text'; examples: 65536, 64k, 16m)")
         }
       case "duration" =>
-        try JavaUtils.timeStringAsMs(text) catch {
+        try JavaUtils.timeStringAsMs(text)
+        catch {
           case NonFatal(_) => fail(s"is not a duration ('$text'; examples: 500ms, 30s, 2min)")
         }
       case _ =>
-        try text.trim.toLong catch {
+        try text.trim.toLong
+        catch {
           case _: NumberFormatException => fail("is not a non-negative integer")
         }
     }
@@ -121,7 +129,8 @@ object RdmaShuffleConf {
           val sizes = raw.split(",").map(_.trim).filter(_.nonEmpty).map(t => inRange(scalar(t)))
           if (sizes.isEmpty) fail("needs at least one size")
           if (sizes.zip(sizes.drop(1)).exists { case (a, b) => a >= b }) {
-            fail(s"must list sizes in strictly ascending order (example: ${s.default.getOrElse("")})")
+            fail(
+              s"must list sizes in strictly ascending order (example: ${s.default.getOrElse("")})")
           }
           sizes.mkString(",")
         case "host" =>
@@ -148,7 +157,8 @@ object RdmaShuffleConf {
 
   /** The IP address `host` resolves to (as Spark's own transport would bind it). */
   private[rdma] def hostAddress(host: String): Option[String] =
-    try Some(InetAddress.getByName(host).getHostAddress) catch { case NonFatal(_) => None }
+    try Some(InetAddress.getByName(host).getHostAddress)
+    catch { case NonFatal(_) => None }
 
   private def checkCapHoldsLargestTier(values: Map[String, String]): Unit = {
     val capKey = Prefix + "pool.capBytes"
@@ -187,8 +197,10 @@ final case class RdmaShuffleConf(
 
   /** The canonical value of a declared setting resolved now (bytes, ms, lower-case words). */
   def apply(key: String): String =
-    values.getOrElse(key, throw new NoSuchElementException(s"$key is not resolved without an " +
-      "executor host, or not declared in settings/settings.tsv"))
+    values.getOrElse(
+      key,
+      throw new NoSuchElementException(s"$key is not resolved without an " +
+        "executor host, or not declared in settings/settings.tsv"))
 
   /** The bind host the user set, as an address; `None` when it follows the executor's host. */
   def explicitBindHost: Option[String] = if (bindHostSet) values.get(BindHostKey) else None
@@ -213,7 +225,10 @@ final case class RdmaShuffleConf(
    * @throws RdmaShuffleConfigException when the executor host does not resolve, or a value
    *                                    contains a line break (it would corrupt the line format)
    */
-  def engineConfig(executorId: String, appId: String, authSecret: Option[String],
+  def engineConfig(
+      executorId: String,
+      appId: String,
+      authSecret: Option[String],
       executorHost: String): String = {
     val settings = SettingsSchema.all.filter(_.forEngine).map { s =>
       if (fromExecutorHost.contains(s.key)) {
@@ -226,7 +241,8 @@ final case class RdmaShuffleConf(
       authSecret.toSeq.flatMap(s =>
         Seq("spark.authenticate" -> "true", "spark.authenticate.secret" -> s))
     lines.foreach { case (k, v) =>
-      if (k.exists(c => c == '\n' || c == '\r' || c == '=') || v.exists(c => c == '\n' || c == '\r')) {
+      if (k.exists(c => c == '\n' || c == '\r' || c == '=') || v.exists(c =>
+          c == '\n' || c == '\r')) {
         // Never echo the secret's value.
         val shown = if (k == "spark.authenticate.secret") "<secret>" else s"'$v'"
         throw new RdmaShuffleConfigException(

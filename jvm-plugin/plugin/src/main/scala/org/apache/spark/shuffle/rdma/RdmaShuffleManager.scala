@@ -123,7 +123,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   // any JVM without an env yet) starts on first use instead. Nothing to start when every
   // shuffle will be handed over anyway.
   if (SparkShims.envReadyAtConstruction && SparkEnv.get != null && settings.enabled &&
-      nativeFailure.isEmpty && handOverAll.isEmpty) {
+    nativeFailure.isEmpty && handOverAll.isEmpty) {
     if (isDriver) startRegistry() else engine()
   }
 
@@ -135,7 +135,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** The per-shuffle hand-over decision. */
   protected def createFallbackPolicy(
-      settings: RdmaShuffleConf, nativeFailure: Option[String]): FallbackPolicy =
+      settings: RdmaShuffleConf,
+      nativeFailure: Option[String]): FallbackPolicy =
     new DefaultFallbackPolicy(conf, settings, nativeFailure)
 
   /** Opens this JVM's engine. */
@@ -154,15 +155,25 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       endMapIndex: Int,
       startPartition: Int,
       endPartition: Int)
-    : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
+      : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
     val tracker = SparkEnv.get.mapOutputTracker
     if (handle.dependency.isShuffleMergeFinalizedMarked) {
       val res = tracker.getPushBasedShuffleMapSizesByExecutorId(
-        handle.shuffleId, startMapIndex, endMapIndex, startPartition, endPartition)
+        handle.shuffleId,
+        startMapIndex,
+        endMapIndex,
+        startPartition,
+        endPartition)
       (res.iter, res.enableBatchFetch)
     } else {
-      (tracker.getMapSizesByExecutorId(
-        handle.shuffleId, startMapIndex, endMapIndex, startPartition, endPartition), true)
+      (
+        tracker.getMapSizesByExecutorId(
+          handle.shuffleId,
+          startMapIndex,
+          endMapIndex,
+          startPartition,
+          endPartition),
+        true)
     }
   }
 
@@ -194,11 +205,17 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       engine() match {
         case EngineState.Running(eng, _, _) =>
           val numPartitions = h.dependency.partitioner.numPartitions
-          new CommitNotifyingWriter[K, V](writer, () => commitHook(eng).onMapOutputCommitted(
-            MapOutputCommit(h.shuffleId, mapId,
-              shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
-              shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
-              numPartitions)))
+          new CommitNotifyingWriter[K, V](
+            writer,
+            () =>
+              commitHook(eng).onMapOutputCommitted(
+                MapOutputCommit(
+                  h.shuffleId,
+                  mapId,
+                  shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
+                  shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
+                  numPartitions))
+          )
         case _ => writer
       }
     case other =>
@@ -220,18 +237,36 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
           context.addTaskCompletionListener[Unit](_ => reportStats(running))
           val (blocksByAddress, canEnableBatchFetch) =
             mapSizesByExecutorId(h, startMapIndex, endMapIndex, startPartition, endPartition)
-          new RdmaShuffleReader[K, C](h, blocksByAddress, context, metrics, client,
+          new RdmaShuffleReader[K, C](
+            h,
+            blocksByAddress,
+            context,
+            metrics,
+            client,
             shouldBatchFetch = canEnableBatchFetch &&
-              SortShuffleManager.canUseBatchFetch(startPartition, endPartition, context))
+              SortShuffleManager.canUseBatchFetch(startPartition, endPartition, context)
+          )
         case _ =>
           // No engine in this JVM: Spark's reader over Netty (engines elsewhere do not matter,
           // every executor's Netty server still serves its files).
-          super.getReader[K, C](h.sortHandle, startMapIndex, endMapIndex, startPartition,
-            endPartition, context, metrics)
+          super.getReader[K, C](
+            h.sortHandle,
+            startMapIndex,
+            endMapIndex,
+            startPartition,
+            endPartition,
+            context,
+            metrics)
       }
     case other =>
-      super.getReader[K, C](other, startMapIndex, endMapIndex, startPartition, endPartition,
-        context, metrics)
+      super.getReader[K, C](
+        other,
+        startMapIndex,
+        endMapIndex,
+        startPartition,
+        endPartition,
+        context,
+        metrics)
   }
 
   override def unregisterShuffle(shuffleId: Int): Boolean = {
@@ -239,7 +274,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     if (engineShuffles.remove(shuffleId)) {
       engineState match {
         case EngineState.Running(eng, _, _) =>
-          try eng.unregisterShuffle(shuffleId) catch {
+          try eng.unregisterShuffle(shuffleId)
+          catch {
             case NonFatal(e) => logWarning(s"Engine could not unregister shuffle $shuffleId", e)
           }
         case _ =>
@@ -256,27 +292,30 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
             val executorId = Option(SparkEnv.get).map(_.executorId).getOrElse("?")
             logStats(executorId, statsOf(running))
             for (source <- metricsSource; env <- Option(SparkEnv.get)) {
-              try env.metricsSystem.removeSource(source) catch { case NonFatal(_) => }
+              try env.metricsSystem.removeSource(source)
+              catch { case NonFatal(_) => }
             }
             metricsSource = None
             directory.unregister(executorId)
-            try eng.close() catch {
+            try eng.close()
+            catch {
               case NonFatal(e) => logWarning("Closing the native shuffle engine failed", e)
             }
           case _ =>
         }
         logInfo(s"RdmaShuffleManager stopped (isDriver=$isDriver, engine=${engineState match {
-          case EngineState.Running(_, _, _) => "closed"
-          case EngineState.Unavailable(_) => "unavailable"
-          case _ => "never started"
-        }}, handed over shuffles=${handedOver.size})")
+            case EngineState.Running(_, _, _) => "closed"
+            case EngineState.Unavailable(_) => "unavailable"
+            case _ => "never started"
+          }}, handed over shuffles=${handedOver.size})")
         engineState = EngineState.Stopped
         // The driver's log is the reliable place for every executor's final counters.
         registryEndpoint.foreach(_.statsByExecutor.toSeq.sortBy(_._1).foreach {
           case (executorId, stats) => logStats(executorId, stats)
         })
         for (ref <- registryRef; env <- Option(SparkEnv.get)) {
-          try env.rpcEnv.stop(ref) catch { case NonFatal(_) => }
+          try env.rpcEnv.stop(ref)
+          catch { case NonFatal(_) => }
         }
         registryRef = None
       }
@@ -311,12 +350,16 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** The engine's counters plus this JVM's request routing counts. */
   private def statsOf(running: EngineState.Running): Seq[(String, String)] = {
-    val native = try running.engine.stats catch {
-      case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
-    }
-    Seq("transport" -> running.engine.transport,
+    val native =
+      try running.engine.stats
+      catch {
+        case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
+      }
+    Seq(
+      "transport" -> running.engine.transport,
       "native_requests" -> running.client.nativeRequestCount.toString,
-      "delegated_requests" -> running.client.delegatedRequestCount.toString) ++ native
+      "delegated_requests" -> running.client.delegatedRequestCount.toString
+    ) ++ native
   }
 
   private def reportStats(running: EngineState.Running): Unit = {
@@ -326,7 +369,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** One line, `key=value`, grepped by tests/spark: keep the format stable. */
   private def logStats(executorId: String, stats: Seq[(String, String)]): Unit =
-    logInfo(s"$StatsMarker executor=$executorId " + stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
+    logInfo(
+      s"$StatsMarker executor=$executorId " + stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
 
   /** Starts the driver's registry endpoint once (driver only). */
   private def startRegistry(): Unit = {
@@ -345,7 +389,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** This JVM's engine, started on first call; never throws. */
   private def engine(): EngineState = {
     val s = engineState
-    if (s != EngineState.NotStarted) s else synchronized {
+    if (s != EngineState.NotStarted) s
+    else synchronized {
       if (engineState == EngineState.NotStarted && !stopped.get()) {
         engineState = startEngine()
       }
@@ -380,7 +425,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       }
       val directory = new CachingEngineDirectory(ref)
       directory.register(env.executorId, host, eng.port, eng.transport)
-      val client = new NativeBlockStoreClient(eng, readerDirectory(directory),
+      val client = new NativeBlockStoreClient(
+        eng,
+        readerDirectory(directory),
         env.blockManager.blockStoreClient,
         SparkTransportConf.fromSparkConf(env.conf, "shuffle"))
       logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
@@ -390,9 +437,13 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       running
     } catch {
       case NonFatal(e) =>
-        opened.foreach(o => try o.close() catch { case NonFatal(_) => })
-        logWarning("RDMA shuffle engine could not start on this executor; its shuffles are " +
-          "written and read through Spark's own block transfer service", e)
+        opened.foreach(o =>
+          try o.close()
+          catch { case NonFatal(_) => })
+        logWarning(
+          "RDMA shuffle engine could not start on this executor; its shuffles are " +
+            "written and read through Spark's own block transfer service",
+          e)
         EngineState.Unavailable(e.toString)
     }
   }
@@ -430,6 +481,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
 /** Constants shared by the manager and the test harness. */
 object RdmaShuffleManager {
+
   /** Prefix of the engine-stats log line written at stop (grepped by tests/spark). */
   val StatsMarker = "RDMA_SHUFFLE_ENGINE_STATS"
 
@@ -457,6 +509,7 @@ private[rdma] object EngineState {
 
 /** Spark constants that are private in Spark. */
 private[rdma] object SparkShuffleConstants {
+
   /** `SparkContext.DRIVER_IDENTIFIER`. */
   val DriverId = "driver"
 }

@@ -73,18 +73,29 @@ object SettingsSchema {
     val rows = text.split("\n").toSeq.zipWithIndex
       .map { case (l, i) => (l.stripSuffix("\r"), i + 1) }
       .filterNot { case (l, _) => l.trim.isEmpty || l.startsWith("#") }
-    require(rows.nonEmpty && rows.head._1.split("\t").toSeq == Header,
+    require(
+      rows.nonEmpty && rows.head._1.split("\t").toSeq == Header,
       s"settings schema: the first row must be the header ${Header.mkString("\\t")}")
     val specs = rows.tail.map { case (line, n) =>
       val c = line.split("\t", -1)
-      require(c.length == Header.length,
+      require(
+        c.length == Header.length,
         s"settings schema line $n: expected ${Header.length} tab-separated columns, got ${c.length}")
       def opt(s: String): Option[String] = if (s == "-") None else Some(s)
       require(Kinds.contains(c(1)), s"settings schema line $n: unknown type '${c(1)}'")
-      require(c(5) == "jvm" || c(5) == "engine", s"settings schema line $n: unknown scope '${c(5)}'")
-      require(c(0).startsWith(RdmaShuffleConf.Prefix),
+      require(
+        c(5) == "jvm" || c(5) == "engine",
+        s"settings schema line $n: unknown scope '${c(5)}'")
+      require(
+        c(0).startsWith(RdmaShuffleConf.Prefix),
         s"settings schema line $n: '${c(0)}' lacks the ${RdmaShuffleConf.Prefix} prefix")
-      SettingSpec(c(0), c(1), opt(c(2)), opt(c(3)).toSeq.flatMap(_.split(',')), opt(c(4)), c(5),
+      SettingSpec(
+        c(0),
+        c(1),
+        opt(c(2)),
+        opt(c(3)).toSeq.flatMap(_.split(',')),
+        opt(c(4)),
+        c(5),
         c(6))
     }
     val dup = specs.groupBy(_.key).collect { case (k, v) if v.size > 1 => k }

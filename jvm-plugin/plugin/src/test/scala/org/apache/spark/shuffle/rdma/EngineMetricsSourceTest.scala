@@ -36,14 +36,17 @@ class EngineMetricsSourceTest {
     // Spark's MetricsSystem registers a source's registry under its name in its own registry.
     val spark = new MetricRegistry
     spark.register("app-1.7.rdmaShuffle", source.metricRegistry)
-    assertEquals(Set("app-1.7.rdmaShuffle.bytes_fetched", "app-1.7.rdmaShuffle.blocks_fetched"),
+    assertEquals(
+      Set("app-1.7.rdmaShuffle.bytes_fetched", "app-1.7.rdmaShuffle.blocks_fetched"),
       spark.getGauges.keySet.asScala.toSet)
     assertEquals(100L, gauge(spark, "app-1.7.rdmaShuffle.bytes_fetched"))
 
     // A key the engine starts reporting later becomes a gauge at the next report.
     c.stats = Seq("bytes_fetched" -> "250", "blocks_fetched" -> "3", "read_bytes" -> "9")
-    assertEquals("a second read of a gauge starts a new report",
-      250L, gauge(spark, "app-1.7.rdmaShuffle.bytes_fetched"))
+    assertEquals(
+      "a second read of a gauge starts a new report",
+      250L,
+      gauge(spark, "app-1.7.rdmaShuffle.bytes_fetched"))
     assertEquals(9L, gauge(spark, "app-1.7.rdmaShuffle.read_bytes"))
     assertEquals(3L, gauge(spark, "app-1.7.rdmaShuffle.blocks_fetched"))
   }
@@ -61,12 +64,15 @@ class EngineMetricsSourceTest {
     c.stats = Seq("a" -> "10", "b" -> "20", "c" -> "30")
     c.failing = true
     for (_ <- 1 to 2) {
-      assertEquals("the last values stay when the engine cannot be read",
-        Map("a" -> 1L, "b" -> 2L, "c" -> 3L), gauges.map { case (k, g) => k -> g.getValue }.toMap)
+      assertEquals(
+        "the last values stay when the engine cannot be read",
+        Map("a" -> 1L, "b" -> 2L, "c" -> 3L),
+        gauges.map { case (k, g) => k -> g.getValue }.toMap)
     }
     c.failing = false
     gauges.values.foreach(_.getValue)
-    assertEquals(Map("a" -> 10L, "b" -> 20L, "c" -> 30L),
+    assertEquals(
+      Map("a" -> 10L, "b" -> 20L, "c" -> 30L),
       gauges.map { case (k, g) => k -> g.getValue }.toMap)
   }
 }

@@ -25,11 +25,15 @@ class FallbackPolicyTest {
   }
 
   @Test def encryptionRequestsHandEveryShuffleToSpark(): Unit = {
-    handsOverNaming("spark.network.crypto.enabled=true",
-      "spark.authenticate" -> "true", "spark.network.crypto.enabled" -> "true")
+    handsOverNaming(
+      "spark.network.crypto.enabled=true",
+      "spark.authenticate" -> "true",
+      "spark.network.crypto.enabled" -> "true")
     handsOverNaming("spark.network.crypto.enabled=true", "spark.network.crypto.enabled" -> "TRUE")
-    handsOverNaming("spark.authenticate.enableSaslEncryption=true",
-      "spark.authenticate" -> "true", "spark.authenticate.enableSaslEncryption" -> "true")
+    handsOverNaming(
+      "spark.authenticate.enableSaslEncryption=true",
+      "spark.authenticate" -> "true",
+      "spark.authenticate.enableSaslEncryption" -> "true")
     handsOverNaming("spark.ssl.enabled=true", "spark.ssl.enabled" -> "true")
     handsOverNaming("spark.ssl.rpc.enabled=true", "spark.ssl.rpc.enabled" -> "true")
   }
@@ -44,7 +48,8 @@ class FallbackPolicyTest {
         Seq("spark.network.crypto.enabled" -> "false"),
         // TLS for the UI only: RPC/shuffle TLS explicitly off.
         Seq("spark.ssl.enabled" -> "true", "spark.ssl.rpc.enabled" -> "false"),
-        Seq("spark.ssl.ui.enabled" -> "true"))) {
+        Seq("spark.ssl.ui.enabled" -> "true")
+      )) {
       val p = policy(kv: _*)
       assertEquals(s"$kv", None, p.reasonToHandOverAll)
       assertEquals(s"$kv", None, p.encryption)
@@ -54,10 +59,12 @@ class FallbackPolicyTest {
   @Test def disabledAndMissingLibraryComeFirst(): Unit = {
     val c = new SparkConf(false).set("spark.network.crypto.enabled", "true")
       .set("spark.shuffle.rdma.enabled", "false")
-    assertEquals(Some("spark.shuffle.rdma.enabled=false"),
+    assertEquals(
+      Some("spark.shuffle.rdma.enabled=false"),
       new DefaultFallbackPolicy(c, RdmaShuffleConf(c), None).reasonToHandOverAll)
     val d = new SparkConf(false).set("spark.network.crypto.enabled", "true")
-    assertEquals(Some("native library unavailable"),
+    assertEquals(
+      Some("native library unavailable"),
       new DefaultFallbackPolicy(d, RdmaShuffleConf(d), Some("no lib")).reasonToHandOverAll)
   }
 }

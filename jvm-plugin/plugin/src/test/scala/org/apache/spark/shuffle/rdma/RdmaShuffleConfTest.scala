@@ -20,7 +20,9 @@ class RdmaShuffleConfTest {
   }
 
   private def lines(text: String): Map[String, String] =
-    text.split("\n").map { l => val i = l.indexOf('='); l.substring(0, i) -> l.substring(i + 1) }
+    text.split("\n").map { l =>
+      val i = l.indexOf('='); l.substring(0, i) -> l.substring(i + 1)
+    }
       .toMap
 
   @Test def theJarCarriesTheRepositorysSchema(): Unit = {
@@ -30,7 +32,9 @@ class RdmaShuffleConfTest {
     assertTrue(s"${repoFile.getAbsolutePath} exists", repoFile.isFile)
     val inRepo = new String(Files.readAllBytes(repoFile.toPath), StandardCharsets.UTF_8)
     val in = getClass.getResourceAsStream(SettingsSchema.ResourcePath)
-    val inJar = try scala.io.Source.fromInputStream(in, "UTF-8").mkString finally in.close()
+    val inJar =
+      try scala.io.Source.fromInputStream(in, "UTF-8").mkString
+      finally in.close()
     assertEquals(inRepo, inJar)
     assertEquals(SettingsSchema.parse(inRepo), SettingsSchema.all)
   }
@@ -55,7 +59,8 @@ class RdmaShuffleConfTest {
     // Canonical units, parsed by Spark's own parsers (the engine parses the same file itself).
     assertTrue(s.enabled)
     assertEquals("65536", s("spark.shuffle.rdma.eagerThreshold"))
-    assertEquals("4096,16384,65536,262144,1048576,2097152,4194304,8388608,16777216",
+    assertEquals(
+      "4096,16384,65536,262144,1048576,2097152,4194304,8388608,16777216",
       s("spark.shuffle.rdma.pool.tiers"))
     assertEquals("120000", s("spark.shuffle.rdma.fetchTimeout"))
     assertEquals("", s("spark.shuffle.rdma.device"))
@@ -66,13 +71,16 @@ class RdmaShuffleConfTest {
     assertEquals("20000", a("spark.shuffle.rdma.connectTimeout"))
     assertEquals("20000", a("spark.shuffle.rdma.fetchTimeout"))
     assertEquals("20000", a("spark.shuffle.rdma.idleTimeout"))
-    val b = RdmaShuffleConf(conf("spark.network.timeout" -> "20s",
+    val b = RdmaShuffleConf(conf(
+      "spark.network.timeout" -> "20s",
       "spark.shuffle.io.connectionTimeout" -> "10s"))
     assertEquals("10000", b("spark.shuffle.rdma.connectTimeout"))
     assertEquals("10000", b("spark.shuffle.rdma.idleTimeout"))
     assertEquals("20000", b("spark.shuffle.rdma.fetchTimeout"))
-    val c = RdmaShuffleConf(conf("spark.shuffle.io.connectionTimeout" -> "10s",
-      "spark.shuffle.rdma.connectTimeout" -> "3s", "spark.shuffle.rdma.fetchTimeout" -> "1min"))
+    val c = RdmaShuffleConf(conf(
+      "spark.shuffle.io.connectionTimeout" -> "10s",
+      "spark.shuffle.rdma.connectTimeout" -> "3s",
+      "spark.shuffle.rdma.fetchTimeout" -> "1min"))
     assertEquals("3000", c("spark.shuffle.rdma.connectTimeout"))
     assertEquals("60000", c("spark.shuffle.rdma.fetchTimeout"))
   }
@@ -90,7 +98,9 @@ class RdmaShuffleConfTest {
     rejects("spark.shuffle.rdma.eagerThreshold" -> "32m", "1..16777216 bytes")
     rejects("spark.shuffle.rdma.pool.tiers" -> "64k,4k", "ascending")
     rejects("spark.shuffle.rdma.pool.tiers" -> "4k,big", "big")
-    rejects("spark.shuffle.rdma.pool.capBytes" -> "1m", "largest pool tier",
+    rejects(
+      "spark.shuffle.rdma.pool.capBytes" -> "1m",
+      "largest pool tier",
       "spark.shuffle.rdma.pool.tiers")
     rejects("spark.shuffle.rdma.port" -> "70000", "0..65535")
     rejects("spark.shuffle.rdma.port" -> "x", "not a non-negative integer")
@@ -104,18 +114,25 @@ class RdmaShuffleConfTest {
   }
 
   @Test def engineConfigLines(): Unit = {
-    val s = RdmaShuffleConf(conf("spark.shuffle.rdma.transport" -> "TCP",
-      "spark.shuffle.rdma.eagerThreshold" -> "8k", "spark.shuffle.rdma.gidIndex" -> "1",
-      "spark.shuffle.rdma.verbs.gidIndex" -> "2"))
+    val s = RdmaShuffleConf(conf(
+      "spark.shuffle.rdma.transport" -> "TCP",
+      "spark.shuffle.rdma.eagerThreshold" -> "8k",
+      "spark.shuffle.rdma.gidIndex" -> "1",
+      "spark.shuffle.rdma.verbs.gidIndex" -> "2"
+    ))
     val text = s.engineConfig("3", "app-1", Some("s3cret"), "localhost")
     val sent = lines(text)
     assertTrue(text.endsWith("\n"))
     assertEquals("tcp", sent("spark.shuffle.rdma.transport"))
     assertEquals("8192", sent("spark.shuffle.rdma.eagerThreshold"))
     assertEquals("1", sent("spark.shuffle.rdma.gidIndex"))
-    assertEquals("the executor's host, as an address",
-      RdmaShuffleConf.hostAddress("localhost").get, sent("spark.shuffle.rdma.bindHost"))
-    assertFalse("unknown keys are not forwarded", sent.contains("spark.shuffle.rdma.verbs.gidIndex"))
+    assertEquals(
+      "the executor's host, as an address",
+      RdmaShuffleConf.hostAddress("localhost").get,
+      sent("spark.shuffle.rdma.bindHost"))
+    assertFalse(
+      "unknown keys are not forwarded",
+      sent.contains("spark.shuffle.rdma.verbs.gidIndex"))
     assertEquals("3", sent("spark.executor.id"))
     assertEquals("app-1", sent("spark.app.id"))
     assertEquals("true", sent("spark.authenticate"))
@@ -125,16 +142,24 @@ class RdmaShuffleConfTest {
     assertEquals(None, s.explicitBindHost)
     val bound = RdmaShuffleConf(conf("spark.shuffle.rdma.bindHost" -> "127.0.0.2"))
     assertEquals(Some("127.0.0.2"), bound.explicitBindHost)
-    assertEquals("127.0.0.2",
+    assertEquals(
+      "127.0.0.2",
       lines(bound.engineConfig("3", "a", None, "localhost"))("spark.shuffle.rdma.bindHost"))
   }
 
   @Test def unknownKeysAreNamedWithTheNearestValidKey(): Unit = {
-    val s = RdmaShuffleConf(conf("spark.shuffle.rdma.eagerTreshold" -> "8k",
-      "spark.shuffle.rdma.pool.capbytes" -> "1g", "spark.shuffle.rdma.verbs.gidIndex" -> "1",
-      "spark.shuffle.rdma.port" -> "0"))
-    assertEquals(Seq("spark.shuffle.rdma.eagerTreshold", "spark.shuffle.rdma.pool.capbytes",
-      "spark.shuffle.rdma.verbs.gidIndex"), s.unknownKeys)
+    val s = RdmaShuffleConf(conf(
+      "spark.shuffle.rdma.eagerTreshold" -> "8k",
+      "spark.shuffle.rdma.pool.capbytes" -> "1g",
+      "spark.shuffle.rdma.verbs.gidIndex" -> "1",
+      "spark.shuffle.rdma.port" -> "0"
+    ))
+    assertEquals(
+      Seq(
+        "spark.shuffle.rdma.eagerTreshold",
+        "spark.shuffle.rdma.pool.capbytes",
+        "spark.shuffle.rdma.verbs.gidIndex"),
+      s.unknownKeys)
     val w = s.unknownKeyWarnings
     assertEquals(3, w.size)
     assertTrue(w(0), w(0).contains("did you mean spark.shuffle.rdma.eagerThreshold?"))
@@ -147,8 +172,10 @@ class RdmaShuffleConfTest {
 
   @Test def lineBreaksCannotBeSmuggledIn(): Unit = {
     val s = RdmaShuffleConf(conf())
-    val e = assertThrows(classOf[RdmaShuffleConfigException], () =>
-      s.engineConfig("1", "app", Some("abc\nspark.shuffle.rdma.port=1"), "127.0.0.1"))
+    val e = assertThrows(
+      classOf[RdmaShuffleConfigException],
+      () =>
+        s.engineConfig("1", "app", Some("abc\nspark.shuffle.rdma.port=1"), "127.0.0.1"))
     assertTrue(e.getMessage.contains("<secret>"))
     assertFalse("the secret is never echoed", e.getMessage.contains("abc"))
   }

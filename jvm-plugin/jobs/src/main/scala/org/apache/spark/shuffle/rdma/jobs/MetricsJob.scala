@@ -49,7 +49,8 @@ object MetricsJob {
       }
     }.partitionBy(new HashPartitioner(4))
     println(s"DIGEST job=large ${ShuffleJobs.digestOf(large) { case (k, v) =>
-      k * 31L + ShuffleJobs.hash64(v) }}")
+        k * 31L + ShuffleJobs.hash64(v)
+      }}")
     println("METRICS_JOB_DONE")
     System.out.flush()
 
