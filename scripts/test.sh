@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 step "toolchain"
 ensure_rust
 
+step "settings: the README tables are the ones generated from settings/settings.tsv"
+python3 settings/readme_table.py --check README.md jvm-plugin/README.md
+
 step "rust: build and test the workspace"
 cargo build --workspace --all-targets --locked
 cargo test --workspace --locked 2>&1 | tee target/test-rust.log
@@ -41,6 +44,9 @@ for profile in "" spark-3.5; do
   fi
   grep -E "^\[(INFO|WARNING|ERROR)\] Tests run:" "$log" | tail -n 3
 done
+
+step "jvm: Scala formatting (scalafmt through spotless; 'mvn spotless:apply' fixes it)"
+(cd jvm-plugin && mvn -B -q spotless:check)
 
 if [ -x scripts/jni-test.sh ]; then
   step "jni: the real bridge inside a JVM under -Xcheck:jni"

@@ -296,6 +296,18 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSta
     guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.stats_text())?.into_raw()))
 }
 
+/// The engine's settings in force, as canonical `key=value` lines (one per engine setting of
+/// the schema): what the JVM sent, as the engine understood it. Tests compare it with the JVM's
+/// own resolution, so the two sides cannot read the schema differently.
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSettings(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+) -> jstring {
+    guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.config().to_kv())?.into_raw()))
+}
+
 #[no_mangle]
 pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineClose(mut env: JNIEnv, _c: JClass, h: jlong) {
     guard(&mut env, (), |_| {

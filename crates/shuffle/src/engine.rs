@@ -6,7 +6,7 @@ use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 use rdma_shuffle_fabric::{ClientEndpointConfig, FabricError, Provider, ServerEndpointConfig, TcpProvider};
 use rdma_shuffle_wire::{Limits, Secret};
 use std::fmt::Write as _;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,7 +51,8 @@ pub enum Transport {
     Tcp,
 }
 
-/// Settings of an engine. Field docs name the Spark setting each comes from.
+/// Settings of an engine. Field docs name the Spark setting each comes from; defaults, parsing
+/// and validation are in [`crate::settings`] (from the one schema, `settings/settings.tsv`).
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// `spark.shuffle.rdma.transport`.
@@ -64,16 +65,21 @@ pub struct EngineConfig {
     pub pool_cap: u64,
     /// `spark.shuffle.rdma.port` (0 = ephemeral).
     pub port: u16,
-    /// `spark.shuffle.rdma.bindHost` (default all interfaces).
+    /// `spark.shuffle.rdma.bindHost` (the JVM passes the executor's host).
     pub bind_host: IpAddr,
     /// `spark.shuffle.rdma.connectTimeout` (ms).
     pub connect_timeout: Duration,
     /// `spark.shuffle.rdma.fetchTimeout` (ms).
     pub fetch_timeout: Duration,
+    /// `spark.shuffle.rdma.idleTimeout`: connections idle this long are closed.
+    pub idle_timeout: Duration,
     /// `spark.shuffle.rdma.credits`: blocks in flight per connection.
     pub credits: u32,
     /// `spark.shuffle.rdma.maxBytesInFlight`: rendezvous bytes being transferred at once.
     pub max_bytes_in_flight: u64,
+    /// `spark.shuffle.rdma.recvBuffers`: verbs receive buffers in the engine's shared receive
+    /// queue.
+    pub recv_buffers: u32,
     /// `spark.authenticate.secret` when `spark.authenticate=true`.
     pub secret: Option<Secret>,
     /// `spark.executor.id`, for logs and errors.
@@ -82,84 +88,6 @@ pub struct EngineConfig {
     pub device: Option<String>,
     /// `spark.shuffle.rdma.gidIndex`: GID index (default: first RoCEv2 IPv4-mapped GID).
     pub gid_index: Option<u8>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            transport: Transport::Auto,
-            eager_threshold: 64 * 1024,
-            pool_tiers: PoolConfig::default().tiers,
-            pool_cap: 512 << 20,
-            port: 0,
-            bind_host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            connect_timeout: Duration::from_secs(120),
-            fetch_timeout: Duration::from_secs(120),
-            credits: 64,
-            max_bytes_in_flight: 48 << 20,
-            secret: None,
-            executor_id: "unknown".into(),
-            device: None,
-            gid_index: None,
-        }
-    }
-}
-
-impl EngineConfig {
-    /// Parses newline-separated `key=value` lines (the JVM side resolves defaults and units:
-    /// sizes in bytes, durations in ms). Unknown keys are ignored.
-    pub fn from_kv(text: &str) -> Result<Self, EngineError> {
-        let mut c = EngineConfig::default();
-        let mut auth = false;
-        let mut secret = None;
-        for line in text.lines() {
-            let Some((k, v)) = line.split_once('=') else { continue };
-            let (k, v) = (k.trim(), v.trim());
-            let bad = |why: &str| EngineError::Setting { key: k.to_string(), value: v.to_string(), why: why.to_string() };
-            let num = |max: u64| {
-                v.parse::<u64>().ok().filter(|n| *n <= max).ok_or_else(|| bad(&format!("expected an integer up to {max}")))
-            };
-            match k {
-                "spark.shuffle.rdma.transport" => {
-                    c.transport = match v {
-                        "auto" => Transport::Auto,
-                        "verbs" => Transport::Verbs,
-                        "tcp" => Transport::Tcp,
-                        _ => return Err(bad("expected auto|verbs|tcp")),
-                    }
-                }
-                "spark.shuffle.rdma.eagerThreshold" => c.eager_threshold = num(16 << 20)? as u32,
-                "spark.shuffle.rdma.pool.tiers" => {
-                    c.pool_tiers = v
-                        .split(',')
-                        .map(|t| t.trim().parse::<usize>().map_err(|_| bad("expected comma-separated byte sizes")))
-                        .collect::<Result<_, _>>()?
-                }
-                "spark.shuffle.rdma.pool.capBytes" => c.pool_cap = num(u64::MAX)?,
-                "spark.shuffle.rdma.port" => c.port = num(65535)? as u16,
-                "spark.shuffle.rdma.bindHost" => c.bind_host = v.parse().map_err(|_| bad("expected an IP address"))?,
-                "spark.shuffle.rdma.connectTimeout" => c.connect_timeout = Duration::from_millis(num(u64::MAX)?.max(1)),
-                "spark.shuffle.rdma.fetchTimeout" => c.fetch_timeout = Duration::from_millis(num(u64::MAX)?.max(1)),
-                "spark.shuffle.rdma.credits" => c.credits = num(1 << 16)?.max(1) as u32,
-                "spark.shuffle.rdma.maxBytesInFlight" => c.max_bytes_in_flight = num(u64::MAX)?.max(1),
-                "spark.authenticate" => auth = v.eq_ignore_ascii_case("true"),
-                "spark.authenticate.secret" => secret = Some(v.to_string()),
-                "spark.executor.id" => c.executor_id = v.to_string(),
-                "spark.shuffle.rdma.device" => c.device = Some(v.to_string()).filter(|d| !d.is_empty()),
-                "spark.shuffle.rdma.gidIndex" => c.gid_index = Some(num(255)? as u8),
-                _ => {}
-            }
-        }
-        if auth {
-            let s = secret.filter(|s| !s.is_empty()).ok_or_else(|| EngineError::Setting {
-                key: "spark.authenticate.secret".into(),
-                value: String::new(),
-                why: "spark.authenticate is true but no secret reached the executor".into(),
-            })?;
-            c.secret = Some(Secret::new(s));
-        }
-        Ok(c)
-    }
 }
 
 /// Picks the provider for `transport`, with the reason (logged once by the caller).
@@ -312,25 +240,6 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn settings_parse_and_bad_values_name_the_key() {
-        let c = EngineConfig::from_kv(
-            "spark.shuffle.rdma.transport=tcp\nspark.shuffle.rdma.eagerThreshold=32768\nspark.shuffle.rdma.pool.tiers=4096,65536\n\
-             spark.shuffle.rdma.pool.capBytes=1048576\nspark.shuffle.rdma.fetchTimeout=1500\nspark.executor.id=7\nunknown.key=1\n",
-        )
-        .unwrap();
-        assert_eq!(c.transport, Transport::Tcp);
-        assert_eq!(c.eager_threshold, 32768);
-        assert_eq!(c.pool_tiers, vec![4096, 65536]);
-        assert_eq!(c.fetch_timeout, Duration::from_millis(1500));
-        assert_eq!(c.executor_id, "7");
-        let e = EngineConfig::from_kv("spark.shuffle.rdma.transport=ib").unwrap_err().to_string();
-        assert!(e.contains("spark.shuffle.rdma.transport") && e.contains("auto|verbs|tcp"), "{e}");
-        let e = EngineConfig::from_kv("spark.authenticate=true").unwrap_err().to_string();
-        assert!(e.contains("spark.authenticate.secret"), "{e}");
-        assert!(EngineConfig::from_kv("spark.authenticate=true\nspark.authenticate.secret=x").unwrap().secret.is_some());
-    }
 
     #[test]
     fn auto_picks_tcp_on_a_machine_without_a_device_and_says_why() {

@@ -7,6 +7,8 @@
 //! * [`client`] — [`BlockClient`]: fetches Spark shuffle blocks from many block servers.
 //! * [`engine`] — [`Engine`]: one executor's provider, pool, server and client, from Spark's
 //!   settings.
+//! * [`settings`] — the `spark.shuffle.rdma.*` schema (`settings/settings.tsv`, compiled in):
+//!   defaults, parsing and validation of [`EngineConfig`].
 //! * [`testkit`] — writes map outputs in Spark's exact layout (and corrupt variants) for tests
 //!   and benchmarks.
 #![deny(missing_docs)]
@@ -14,6 +16,7 @@
 pub mod client;
 pub mod engine;
 pub mod server;
+pub mod settings;
 pub mod store;
 pub mod testkit;
 

@@ -22,11 +22,12 @@ public final class NativeBridge {
   /**
    * Starts an engine: memory pool, progress thread(s), block server listening on a port.
    *
-   * @param config newline-separated {@code key=value} lines: every {@code spark.shuffle.rdma.*}
-   *     setting with defaults already applied and sizes in bytes / durations in milliseconds
-   *     (see {@code RdmaShuffleConf}), {@code spark.executor.id}, {@code spark.app.id}, and
-   *     {@code spark.authenticate=true} plus {@code spark.authenticate.secret} when Spark
-   *     authentication is on. Keys the native side does not know must be ignored.
+   * @param config newline-separated {@code key=value} lines: every engine setting of the schema
+   *     ({@code settings/settings.tsv}) resolved, in canonical form (sizes in bytes, durations in
+   *     milliseconds, empty when unset; see {@code RdmaShuffleConf.engineConfig}),
+   *     {@code spark.executor.id}, {@code spark.app.id}, and {@code spark.authenticate=true}
+   *     plus {@code spark.authenticate.secret} when Spark authentication is on. A schema key the
+   *     native side is not given keeps the schema's default; other keys are ignored.
    * @return a non-zero handle
    */
   public static native long engineOpen(String config);
@@ -103,6 +104,13 @@ public final class NativeBridge {
    *     {@code blocks_fetched}, {@code bytes_fetched}, then transport-specific counters
    */
   public static native String engineStats(long h);
+
+  /**
+   * @param h engine handle
+   * @return the engine's settings in force: one canonical {@code key=value} line per engine
+   *     setting of the schema, in the form {@code engineOpen} takes
+   */
+  public static native String engineSettings(long h);
 
   /**
    * Stops the engine: closes connections, joins native threads, frees the pool. Outstanding

@@ -14,6 +14,7 @@ import org.apache.spark.util.RpcUtils
 
 /** Messages between executors and the driver's [[EngineRegistryEndpoint]]. */
 private[rdma] object EngineRegistryMessages {
+
   /** An executor's engine is up at `host:port`. Replied with `true`. */
   final case class RegisterEngine(executorId: String, host: String, port: Int, transport: String)
 
@@ -91,6 +92,7 @@ private[rdma] final class EngineRegistryEndpoint(override val rpcEnv: RpcEnv)
 
 /** Names and helpers around the registry endpoint. */
 private[rdma] object EngineRegistry {
+
   /** The RPC endpoint name on the driver. */
   val EndpointName = "RdmaShuffleEngineRegistry"
 
@@ -122,16 +124,19 @@ final class CachingEngineDirectory(driver: RpcEndpointRef)
     if (hit != null) {
       Some(hit)
     } else {
-      val answer = try {
-        driver.askSync[Option[(String, Int)]](LookupEngine(executorId))
-          .map { case (host, port) => EngineAddress(host, port) }
-      } catch {
-        case NonFatal(e) =>
-          // The driver is unreachable or slow: Spark's own transfer path still works.
-          logWarning(s"Could not look up the shuffle engine of executor $executorId; " +
-            "fetching its blocks through Spark's block transfer service", e)
-          None
-      }
+      val answer =
+        try {
+          driver.askSync[Option[(String, Int)]](LookupEngine(executorId))
+            .map { case (host, port) => EngineAddress(host, port) }
+        } catch {
+          case NonFatal(e) =>
+            // The driver is unreachable or slow: Spark's own transfer path still works.
+            logWarning(
+              s"Could not look up the shuffle engine of executor $executorId; " +
+                "fetching its blocks through Spark's block transfer service",
+              e)
+            None
+        }
       answer.foreach(a => cache.putIfAbsent(executorId, a))
       answer
     }
@@ -145,7 +150,8 @@ final class CachingEngineDirectory(driver: RpcEndpointRef)
 
   /** Best effort, never blocks: reports this engine's counters to the driver. */
   def reportStats(executorId: String, stats: Seq[(String, String)]): Unit = {
-    try driver.send(EngineStats(executorId, stats)) catch {
+    try driver.send(EngineStats(executorId, stats))
+    catch {
       case NonFatal(e) => logDebug(s"Could not report engine stats of $executorId", e)
     }
   }
@@ -153,7 +159,8 @@ final class CachingEngineDirectory(driver: RpcEndpointRef)
   /** Best effort, never blocks: tells the driver this engine is going away. */
   def unregister(executorId: String): Unit = {
     cache.remove(executorId)
-    try driver.send(UnregisterEngine(executorId)) catch {
+    try driver.send(UnregisterEngine(executorId))
+    catch {
       case NonFatal(e) => logDebug(s"Could not unregister engine of $executorId", e)
     }
   }

@@ -5,13 +5,26 @@ package org.apache.spark.shuffle.rdma
 
 import java.io.IOException
 import java.nio.ByteBuffer
-import java.util.concurrent.{CompletableFuture, ExecutorService, LinkedBlockingQueue, ThreadFactory, ThreadPoolExecutor, TimeUnit}
+import java.util.concurrent.{
+  CompletableFuture,
+  ExecutorService,
+  LinkedBlockingQueue,
+  ThreadFactory,
+  ThreadPoolExecutor,
+  TimeUnit
+}
 import java.util.concurrent.atomic.{AtomicInteger, AtomicIntegerArray, AtomicLong}
 
 import scala.util.control.NonFatal
 
 import org.apache.spark.internal.Logging
-import org.apache.spark.network.shuffle.{BlockFetchingListener, BlockStoreClient, BlockTransferListener, DownloadFileManager, RetryingBlockTransferor}
+import org.apache.spark.network.shuffle.{
+  BlockFetchingListener,
+  BlockStoreClient,
+  BlockTransferListener,
+  DownloadFileManager,
+  RetryingBlockTransferor
+}
 import org.apache.spark.network.shuffle.checksum.Cause
 import org.apache.spark.network.util.TransportConf
 import org.apache.spark.storage.{BlockId, ShuffleBlockBatchId, ShuffleBlockId}
@@ -21,6 +34,7 @@ final case class EngineAddress(host: String, port: Int)
 
 /** Resolves an executor id to its engine's address; `None` when that executor has no engine. */
 trait EngineDirectory {
+
   /** The engine of `executorId`, if it registered one. */
   def lookup(executorId: String): Option[EngineAddress]
 }
@@ -102,8 +116,10 @@ class NativeBlockStoreClient(
       engine.fetchBlocks(addr.host, addr.port, ranges, callback)
     } catch {
       case e: RdmaShuffleException if e.isTransient =>
-        throw new IOException(s"fetch of ${ids.length} block(s) from executor $execId engine " +
-          s"${addr.host}:${addr.port} failed to start: ${e.getMessage}", e)
+        throw new IOException(
+          s"fetch of ${ids.length} block(s) from executor $execId engine " +
+            s"${addr.host}:${addr.port} failed to start: ${e.getMessage}",
+          e)
     }
   }
 
@@ -137,11 +153,14 @@ class NativeBlockStoreClient(
           case other => other.onBlockTransferFailure(blockId, e)
         }
       } catch {
-        case NonFatal(t) => logError(s"Fetch listener failed while reporting failure of $blockId", t)
+        case NonFatal(t) =>
+          logError(s"Fetch listener failed while reporting failure of $blockId", t)
       }
     }
 
-    private def deliver(blockId: String, buf: org.apache.spark.network.buffer.ManagedBuffer): Unit = {
+    private def deliver(
+        blockId: String,
+        buf: org.apache.spark.network.buffer.ManagedBuffer): Unit = {
       try {
         success(blockId, buf)
       } catch {
@@ -176,17 +195,19 @@ class NativeBlockStoreClient(
       val file = downloadFileManager.createTempFile(transportConf)
       try {
         val channel = file.openForWriting()
-        val fileBuf = try {
-          val src = buf.nioByteBuffer()
-          while (src.hasRemaining) channel.write(src)
-          channel.closeAndRead()
-        } catch {
-          case NonFatal(e) =>
-            try channel.close() catch { case NonFatal(_) => }
-            throw e
-        } finally {
-          buf.release()
-        }
+        val fileBuf =
+          try {
+            val src = buf.nioByteBuffer()
+            while (src.hasRemaining) channel.write(src)
+            channel.closeAndRead()
+          } catch {
+            case NonFatal(e) =>
+              try channel.close()
+              catch { case NonFatal(_) => }
+              throw e
+          } finally {
+            buf.release()
+          }
         if (downloadFileManager.registerTempFileToClean(file)) {
           deliver(blockId, fileBuf)
         } else {
@@ -196,17 +217,22 @@ class NativeBlockStoreClient(
       } catch {
         case NonFatal(e) =>
           file.delete()
-          failure(blockId, new IOException(
-            s"writing block $blockId fetched from executor $execId to ${file.path()} failed", e))
+          failure(
+            blockId,
+            new IOException(
+              s"writing block $blockId fetched from executor $execId to ${file.path()} failed",
+              e))
       }
     }
 
     override def onFailure(index: Int, kind: String, message: String): Unit = {
       if (claim(index)) {
         val blockId = ids(index)
-        val cause = new RdmaShuffleException(kind,
+        val cause = new RdmaShuffleException(
+          kind,
           s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
-        val error: Throwable = if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
+        val error: Throwable =
+          if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
         failure(blockId, error)
       } else {
         logWarning(s"Ignoring unexpected failure for index $index of ${ids.length} from " +
@@ -215,12 +241,29 @@ class NativeBlockStoreClient(
     }
   }
 
-  override def diagnoseCorruption(host: String, port: Int, execId: String, shuffleId: Int,
-      mapId: Long, reduceId: Int, checksum: Long, algorithm: String): Cause =
-    sparkClient.diagnoseCorruption(host, port, execId, shuffleId, mapId, reduceId, checksum,
+  override def diagnoseCorruption(
+      host: String,
+      port: Int,
+      execId: String,
+      shuffleId: Int,
+      mapId: Long,
+      reduceId: Int,
+      checksum: Long,
+      algorithm: String): Cause =
+    sparkClient.diagnoseCorruption(
+      host,
+      port,
+      execId,
+      shuffleId,
+      mapId,
+      reduceId,
+      checksum,
       algorithm)
 
-  override def getHostLocalDirs(host: String, port: Int, execIds: Array[String],
+  override def getHostLocalDirs(
+      host: String,
+      port: Int,
+      execIds: Array[String],
       hostLocalDirsCompletable: CompletableFuture[java.util.Map[String, Array[String]]]): Unit =
     sparkClient.getHostLocalDirs(host, port, execIds, hostLocalDirsCompletable)
 
@@ -244,7 +287,9 @@ object NativeBlockStoreClient {
     val out = new Array[BlockRange](blockIds.length)
     var i = 0
     while (i < blockIds.length) {
-      val parsed = try BlockId(blockIds(i)) catch { case NonFatal(_) => null }
+      val parsed =
+        try BlockId(blockIds(i))
+        catch { case NonFatal(_) => null }
       parsed match {
         case ShuffleBlockId(s, m, r) => out(i) = BlockRange(s, m, r, r + 1)
         case ShuffleBlockBatchId(s, m, r1, r2) => out(i) = BlockRange(s, m, r1, r2)
@@ -262,14 +307,20 @@ object NativeBlockStoreClient {
    * 60 s idle, so an idle executor keeps none and stop() has nothing to join.
    */
   private[rdma] lazy val diskWriters: ExecutorService = {
-    val pool = new ThreadPoolExecutor(2, 2, 60L, TimeUnit.SECONDS, new LinkedBlockingQueue[Runnable](),
+    val pool = new ThreadPoolExecutor(
+      2,
+      2,
+      60L,
+      TimeUnit.SECONDS,
+      new LinkedBlockingQueue[Runnable](),
       new ThreadFactory {
         override def newThread(r: Runnable): Thread = {
           val t = new Thread(r, s"rdma-shuffle-disk-writer-${threadCounter.incrementAndGet()}")
           t.setDaemon(true)
           t
         }
-      })
+      }
+    )
     pool.allowCoreThreadTimeOut(true)
     pool
   }

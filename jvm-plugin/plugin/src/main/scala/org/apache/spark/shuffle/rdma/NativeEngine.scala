@@ -42,16 +42,28 @@ final class NativeEngine private (handle: Long) extends ShuffleEngine with Loggi
   override lazy val transport: String =
     guarded("engineTransport")(NativeBridge.engineTransport(handle))
 
-  override def registerMapOutput(shuffleId: Int, mapId: Long, dataFile: File, indexFile: File,
+  override def registerMapOutput(
+      shuffleId: Int,
+      mapId: Long,
+      dataFile: File,
+      indexFile: File,
       numPartitions: Int): Unit = guarded("registerMapOutput") {
-    NativeBridge.registerMapOutput(handle, shuffleId, mapId, dataFile.getAbsolutePath,
-      indexFile.getAbsolutePath, numPartitions)
+    NativeBridge.registerMapOutput(
+      handle,
+      shuffleId,
+      mapId,
+      dataFile.getAbsolutePath,
+      indexFile.getAbsolutePath,
+      numPartitions)
   }
 
   override def unregisterShuffle(shuffleId: Int): Int =
     guarded("unregisterShuffle")(NativeBridge.unregisterShuffle(handle, shuffleId))
 
-  override def fetchBlocks(host: String, port: Int, blocks: IndexedSeq[BlockRange],
+  override def fetchBlocks(
+      host: String,
+      port: Int,
+      blocks: IndexedSeq[BlockRange],
       callback: FetchCallback): Unit = guarded("fetchBlocks") {
     val n = blocks.length
     val shuffleIds = new Array[Int](n)
@@ -127,6 +139,7 @@ final class NativeEngine private (handle: Long) extends ShuffleEngine with Loggi
 
 /** Opening engines. */
 object NativeEngine {
+
   /** How long `close()` waits for outstanding leases. */
   val CloseGraceSeconds = 5
 

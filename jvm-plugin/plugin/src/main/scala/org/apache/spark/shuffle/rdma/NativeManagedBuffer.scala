@@ -82,7 +82,8 @@ final class NativeManagedBuffer(buf: ByteBuffer, lease: Long, releaseLease: Long
   // Abstract in Spark 4 only; on 3.5 this is simply an extra method.
   def convertToNettyForSsl(): AnyRef = convertToNetty()
 
-  override def toString: String = s"NativeManagedBuffer(lease=$lease, size=${size()}, refCnt=$referenceCount)"
+  override def toString: String =
+    s"NativeManagedBuffer(lease=$lease, size=${size()}, refCnt=$referenceCount)"
 }
 
 /** An InputStream over a ByteBuffer that it owns (a duplicate), without copying. */

@@ -3,6 +3,7 @@
  */
 package org.apache.spark.shuffle.rdma
 
+import java.net.InetAddress
 import java.util.Locale
 
 import scala.util.control.NonFatal
@@ -17,198 +18,231 @@ import org.apache.spark.network.util.JavaUtils
 class RdmaShuffleConfigException(message: String) extends IllegalArgumentException(message)
 
 /**
- * All `spark.shuffle.rdma.*` settings in one place: keys, defaults, documentation, parsing.
+ * Resolves the `spark.shuffle.rdma.*` settings declared in the schema ([[SettingsSchema]],
+ * `settings/settings.tsv`): the key itself, else its fallbacks (other Spark settings, or the
+ * executor's host), else the schema's default; parsed with Spark's own unit syntax and checked
+ * against the schema's range.
  *
- * The parsed form is handed to the native engine as `key=value` lines (sizes in bytes,
- * durations in milliseconds) so that the native side needs no defaults and no unit parsing of
- * its own.
+ * The resolved values are handed to the native engine as canonical `key=value` lines (sizes in
+ * bytes, durations in milliseconds), which the engine parses against the same schema.
  */
 object RdmaShuffleConf {
+
   /** Prefix of every setting of this plugin. */
   val Prefix = "spark.shuffle.rdma."
 
-  /** One documented setting. */
-  final case class Entry(key: String, default: String, doc: String)
+  /** `false` hands every shuffle to Spark's sort shuffle. */
+  val EnabledKey: String = Prefix + "enabled"
 
-  /** `true` (default) uses the plugin; `false` hands every shuffle to Spark's sort shuffle. */
-  val Enabled = Entry(Prefix + "enabled", "true",
-    "Use the native engine for shuffles. false hands every shuffle to Spark's sort shuffle.")
-
-  /** Which fabric provider the engine uses. */
-  val Transport = Entry(Prefix + "transport", "auto",
-    "auto (verbs when an RDMA device is usable, else tcp) | verbs (fail without a device) | tcp.")
-
-  /** Blocks smaller than this are sent inline (eager); larger ones by descriptor + pull. */
-  val EagerThreshold = Entry(Prefix + "eagerThreshold", "64k",
-    "Blocks up to this size are copied into a send buffer and sent inline; larger ones are " +
-      "announced by descriptor and pulled (RDMA READ, or a streamed region over tcp).")
-
-  /** Size classes of the registered-memory pool. */
-  val PoolTiers = Entry(Prefix + "pool.tiers", "4k,16k,64k,256k,1m,2m,4m,8m,16m",
-    "Comma-separated size classes of the registered buffer pool, ascending. A block takes " +
-      "the smallest class that holds it; larger steps waste more memory per block.")
-
-  /** Hard cap on the pool's total bytes. */
-  val PoolCapBytes = Entry(Prefix + "pool.capBytes", "512m",
-    "Hard cap on all pool memory of one executor; callers wait for free buffers beyond it.")
-
-  /** Port of the engine's server. */
-  val Port = Entry(Prefix + "port", "0",
-    "Port of the engine's block server; 0 picks a free ephemeral port.")
-
-  /** Connection set-up timeout; default follows Spark's own setting. */
-  val ConnectTimeout = Entry(Prefix + "connectTimeout", "",
-    "Connection set-up timeout. Default: spark.shuffle.io.connectionTimeout (which itself " +
-      "defaults to spark.network.timeout, 120s).")
-
-  /** Timeout of one fetch with no progress; default follows Spark's network timeout. */
-  val FetchTimeout = Entry(Prefix + "fetchTimeout", "",
-    "A fetch that makes no progress for this long fails (and Spark's retry / FetchFailed " +
-      "handling takes over). Default: spark.network.timeout (120s).")
-
-  /** Every documented setting, for docs and for the engine config. */
-  val All: Seq[Entry] = Seq(Enabled, Transport, EagerThreshold, PoolTiers, PoolCapBytes, Port,
-    ConnectTimeout, FetchTimeout)
-
-  private val Transports = Set("auto", "verbs", "tcp")
+  /** Where the engine listens (default: the executor's host). */
+  val BindHostKey: String = Prefix + "bindHost"
 
   /**
-   * Parses and validates the settings.
+   * Parses and validates every declared setting.
    *
-   * @throws RdmaShuffleConfigException naming the key and the allowed values
+   * @throws RdmaShuffleConfigException naming the key, the value and what is allowed
    */
   def apply(conf: SparkConf): RdmaShuffleConf = {
-    def raw(e: Entry): String = conf.get(e.key, e.default).trim
+    val values = SettingsSchema.all.map(s => s.key -> resolve(conf, s)).toMap
+    val byKey = values.collect { case (k, Value(v)) => k -> v }
+    checkCapHoldsLargestTier(byKey)
+    val unknown = conf.getAll.map(_._1).filter(_.startsWith(Prefix))
+      .filterNot(k => values.contains(k)).sorted.toSeq
+    RdmaShuffleConf(
+      byKey,
+      values.collect { case (k, FromExecutorHost) => k }.toSet,
+      conf.contains(BindHostKey),
+      unknown)
+  }
 
-    def bytes(e: Entry): Long = {
-      val v = raw(e)
-      val n = try JavaUtils.byteStringAsBytes(v) catch {
-        case NonFatal(_) =>
-          throw new RdmaShuffleConfigException(
-            s"${e.key}='$v' is not a size (examples: 65536, 64k, 16m; default ${e.default})")
-      }
-      if (n <= 0) {
-        throw new RdmaShuffleConfigException(s"${e.key}='$v' must be a positive size")
-      }
+  /** A resolved setting. */
+  private sealed trait Resolved
+
+  /** Canonical value; empty for a setting that is unset. */
+  private final case class Value(canonical: String) extends Resolved
+
+  /** Not set: takes the executor's host, known only when the engine starts. */
+  private case object FromExecutorHost extends Resolved
+
+  private def resolve(conf: SparkConf, s: SettingSpec): Resolved = {
+    val sparkKeys = s.key +: s.fallback.filterNot(_ == SettingsSchema.ExecutorHost)
+    sparkKeys.find(conf.contains) match {
+      case Some(from) =>
+        Value(canonical(s, conf.get(from).trim, from))
+      case None if s.fallback.contains(SettingsSchema.ExecutorHost) =>
+        FromExecutorHost
+      case None =>
+        Value(s.default.map(d => canonical(s, d, "the default")).getOrElse(""))
+    }
+  }
+
+  /**
+   * The canonical form of `raw` for setting `s`, as the engine expects it.
+   *
+   * @param from where the value came from: `s.key`, a fallback key, or "the default"
+   */
+  private[rdma] def canonical(s: SettingSpec, raw: String, from: String): String = {
+    val shown = if (from == s.key) s"${s.key}='$raw'" else s"$from='$raw' (used for ${s.key})"
+    def fail(why: String): Nothing = throw new RdmaShuffleConfigException(s"$shown $why")
+    def scalar(text: String): Long = s.kind match {
+      case "size" | "sizes" =>
+        try JavaUtils.byteStringAsBytes(text)
+        catch {
+          case NonFatal(_) => fail(s"is not a size ('$text'; examples: 65536, 64k, 16m)")
+        }
+      case "duration" =>
+        try JavaUtils.timeStringAsMs(text)
+        catch {
+          case NonFatal(_) => fail(s"is not a duration ('$text'; examples: 500ms, 30s, 2min)")
+        }
+      case _ =>
+        try text.trim.toLong
+        catch {
+          case _: NumberFormatException => fail("is not a non-negative integer")
+        }
+    }
+    val (min, max) = s.range.filter(_ => s.kind != "choice").map { r =>
+      val i = r.indexOf("..")
+      def bound(b: String) = if (b.isEmpty) None else Some(scalar(b))
+      (bound(r.substring(0, i)), bound(r.substring(i + 2)))
+    }.getOrElse((None, None))
+    def inRange(n: Long): Long = {
+      if (min.exists(n < _) || max.exists(n > _)) fail(s"must be ${rangeText(s.kind, min, max)}")
       n
     }
-
-    def millis(e: Entry, fallback: => String): Long = {
-      val v = if (conf.contains(e.key)) conf.get(e.key).trim else fallback
-      val n = try JavaUtils.timeStringAsMs(v) catch {
-        case NonFatal(_) =>
-          throw new RdmaShuffleConfigException(
-            s"${e.key}='$v' is not a duration (examples: 30s, 2min, 500ms)")
+    if (raw.isEmpty) {
+      if (s.default.isEmpty) "" else fail("needs a value")
+    } else {
+      s.kind match {
+        case "bool" =>
+          raw.toLowerCase(Locale.ROOT) match {
+            case b @ ("true" | "false") => b
+            case _ => fail("must be true or false")
+          }
+        case "choice" =>
+          val v = raw.toLowerCase(Locale.ROOT)
+          if (!s.choices.contains(v)) fail(s"must be one of ${s.choices.mkString("|")}")
+          v
+        case "size" | "duration" | "int" =>
+          inRange(scalar(raw)).toString
+        case "sizes" =>
+          val sizes = raw.split(",").map(_.trim).filter(_.nonEmpty).map(t => inRange(scalar(t)))
+          if (sizes.isEmpty) fail("needs at least one size")
+          if (sizes.zip(sizes.drop(1)).exists { case (a, b) => a >= b }) {
+            fail(
+              s"must list sizes in strictly ascending order (example: ${s.default.getOrElse("")})")
+          }
+          sizes.mkString(",")
+        case "host" =>
+          hostAddress(raw).getOrElse(fail("is not an address or a host name that resolves"))
+        case _ =>
+          raw
       }
-      if (n <= 0) throw new RdmaShuffleConfigException(s"${e.key}='$v' must be positive")
-      n
     }
+  }
 
-    val enabled = raw(Enabled).toLowerCase(Locale.ROOT) match {
-      case "true" => true
-      case "false" => false
-      case other =>
-        throw new RdmaShuffleConfigException(s"${Enabled.key}='$other' must be true or false")
+  private def rangeText(kind: String, min: Option[Long], max: Option[Long]): String = {
+    val unit = kind match {
+      case "size" | "sizes" => " bytes"
+      case "duration" => " ms"
+      case _ => ""
     }
-    val transport = raw(Transport).toLowerCase(Locale.ROOT)
-    if (!Transports.contains(transport)) {
-      throw new RdmaShuffleConfigException(
-        s"${Transport.key}='$transport' must be one of ${Transports.toSeq.sorted.mkString("|")}")
+    (min, max) match {
+      case (Some(lo), Some(hi)) => s"$lo..$hi$unit"
+      case (Some(lo), None) => s"at least $lo$unit"
+      case (None, Some(hi)) => s"at most $hi$unit"
+      case _ => "any value"
     }
-    val tiersRaw = raw(PoolTiers)
-    val tiers = tiersRaw.split(",").map(_.trim).filter(_.nonEmpty).map { t =>
-      try JavaUtils.byteStringAsBytes(t) catch {
-        case NonFatal(_) => throw new RdmaShuffleConfigException(
-          s"${PoolTiers.key}='$tiersRaw': '$t' is not a size (example: ${PoolTiers.default})")
+  }
+
+  /** The IP address `host` resolves to (as Spark's own transport would bind it). */
+  private[rdma] def hostAddress(host: String): Option[String] =
+    try Some(InetAddress.getByName(host).getHostAddress)
+    catch { case NonFatal(_) => None }
+
+  private def checkCapHoldsLargestTier(values: Map[String, String]): Unit = {
+    val capKey = Prefix + "pool.capBytes"
+    val tiersKey = Prefix + "pool.tiers"
+    for (cap <- values.get(capKey); tiers <- values.get(tiersKey) if tiers.nonEmpty) {
+      val largest = tiers.split(",").map(_.toLong).max
+      if (cap.toLong < largest) {
+        throw new RdmaShuffleConfigException(
+          s"$capKey=$cap bytes is smaller than the largest pool tier ($largest bytes); raise " +
+            s"$capKey or lower $tiersKey")
       }
-    }.toSeq
-    if (tiers.isEmpty || tiers.exists(_ <= 0) || tiers.zip(tiers.drop(1)).exists(p => p._1 >= p._2)) {
-      throw new RdmaShuffleConfigException(
-        s"${PoolTiers.key}='$tiersRaw' must list positive sizes in strictly ascending order " +
-          s"(example: ${PoolTiers.default})")
     }
-    val cap = bytes(PoolCapBytes)
-    if (cap < tiers.last) {
-      throw new RdmaShuffleConfigException(
-        s"${PoolCapBytes.key}=$cap bytes is smaller than the largest pool tier (${tiers.last} " +
-          s"bytes); raise ${PoolCapBytes.key} or lower ${PoolTiers.key}")
-    }
-    val eager = bytes(EagerThreshold)
-    val portRaw = raw(Port)
-    val port = try portRaw.toInt catch {
-      case _: NumberFormatException =>
-        throw new RdmaShuffleConfigException(s"${Port.key}='$portRaw' is not a port number")
-    }
-    if (port < 0 || port > 65535) {
-      throw new RdmaShuffleConfigException(s"${Port.key}=$port must be within 0..65535")
-    }
-    // Spark's own defaults: spark.shuffle.io.connectionTimeout falls back to
-    // spark.network.timeout, which defaults to 120s.
-    val networkTimeout = conf.get("spark.network.timeout", "120s")
-    val connect = millis(ConnectTimeout,
-      conf.get("spark.shuffle.io.connectionTimeout", networkTimeout))
-    val fetch = millis(FetchTimeout, networkTimeout)
-
-    RdmaShuffleConf(enabled, transport, eager, tiers, cap, port, connect, fetch,
-      conf.getAllWithPrefix(Prefix).toMap)
   }
 }
 
 /**
- * Parsed `spark.shuffle.rdma.*` settings (see the companion object for their meaning).
+ * Resolved `spark.shuffle.rdma.*` settings (see the companion object).
  *
- * @param rawSettings every `spark.shuffle.rdma.*` key as the user set it (prefix stripped);
- *                    passed through to the engine so that native-only settings need no JVM
- *                    change
+ * @param values        canonical value of every declared setting that is resolved now (empty
+ *                      string: unset)
+ * @param fromExecutorHost settings that take the executor's host, resolved in [[engineConfig]]
+ * @param bindHostSet   whether the user set `spark.shuffle.rdma.bindHost`
+ * @param unknownKeys   `spark.shuffle.rdma.*` keys in the Spark conf that the schema does not
+ *                      declare (misspelt or obsolete); they are ignored
  */
 final case class RdmaShuffleConf(
-    enabled: Boolean,
-    transport: String,
-    eagerThresholdBytes: Long,
-    poolTierBytes: Seq[Long],
-    poolCapBytes: Long,
-    port: Int,
-    connectTimeoutMs: Long,
-    fetchTimeoutMs: Long,
-    rawSettings: Map[String, String]) {
+    values: Map[String, String],
+    fromExecutorHost: Set[String],
+    bindHostSet: Boolean,
+    unknownKeys: Seq[String]) {
 
   import RdmaShuffleConf._
 
-  /**
-   * The resolved settings, in canonical units, keyed by their full names.
-   * Typed settings override the raw pass-through of the same key.
-   */
-  def resolved: Seq[(String, String)] = {
-    val typed = Seq(
-      Enabled.key -> enabled.toString,
-      Transport.key -> transport,
-      EagerThreshold.key -> eagerThresholdBytes.toString,
-      PoolTiers.key -> poolTierBytes.mkString(","),
-      PoolCapBytes.key -> poolCapBytes.toString,
-      Port.key -> port.toString,
-      ConnectTimeout.key -> connectTimeoutMs.toString,
-      FetchTimeout.key -> fetchTimeoutMs.toString)
-    val typedKeys = typed.map(_._1).toSet
-    val passThrough = rawSettings.toSeq.map { case (k, v) => (Prefix + k, v) }
-      .filterNot(kv => typedKeys.contains(kv._1)).sortBy(_._1)
-    typed ++ passThrough
+  /** Whether the plugin is enabled. */
+  def enabled: Boolean = values(EnabledKey).toBoolean
+
+  /** The canonical value of a declared setting resolved now (bytes, ms, lower-case words). */
+  def apply(key: String): String =
+    values.getOrElse(
+      key,
+      throw new NoSuchElementException(s"$key is not resolved without an " +
+        "executor host, or not declared in settings/settings.tsv"))
+
+  /** The bind host the user set, as an address; `None` when it follows the executor's host. */
+  def explicitBindHost: Option[String] = if (bindHostSet) values.get(BindHostKey) else None
+
+  /** One warning per unknown key, naming the nearest declared key. */
+  def unknownKeyWarnings: Seq[String] = unknownKeys.map { k =>
+    s"$k is not a setting of the RDMA shuffle plugin and is ignored; did you mean " +
+      s"${SettingsSchema.nearest(k)}? (every setting is listed in the plugin README's " +
+      "settings table)"
   }
 
   /**
-   * The text handed to `NativeBridge.engineOpen`: one `key=value` per line.
+   * The text handed to `NativeBridge.engineOpen`: every engine-scope setting of the schema as
+   * `key=value` (canonical; empty when unset), then the executor id, the app id and, when
+   * authentication is on, the secret.
    *
-   * @param executorId this executor's id (`driver` in local mode)
-   * @param appId the application id
-   * @param authSecret the app's `spark.authenticate` secret when authentication is on
-   * @throws RdmaShuffleConfigException when a value contains a line break (it would corrupt
-   *                                    the line format)
+   * @param executorId   this executor's id (`driver` in local mode)
+   * @param appId        the application id
+   * @param authSecret   the app's `spark.authenticate` secret when authentication is on
+   * @param executorHost the executor's host as Spark knows it (the default of the settings
+   *                     whose fallback is the executor's host, e.g. `bindHost`)
+   * @throws RdmaShuffleConfigException when the executor host does not resolve, or a value
+   *                                    contains a line break (it would corrupt the line format)
    */
-  def engineConfig(executorId: String, appId: String, authSecret: Option[String]): String = {
-    val lines = resolved ++ Seq("spark.executor.id" -> executorId, "spark.app.id" -> appId) ++
+  def engineConfig(
+      executorId: String,
+      appId: String,
+      authSecret: Option[String],
+      executorHost: String): String = {
+    val settings = SettingsSchema.all.filter(_.forEngine).map { s =>
+      if (fromExecutorHost.contains(s.key)) {
+        s.key -> RdmaShuffleConf.canonical(s, executorHost, "the executor's host")
+      } else {
+        s.key -> apply(s.key)
+      }
+    }
+    val lines = settings ++ Seq("spark.executor.id" -> executorId, "spark.app.id" -> appId) ++
       authSecret.toSeq.flatMap(s =>
         Seq("spark.authenticate" -> "true", "spark.authenticate.secret" -> s))
     lines.foreach { case (k, v) =>
-      if (k.exists(c => c == '\n' || c == '\r' || c == '=') || v.exists(c => c == '\n' || c == '\r')) {
+      if (k.exists(c => c == '\n' || c == '\r' || c == '=') || v.exists(c =>
+          c == '\n' || c == '\r')) {
         // Never echo the secret's value.
         val shown = if (k == "spark.authenticate.secret") "<secret>" else s"'$v'"
         throw new RdmaShuffleConfigException(

@@ -41,6 +41,7 @@ final case class MapOutputCommit(
  * map task, which Spark then retries.
  */
 trait MapOutputCommitHook {
+
   /** Called once per successful map task, after the files are in place. */
   def onMapOutputCommitted(commit: MapOutputCommit): Unit
 }

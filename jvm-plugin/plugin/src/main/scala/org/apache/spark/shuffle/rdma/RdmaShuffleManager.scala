@@ -3,9 +3,11 @@
  */
 package org.apache.spark.shuffle.rdma
 
+import java.net.InetAddress
 import java.util.concurrent.ConcurrentHashMap
 import java.util.concurrent.atomic.AtomicBoolean
 
+import scala.util.Try
 import scala.util.control.NonFatal
 
 import org.apache.spark.{ShuffleDependency, SparkConf, SparkEnv, TaskContext}
@@ -68,6 +70,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   private val fallbackPolicy: FallbackPolicy = createFallbackPolicy(settings, nativeFailure)
 
+  /** Set when no shuffle of this application can use the engine: none is started then. */
+  private val handOverAll: Option[String] = fallbackPolicy.reasonToHandOverAll
+
   /** Shuffle ids handed to Spark's sort shuffle (driver side), with the reason. */
   private val handedOver = new ConcurrentHashMap[Int, String]()
 
@@ -77,6 +82,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   @volatile private var engineState: EngineState = EngineState.NotStarted
   @volatile private var registryRef: Option[RpcEndpointRef] = None
   @volatile private var registryEndpoint: Option[EngineRegistryEndpoint] = None
+  @volatile private var metricsSource: Option[EngineMetricsSource] = None
   private val stopped = new AtomicBoolean(false)
 
   logInfo(s"RdmaShuffleManager created (isDriver=$isDriver, native=" +
@@ -89,11 +95,35 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     }
   }
 
+  // Warnings the user must see once per application: the driver logs them (executors share
+  // its settings, so they would only repeat them).
+  if (isDriver) {
+    settings.unknownKeyWarnings.zip(settings.unknownKeys).foreach { case (warning, key) =>
+      if (warnedUnknownKeys.add(key)) logWarning(warning)
+    }
+    fallbackPolicy match {
+      case p: DefaultFallbackPolicy if settings.enabled && nativeFailure.isEmpty =>
+        p.encryption.foreach { setting =>
+          if (encryptionWarningLogged.compareAndSet(false, true)) {
+            val key = setting.takeWhile(_ != '=')
+            logWarning(s"RDMA shuffle: $setting asks Spark to encrypt the traffic between " +
+              "executors, and the RDMA shuffle engine does not encrypt yet. Every shuffle of " +
+              "this application is handed to Spark's built-in sort shuffle, which honours " +
+              s"$key. To move shuffles through the engine, turn $key off (only on a network " +
+              "you trust); to keep encryption without this warning, remove " +
+              "spark.shuffle.manager.")
+          }
+        }
+      case _ =>
+    }
+  }
+  handOverAll.foreach(reason => logInfo(s"RDMA shuffle engine not started: $reason"))
+
   // Spark 4: start now, so executors register with the driver as they come up. Spark 3.5 (and
   // any JVM without an env yet) starts on first use instead. Nothing to start when every
   // shuffle will be handed over anyway.
   if (SparkShims.envReadyAtConstruction && SparkEnv.get != null && settings.enabled &&
-      nativeFailure.isEmpty) {
+    nativeFailure.isEmpty && handOverAll.isEmpty) {
     if (isDriver) startRegistry() else engine()
   }
 
@@ -105,7 +135,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** The per-shuffle hand-over decision. */
   protected def createFallbackPolicy(
-      settings: RdmaShuffleConf, nativeFailure: Option[String]): FallbackPolicy =
+      settings: RdmaShuffleConf,
+      nativeFailure: Option[String]): FallbackPolicy =
     new DefaultFallbackPolicy(conf, settings, nativeFailure)
 
   /** Opens this JVM's engine. */
@@ -124,15 +155,25 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       endMapIndex: Int,
       startPartition: Int,
       endPartition: Int)
-    : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
+      : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
     val tracker = SparkEnv.get.mapOutputTracker
     if (handle.dependency.isShuffleMergeFinalizedMarked) {
       val res = tracker.getPushBasedShuffleMapSizesByExecutorId(
-        handle.shuffleId, startMapIndex, endMapIndex, startPartition, endPartition)
+        handle.shuffleId,
+        startMapIndex,
+        endMapIndex,
+        startPartition,
+        endPartition)
       (res.iter, res.enableBatchFetch)
     } else {
-      (tracker.getMapSizesByExecutorId(
-        handle.shuffleId, startMapIndex, endMapIndex, startPartition, endPartition), true)
+      (
+        tracker.getMapSizesByExecutorId(
+          handle.shuffleId,
+          startMapIndex,
+          endMapIndex,
+          startPartition,
+          endPartition),
+        true)
     }
   }
 
@@ -164,11 +205,17 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       engine() match {
         case EngineState.Running(eng, _, _) =>
           val numPartitions = h.dependency.partitioner.numPartitions
-          new CommitNotifyingWriter[K, V](writer, () => commitHook(eng).onMapOutputCommitted(
-            MapOutputCommit(h.shuffleId, mapId,
-              shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
-              shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
-              numPartitions)))
+          new CommitNotifyingWriter[K, V](
+            writer,
+            () =>
+              commitHook(eng).onMapOutputCommitted(
+                MapOutputCommit(
+                  h.shuffleId,
+                  mapId,
+                  shuffleBlockResolver.getDataFile(h.shuffleId, mapId),
+                  shuffleBlockResolver.getIndexFile(h.shuffleId, mapId),
+                  numPartitions))
+          )
         case _ => writer
       }
     case other =>
@@ -190,18 +237,36 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
           context.addTaskCompletionListener[Unit](_ => reportStats(running))
           val (blocksByAddress, canEnableBatchFetch) =
             mapSizesByExecutorId(h, startMapIndex, endMapIndex, startPartition, endPartition)
-          new RdmaShuffleReader[K, C](h, blocksByAddress, context, metrics, client,
+          new RdmaShuffleReader[K, C](
+            h,
+            blocksByAddress,
+            context,
+            metrics,
+            client,
             shouldBatchFetch = canEnableBatchFetch &&
-              SortShuffleManager.canUseBatchFetch(startPartition, endPartition, context))
+              SortShuffleManager.canUseBatchFetch(startPartition, endPartition, context)
+          )
         case _ =>
           // No engine in this JVM: Spark's reader over Netty (engines elsewhere do not matter,
           // every executor's Netty server still serves its files).
-          super.getReader[K, C](h.sortHandle, startMapIndex, endMapIndex, startPartition,
-            endPartition, context, metrics)
+          super.getReader[K, C](
+            h.sortHandle,
+            startMapIndex,
+            endMapIndex,
+            startPartition,
+            endPartition,
+            context,
+            metrics)
       }
     case other =>
-      super.getReader[K, C](other, startMapIndex, endMapIndex, startPartition, endPartition,
-        context, metrics)
+      super.getReader[K, C](
+        other,
+        startMapIndex,
+        endMapIndex,
+        startPartition,
+        endPartition,
+        context,
+        metrics)
   }
 
   override def unregisterShuffle(shuffleId: Int): Boolean = {
@@ -209,7 +274,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     if (engineShuffles.remove(shuffleId)) {
       engineState match {
         case EngineState.Running(eng, _, _) =>
-          try eng.unregisterShuffle(shuffleId) catch {
+          try eng.unregisterShuffle(shuffleId)
+          catch {
             case NonFatal(e) => logWarning(s"Engine could not unregister shuffle $shuffleId", e)
           }
         case _ =>
@@ -225,24 +291,31 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
           case running @ EngineState.Running(eng, directory, _) =>
             val executorId = Option(SparkEnv.get).map(_.executorId).getOrElse("?")
             logStats(executorId, statsOf(running))
+            for (source <- metricsSource; env <- Option(SparkEnv.get)) {
+              try env.metricsSystem.removeSource(source)
+              catch { case NonFatal(_) => }
+            }
+            metricsSource = None
             directory.unregister(executorId)
-            try eng.close() catch {
+            try eng.close()
+            catch {
               case NonFatal(e) => logWarning("Closing the native shuffle engine failed", e)
             }
           case _ =>
         }
         logInfo(s"RdmaShuffleManager stopped (isDriver=$isDriver, engine=${engineState match {
-          case EngineState.Running(_, _, _) => "closed"
-          case EngineState.Unavailable(_) => "unavailable"
-          case _ => "never started"
-        }}, handed over shuffles=${handedOver.size})")
+            case EngineState.Running(_, _, _) => "closed"
+            case EngineState.Unavailable(_) => "unavailable"
+            case _ => "never started"
+          }}, handed over shuffles=${handedOver.size})")
         engineState = EngineState.Stopped
         // The driver's log is the reliable place for every executor's final counters.
         registryEndpoint.foreach(_.statsByExecutor.toSeq.sortBy(_._1).foreach {
           case (executorId, stats) => logStats(executorId, stats)
         })
         for (ref <- registryRef; env <- Option(SparkEnv.get)) {
-          try env.rpcEnv.stop(ref) catch { case NonFatal(_) => }
+          try env.rpcEnv.stop(ref)
+          catch { case NonFatal(_) => }
         }
         registryRef = None
       }
@@ -277,12 +350,16 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** The engine's counters plus this JVM's request routing counts. */
   private def statsOf(running: EngineState.Running): Seq[(String, String)] = {
-    val native = try running.engine.stats catch {
-      case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
-    }
-    Seq("transport" -> running.engine.transport,
+    val native =
+      try running.engine.stats
+      catch {
+        case NonFatal(e) => logWarning("Could not read engine stats", e); Nil
+      }
+    Seq(
+      "transport" -> running.engine.transport,
       "native_requests" -> running.client.nativeRequestCount.toString,
-      "delegated_requests" -> running.client.delegatedRequestCount.toString) ++ native
+      "delegated_requests" -> running.client.delegatedRequestCount.toString
+    ) ++ native
   }
 
   private def reportStats(running: EngineState.Running): Unit = {
@@ -292,7 +369,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** One line, `key=value`, grepped by tests/spark: keep the format stable. */
   private def logStats(executorId: String, stats: Seq[(String, String)]): Unit =
-    logInfo(s"$StatsMarker executor=$executorId " + stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
+    logInfo(
+      s"$StatsMarker executor=$executorId " + stats.map { case (k, v) => s"$k=$v" }.mkString(" "))
 
   /** Starts the driver's registry endpoint once (driver only). */
   private def startRegistry(): Unit = {
@@ -311,7 +389,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** This JVM's engine, started on first call; never throws. */
   private def engine(): EngineState = {
     val s = engineState
-    if (s != EngineState.NotStarted) s else synchronized {
+    if (s != EngineState.NotStarted) s
+    else synchronized {
       if (engineState == EngineState.NotStarted && !stopped.get()) {
         engineState = startEngine()
       }
@@ -323,6 +402,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     if (!settings.enabled || nativeFailure.isDefined) {
       return EngineState.Unavailable(nativeFailure.getOrElse("disabled"))
     }
+    if (handOverAll.isDefined) return EngineState.Unavailable(handOverAll.get)
     val env = SparkEnv.get
     if (env == null) return EngineState.NotStarted
     var opened: Option[ShuffleEngine] = None
@@ -330,7 +410,12 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       val secret =
         if (conf.getBoolean("spark.authenticate", false)) Option(env.securityManager.getSecretKey())
         else None
-      val eng = openEngine(settings.engineConfig(env.executorId, conf.getAppId, secret))
+      val ownHost = executorHost(env)
+      // Peers connect to the bind address when the user chose one, unless it is a wildcard.
+      val host = settings.explicitBindHost
+        .filterNot(h => Try(InetAddress.getByName(h).isAnyLocalAddress).getOrElse(false))
+        .getOrElse(ownHost)
+      val eng = openEngine(settings.engineConfig(env.executorId, conf.getAppId, secret, ownHost))
       opened = Some(eng)
       val ref = if (isDriver) {
         startRegistry()
@@ -339,36 +424,74 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
         EngineRegistry.driverRef(conf, env.rpcEnv)
       }
       val directory = new CachingEngineDirectory(ref)
-      val host = advertisedHost(env)
       directory.register(env.executorId, host, eng.port, eng.transport)
-      val client = new NativeBlockStoreClient(eng, readerDirectory(directory),
+      val client = new NativeBlockStoreClient(
+        eng,
+        readerDirectory(directory),
         env.blockManager.blockStoreClient,
         SparkTransportConf.fromSparkConf(env.conf, "shuffle"))
       logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
         s"(transport ${eng.transport})")
-      EngineState.Running(eng, directory, client)
+      val running = EngineState.Running(eng, directory, client)
+      registerMetrics(env, running)
+      running
     } catch {
       case NonFatal(e) =>
-        opened.foreach(o => try o.close() catch { case NonFatal(_) => })
-        logWarning("RDMA shuffle engine could not start on this executor; its shuffles are " +
-          "written and read through Spark's own block transfer service", e)
+        opened.foreach(o =>
+          try o.close()
+          catch { case NonFatal(_) => })
+        logWarning(
+          "RDMA shuffle engine could not start on this executor; its shuffles are " +
+            "written and read through Spark's own block transfer service",
+          e)
         EngineState.Unavailable(e.toString)
     }
   }
 
-  private def advertisedHost(env: SparkEnv): String = {
-    val bm = Option(env.blockManager).flatMap(b => Option(b.blockManagerId))
-    bm.map(_.host).orElse(Option(env.rpcEnv.address).map(_.host))
+  /**
+   * The executor's host as Spark knows it: the host its block transfer service advertises
+   * (known before the block manager registers, which Spark 4 does after creating this manager;
+   * Spark's own executors bind their transport to it too), else the block manager's or the RPC
+   * environment's host, else Spark's local host name. The engine binds it and peers connect to
+   * it, so it is never all interfaces.
+   */
+  private def executorHost(env: SparkEnv): String = {
+    val bm = Option(env.blockManager)
+    bm.flatMap(b => Option(b.blockTransferService)).flatMap(t => Option(t.hostName))
+      .orElse(bm.flatMap(b => Option(b.blockManagerId)).map(_.host))
+      .orElse(Option(env.rpcEnv.address).map(_.host))
       .getOrElse(Utils.localHostNameForURI())
+  }
+
+  /**
+   * Publishes the engine's counters through Spark's metrics system (source
+   * [[EngineMetricsSource.Name]]), so every configured sink (CSV, Prometheus, JMX, ...) sees
+   * them. Never fails the engine start.
+   */
+  private def registerMetrics(env: SparkEnv, running: EngineState.Running): Unit = {
+    try {
+      val source = new EngineMetricsSource(() => statsOf(running))
+      env.metricsSystem.registerSource(source)
+      metricsSource = Some(source)
+    } catch {
+      case NonFatal(e) => logWarning("Could not register the RDMA shuffle metrics source", e)
+    }
   }
 }
 
 /** Constants shared by the manager and the test harness. */
 object RdmaShuffleManager {
+
   /** Prefix of the engine-stats log line written at stop (grepped by tests/spark). */
   val StatsMarker = "RDMA_SHUFFLE_ENGINE_STATS"
 
   private val nativeWarningLogged = new AtomicBoolean(false)
+
+  /** Once per JVM: the warning that encryption hands every shuffle to Spark. */
+  private val encryptionWarningLogged = new AtomicBoolean(false)
+
+  /** Unknown `spark.shuffle.rdma.*` keys already warned about in this JVM. */
+  private val warnedUnknownKeys = ConcurrentHashMap.newKeySet[String]()
 }
 
 /** Where this JVM's engine is. */
@@ -386,6 +509,7 @@ private[rdma] object EngineState {
 
 /** Spark constants that are private in Spark. */
 private[rdma] object SparkShuffleConstants {
+
   /** `SparkContext.DRIVER_IDENTIFIER`. */
   val DriverId = "driver"
 }

@@ -3,7 +3,13 @@
  */
 package org.apache.spark.shuffle.rdma
 
-import org.apache.spark.{InterruptibleIterator, MapOutputTracker, ShuffleDependency, SparkEnv, TaskContext}
+import org.apache.spark.{
+  InterruptibleIterator,
+  MapOutputTracker,
+  ShuffleDependency,
+  SparkEnv,
+  TaskContext
+}
 import org.apache.spark.internal.{config, Logging}
 import org.apache.spark.io.CompressionCodec
 import org.apache.spark.network.shuffle.BlockStoreClient
@@ -50,7 +56,7 @@ private[rdma] class RdmaShuffleReader[K, C](
     // SPARK-34790: batch fetch is incompatible with io encryption.
     val ioEncryption = conf.get(config.IO_ENCRYPTION_ENABLED)
     shouldBatchFetch && serializerRelocatable &&
-      (!compressed || codecConcatenation) && !useOldFetchProtocol && !ioEncryption
+    (!compressed || codecConcatenation) && !useOldFetchProtocol && !ioEncryption
   }
 
   override def read(): Iterator[Product2[K, C]] = {
@@ -73,7 +79,8 @@ private[rdma] class RdmaShuffleReader[K, C](
       conf.get(config.SHUFFLE_CHECKSUM_ENABLED),
       conf.get(config.SHUFFLE_CHECKSUM_ALGORITHM),
       readMetrics,
-      fetchContinuousBlocksInBatch).toCompletionIterator
+      fetchContinuousBlocksInBatch
+    ).toCompletionIterator
 
     val serializerInstance = dep.serializer.newInstance()
     val recordIter = wrappedStreams.flatMap { case (_, wrappedStream) =>
@@ -99,6 +106,7 @@ private[rdma] class RdmaShuffleReader[K, C](
 
 /** Post-fetch steps every Spark line shares; the line-specific order lives in [[SparkShims]]. */
 private[rdma] object ShuffleReadSteps {
+
   /**
    * Aggregation by key as Spark's reader does it: merge combiners when the map side already
    * combined, else combine raw values; without an aggregator the records pass through.

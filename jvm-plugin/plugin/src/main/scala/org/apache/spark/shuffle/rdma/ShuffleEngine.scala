@@ -22,6 +22,7 @@ final case class BlockRange(shuffleId: Int, mapId: Long, startReduceId: Int, end
  * Thread-safety: every method may be called from any thread.
  */
 trait ShuffleEngine {
+
   /** Port of this engine's block server. */
   def port: Int
 
@@ -29,7 +30,11 @@ trait ShuffleEngine {
   def transport: String
 
   /** Makes a committed map output servable (see [[NativeBridge.registerMapOutput]]). */
-  def registerMapOutput(shuffleId: Int, mapId: Long, dataFile: File, indexFile: File,
+  def registerMapOutput(
+      shuffleId: Int,
+      mapId: Long,
+      dataFile: File,
+      indexFile: File,
       numPartitions: Int): Unit
 
   /** Forgets a shuffle; returns how many map outputs were registered for it. */
@@ -39,7 +44,10 @@ trait ShuffleEngine {
    * Starts fetching `blocks` from the engine at `host:port`; `callback` then receives exactly
    * one result per index, possibly from other threads.
    */
-  def fetchBlocks(host: String, port: Int, blocks: IndexedSeq[BlockRange],
+  def fetchBlocks(
+      host: String,
+      port: Int,
+      blocks: IndexedSeq[BlockRange],
       callback: FetchCallback): Unit
 
   /** Returns the memory of a fetched block (exactly once per lease). */

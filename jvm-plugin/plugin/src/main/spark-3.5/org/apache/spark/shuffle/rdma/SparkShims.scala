@@ -9,6 +9,7 @@ import org.apache.spark.util.collection.ExternalSorter
 
 /** What differs between Spark lines, for Spark 3.5 (compiled against 3.5.9). */
 private[rdma] object SparkShims {
+
   /**
    * Spark 3.5 builds the shuffle manager inside `SparkEnv.create`, before `SparkEnv.get` can
    * return the new env; the manager must start its engine lazily, on first use.

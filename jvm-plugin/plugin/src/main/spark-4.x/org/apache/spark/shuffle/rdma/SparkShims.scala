@@ -14,6 +14,7 @@ import org.apache.spark.util.collection.ExternalSorter
  * to it, this folder's [[ShuffleManagerContract]] is the one line that changes.
  */
 private[rdma] object SparkShims {
+
   /**
    * Spark 4 creates the shuffle manager after `SparkEnv` is set (SparkContext / Executor
    * call `initializeShuffleManager`), so the manager can start its engine and register with
@@ -32,18 +33,26 @@ private[rdma] object SparkShims {
     if (dep.keyOrdering.isDefined) {
       val sorter: ExternalSorter[K, _, C] = if (dep.aggregator.isDefined) {
         if (dep.mapSideCombine) {
-          new ExternalSorter[K, C, C](context,
-            Option(new Aggregator[K, C, C](identity,
+          new ExternalSorter[K, C, C](
+            context,
+            Option(new Aggregator[K, C, C](
+              identity,
               dep.aggregator.get.mergeCombiners,
               dep.aggregator.get.mergeCombiners)),
-            ordering = Some(dep.keyOrdering.get), serializer = dep.serializer)
+            ordering = Some(dep.keyOrdering.get),
+            serializer = dep.serializer
+          )
         } else {
-          new ExternalSorter[K, Nothing, C](context,
+          new ExternalSorter[K, Nothing, C](
+            context,
             dep.aggregator.asInstanceOf[Option[Aggregator[K, Nothing, C]]],
-            ordering = Some(dep.keyOrdering.get), serializer = dep.serializer)
+            ordering = Some(dep.keyOrdering.get),
+            serializer = dep.serializer)
         }
       } else {
-        new ExternalSorter[K, C, C](context, ordering = Some(dep.keyOrdering.get),
+        new ExternalSorter[K, C, C](
+          context,
+          ordering = Some(dep.keyOrdering.get),
           serializer = dep.serializer)
       }
       sorter.insertAllAndUpdateMetrics(interruptibleIter.asInstanceOf[Iterator[(K, Nothing)]])

@@ -252,7 +252,19 @@ public final class NativeBridgeJniScenario {
     return a;
   }
 
-  private static Map<String, Long> stats(long h) {
+  /** {@code key=value} lines as a map (the value may be empty). */
+  private static Map<String, String> keyValues(String text) {
+    Map<String, String> m = new HashMap<>();
+    for (String line : text.split("\n")) {
+      int eq = line.indexOf('=');
+      if (eq > 0) {
+        m.put(line.substring(0, eq), line.substring(eq + 1));
+      }
+    }
+    return m;
+  }
+
+    private static Map<String, Long> stats(long h) {
     Map<String, Long> m = new HashMap<>();
     String text = NativeBridge.engineStats(h);
     check(text != null && !text.isEmpty(), "engineStats returned nothing");
@@ -562,6 +574,43 @@ public final class NativeBridgeJniScenario {
         "after unregister");
     check("unknown_shuffle".equals(gone.get(0).kind), "fetch after unregister: ["
         + gone.get(0).kind + "] " + gone.get(0).message);
+
+    step("the engine reads the JVM's settings as the JVM resolved them (one schema, two readers)");
+    // Values with units and fallbacks, resolved by the JVM (RdmaShuffleConf, Spark's parsers),
+    // parsed again by the engine (settings.rs); engineSettings echoes what the engine holds.
+    org.apache.spark.SparkConf sparkConf = new org.apache.spark.SparkConf(false)
+        .set("spark.shuffle.rdma.transport", "TCP")
+        .set("spark.shuffle.rdma.eagerThreshold", "32k")
+        .set("spark.shuffle.rdma.pool.tiers", "4k,1m")
+        .set("spark.shuffle.rdma.pool.capBytes", "64m")
+        .set("spark.shuffle.rdma.fetchTimeout", "2min")
+        .set("spark.network.timeout", "45s")
+        .set("spark.shuffle.rdma.recvBuffers", "128")
+        .set("spark.shuffle.rdma.gidIndex", "3");
+    String jvmText = RdmaShuffleConf$.MODULE$.apply(sparkConf).engineConfig("D", "jni-scenario",
+        scala.Option.apply((String) null), "localhost");
+    Map<String, String> jvmSide = keyValues(jvmText);
+    long d = NativeBridge.engineOpen(jvmText);
+    Map<String, String> nativeSide = keyValues(NativeBridge.engineSettings(d));
+    NativeBridge.engineClose(d);
+    int engineKeys = 0;
+    scala.collection.Iterator<SettingSpec> specs = SettingsSchema$.MODULE$.all().iterator();
+    while (specs.hasNext()) {
+      SettingSpec spec = specs.next();
+      if (spec.forEngine()) {
+        engineKeys++;
+        check(jvmSide.containsKey(spec.key()), "the JVM did not send " + spec.key());
+        check(jvmSide.get(spec.key()).equals(nativeSide.get(spec.key())), spec.key()
+            + ": the JVM sent '" + jvmSide.get(spec.key()) + "', the engine holds '"
+            + nativeSide.get(spec.key()) + "'");
+      }
+    }
+    check(nativeSide.size() == engineKeys, "the engine knows " + nativeSide.size()
+        + " settings, the jar's schema declares " + engineKeys + " for it: " + nativeSide.keySet());
+    check("32768".equals(nativeSide.get("spark.shuffle.rdma.eagerThreshold"))
+        && "45000".equals(nativeSide.get("spark.shuffle.rdma.idleTimeout"))
+        && "120000".equals(nativeSide.get("spark.shuffle.rdma.fetchTimeout")), "units: " + nativeSide);
+    System.out.println("  " + engineKeys + " settings agree: " + nativeSide);
 
     step("engineClose");
     NativeBridge.engineClose(b);

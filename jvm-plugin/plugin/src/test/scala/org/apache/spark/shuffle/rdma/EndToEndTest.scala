@@ -6,7 +6,14 @@ package org.apache.spark.shuffle.rdma
 import org.junit.Assert._
 import org.junit.{After, Before, Test}
 
-import org.apache.spark.{HashPartitioner, Partitioner, SparkConf, SparkContext, SparkEnv, SparkException}
+import org.apache.spark.{
+  HashPartitioner,
+  Partitioner,
+  SparkConf,
+  SparkContext,
+  SparkEnv,
+  SparkException
+}
 import org.apache.spark.shuffle.sort.SortShuffleManager
 
 /**
@@ -88,11 +95,15 @@ class EndToEndTest {
   @Test def permanentFailuresBecomeFetchFailed(): Unit = {
     LoopbackShuffleManager.failure = (_, _) => Some(("not_found", "injected missing block"))
     start("spark.stage.maxConsecutiveAttempts" -> "1")
-    val e = assertThrows(classOf[SparkException], () =>
-      sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect())
+    val e = assertThrows(
+      classOf[SparkException],
+      () =>
+        sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect())
     val text = e.toString + Option(e.getCause).map(_.toString).getOrElse("")
-    assertTrue(s"fetch failure surfaced: $text", text.contains("FetchFailed") ||
-      text.contains("injected missing block"))
+    assertTrue(
+      s"fetch failure surfaced: $text",
+      text.contains("FetchFailed") ||
+        text.contains("injected missing block"))
     assertTrue(s"our message surfaced: $text", text.contains("injected missing block"))
   }
 
@@ -133,9 +144,44 @@ class EndToEndTest {
     val module = exchange.getField("MODULE$").get(null)
     // 32: the bypass-merge writer; 1000: the serialized (unsafe) writer. Neither buffers rows.
     for (partitions <- Seq(32, 1000)) {
-      assertEquals(s"row copy before a shuffle into $partitions partitions",
-        false, method.invoke(module, new HashPartitioner(partitions)))
+      assertEquals(
+        s"row copy before a shuffle into $partitions partitions",
+        false,
+        method.invoke(module, new HashPartitioner(partitions)))
     }
+  }
+
+  @Test def engineCountersAreASparkMetricsSource(): Unit = {
+    start()
+    sc.parallelize(1 to 20000, 4).map(i => (i % 101, i.toLong)).reduceByKey(_ + _, 5).count()
+    val engine = LoopbackShuffleManager.engine
+    val sources = SparkEnv.get.metricsSystem.getSourcesByName(EngineMetricsSource.Name)
+    assertEquals(1, sources.size)
+    val gauges = sources.head.metricRegistry.getGauges
+    def read(key: String): Long = gauges.get(key).getValue.asInstanceOf[Long]
+    assertTrue(engine.bytesServed.get() > 0)
+    // Read twice: the first read of a report may still be the snapshot taken at registration.
+    read("bytes_fetched")
+    assertEquals(engine.bytesServed.get(), read("bytes_fetched"))
+    assertEquals(engine.blocksServed.get(), read("blocks_fetched"))
+    assertTrue("the plugin's own routing counters too", read("native_requests") > 0)
+    assertNull("non-numeric keys are not gauges", gauges.get("transport"))
+    sc.stop()
+    sc = null
+    assertTrue(
+      "removed with the engine",
+      SparkEnv.get == null || SparkEnv.get.metricsSystem.getSourcesByName("rdmaShuffle").isEmpty)
+  }
+
+  @Test def encryptionHandsEveryShuffleToSparkAndStartsNoEngine(): Unit = {
+    start("spark.authenticate" -> "true", "spark.network.crypto.enabled" -> "true")
+    val got = sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect()
+    assertEquals(10, got.length)
+    assertTrue(
+      manager.handOverReason(0).toString,
+      manager.handOverReason(0).exists(_.startsWith("spark.network.crypto.enabled=true")))
+    assertNull("no engine: nothing may move in clear text", LoopbackShuffleManager.engine)
+    assertTrue(manager.runningEngine.isEmpty)
   }
 
   @Test def disabledPluginHandsShufflesOver(): Unit = {

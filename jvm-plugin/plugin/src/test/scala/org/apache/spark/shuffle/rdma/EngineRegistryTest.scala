@@ -3,7 +3,13 @@
  */
 package org.apache.spark.shuffle.rdma
 
-import java.io.{ByteArrayInputStream, ByteArrayOutputStream, ObjectInputStream, ObjectOutputStream, ObjectStreamClass}
+import java.io.{
+  ByteArrayInputStream,
+  ByteArrayOutputStream,
+  ObjectInputStream,
+  ObjectOutputStream,
+  ObjectStreamClass
+}
 
 import org.junit.Assert._
 import org.junit.Test
@@ -34,7 +40,8 @@ class EngineRegistryTest {
         super.resolveClass(desc)
       }
     }
-    try in.readObject() finally in.close()
+    try in.readObject()
+    finally in.close()
   }
 
   private def serialize(o: Any): Array[Byte] = {

@@ -25,11 +25,13 @@ class LoopbackEngine(
   private val attempts = new ConcurrentHashMap[BlockRange, AtomicInteger]()
   private val live = ConcurrentHashMap.newKeySet[Long]()
   private val nextLease = new AtomicLong(1)
-  private val pool = Executors.newFixedThreadPool(2, (r: Runnable) => {
-    val t = new Thread(r, "loopback-engine")
-    t.setDaemon(true)
-    t
-  })
+  private val pool = Executors.newFixedThreadPool(
+    2,
+    (r: Runnable) => {
+      val t = new Thread(r, "loopback-engine")
+      t.setDaemon(true)
+      t
+    })
 
   val registered = new AtomicInteger()
   val unregisteredShuffles = ConcurrentHashMap.newKeySet[Int]()
@@ -43,10 +45,15 @@ class LoopbackEngine(
 
   override val transport: String = "loopback"
 
-  override def registerMapOutput(shuffleId: Int, mapId: Long, dataFile: File, indexFile: File,
+  override def registerMapOutput(
+      shuffleId: Int,
+      mapId: Long,
+      dataFile: File,
+      indexFile: File,
       numPartitions: Int): Unit = {
     require(indexFile.exists(), s"index file $indexFile missing at commit")
-    require(indexFile.length() == 8L * (numPartitions + 1),
+    require(
+      indexFile.length() == 8L * (numPartitions + 1),
       s"index $indexFile has ${indexFile.length()} bytes for $numPartitions partitions")
     outputs.put((shuffleId, mapId), (dataFile, indexFile, numPartitions))
     registered.incrementAndGet()
@@ -66,7 +73,10 @@ class LoopbackEngine(
     n
   }
 
-  override def fetchBlocks(host: String, port: Int, blocks: IndexedSeq[BlockRange],
+  override def fetchBlocks(
+      host: String,
+      port: Int,
+      blocks: IndexedSeq[BlockRange],
       callback: FetchCallback): Unit = {
     require(port == this.port, s"fetch sent to port $port, engine is on ${this.port}")
     pool.execute(() => {
@@ -92,12 +102,13 @@ class LoopbackEngine(
 
   private def read(data: File, index: File, b: BlockRange): ByteBuffer = {
     val in = new DataInputStream(new FileInputStream(index))
-    val offsets = try {
-      in.skipBytes(8 * b.startReduceId)
-      val start = in.readLong()
-      in.skipBytes(8 * (b.endReduceId - b.startReduceId - 1))
-      (start, in.readLong())
-    } finally in.close()
+    val offsets =
+      try {
+        in.skipBytes(8 * b.startReduceId)
+        val start = in.readLong()
+        in.skipBytes(8 * (b.endReduceId - b.startReduceId - 1))
+        (start, in.readLong())
+      } finally in.close()
     val len = (offsets._2 - offsets._1).toInt
     val buf = ByteBuffer.allocateDirect(len)
     val raf = new RandomAccessFile(data, "r")
@@ -119,7 +130,8 @@ class LoopbackEngine(
     "blocks_served" -> blocksServed.get.toString,
     "bytes_served" -> bytesServed.get.toString,
     "blocks_fetched" -> blocksServed.get.toString,
-    "bytes_fetched" -> bytesServed.get.toString)
+    "bytes_fetched" -> bytesServed.get.toString
+  )
 
   override def close(): Unit = {
     closed = true

@@ -42,13 +42,19 @@ class LoopbackShuffleManager(conf: SparkConf, isDriver: Boolean)
       endMapIndex: Int,
       startPartition: Int,
       endPartition: Int)
-    : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
+      : (Iterator[(BlockManagerId, scala.collection.Seq[(BlockId, Long, Int)])], Boolean) = {
     val (it, batch) =
       super.mapSizesByExecutorId(handle, startMapIndex, endMapIndex, startPartition, endPartition)
-    (it.map { case (bm, blocks) =>
-      (BlockManagerId(LoopbackShuffleManager.RemotePrefix + bm.executorId, "remote-host", bm.port),
-        blocks)
-    }, batch)
+    (
+      it.map { case (bm, blocks) =>
+        (
+          BlockManagerId(
+            LoopbackShuffleManager.RemotePrefix + bm.executorId,
+            "remote-host",
+            bm.port),
+          blocks)
+      },
+      batch)
   }
 }
 

@@ -13,21 +13,34 @@ import org.junit.Assert._
 import org.junit.Test
 
 import org.apache.spark.network.buffer.ManagedBuffer
-import org.apache.spark.network.shuffle.{BlockFetchingListener, BlockStoreClient, DownloadFile, DownloadFileManager, SimpleDownloadFile}
+import org.apache.spark.network.shuffle.{
+  BlockFetchingListener,
+  BlockStoreClient,
+  DownloadFile,
+  DownloadFileManager,
+  SimpleDownloadFile
+}
 import org.apache.spark.network.util.{MapConfigProvider, TransportConf}
 
 class NativeBlockStoreClientTest {
 
   private def transportConf(maxRetries: Int): TransportConf =
-    new TransportConf("shuffle", new MapConfigProvider(Map(
-      "spark.shuffle.io.maxRetries" -> maxRetries.toString,
-      "spark.shuffle.io.retryWait" -> "1ms").asJava))
+    new TransportConf(
+      "shuffle",
+      new MapConfigProvider(Map(
+        "spark.shuffle.io.maxRetries" -> maxRetries.toString,
+        "spark.shuffle.io.retryWait" -> "1ms").asJava))
 
   /** Spark's client stand-in: records what was delegated. */
   private class RecordingSparkClient extends BlockStoreClient {
     val calls = new ConcurrentLinkedQueue[(String, Int, String, Seq[String])]()
-    override def fetchBlocks(host: String, port: Int, execId: String, blockIds: Array[String],
-        listener: BlockFetchingListener, dfm: DownloadFileManager): Unit =
+    override def fetchBlocks(
+        host: String,
+        port: Int,
+        execId: String,
+        blockIds: Array[String],
+        listener: BlockFetchingListener,
+        dfm: DownloadFileManager): Unit =
       calls.add((host, port, execId, blockIds.toSeq))
     override def close(): Unit = ()
   }
@@ -42,7 +55,10 @@ class NativeBlockStoreClientTest {
     override def transport: String = "scripted"
     override def registerMapOutput(s: Int, m: Long, d: File, i: File, n: Int): Unit = ()
     override def unregisterShuffle(shuffleId: Int): Int = 0
-    override def fetchBlocks(host: String, port: Int, blocks: IndexedSeq[BlockRange],
+    override def fetchBlocks(
+        host: String,
+        port: Int,
+        blocks: IndexedSeq[BlockRange],
         callback: FetchCallback): Unit = {
       requests.add((host, port, blocks))
       calls += 1
@@ -86,7 +102,8 @@ class NativeBlockStoreClientTest {
   }
 
   @Test def blockIdsMapToRanges(): Unit = {
-    assertEquals(Some(IndexedSeq(BlockRange(1, 2L, 3, 4), BlockRange(1, 9L, 3, 7))),
+    assertEquals(
+      Some(IndexedSeq(BlockRange(1, 2L, 3, 4), BlockRange(1, 9L, 3, 7))),
       NativeBlockStoreClient.toRanges(Array("shuffle_1_2_3", "shuffle_1_9_3_7")))
     assertEquals(None, NativeBlockStoreClient.toRanges(Array("shuffle_1_2_3", "rdd_1_2")))
     assertEquals(None, NativeBlockStoreClient.toRanges(Array("shuffleChunk_1_0_2_3")))
@@ -100,8 +117,11 @@ class NativeBlockStoreClientTest {
     val l = new RecordingListener(false, 0)
     client.fetchBlocks("h1", 7337, "exec-1", Array("shuffle_0_1_2"), l, null)
     client.fetchBlocks("h2", 7338, "exec-2", Array("shuffleChunk_0_0_1_2"), l, null)
-    assertEquals(Seq(("h1", 7337, "exec-1", Seq("shuffle_0_1_2")),
-      ("h2", 7338, "exec-2", Seq("shuffleChunk_0_0_1_2"))), spark.calls.asScala.toSeq)
+    assertEquals(
+      Seq(
+        ("h1", 7337, "exec-1", Seq("shuffle_0_1_2")),
+        ("h2", 7338, "exec-2", Seq("shuffleChunk_0_0_1_2"))),
+      spark.calls.asScala.toSeq)
     assertEquals(2L, client.delegatedRequestCount)
     assertEquals(0L, client.nativeRequestCount)
   }
@@ -117,7 +137,8 @@ class NativeBlockStoreClientTest {
       engineThread = t
       t.start()
     })
-    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
+    val client =
+      new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
     val l = new RecordingListener(retain = true, expected = 2)
     client.fetchBlocks("ignored", 1, "exec-2", Array("shuffle_4_5_6", "shuffle_4_5_7_9"), l, null)
     l.await()
@@ -144,13 +165,22 @@ class NativeBlockStoreClientTest {
   @Test def failureKindsMapToRetryableOrNot(): Unit = {
     // Kinds as the native engine names them (FailureCode::name): transient ones become
     // IOExceptions, which Spark's RetryingBlockTransferor retries; permanent ones do not.
-    val kinds = Seq("timeout" -> true, "peer_gone" -> true, "pool_exhausted" -> true,
-      "pull_failed" -> true, "io" -> true, "auth_refused" -> false, "unknown_shuffle" -> false,
-      "corrupt" -> false, "something_new" -> false)
+    val kinds = Seq(
+      "timeout" -> true,
+      "peer_gone" -> true,
+      "pool_exhausted" -> true,
+      "pull_failed" -> true,
+      "io" -> true,
+      "auth_refused" -> false,
+      "unknown_shuffle" -> false,
+      "corrupt" -> false,
+      "something_new" -> false
+    )
     val engine = new ScriptedEngine((_, _, cb) => {
       kinds.zipWithIndex.foreach { case ((kind, _), i) => cb.onFailure(i, kind, s"$kind happened") }
     })
-    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
+    val client =
+      new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
     val l = new RecordingListener(false, kinds.size)
     val ids = kinds.indices.map(i => s"shuffle_0_1_$i").toArray
     client.fetchBlocks("h", 1, "exec-2", ids, l, null)
@@ -178,7 +208,8 @@ class NativeBlockStoreClientTest {
       cb.onFailure(0, "io", "late failure for a finished block")
       cb.onBlock(5, bytesOf(4, 0), 3L)
     })
-    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
+    val client =
+      new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(0))
     val l = new RecordingListener(false, 1)
     client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
     l.await()
@@ -198,7 +229,8 @@ class NativeBlockStoreClientTest {
         cb.onBlock(0, bytesOf(2, 1), 11L)
       }
     })
-    val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(2))
+    val client =
+      new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, transportConf(2))
     val l = new RecordingListener(false, 2)
     client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0", "shuffle_0_1_1"), l, null)
     l.await()
@@ -228,7 +260,9 @@ class NativeBlockStoreClientTest {
     client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, dfm)
     l.await()
     assertArrayEquals(bytes(payload), l.ok.peek()._2)
-    assertEquals("native memory released right after the copy", Seq(77L),
+    assertEquals(
+      "native memory released right after the copy",
+      Seq(77L),
       engine.released.asScala.toSeq)
     assertEquals(1, registered.size())
     assertTrue(new File(registered.peek().path()).length() == 100000)

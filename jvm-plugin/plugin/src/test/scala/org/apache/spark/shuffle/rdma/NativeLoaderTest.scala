@@ -16,6 +16,7 @@ class NativeLoaderTest {
   private class FakeLoader(pathLoads: Boolean, resource: Option[URL], fileLoads: Boolean)
     extends NativeLoader.Loader {
     val loadedFiles = ArrayBuffer[String]()
+
     /** What each loaded file held at load time (the loader deletes its copy afterwards). */
     val loadedBytes = ArrayBuffer[Array[Byte]]()
     override def loadLibrary(name: String): Unit =

@@ -11,9 +11,21 @@ import java.util.concurrent.atomic.AtomicInteger
 import scala.jdk.CollectionConverters._
 import scala.reflect.ClassTag
 
-import org.apache.spark.{HashPartitioner, Partition, ShuffleDependency, SparkContext, SparkEnv, TaskContext}
+import org.apache.spark.{
+  HashPartitioner,
+  Partition,
+  ShuffleDependency,
+  SparkContext,
+  SparkEnv,
+  TaskContext
+}
 import org.apache.spark.rdd.RDD
-import org.apache.spark.scheduler.{SparkListener, SparkListenerStageCompleted, SparkListenerStageSubmitted, SparkListenerTaskEnd}
+import org.apache.spark.scheduler.{
+  SparkListener,
+  SparkListenerStageCompleted,
+  SparkListenerStageSubmitted,
+  SparkListenerTaskEnd
+}
 import org.apache.spark.sql.SparkSession
 
 /**
@@ -67,12 +79,16 @@ object FaultJob {
   val ExecutorWaitMs: Long = 3 * 60 * 1000L
 
   def main(args: Array[String]): Unit = {
-    require(args.length == 2, s"usage: FaultJob <gateDir> <scenario[,scenario...]>; scenarios: " +
-      Scenarios.mkString(", "))
+    require(
+      args.length == 2,
+      s"usage: FaultJob <gateDir> <scenario[,scenario...]>; scenarios: " +
+        Scenarios.mkString(", "))
     val gateDir = args(0)
     val scenarios = args(1).split(",").map(_.trim).toSeq
     scenarios.foreach(s =>
-      require(Scenarios.contains(s), s"unknown scenario '$s'; scenarios: ${Scenarios.mkString(", ")}"))
+      require(
+        Scenarios.contains(s),
+        s"unknown scenario '$s'; scenarios: ${Scenarios.mkString(", ")}"))
     require(new File(gateDir).isDirectory, s"gate directory $gateDir does not exist")
 
     val spark = SparkSession.builder().appName(s"rdma-shuffle-faults-${scenarios.mkString("+")}")
@@ -116,7 +132,8 @@ object FaultJob {
     }
     spark.stop()
     val wrong = results.filterNot(_._2).map(_._1)
-    if (wrong.nonEmpty) throw new IllegalStateException(s"wrong results in scenarios: ${wrong.mkString(", ")}")
+    if (wrong.nonEmpty)
+      throw new IllegalStateException(s"wrong results in scenarios: ${wrong.mkString(", ")}")
   }
 
   /** Prints a line at once: the harness acts on these while the job runs. */
@@ -154,8 +171,9 @@ object FaultJob {
     // getExecutorInfos includes the driver.
     while (sc.statusTracker.getExecutorInfos.length - 1 < n) {
       if (System.currentTimeMillis() > deadline) {
-        throw new IllegalStateException(s"fewer than $n executors after ${ExecutorWaitMs / 1000} s: " +
-          sc.statusTracker.getExecutorInfos.map(e => s"${e.host}:${e.port}").mkString(", "))
+        throw new IllegalStateException(
+          s"fewer than $n executors after ${ExecutorWaitMs / 1000} s: " +
+            sc.statusTracker.getExecutorInfos.map(e => s"${e.host}:${e.port}").mkString(", "))
       }
       Thread.sleep(200)
     }
@@ -169,7 +187,8 @@ object FaultJob {
     private val shuffleOfScenario = new ConcurrentHashMap[String, Integer]()
     private val scenarioOfStage = new ConcurrentHashMap[Integer, String]()
     // (stageId, attempt) -> executor -> successful map tasks
-    private val outputs = new ConcurrentHashMap[(Int, Int), ConcurrentHashMap[String, AtomicInteger]]()
+    private val outputs =
+      new ConcurrentHashMap[(Int, Int), ConcurrentHashMap[String, AtomicInteger]]()
 
     def expect(shuffleId: Int, scenario: String): Unit = shuffleOfScenario.put(scenario, shuffleId)
 
@@ -190,8 +209,11 @@ object FaultJob {
       val counts = outputs.get((info.stageId, info.attemptNumber()))
       val scenario = Option(scenarioOfStage.get(info.stageId))
       if (counts != null && info.failureReason.isEmpty) {
-        val shuffle = scenario.flatMap(s => Option(shuffleOfScenario.get(s))).map(_.toString).getOrElse("?")
-        val rendered = counts.asScala.toSeq.sortBy(_._1).map { case (e, c) => s"$e:${c.get}" }.mkString(",")
+        val shuffle =
+          scenario.flatMap(s => Option(shuffleOfScenario.get(s))).map(_.toString).getOrElse("?")
+        val rendered = counts.asScala.toSeq.sortBy(_._1).map { case (e, c) =>
+          s"$e:${c.get}"
+        }.mkString(",")
         say(s"FAULT_MAP_DONE scenario=${scenario.getOrElse("?")} shuffle=$shuffle " +
           s"stage=${info.stageId} attempt=${info.attemptNumber()} outputs=$rendered")
       }
@@ -215,9 +237,12 @@ private final class GateRDD[T: ClassTag](@transient prev: RDD[T], gateDir: Strin
     case "during_reduce" =>
       val it = firstParent[T].iterator(split, context).buffered
       it.hasNext // the first block has arrived: the reader holds the map output locations
-      val marker = new File(gateDir, s"reading-$scenario-exec${SparkEnv.get.executorId}-" +
-        s"part${split.index}-attempt${context.stageAttemptNumber()}")
-      try Files.createFile(marker.toPath) catch { case _: FileAlreadyExistsException => }
+      val marker = new File(
+        gateDir,
+        s"reading-$scenario-exec${SparkEnv.get.executorId}-" +
+          s"part${split.index}-attempt${context.stageAttemptNumber()}")
+      try Files.createFile(marker.toPath)
+      catch { case _: FileAlreadyExistsException => }
       awaitGo()
       it
     case _ =>
@@ -229,7 +254,8 @@ private final class GateRDD[T: ClassTag](@transient prev: RDD[T], gateDir: Strin
     val deadline = System.currentTimeMillis() + FaultJob.GateTimeoutMs
     while (!go.exists()) {
       if (System.currentTimeMillis() > deadline) {
-        throw new IllegalStateException(s"gate $go not opened within ${FaultJob.GateTimeoutMs / 1000} s")
+        throw new IllegalStateException(
+          s"gate $go not opened within ${FaultJob.GateTimeoutMs / 1000} s")
       }
       Thread.sleep(100)
     }

@@ -35,6 +35,7 @@ import org.apache.spark.sql.types.{BinaryType, StructField, StructType}
  * Usage: ShuffleBench [records] [jobs]   (jobs: comma list of sortByKey,partitionBy,repartition)
  */
 object ShuffleBench {
+
   /** Jobs in the order they run. */
   val AllJobs: Seq[String] = Seq("sortByKey", "partitionBy", "repartition")
 
@@ -51,7 +52,8 @@ object ShuffleBench {
     val records = if (args.length > 0) args(0).toLong else 13000000L
     require(records > 0, s"records must be positive, got $records")
     val jobs = if (args.length > 1) args(1).split(",").map(_.trim).toSeq else AllJobs
-    jobs.foreach(j => require(AllJobs.contains(j), s"unknown job '$j'; jobs: ${AllJobs.mkString(",")}"))
+    jobs.foreach(j =>
+      require(AllJobs.contains(j), s"unknown job '$j'; jobs: ${AllJobs.mkString(",")}"))
     val spark = SparkSession.builder().appName(s"rdma-shuffle-bench-$records").getOrCreate()
     val sc = spark.sparkContext
     waitForExecutors(sc, ExpectedExecutors, timeoutMs = 180000)
@@ -92,7 +94,8 @@ object ShuffleBench {
     val deadline = System.currentTimeMillis() + timeoutMs
     // getExecutorInfos includes the driver.
     while (sc.statusTracker.getExecutorInfos.length < n + 1) {
-      require(System.currentTimeMillis() < deadline,
+      require(
+        System.currentTimeMillis() < deadline,
         s"only ${sc.statusTracker.getExecutorInfos.length - 1} of $n executors registered " +
           s"within ${timeoutMs / 1000} s")
       Thread.sleep(200)

@@ -36,13 +36,17 @@ object ShuffleJobs {
   val AllJobs: Seq[String] = Seq("wordcount", "terasort", "sql", "sparse", "bigblock")
 
   def main(args: Array[String]): Unit = {
-    require(args.nonEmpty, s"usage: ShuffleJobs <all|job[,job...]> [scale]; jobs: ${AllJobs.mkString(", ")}")
+    require(
+      args.nonEmpty,
+      s"usage: ShuffleJobs <all|job[,job...]> [scale]; jobs: ${AllJobs.mkString(", ")}")
     val jobs = if (args(0) == "all") AllJobs else args(0).split(",").map(_.trim).toSeq
-    jobs.foreach(j => require(AllJobs.contains(j), s"unknown job '$j'; jobs: ${AllJobs.mkString(", ")}"))
+    jobs.foreach(j =>
+      require(AllJobs.contains(j), s"unknown job '$j'; jobs: ${AllJobs.mkString(", ")}"))
     val scale = if (args.length > 1) args(1).toDouble else 1.0
     // Several jobs share one application: on 2 cores, starting the executors of a
     // local-cluster costs more than most of the jobs themselves.
-    val spark = SparkSession.builder().appName(s"rdma-shuffle-jobs-${jobs.mkString("+")}").getOrCreate()
+    val spark =
+      SparkSession.builder().appName(s"rdma-shuffle-jobs-${jobs.mkString("+")}").getOrCreate()
     val sc = spark.sparkContext
     val metrics = new ShuffleMetricsListener
     sc.addSparkListener(metrics)
@@ -198,7 +202,8 @@ object ShuffleJobs {
       when(col("id") % 3 === 0, lit(7L)).otherwise(pmod(hash(col("id")), lit(20000)).cast("long"))
         .as("k"),
       (pmod(hash(col("id"), lit(17)), lit(1000))).cast("long").as("amount"),
-      concat(lit("payload-"), col("id").cast("string")).as("payload"))
+      concat(lit("payload-"), col("id").cast("string")).as("payload")
+    )
     val dims = spark.range(0, 20000, 1, 4).select(
       col("id").as("k"),
       concat(lit("name-"), (col("id") % 997).cast("string")).as("name"),
@@ -245,7 +250,9 @@ object ShuffleJobs {
       it.foreach { case (k, v) => n += 1; s += k.toLong * 0x9e3779b97f4a7c15L + v }
       Iterator.single((n, s))
     }.collect()
-    Digest(perPart.map(_._1).sum, perPart.map(_._2).sum,
+    Digest(
+      perPart.map(_._1).sum,
+      perPart.map(_._2).sum,
       s"nonempty_partitions=${perPart.count(_._1 > 0)}")
   }
 
@@ -277,7 +284,9 @@ object ShuffleJobs {
       it.foreach { case (k, v) => n += 1; s += hash64(v) + k; bytes += v.length }
       Iterator.single((n, s, bytes))
     }.collect()
-    Digest(perPart.map(_._1).sum, perPart.map(_._2).sum,
+    Digest(
+      perPart.map(_._1).sum,
+      perPart.map(_._2).sum,
       s"block_bytes=${perPart.map(_._3).mkString("/")}")
   }
 }
@@ -299,8 +308,18 @@ class ShuffleMetricsListener extends SparkListener {
   private val reduceCpuMs = new AtomicLong
   private val gcMs = new AtomicLong
 
-  private def all = Seq(writeBytes, remoteBytes, localBytes, remoteBlocks, fetchWaitMs, recordsRead,
-    mapRunMs, mapCpuMs, reduceRunMs, reduceCpuMs, gcMs)
+  private def all = Seq(
+    writeBytes,
+    remoteBytes,
+    localBytes,
+    remoteBlocks,
+    fetchWaitMs,
+    recordsRead,
+    mapRunMs,
+    mapCpuMs,
+    reduceRunMs,
+    reduceCpuMs,
+    gcMs)
 
   def reset(): Unit = all.foreach(_.set(0))
 
@@ -313,7 +332,8 @@ class ShuffleMetricsListener extends SparkListener {
       remoteBlocks.addAndGet(m.shuffleReadMetrics.remoteBlocksFetched)
       fetchWaitMs.addAndGet(m.shuffleReadMetrics.fetchWaitTime)
       recordsRead.addAndGet(m.shuffleReadMetrics.recordsRead)
-      val mapSide = m.shuffleWriteMetrics.bytesWritten > 0 || m.shuffleWriteMetrics.recordsWritten > 0
+      val mapSide =
+        m.shuffleWriteMetrics.bytesWritten > 0 || m.shuffleWriteMetrics.recordsWritten > 0
       (if (mapSide) mapRunMs else reduceRunMs).addAndGet(m.executorRunTime)
       (if (mapSide) mapCpuMs else reduceCpuMs).addAndGet(m.executorCpuTime / 1000000)
       gcMs.addAndGet(m.jvmGCTime)

@@ -1,0 +1,210 @@
+"""The engine's counters in Spark's metrics system, and the warning for a misspelt setting.
+
+One application of MetricsJob (jvm-plugin/jobs) on local-cluster[2,1,1024] with the plugin, and
+Spark's CSV sink turned on for the executors (period 1 s). The job runs a shuffle of small
+blocks and one of ~1 MiB blocks, prints METRICS_JOB_DONE and waits. The test then waits until
+every executor's sink has written a row taken after the job finished, lets the application
+stop, and compares the sink's last `rdmaShuffle.*` values with the engine's own totals: the
+`RDMA_SHUFFLE_ENGINE_STATS executor=<id> key=value...` lines the driver logs at stop (each
+reduce task reports its engine's counters to the driver; see RdmaShuffleManager).
+
+Fetch-side counters are final when an executor's last reduce task ends, so those are compared
+per executor; served bytes can still grow after that (other executors' tasks fetch from it),
+so they are compared as totals: bytes served by all engines == bytes fetched by all engines.
+
+The application also sets `spark.shuffle.rdma.eagerTreshold` (sic): the driver must warn once,
+naming `spark.shuffle.rdma.eagerThreshold`, and no executor may repeat it.
+
+Run: `tests/spark/run.sh -k metrics`.
+"""
+import csv
+import glob
+import os
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from conftest import CLUSTER_CONF, LINE, PLUGIN_CLASS, RUN_TIMEOUT_S
+
+METRICS_JOB = "org.apache.spark.shuffle.rdma.jobs.MetricsJob"
+STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
+# How long one step may wait for the application (executor start-up on 2 busy cores included).
+STEP_TIMEOUT_S = 300
+
+
+def plugin_conf(jar: str) -> list:
+    """spark-submit arguments that install the plugin as a user of this Spark line would:
+    Spark 3.x creates the shuffle manager before it adds `--jars`, so 3.5 needs the jar on the
+    driver's and executors' class path; 4.x takes it from `--jars`."""
+    args = ["--conf", f"spark.shuffle.manager={PLUGIN_CLASS}"]
+    if LINE == "3.5":
+        return args + ["--conf", f"spark.driver.extraClassPath={jar}",
+                       "--conf", f"spark.executor.extraClassPath={jar}"]
+    return args + ["--jars", jar]
+
+
+def submit_cmd(runner, main_class: str, app_args: list, conf: dict, plugin: bool = True) -> list:
+    """A spark-submit of `main_class` from the jobs jar on local-cluster[2,1,1024]."""
+    cmd = [f"{runner.env['SPARK_HOME']}/bin/spark-submit", "--master", "local-cluster[2,1,1024]",
+           "--driver-memory", "1g"]
+    for k, v in {**CLUSTER_CONF, **conf}.items():
+        cmd += ["--conf", f"{k}={v}"]
+    if plugin:
+        cmd += plugin_conf(runner.plugin_jar)
+    return cmd + ["--class", main_class, runner.jobs_jar] + app_args
+
+
+def app_id_of(stderr: str) -> str:
+    m = re.search(r"app ID (app-\d+-\d+)", stderr)
+    assert m, "no application id in the driver log:\n" + stderr[-3000:]
+    return m.group(1)
+
+
+def executor_logs(runner, app_id: str) -> dict:
+    return {f: Path(f).read_text(errors="replace")
+            for f in glob.glob(f"{runner.env['SPARK_HOME']}/work/{app_id}/*/stderr")}
+
+
+def engine_stats(driver_log: str) -> dict:
+    """executor id -> {key: value} from the driver's last stats line per executor."""
+    latest = {}
+    for m in STATS_RE.finditer(driver_log):
+        kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
+        latest[kv["executor"]] = kv
+    return latest
+
+
+class App:
+    """A running spark-submit whose stdout lines can be waited on."""
+
+    def __init__(self, cmd: list, env: dict):
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, errors="replace")
+        self.out, self.err = [], []
+        self._cond = threading.Condition()
+        self._readers = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
+                         for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    def _pump(self, stream, buf):
+        for line in stream:
+            with self._cond:
+                buf.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for_line(self, text: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while text not in self.out:
+                if self.proc.poll() is not None and not any(t.is_alive() for t in self._readers):
+                    raise AssertionError(f"application exited (rc={self.proc.returncode}) before "
+                                         f"'{text}'; stderr tail:\n" + "\n".join(self.err[-60:]))
+                left = deadline - time.monotonic()
+                assert left > 0, f"no '{text}' within {timeout} s; stderr tail:\n" + \
+                    "\n".join(self.err[-60:])
+                self._cond.wait(min(left, 1.0))
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                # Our own child only: the driver JVM, whose shutdown stops its executors.
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            for t in self._readers:
+                t.join(timeout=10)
+        return self.proc.returncode
+
+
+def sink_rows(csv_dir: str, app_id: str) -> dict:
+    """executor id -> {metric: [(t, value), ...]} from the CSV sink's rdmaShuffle files."""
+    out = {}
+    for f in glob.glob(os.path.join(csv_dir, f"{app_id}.*.rdmaShuffle.*.csv")):
+        name = os.path.basename(f)[len(app_id) + 1:-len(".csv")]
+        executor, _, metric = name.split(".", 2)
+        with open(f, newline="") as fh:
+            rows = [(int(r["t"]), int(float(r["value"]))) for r in csv.DictReader(fh) if r.get("value")]
+        out.setdefault(executor, {})[metric] = rows
+    return out
+
+
+def test_engine_counters_reach_spark_metrics_sinks(runner):
+    csv_dir = tempfile.mkdtemp(prefix="rs-a3-metrics-")
+    release = os.path.join(csv_dir, "release")
+    sink = "spark.metrics.conf.executor.sink.csv"
+    conf = {
+        f"{sink}.class": "org.apache.spark.metrics.sink.CsvSink",
+        f"{sink}.period": "1",
+        f"{sink}.unit": "seconds",
+        f"{sink}.directory": csv_dir,
+        "spark.shuffle.rdma.eagerTreshold": "8k",  # misspelt on purpose: one warning expected
+    }
+    app = App(submit_cmd(runner, METRICS_JOB, [release, str(RUN_TIMEOUT_S)], conf), runner.env)
+    try:
+        app.wait_for_line("METRICS_JOB_DONE", STEP_TIMEOUT_S)
+        done = time.time()
+        app_id = app_id_of("\n".join(app.err))
+        # Wait for a sink row of every executor taken after the job ended (whole seconds).
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while True:
+            rows = sink_rows(csv_dir, app_id)
+            fresh = {e for e, m in rows.items()
+                     if m.get("bytes_fetched") and m["bytes_fetched"][-1][0] >= done + 1}
+            if len(fresh) >= 2:
+                break
+            assert time.monotonic() < deadline, \
+                f"no sink rows after the job from both executors within {STEP_TIMEOUT_S} s: " \
+                f"{ {e: sorted(m) for e, m in rows.items()} } in {csv_dir}"
+            time.sleep(0.5)
+    finally:
+        Path(release).touch()
+        rc = app.finish(STEP_TIMEOUT_S)
+    stderr = "\n".join(app.err)
+    assert rc == 0, f"application failed (rc={rc}); stderr tail:\n" + stderr[-4000:]
+    assert "DIGEST job=small records=16000 " in "\n".join(app.out), app.out
+    assert "DIGEST job=large records=256 " in "\n".join(app.out), app.out
+
+    stats = engine_stats(stderr)
+    assert set(stats) == {"0", "1"}, f"engine stats lines in the driver log: {sorted(stats)}"
+    last = {e: {k: v[-1][1] for k, v in m.items()} for e, m in sink_rows(csv_dir, app_id).items()}
+    assert set(last) == {"0", "1"}, f"sink files per executor: {sorted(last)}"
+    print(f"\n[metrics] sink (last rows): {last}\n[metrics] engine: {stats}")
+
+    for executor, kv in stats.items():
+        sunk = last[executor]
+        numeric = {k: int(v) for k, v in kv.items() if v.isdigit() and k != "executor"}
+        # Every numeric counter the engine reports is a gauge of the source.
+        missing = sorted(set(numeric) - set(sunk))
+        assert not missing, f"executor {executor}: engine counters without a gauge: {missing}"
+        fetch_side = [k for k in numeric if "fetched" in k or k in
+                      ("one_sided_reads", "stream_pulls", "read_bytes", "native_requests")]
+        assert "bytes_fetched" in fetch_side and "blocks_fetched" in fetch_side, fetch_side
+        for k in fetch_side:
+            assert sunk[k] == numeric[k], \
+                f"executor {executor}: {k} is {sunk[k]} in the sink, {numeric[k]} in the engine"
+        for k in ("pool_bytes_in_use", "pool_peak_bytes_in_use", "pool_waits"):
+            assert k in sunk, f"executor {executor}: no {k} gauge"
+
+    total = lambda k: sum(m.get(k, 0) for m in last.values())
+    assert total("bytes_fetched") > 0 and total("blocks_fetched") > 0, last
+    assert total("bytes_served") == total("bytes_fetched"), \
+        f"served {total('bytes_served')} != fetched {total('bytes_fetched')}: {last}"
+    # Both paths carried blocks: small ones inline, ~1 MiB ones pulled.
+    assert total("eager_blocks_fetched") > 0 and total("rendezvous_blocks_fetched") > 0, last
+
+    logs = [stderr] + list(executor_logs(runner, app_id).values())
+    warnings = [ln for text in logs for ln in text.splitlines()
+                if "spark.shuffle.rdma.eagerTreshold is not a setting" in ln]
+    assert len(warnings) == 1, warnings
+    assert "WARN" in warnings[0] and "did you mean spark.shuffle.rdma.eagerThreshold?" in warnings[0]
