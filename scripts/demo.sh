@@ -28,7 +28,7 @@ mkdir -p "$REPO_ROOT/target"
 echo "== building the native engine (log: target/build-native.log)"
 "$here/build-native.sh" > "$REPO_ROOT/target/build-native.log" 2>&1 || { tail -30 "$REPO_ROOT/target/build-native.log"; exit 1; }
 echo "== building jvm-plugin (Spark $SPARK_VERSION, Scala $SCALA_BINARY)"
-(cd "$REPO_ROOT/jvm-plugin" && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
+(cd "$REPO_ROOT/jvm-plugin" && mvn -q -B -Dstyle.color=never package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
 for j in "$RDMA_PLUGIN_JAR" "$RDMA_JOBS_JAR"; do
   [ -f "$j" ] || { echo "the Maven build did not produce $j" >&2; exit 1; }
 done
@@ -88,11 +88,14 @@ echo "engine counters per executor (plugin run; the last report of each in the d
 # one of each executor holds its totals.
 stats=$(grep -o "RDMA_SHUFFLE_ENGINE_STATS executor=.*" "$out/plugin.err" \
   | awk '{ for (i = 2; i <= NF; i++) if ($i ~ /^executor=/) last[$i] = $0 } END { for (e in last) print last[e] }' | sort || true)
-if [ -n "$stats" ]; then
-  tr ' ' '\n' <<<"$stats" \
-    | grep -E "^(executor|transport|blocks_served|bytes_served|blocks_fetched|bytes_fetched|eager_blocks_fetched|rendezvous_blocks_fetched)=" \
-    | paste -sd' ' | sed 's/ executor=/\nexecutor=/g; s/^/  /'
-fi
+keys="transport blocks_served bytes_served blocks_fetched bytes_fetched eager_blocks_fetched rendezvous_blocks_fetched"
+[ -z "$stats" ] || awk -v keys="$keys" '{
+    n = split(keys, want, " "); delete kv
+    for (i = 1; i <= NF; i++) if (split($i, p, "=") == 2 && !(p[1] in kv)) kv[p[1]] = p[2]
+    line = "  executor=" kv["executor"]
+    for (i = 1; i <= n; i++) if (want[i] in kv) line = line " " want[i] "=" kv[want[i]]
+    print line
+  }' <<<"$stats"
 fetched=$(grep -o " blocks_fetched=[0-9]*" <<<"$stats" | cut -d= -f2 | awk '{ s += $1 } END { print s + 0 }')
 echo "logs: $out"
 if [ "$fetched" -eq 0 ]; then

@@ -92,7 +92,7 @@ def test_native_engine_moved_the_blocks(runner):
     assert total("bytes_served") == total("bytes_fetched"), totals
     if "wordcount" in JOBS:  # blocks of a few KB: below the 64 KiB eager threshold
         assert total("eager_blocks_fetched") > 0, totals
-    if "terasort" in JOBS:  # blocks of ~430 KB: descriptor and pull
+    if "terasort" in JOBS:  # blocks of about 1.8 MB: descriptor and pull
         assert total("rendezvous_blocks_fetched") > 0, totals
 
 
