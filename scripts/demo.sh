@@ -27,8 +27,9 @@ mkdir -p "$REPO_ROOT/target"
 
 echo "== building the native engine (log: target/build-native.log)"
 "$here/build-native.sh" > "$REPO_ROOT/target/build-native.log" 2>&1 || { tail -30 "$REPO_ROOT/target/build-native.log"; exit 1; }
-echo "== building jvm-plugin (Spark $SPARK_VERSION, Scala $SCALA_BINARY)"
-(cd "$REPO_ROOT/jvm-plugin" && mvn -q -B -Dstyle.color=never package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
+echo "== building jvm-plugin (Spark $SPARK_VERSION, Scala $SCALA_BINARY; log: target/build-jvm-$SPARK_LINE.log)"
+(cd "$REPO_ROOT/jvm-plugin" && mvn -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE}) \
+  > "$REPO_ROOT/target/build-jvm-$SPARK_LINE.log" 2>&1 || { tail -40 "$REPO_ROOT/target/build-jvm-$SPARK_LINE.log"; exit 1; }
 for j in "$RDMA_PLUGIN_JAR" "$RDMA_JOBS_JAR"; do
   [ -f "$j" ] || { echo "the Maven build did not produce $j" >&2; exit 1; }
 done
