@@ -37,3 +37,29 @@ summarize_cargo() {
 finish() {
   step "all tests passed"
 }
+
+# run_script PATH [ARGS...]: runs a script of this repository with bash. A missing script is an
+# error, never a skipped step (a lost exec bit cannot drop a suite either).
+run_script() {
+  local script=$1; shift
+  if [ ! -f "$script" ]; then
+    echo "required step script '$script' is missing (run from $(pwd))" >&2
+    return 1
+  fi
+  bash "$script" "$@"
+}
+
+# ensure_rust_lint_tools: rustfmt and clippy for the toolchain in use (rustup installs them where
+# its download server is reachable; otherwise say which component is missing).
+ensure_rust_lint_tools() {
+  local tool comp
+  for tool in fmt clippy; do
+    comp=$([ "$tool" = fmt ] && echo rustfmt || echo clippy)
+    cargo "$tool" --version >/dev/null 2>&1 && continue
+    if command -v rustup >/dev/null; then rustup component add "$comp" >/dev/null 2>&1 || true; fi
+    cargo "$tool" --version >/dev/null 2>&1 \
+      || { echo "cargo $tool is missing: install the '$comp' component (rustup component add $comp)" >&2; return 1; }
+  done
+  cargo fmt --version
+  cargo clippy --version
+}

@@ -4,9 +4,15 @@ and a cache of job runs shared by all tests of a session.
 The jobs are ordinary Spark applications (jvm-plugin/jobs) that know nothing of the plugin.
 All of them run in one application (executor start-up on 2 cores costs more than most jobs),
 twice on `local-cluster[2,1,1024]` (two executor JVMs, so shuffle blocks cross processes):
-once with Spark's default shuffle, once with
-`spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager --jars <plugin jar>`.
-Set RDMA_JOBS=terasort,sql to run a subset.
+once with Spark's default shuffle, once with the plugin installed as a user installs it on that
+Spark line (`rdma_plugin_submit_args` in scripts/spark-env.sh: `--jars` on 4.x, the driver's and
+executors' extraClassPath on 3.5).
+
+Environment:
+  RDMA_SPARK_PROFILE=spark-3.5     run on pyspark 3.5.9 with the -Pspark-3.5 build (default 4.x)
+  RDMA_JOBS=terasort,sql           run a subset of the jobs
+  RDMA_SHUFFLE_REQUIRE_NATIVE=1    a plugin run without the native engine fails the suite
+                                   instead of skipping the engine checks (scripts/test.sh sets it)
 """
 import glob
 import os
@@ -22,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGIN_CLASS = "org.apache.spark.shuffle.rdma.RdmaShuffleManager"
 JOB_CLASS = "org.apache.spark.shuffle.rdma.jobs.ShuffleJobs"
 PROFILE = os.environ.get("RDMA_SPARK_PROFILE", "")
-LINE = "3.5" if PROFILE == "spark-3.5" else "4.x"
+# In CI the engine must run: a missing native library is a failure, not a skip.
+REQUIRE_NATIVE = os.environ.get("RDMA_SHUFFLE_REQUIRE_NATIVE", "") == "1"
 # Per-run limit: a hung shuffle must fail the test, not the CI budget.
 RUN_TIMEOUT_S = int(os.environ.get("RDMA_JOB_TIMEOUT_S", "900"))
 
@@ -51,7 +58,50 @@ def spark_env() -> dict:
     return env
 
 
+def plugin_submit_args(env: dict, jar: str) -> list:
+    """spark-submit arguments installing the plugin from `jar` for the active Spark line, from
+    the one definition in scripts/spark-env.sh (Spark 3.5 needs the jar on the JVMs' class path:
+    it creates the shuffle manager before it adds --jars to an executor's class loader)."""
+    out = subprocess.run(
+        ["bash", "-c", f". '{REPO}/scripts/spark-env.sh' >&2 && rdma_plugin_submit_args \"$1\"", "_", jar],
+        check=True, capture_output=True, text=True, env=env,
+    ).stdout
+    args = out.splitlines()
+    assert args and args[0] == "--conf", args
+    return args
+
+
+def require_native_or_skip(loaded: bool, what: str) -> None:
+    """Skips an engine check when the native library is absent, unless the run requires it."""
+    if loaded:
+        return
+    msg = f"native library librdma_shuffle_jni.so did not load in {what}: shuffles handed to Spark"
+    if REQUIRE_NATIVE:
+        pytest.fail(msg + " (RDMA_SHUFFLE_REQUIRE_NATIVE=1)")
+    pytest.skip(msg)
+
+
 JOBS = os.environ.get("RDMA_JOBS", "wordcount,terasort,sql,sparse,bigblock").split(",")
+
+
+STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
+
+
+def engine_totals(stderr: str) -> dict:
+    """executor id -> its engine's counters, from the driver's `RDMA_SHUFFLE_ENGINE_STATS` lines.
+    Reduce tasks report after they finish and the driver logs every report, so one executor has
+    many lines and the reports may arrive out of order: the counters only grow, so each one's
+    total is its largest value."""
+    totals: dict = {}
+    for m in STATS_RE.finditer(stderr):
+        kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
+        mine = totals.setdefault(kv.pop("executor"), {})
+        for k, v in kv.items():
+            if v.isdigit():
+                mine[k] = max(mine.get(k, 0), int(v))
+            else:
+                mine[k] = v
+    return totals
 
 
 @dataclass
@@ -79,6 +129,7 @@ class Runner:
         self.env = env
         self.plugin_jar = plugin_jar
         self.jobs_jar = jobs_jar
+        self.plugin_args = plugin_submit_args(env, plugin_jar)
         self.cache: dict = {}
 
     def run(self, mode: str) -> Run:
@@ -93,7 +144,7 @@ class Runner:
         for k, v in CLUSTER_CONF.items():
             cmd += ["--conf", f"{k}={v}"]
         if mode == "plugin":
-            cmd += ["--conf", f"spark.shuffle.manager={PLUGIN_CLASS}", "--jars", self.plugin_jar]
+            cmd += self.plugin_args
         cmd += ["--class", JOB_CLASS, self.jobs_jar, ",".join(JOBS)]
         t0 = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=RUN_TIMEOUT_S)
@@ -112,18 +163,12 @@ class Runner:
         return run
 
 
-def _jar(module: str, artifact: str, scala: str) -> str:
-    return str(REPO / "jvm-plugin" / module / "target" / f"spark-{LINE}" /
-               f"{artifact}-spark{LINE}_{scala}-0.1.0-SNAPSHOT.jar")
-
-
 @pytest.fixture(scope="session")
 def runner() -> Runner:
     env = spark_env()
-    scala = env["SCALA_BINARY"]
-    plugin_jar = _jar("plugin", "rdma-shuffle", scala)
-    jobs_jar = _jar("jobs", "rdma-shuffle-jobs", scala)
+    plugin_jar, jobs_jar = env["RDMA_PLUGIN_JAR"], env["RDMA_JOBS_JAR"]
     if not (os.path.exists(plugin_jar) and os.path.exists(jobs_jar)):
         args = ["mvn", "-q", "-B", "package", "-DskipTests"] + ([f"-P{PROFILE}"] if PROFILE else [])
         subprocess.run(args, cwd=REPO / "jvm-plugin", check=True, env=env)
+    print(f"\n[spark-suite] Spark {env['SPARK_VERSION']} ({env['SPARK_HOME']}), plugin {plugin_jar}")
     return Runner(env, plugin_jar, jobs_jar)

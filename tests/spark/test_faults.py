@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLUSTER_CONF, PLUGIN_CLASS, RUN_TIMEOUT_S
+from conftest import CLUSTER_CONF, RUN_TIMEOUT_S, engine_totals, plugin_submit_args
 
 FAULT_JOB = "org.apache.spark.shuffle.rdma.jobs.FaultJob"
 SCENARIOS = ["clean", "before_reduce", "during_reduce"]
@@ -174,11 +174,11 @@ def _submit_cmd(env: dict, jobs_jar: str, plugin_jar: str, gate_dir: Path, event
                 scenarios: list, extra_conf: dict | None = None) -> list:
     cmd = [f"{env['SPARK_HOME']}/bin/spark-submit", "--master", "local-cluster[2,1,1024]",
            "--driver-memory", "1g"]
-    conf = {**FAULT_CONF, "spark.eventLog.dir": str(event_dir),
-            "spark.shuffle.manager": PLUGIN_CLASS, **(extra_conf or {})}
+    conf = {**FAULT_CONF, "spark.eventLog.dir": str(event_dir), **(extra_conf or {})}
     for k, v in conf.items():
         cmd += ["--conf", f"{k}={v}"]
-    cmd += ["--jars", plugin_jar, "--class", FAULT_JOB, jobs_jar, str(gate_dir), ",".join(scenarios)]
+    cmd += plugin_submit_args(env, plugin_jar)
+    cmd += ["--class", FAULT_JOB, jobs_jar, str(gate_dir), ",".join(scenarios)]
     return cmd
 
 
@@ -292,15 +292,6 @@ def faults(runner, tmp_path_factory) -> Outcome:
     return out
 
 
-STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
-
-
-def _latest_stats(stderr: str) -> dict:
-    latest = {}
-    for m in STATS_RE.finditer(stderr):
-        kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
-        latest[kv["executor"]] = kv
-    return latest
 
 
 def _fetch_failures(out: Outcome, scenario: str) -> list:
@@ -367,9 +358,9 @@ def test_native_engine_moved_the_blocks(faults):
         assert f"RDMA shuffle engine of executor {eid} listening on" in logs[0], eid
     registered = set(re.findall(r"RDMA shuffle engine of executor (\d+) registered", faults.stderr))
     assert registered >= ran_tasks, (registered, ran_tasks)
-    latest = _latest_stats(faults.stderr)
+    latest = engine_totals(faults.stderr)
     assert set(latest) >= ran_reduce, f"stats lines in the driver log: {sorted(latest)}, reducers {ran_reduce}"
-    total = lambda k: sum(int(kv[k]) for kv in latest.values())
+    total = lambda k: sum(kv[k] for kv in latest.values())
     assert total("native_requests") > 0 and total("bytes_fetched") > 0, latest
     # Nothing was handed to Spark's own client: dead peers were tried natively and failed there.
     assert total("delegated_requests") == 0, latest

@@ -14,7 +14,10 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-struct Tx(parking_lot::Mutex<mpsc::Sender<(usize, Result<Vec<u8>, BlockFailure>)>>);
+/// One delivered block: its index in the request and its bytes or failure.
+type Delivery = (usize, Result<Vec<u8>, BlockFailure>);
+
+struct Tx(parking_lot::Mutex<mpsc::Sender<Delivery>>);
 impl BlockSink for Tx {
     fn on_block(&self, i: usize, r: Result<FetchedBlock, BlockFailure>) {
         let _ = self.0.lock().send((i, r.map(|b| b.to_vec())));
@@ -116,14 +119,15 @@ fn memlock_limit_too_low_is_a_typed_error() {
             libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old);
             libc::setrlimit(libc::RLIMIT_MEMLOCK, &low);
         }
-        let e =
-            VerbsProvider::open(VerbsConfig { pool_bytes: 32 << 20, ..VerbsConfig::default() }).err().expect("open must refuse");
+        let Err(e) = VerbsProvider::open(VerbsConfig { pool_bytes: 32 << 20, ..VerbsConfig::default() }) else {
+            panic!("open must refuse")
+        };
         let msg = e.to_string();
         assert!(msg.contains("ulimit -l") && msg.contains("33554432") && msg.contains("1048576"), "{msg}");
         // Registration itself: the kernel refuses the 16 MiB slab with ENOMEM.
         let p = VerbsProvider::open(VerbsConfig::default()).unwrap();
         let pool = TieredPool::new(PoolConfig { cap_bytes: 64 << 20, ..PoolConfig::default() }, p.registrar()).unwrap();
-        let e = pool.acquire(16 << 20, None).err().expect("registration beyond the limit must fail");
+        let Err(e) = pool.acquire(16 << 20, None) else { panic!("registration beyond the limit must fail") };
         let msg = format!("{e}: {:?}", std::error::Error::source(&e).map(|s| s.to_string()));
         assert!(msg.contains("ulimit -l"), "{msg}");
         // SAFETY: restores the limit read above.

@@ -9,7 +9,7 @@ import org.apache.spark.sql.{Row, SparkSession}
 import org.apache.spark.sql.types.{BinaryType, StructField, StructType}
 
 /**
- * The shuffle benchmark of notes/spark.md as one ordinary Spark application (it does not
+ * The Spark shuffle benchmark of docs/benchmarks.md as one ordinary Spark application (it does not
  * reference the plugin; scripts/bench-spark.sh runs it once per mode and alternates modes):
  * N records (13 M by default) of a 10-byte random key and a 100-byte random value, 32 map x 32
  * reduce partitions, shuffled by three jobs:
