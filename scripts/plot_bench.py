@@ -209,12 +209,13 @@ def plot_spark(r, plt):
                   yerr=[[j[f"{mode}_s"] - min(runs)], [max(runs) - j[f"{mode}_s"]]], capsize=4,
                   label=("Spark default shuffle" if mode == "default" else "plugin") if i == 0 else None)
             a.scatter([i + off] * len(runs), runs, color="black", s=10, zorder=3)
-        a.annotate(f"x{j['ratio']:.2f}", (i, max(j["default_s"], j["plugin_s"])), ha="center", va="bottom")
+        a.annotate(f"plugin/default {j['ratio']:.2f}", (i, max(j["default_s"], j["plugin_s"])), ha="center",
+                   va="bottom", fontsize=9)
     a.set_xticks(range(len(jobs)), [j["name"] for j in jobs])
     a.set_ylabel("job wall time, s (bar: mean; dots: rounds; whiskers: min..max)")
     wl = r.get("workload", {})
     a.set_title(f"{wl.get('records', '?')} records, {wl.get('master', '')}, {wl.get('rounds', '?')} rounds, "
-                f"Spark {wl.get('spark_version', '')}; label: plugin / default")
+                f"Spark {wl.get('spark_version', '')}")
     a.legend()
     a.grid(alpha=0.3, axis="y")
     return fig

@@ -148,7 +148,7 @@ impl Config {
         if let Some(bad) = c.sizes.iter().find(|s| !s.is_power_of_two() || **s < 4 * KIB || **s > MAP_BYTES) {
             return Err(format!("--sizes: {bad} bytes is not a power of two from 4 KiB to 16 MiB (a map output is 16 MiB)"));
         }
-        if c.mib % 16 != 0 {
+        if !c.mib.is_multiple_of(16) {
             return Err(format!("--mib {}: must be a multiple of 16 (map outputs of 16 MiB)", c.mib));
         }
         if c.netty_cp.is_empty() {
