@@ -1,42 +1,101 @@
 #!/usr/bin/env bash
-# Engine benchmarks (release builds).
-#   scripts/bench-engine.sh [--gib N]          (= --provider tcp)
-#     loopback tcp: raw-socket ceiling vs the engine, 4 KiB block rate and latency, CPU per
-#     GiB. Prints a table, writes target/bench/engine.json.
+# Engine benchmarks (release builds). Both kinds install what they need (apt, Maven, cargo).
+#
+#   scripts/bench-engine.sh [--tiny] [RUN-ARGS...]                     (= --provider tcp)
+#     The engine against the real alternatives on loopback, in one run, rounds interleaved
+#     (engine first in odd rounds, Spark first in even ones), medians and spread:
+#       - ceiling: Debian's iperf3 -l 1M;
+#       - Spark's own block transfer: spark-network-common's TransportServer serving
+#         FileSegmentManagedBuffer blocks (OneForOneStreamManager) to a TransportClient
+#         (fetchChunk), two JVMs, built by Maven from benches/netty against the Spark version
+#         of jvm-plugin/pom.xml;
+#       - the engine (tcp): two processes, the same Spark-layout files.
+#     Throughput by block size (64 KiB .. 4 MiB; 1 GiB each), CPU s/GiB of both processes,
+#     4 KiB blocks/s with 64 in flight, 4 KiB latency one at a time (p50/p99). Prints a table,
+#     writes target/bench/engine.json and draws target/bench/engine.png.
+#     RUN-ARGS go to `engine-bench run`: --mib N (default 1024) --sizes 64k,256k,1m,4m
+#     --rounds N (5) --warmup N (2 untimed rounds first: the JVMs' JIT) --small-reps N
+#     (20 x 1024 blocks) --lat-samples N (2000) --dir DIR.
+#     --tiny = --mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100:
+#     proves the harness works in half a minute; its numbers mean nothing.
 #   scripts/bench-engine.sh --provider verbs [-- SWEEP-ARGS...]
 #     eager SEND vs rendezvous RDMA READ, throughput and p50 latency by block size (4 KiB ..
 #     16 MiB), on real kernel RDMA. Without an RDMA device on the host (always, here) it boots
 #     the SoftRoCE VM once and runs the sweep on its rxe0; the guest prints the report between
-#     markers on the console and this script writes it to target/bench/engine-verbs.json.
+#     markers on the console and this script writes it to target/bench/engine-verbs.json and
+#     draws target/bench/engine-verbs.png.
 #     The numbers are emulation speeds: compare SEND with READ, not with hardware.
 #     SWEEP-ARGS go to `engine-bench verbs-sweep` (e.g. -- --sizes 4k,1m --secs 1).
-# Exits non-zero if the build, the VM, the sweep, or the report fails.
+# Exits non-zero if the build, the VM, the run, or the report (every key, finite) fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GIB=1
+. scripts/lib.sh
 PROVIDER=tcp
-SWEEP_ARGS=()
+ARGS=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --gib) GIB=$2; shift 2 ;;
-    --provider) PROVIDER=$2; shift 2 ;;
-    --) shift; SWEEP_ARGS=("$@"); break ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    --provider) [ $# -ge 2 ] || { echo "--provider needs tcp or verbs" >&2; exit 2; }; PROVIDER=$2; shift 2 ;;
+    --tiny) ARGS+=(--mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100); shift ;;
+    --) shift; ARGS+=("$@"); break ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) ARGS+=("$1"); shift ;;
   esac
 done
+SWEEP_ARGS=("${ARGS[@]}")
+
+# Matplotlib for the plots: Debian's, run by Debian's python3.
+plot() {
+  apt_install python3-matplotlib
+  /usr/bin/python3 scripts/plot_bench.py "$@"
+}
 
 case $PROVIDER in
 tcp)
-  cargo build --release -q -p rdma-shuffle-bench --bin engine-bench
+  step "tools: iperf3, a JDK and Maven (Debian)"
+  need=(iperf3)
+  command -v java >/dev/null || need+=(openjdk-17-jdk-headless)
+  command -v mvn >/dev/null || need+=(maven)
+  apt_install "${need[@]}"
+  ensure_rust >/dev/null
   mkdir -p target/bench
-  exec ./target/release/engine-bench run --gib "$GIB" --out target/bench/engine.json
+  pom() { sed -n "s:.*<$1>\(.*\)</$1>.*:\1:p" jvm-plugin/pom.xml | head -n 1; }
+  SPARK_VERSION=$(pom spark.version)
+  SCALA_BINARY=$(pom scala.binary.version)
+  step "build: engine-bench (release), Spark $SPARK_VERSION's block transfer (benches/netty, Maven)"
+  cargo build --release -q -p rdma-shuffle-bench --bin engine-bench
+  if ! mvn -q -B -f benches/netty/pom.xml -Dspark.version="$SPARK_VERSION" -Dscala.binary.version="$SCALA_BINARY" \
+      package > target/bench/netty-build.log 2>&1; then
+    tail -n 40 target/bench/netty-build.log >&2
+    echo "building benches/netty failed (log: target/bench/netty-build.log)" >&2
+    exit 1
+  fi
+  CP="$PWD/benches/netty/target/netty-block-bench.jar:$PWD/benches/netty/target/lib/*"
+  # An executor's JVM: Spark's default 1 GiB heap and the module opens spark-submit adds on
+  # Java 17 (Netty's direct buffers need java.nio and sun.nio.ch).
+  JVM=(-Xmx1g -XX:+IgnoreUnrecognizedVMOptions
+    --add-opens=java.base/java.lang=ALL-UNNAMED --add-opens=java.base/java.lang.invoke=ALL-UNNAMED
+    --add-opens=java.base/java.lang.reflect=ALL-UNNAMED --add-opens=java.base/java.io=ALL-UNNAMED
+    --add-opens=java.base/java.net=ALL-UNNAMED --add-opens=java.base/java.nio=ALL-UNNAMED
+    --add-opens=java.base/java.util=ALL-UNNAMED --add-opens=java.base/java.util.concurrent=ALL-UNNAMED
+    --add-opens=java.base/java.util.concurrent.atomic=ALL-UNNAMED --add-opens=java.base/jdk.internal.ref=ALL-UNNAMED
+    --add-opens=java.base/sun.nio.ch=ALL-UNNAMED --add-opens=java.base/sun.nio.cs=ALL-UNNAMED
+    --add-opens=java.base/sun.security.action=ALL-UNNAMED --add-opens=java.base/sun.util.calendar=ALL-UNNAMED
+    -Djdk.reflect.useDirectMethodHandle=false -Dio.netty.tryReflectionSetAccessible=true)
+  JARGS=()
+  for o in "${JVM[@]}"; do JARGS+=(--jvm-opt "$o"); done
+  OUT=target/bench/engine.json
+  rm -f "$OUT" target/bench/engine.png   # a failed run leaves no report that could pass for its result
+  step "run: iperf3 vs Spark (Netty) vs engine, interleaved rounds"
+  ./target/release/engine-bench run --netty-cp "$CP" "${JARGS[@]}" --java "$(command -v java)" \
+    --iperf3 "$(command -v iperf3)" --spark-version "$SPARK_VERSION" --out "$OUT" "${ARGS[@]}"
+  plot engine "$OUT" target/bench/engine.png
+  exit 0
   ;;
 verbs) ;;
 *) echo "unknown provider '$PROVIDER' (tcp or verbs)" >&2; exit 2 ;;
 esac
 
 # ---------------------------------------------------------------- verbs sweep
-. scripts/lib.sh
 T_START=$(date +%s)
 ensure_rust >/dev/null
 if ls /sys/class/infiniband/* >/dev/null 2>&1; then
@@ -45,6 +104,7 @@ if ls /sys/class/infiniband/* >/dev/null 2>&1; then
   cargo build --release -q -p rdma-shuffle-bench --features verbs --bin engine-bench
   mkdir -p target/bench
   ./target/release/engine-bench verbs-sweep --out target/bench/engine-verbs.json "${SWEEP_ARGS[@]}"
+  plot verbs target/bench/engine-verbs.json target/bench/engine-verbs.png
   exit 0
 fi
 scripts/softroce-prepare.sh   # the VM's kernel and user space; libibverbs-dev, clang for the build
@@ -94,4 +154,5 @@ fi
 mv "$OUT.tmp" "$OUT"
 echo
 sed -n 's/^@@TABLE //p' "$LOG"
+plot verbs "$OUT" target/bench/engine-verbs.png
 echo "wrote $OUT (whole run $(( $(date +%s) - T_START )) s)"

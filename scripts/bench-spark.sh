@@ -21,6 +21,7 @@
 # target/bench/spark.json:
 #   {"jobs": [{"name", "default_s", "plugin_s", "ratio", "default_fetch_wait_ms",
 #              "plugin_fetch_wait_ms", ...}], "plugin_engine_stats": {...}, ...}
+# and draws target/bench/spark.png (plugin vs default per job, every round a dot; scripts/plot_bench.py).
 # Logs of every application: target/bench/spark-logs/.
 # Fails when a plugin run did not move its blocks through the native engine (no
 # RDMA_SHUFFLE_ENGINE_STATS with fetched blocks in the driver log), or when the outputs of the two
@@ -39,7 +40,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
     --no-build) build=no; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "bench-spark.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -358,3 +359,7 @@ if problems:
     print("PROBLEMS:\n  " + "\n  ".join(problems))
     sys.exit(1)
 PY
+
+step "plot: target/bench/spark.png"
+apt_install python3-matplotlib
+/usr/bin/python3 scripts/plot_bench.py spark target/bench/spark.json target/bench/spark.png

@@ -94,6 +94,12 @@ run_script docker/cluster.sh terasort,wordcount 0.1
 step "spark over verbs: an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
 run_script scripts/spark-verbs-test.sh
 
+step "bench (CI size, SoftRoCE VM): verbs sweep at 4k/64k/1m and verbs scale run at 2 and 4 peers; reports complete, speed not asserted"
+T_BENCH=$(date +%s)
+run_script scripts/bench-engine.sh --provider verbs -- --sizes 4k,64k,1m --secs 0.5 --lat-samples 5:20 --lat-secs 1 --max-mib 8
+run_script scripts/bench-scale.sh --provider verbs --verbs-peers 2,4 --timeout 600 -- --samples 2 --settle-secs 1
+echo "bench step: $(( $(date +%s) - T_BENCH )) s"
+
 step "fuzz: frame decoder and handshake, bounded"
 run_script scripts/fuzz.sh "${RDMA_SHUFFLE_FUZZ_SECONDS:-30}"
 

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Checks a benchmark report for completeness and draws it beside the JSON (matplotlib).
+
+    plot_bench.py KIND REPORT.json [OUT.png] [--check-only]
+
+KIND is one of
+  engine  target/bench/engine.json        (scripts/bench-engine.sh): throughput against block
+          size per system (iperf3, Spark's Netty transfer, the engine), and 4 KiB blocks/s,
+          p50/p99 latency and CPU per GiB side by side;
+  scale   target/bench/scale.json         (scripts/bench-scale.sh): threads, fds, RSS and
+          registered memory of one engine against its number of peers, tcp and verbs;
+  spark   target/bench/spark.json         (scripts/bench-spark.sh): plugin vs default per job,
+          every round's time as a dot;
+  verbs   target/bench/engine-verbs.json  (scripts/bench-engine.sh --provider verbs): SEND and
+          READ throughput and p50 latency against block size.
+
+Before drawing, the report is checked: every key the report promises is present and every
+number in it is finite (speeds are never asserted). A failed check prints what is missing and
+exits 1. OUT.png defaults to the report's name with .png. Needs matplotlib (Debian's
+python3-matplotlib; the bench scripts install it).
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+
+class Incomplete(Exception):
+    pass
+
+
+def finite(v, where):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise Incomplete(f"{where} is {v!r}, not a finite number")
+    return v
+
+
+def need(obj, keys, where, positive=False):
+    for k in keys:
+        if k not in obj:
+            raise Incomplete(f"{where}: key '{k}' is missing")
+        v = finite(obj[k], f"{where}.{k}")
+        if positive and v <= 0:
+            raise Incomplete(f"{where}.{k} is {v}, expected > 0")
+
+
+ENGINE_KEYS = ["iperf3_gbps", "netty_gbps", "engine_gbps", "ratio_vs_iperf3", "small_blocks_per_s",
+               "netty_small_blocks_per_s", "small_p50_us", "small_p99_us", "netty_small_p50_us",
+               "netty_small_p99_us", "cpu_s_per_gib_engine", "cpu_s_per_gib_netty"]
+SCALE_ROW_KEYS = ["peers", "threads", "registered_bytes", "rss_bytes", "fds"]
+
+
+def check_engine(r):
+    need(r, ENGINE_KEYS, "engine.json", positive=True)
+    rounds = r.get("rounds") or []
+    if not rounds:
+        raise Incomplete("engine.json: no per-round values ('rounds')")
+    for i, x in enumerate(rounds):
+        need(x, [k for k in ENGINE_KEYS if k != "ratio_vs_iperf3"], f"engine.json rounds[{i}]", positive=True)
+    sizes = r.get("sizes") or []
+    if not any(s.get("bytes") == 1 << 20 for s in sizes):
+        raise Incomplete("engine.json: no 1 MiB entry in 'sizes'")
+    for s in sizes:
+        need(s, ["bytes", "engine_gbps", "netty_gbps"], f"engine.json sizes[{s.get('bytes')}]", positive=True)
+    for t in r.get("targets") or []:
+        need(t, ["value", "goal"], f"engine.json target '{t.get('target')}'")
+    if len(r.get("targets") or []) != 5:
+        raise Incomplete("engine.json: expected the 5 targets of issue 13")
+
+
+def check_scale(r):
+    sections = [k for k in ("peers", "verbs_peers") if k in r]
+    if not sections:
+        raise Incomplete("scale.json: neither 'peers' nor 'verbs_peers'")
+    for sec in sections:
+        rows = r[sec]
+        if not rows:
+            raise Incomplete(f"scale.json: '{sec}' is empty")
+        for row in rows:
+            need(row, SCALE_ROW_KEYS, f"scale.json {sec}[peers={row.get('peers')}]")
+            need(row, ["peers", "threads", "rss_bytes", "fds"], f"scale.json {sec}[peers={row.get('peers')}]",
+                 positive=True)
+            if row.get("blocks_fetched_in_window", 0) <= 0 or row.get("blocks_served_in_window", 0) <= 0:
+                raise Incomplete(f"scale.json {sec}[peers={row['peers']}]: no traffic in the window")
+
+
+def check_spark(r):
+    jobs = r.get("jobs") or []
+    if not jobs:
+        raise Incomplete("spark.json: no jobs")
+    for j in jobs:
+        need(j, ["default_s", "plugin_s", "ratio"], f"spark.json job {j.get('name')}", positive=True)
+        for k in ("default_runs_s", "plugin_runs_s"):
+            if not j.get(k):
+                raise Incomplete(f"spark.json job {j.get('name')}: '{k}' is empty")
+            for v in j[k]:
+                finite(v, f"spark.json job {j.get('name')}.{k}")
+
+
+def check_verbs(r):
+    sizes = r.get("sizes") or []
+    if not sizes:
+        raise Incomplete("engine-verbs.json: no sizes")
+    for s in sizes:
+        need(s, ["bytes", "send_mbps", "read_mbps", "send_p50_us", "read_p50_us"],
+             f"engine-verbs.json sizes[{s.get('bytes')}]", positive=True)
+    for k in ("crossover_bytes", "device", "note"):
+        if k not in r:
+            raise Incomplete(f"engine-verbs.json: key '{k}' is missing")
+
+
+def human(b):
+    b = int(b)
+    if b >= 1 << 20:
+        return f"{b >> 20} MiB"
+    if b >= 1 << 10:
+        return f"{b >> 10} KiB"
+    return f"{b} B"
+
+
+def errbars(med, lo, hi):
+    return [[m - l for m, l in zip(med, lo)], [h - m for m, h in zip(med, hi)]]
+
+
+def plot_engine(r, plt):
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
+    sizes = sorted(r["sizes"], key=lambda s: s["bytes"])
+    x = [s["bytes"] for s in sizes]
+    for key, label, color in (("engine", "engine (tcp)", "tab:blue"), ("netty", "Spark (Netty)", "tab:orange")):
+        med = [s[f"{key}_gbps"] for s in sizes]
+        spread = [s.get(f"{key}_gbps_spread") or {} for s in sizes]
+        lo = [sp.get("min", m) for sp, m in zip(spread, med)]
+        hi = [sp.get("max", m) for sp, m in zip(spread, med)]
+        a = ax[0][0]
+        a.errorbar(x, med, yerr=errbars(med, lo, hi), marker="o", capsize=3, label=label, color=color)
+    ip = r["spread"].get("iperf3_gbps") or {}
+    a = ax[0][0]
+    a.axhline(r["iperf3_gbps"], color="gray", ls="--", label="iperf3 -l 1M (ceiling)")
+    if ip:
+        a.axhspan(ip["min"], ip["max"], color="gray", alpha=0.12)
+    a.set_xscale("log", base=2)
+    a.set_xticks(x, [human(b) for b in x])
+    a.set_xlabel("block size")
+    a.set_ylabel("Gbit/s (median, bars: min..max)")
+    a.set_title("throughput, loopback, two processes per system")
+    a.legend()
+    a.grid(alpha=0.3)
+
+    def bars(a, keys, labels, title, ylabel, log=False):
+        sp = r["spread"]
+        med = [r[k] for k in keys]
+        lo = [(sp.get(k) or {}).get("min", m) for k, m in zip(keys, med)]
+        hi = [(sp.get(k) or {}).get("max", m) for k, m in zip(keys, med)]
+        colors = ["tab:orange" if "netty" in k else "tab:blue" for k in keys]
+        a.bar(range(len(keys)), med, yerr=errbars(med, lo, hi), capsize=4, color=colors)
+        a.set_xticks(range(len(keys)), labels)
+        a.set_title(title)
+        a.set_ylabel(ylabel)
+        if log:
+            a.set_yscale("log")
+        a.grid(alpha=0.3, axis="y")
+        for i, m in enumerate(med):
+            a.annotate(f"{m:,.0f}" if m >= 100 else f"{m:.2f}", (i, m), ha="center", va="bottom", fontsize=8)
+
+    bars(ax[0][1], ["netty_small_blocks_per_s", "small_blocks_per_s"], ["Spark (Netty)", "engine"],
+         "4 KiB blocks/s, 64 in flight", "blocks/s")
+    bars(ax[1][0], ["netty_small_p50_us", "small_p50_us", "netty_small_p99_us", "small_p99_us"],
+         ["Spark p50", "engine p50", "Spark p99", "engine p99"], "4 KiB fetch latency, one at a time",
+         "µs (log)", log=True)
+    bars(ax[1][1], ["cpu_s_per_gib_netty", "cpu_s_per_gib_engine"], ["Spark (Netty)", "engine"],
+         "CPU s per GiB, 1 MiB blocks (both processes)", "CPU s / GiB")
+    fig.suptitle(f"engine vs Spark {r.get('spark_version', '')} block transfer vs iperf3 — "
+                 f"{r.get('rounds_timed')} interleaved rounds, medians")
+    return fig
+
+
+def plot_scale(r, plt):
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [("threads", "threads", 1), ("fds", "open fds", 1), ("rss_bytes", "RSS MiB", 1 << 20),
+              ("registered_bytes", "registered MiB", 1 << 20)]
+    for sec, label, style in (("peers", "tcp", "-o"), ("verbs_peers", "verbs (SoftRoCE)", "--s")):
+        rows = r.get(sec) or []
+        if not rows:
+            continue
+        p = [row["peers"] for row in rows]
+        for a, (k, title, div) in zip(ax.flat, panels):
+            a.plot(p, [row[k] / div for row in rows], style, label=label)
+    counts = sorted({row["peers"] for sec in ("peers", "verbs_peers") for row in r.get(sec) or []})
+    for a, (k, title, _) in zip(ax.flat, panels):
+        a.set_title(title)
+        a.set_xlabel("peer engines")
+        a.set_xscale("log", base=2)
+        a.set_xticks(counts, [str(c) for c in counts])
+        a.grid(alpha=0.3)
+        a.legend()
+        a.set_ylim(bottom=0)
+    fig.suptitle("one engine serving and fetching with N peers (processes), traffic flowing")
+    return fig
+
+
+def plot_spark(r, plt):
+    jobs = r["jobs"]
+    fig, a = plt.subplots(figsize=(max(6, 2.6 * len(jobs)), 5))
+    w = 0.38
+    for i, j in enumerate(jobs):
+        for off, mode, color in ((-w / 2, "default", "tab:orange"), (w / 2, "plugin", "tab:blue")):
+            runs = j[f"{mode}_runs_s"]
+            a.bar(i + off, j[f"{mode}_s"], w, color=color, alpha=0.75,
+                  yerr=[[j[f"{mode}_s"] - min(runs)], [max(runs) - j[f"{mode}_s"]]], capsize=4,
+                  label=("Spark default shuffle" if mode == "default" else "plugin") if i == 0 else None)
+            a.scatter([i + off] * len(runs), runs, color="black", s=10, zorder=3)
+        a.annotate(f"plugin/default {j['ratio']:.2f}", (i, max(j["default_s"], j["plugin_s"])), ha="center",
+                   va="bottom", fontsize=9)
+    a.set_xticks(range(len(jobs)), [j["name"] for j in jobs])
+    a.set_ylabel("job wall time, s (bar: mean; dots: rounds; whiskers: min..max)")
+    wl = r.get("workload", {})
+    a.set_title(f"{wl.get('records', '?')} records, {wl.get('master', '')}, {wl.get('rounds', '?')} rounds, "
+                f"Spark {wl.get('spark_version', '')}")
+    a.legend()
+    a.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def plot_verbs(r, plt):
+    sizes = sorted(r["sizes"], key=lambda s: s["bytes"])
+    x = [s["bytes"] for s in sizes]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k, label, color in (("send", "eager SEND", "tab:green"), ("read", "rendezvous RDMA READ", "tab:purple")):
+        ax[0].plot(x, [s[f"{k}_mbps"] for s in sizes], "-o", label=label, color=color)
+        ax[1].plot(x, [s[f"{k}_p50_us"] for s in sizes], "-o", label=label, color=color)
+    if r.get("crossover_bytes"):
+        for a in ax:
+            a.axvline(r["crossover_bytes"], color="gray", ls=":", label="crossover")
+    for a, yl in zip(ax, ("Mbit/s", "p50 µs, one block alone (log)")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(x, [human(b) for b in x])
+        a.set_xlabel("block size")
+        a.set_ylabel(yl)
+        a.grid(alpha=0.3)
+        a.legend()
+    ax[1].set_yscale("log")
+    fig.suptitle(f"SEND vs READ on {r.get('device', '?')} (kernel {r.get('kernel', '?')}): "
+                 "SoftRoCE under emulation, compare within the run")
+    return fig
+
+
+KINDS = {"engine": (check_engine, plot_engine), "scale": (check_scale, plot_scale),
+         "spark": (check_spark, plot_spark), "verbs": (check_verbs, plot_verbs)}
+
+
+def main(argv):
+    args = [a for a in argv if a != "--check-only"]
+    check_only = len(args) != len(argv)
+    if len(args) not in (2, 3) or args[0] not in KINDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    kind, report = args[0], Path(args[1])
+    out = Path(args[2]) if len(args) == 3 else report.with_suffix(".png")
+    check, draw = KINDS[kind]
+    try:
+        r = json.loads(report.read_text())
+        check(r)
+    except (OSError, ValueError, Incomplete, KeyError, TypeError) as e:
+        print(f"plot_bench: {report} is incomplete: {e}", file=sys.stderr)
+        return 1
+    print(f"plot_bench: {report}: complete")
+    if check_only:
+        return 0
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = draw(r, plt)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot_bench: drew {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
