@@ -15,7 +15,7 @@
 pub mod client;
 pub mod error;
 pub mod link;
-pub mod pool;
+pub mod memory;
 pub mod server;
 pub mod sim;
 mod sock;
@@ -26,6 +26,7 @@ pub mod verbs;
 pub use client::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock};
 pub use error::FabricError;
 pub use link::{Link, Listener, Payload, Placement, Provider, Received, Source, SourceKeys};
+pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
 pub use sim::SimProvider;
