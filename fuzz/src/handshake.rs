@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use wire::frame::{Header, HEADER_LEN, MAX_PULL_CHUNK, NONCE_LEN, PROOF_LEN};
 use wire::{
     caps, BlockFailure, BlockSpan, ClientConfig, ClientEvent, ClientSession, Descriptor, FailureCode, Frame, FrameError, Limits,
-    ProtocolError, Resolved, Secret, ServerConfig, ServerOutput, ServerSession, Token,
+    ProtocolError, Resolved, Secret, ServerConfig, ServerOutput, ServerSession, Token, Transcript,
 };
 
 /// The server's nonce in every mode.
@@ -178,7 +178,7 @@ fn server_mode_resolver(span: &BlockSpan) -> Result<Resolved<u64>, BlockFailure>
     if span.group % 4 == 3 {
         return Err(BlockFailure::new(FailureCode::from_u16(span.start as u16), "fuzz: failing block"));
     }
-    Ok(Resolved { source: span.object, offset: span.start as u64, len: span.object % (1 << 32), addr: 0x1000, rkey: 9 })
+    Ok(Resolved { source: span.object, offset: span.start as u64, len: span.object % (1 << 32) })
 }
 
 /// Watches one server session and checks everything it says.
@@ -186,8 +186,10 @@ struct ServerWatch {
     secret: Option<Secret>,
     credits: u32,
     eager_threshold: u32,
-    /// Nonce and `max_eager` of the first `Hello` handed to the session.
-    hello: Option<([u8; NONCE_LEN], u32)>,
+    /// The first `Hello` handed to the session.
+    hello: Option<Frame>,
+    /// The `Challenge` the session answered it with.
+    challenge: Option<Frame>,
     /// Whether an `Auth` with the correct proof was handed to the session.
     valid_auth: bool,
     /// Regions announced and not released: id → length.
@@ -214,6 +216,7 @@ impl ServerWatch {
             credits: config.credits,
             eager_threshold: config.eager_threshold,
             hello: None,
+            challenge: None,
             valid_auth: false,
             regions: HashMap::new(),
             announced: HashMap::new(),
@@ -227,9 +230,23 @@ impl ServerWatch {
         self.secret.is_none() || self.valid_auth
     }
 
+    fn transcript(&self) -> Option<Transcript> {
+        Some(Transcript::new(self.hello.as_ref()?, self.challenge.as_ref()?))
+    }
+
+    /// The proof a client that knows the secret would send (garbage before a `Challenge`).
     fn correct_client_proof(&self) -> [u8; PROOF_LEN] {
-        let nonce = self.hello.map(|h| h.0).unwrap_or_default();
-        self.secret.clone().unwrap_or_else(|| Secret::new(SECRET)).client_proof(&nonce, &SERVER_NONCE)
+        match self.transcript() {
+            Some(t) => self.secret.clone().unwrap_or_else(|| Secret::new(SECRET)).client_proof(&t),
+            None => [0; PROOF_LEN],
+        }
+    }
+
+    fn hello_max_eager(&self) -> u32 {
+        match &self.hello {
+            Some(Frame::Hello { max_eager, .. }) => *max_eager,
+            _ => 0,
+        }
     }
 
     /// Hands `frame` to `s`, with every check before and after.
@@ -238,9 +255,9 @@ impl ServerWatch {
         F: Fn(&BlockSpan) -> Result<Resolved<u64>, BlockFailure>,
     {
         match &frame {
-            Frame::Hello { nonce, max_eager, .. } if self.hello.is_none() => self.hello = Some((*nonce, *max_eager)),
+            Frame::Hello { .. } if self.hello.is_none() => self.hello = Some(frame.clone()),
             Frame::Auth { proof: Some(p) }
-                if self.secret.is_some() && self.hello.is_some() && *p == self.correct_client_proof() =>
+                if self.secret.is_some() && self.challenge.is_some() && *p == self.correct_client_proof() =>
             {
                 self.valid_auth = true
             }
@@ -303,12 +320,10 @@ impl ServerWatch {
         while let Some(o) = s.poll_output() {
             assert!(!was_closed, "a closed session emitted {o:?}");
             self.check_output(&o);
-            let frame = match &o {
-                ServerOutput::Frame(f) | ServerOutput::Eager { frame: f, .. } | ServerOutput::PullData { frame: f, .. } => f,
-            };
-            let got = through_codec(frame, &client_limits)
+            let Some(frame) = output_frame(&o, 9) else { continue };
+            let got = through_codec(&frame, &client_limits)
                 .unwrap_or_else(|e| panic!("server sent {frame:?}, which does not decode: {e}"));
-            assert!(same_after_codec(frame, &got), "{frame:?} decodes as {got:?}");
+            assert!(same_after_codec(&frame, &got), "{frame:?} decodes as {got:?}");
         }
         self.check_state(s, true);
     }
@@ -332,12 +347,27 @@ impl ServerWatch {
 
     fn check_output(&mut self, o: &ServerOutput<u64>) {
         let serving = self.may_serve();
-        if matches!(o, ServerOutput::Eager { .. } | ServerOutput::PullData { .. } | ServerOutput::Frame(Frame::Rendezvous { .. }))
-        {
+        if matches!(o, ServerOutput::Eager { .. } | ServerOutput::PullData { .. } | ServerOutput::Expose { .. }) {
             self.served += 1;
         }
-        let eager_limit = self.eager_threshold.min(self.hello.map(|h| h.1).unwrap_or(0));
+        let eager_limit = self.eager_threshold.min(self.hello_max_eager());
         match o {
+            ServerOutput::Expose { region, len, .. } => {
+                assert!(serving, "region exposed before a valid Auth: {o:?}");
+                assert!(*len > eager_limit as u64, "{len} bytes offered by rendezvous under the eager threshold {eager_limit}");
+                assert!(self.announced.insert(*region, *len).is_none(), "region id {region} reused");
+                if !self.released_early.remove(region) {
+                    self.regions.insert(*region, *len);
+                }
+            }
+            ServerOutput::Revoke { region } => {
+                assert!(serving, "revoke before a valid Auth: {o:?}");
+                assert!(
+                    self.announced.contains_key(region) || self.released_early.contains(region),
+                    "revoke of region {region}, never exposed"
+                );
+                assert!(!self.regions.contains_key(region), "revoke of region {region}, which the client still holds");
+            }
             ServerOutput::Eager { frame: Frame::Eager { len, .. }, len: payload, .. } => {
                 assert!(serving, "eager block sent before a valid Auth: {o:?}");
                 assert_eq!(*len as u64, *payload);
@@ -355,27 +385,30 @@ impl ServerWatch {
             }
             ServerOutput::Eager { .. } | ServerOutput::PullData { .. } => panic!("payload output with the wrong frame: {o:?}"),
             ServerOutput::Frame(f) => match f {
-                Frame::Rendezvous { desc, .. } => {
-                    assert!(serving, "rendezvous sent before a valid Auth: {f:?}");
-                    assert!(
-                        desc.len > eager_limit as u64,
-                        "{} bytes offered by rendezvous under the eager threshold {eager_limit}",
-                        desc.len
-                    );
-                    assert!(self.announced.insert(desc.region, desc.len).is_none(), "region id {} reused", desc.region);
-                    if !self.released_early.remove(&desc.region) {
-                        self.regions.insert(desc.region, desc.len);
-                    }
-                }
                 Frame::BlockFailed { .. } | Frame::Credit { .. } => assert!(serving, "{f:?} sent before a valid Auth"),
-                Frame::Ready { proof } => {
+                Frame::Ready { proof, credits } => {
+                    assert!(
+                        (1..=self.credits.max(1)).contains(credits),
+                        "live grant {credits} outside 1..={}",
+                        self.credits.max(1)
+                    );
                     let expected = self.secret.as_ref().map(|s| {
                         assert!(self.valid_auth, "Ready sent without a valid Auth");
-                        s.server_proof(&self.hello.map(|h| h.0).unwrap_or_default(), &SERVER_NONCE)
+                        s.server_proof(&self.transcript().expect("Ready after a Challenge"), *credits)
                     });
                     assert_eq!(*proof, expected, "wrong server proof");
                 }
-                Frame::Challenge { auth_required, .. } => assert_eq!(*auth_required, self.secret.is_some()),
+                Frame::Challenge { auth_required, app_id, .. } => {
+                    assert_eq!(*auth_required, self.secret.is_some());
+                    assert!(app_id.is_empty(), "the server announced another application");
+                    assert!(
+                        matches!(&self.hello, Some(Frame::Hello { app_id, .. }) if app_id.is_empty()),
+                        "a Challenge for a client of another application: {:?}",
+                        self.hello
+                    );
+                    assert!(self.challenge.is_none(), "two Challenges");
+                    self.challenge = Some(f.clone());
+                }
                 Frame::Error { .. } => {}
                 other => panic!("the server sent a client frame: {other:?}"),
             },
@@ -505,13 +538,31 @@ struct RequestWatch {
     fetched_closed: bool,
 }
 
+/// The frame a driver sends for a server output (`None` for a revocation, which sends
+/// nothing); an exposure becomes a `Rendezvous` with key `rkey`.
+fn output_frame(o: &ServerOutput<u64>, rkey: u32) -> Option<Frame> {
+    match o {
+        ServerOutput::Frame(f) | ServerOutput::Eager { frame: f, .. } | ServerOutput::PullData { frame: f, .. } => {
+            Some(f.clone())
+        }
+        ServerOutput::Expose { req, index, region, offset, len, .. } => Some(Frame::Rendezvous {
+            req: *req,
+            index: *index,
+            desc: Descriptor { region: *region, addr: *offset, len: *len, rkey },
+        }),
+        ServerOutput::Revoke { .. } => None,
+    }
+}
+
 /// Watches one client session and checks everything it says.
 struct ClientWatch {
     secret: Option<Secret>,
     max_eager: u32,
     transmitted: usize,
-    /// Nonce of the first `Challenge` handed over.
-    challenge: Option<[u8; NONCE_LEN]>,
+    /// The session's `Hello`.
+    hello: Option<Frame>,
+    /// The first `Challenge` handed over.
+    challenge: Option<Frame>,
     /// Whether a `Ready` with the correct server proof was handed over.
     valid_ready: bool,
     /// Credits and eager threshold from `Connected`.
@@ -519,8 +570,9 @@ struct ClientWatch {
     requests: BTreeMap<u64, RequestWatch>,
     /// Blocks sent in `Fetch` frames, in order.
     requested: Vec<Token>,
-    /// Blocks announced by `Rendezvous` events: descriptor and bytes received so far.
-    rendezvous: BTreeMap<Token, (Descriptor, u64)>,
+    /// Blocks announced by `Rendezvous` events: descriptor, bytes received so far, and
+    /// whether the driver started the pull.
+    rendezvous: BTreeMap<Token, (Descriptor, u64, bool)>,
     closed_event: bool,
     /// Blocks that ended.
     ended: u64,
@@ -532,6 +584,7 @@ impl ClientWatch {
             secret: config.secret.clone(),
             max_eager: config.max_eager,
             transmitted: 0,
+            hello: None,
             challenge: None,
             valid_ready: false,
             connected: None,
@@ -543,8 +596,22 @@ impl ClientWatch {
         }
     }
 
-    fn correct_server_proof(&self) -> Option<[u8; PROOF_LEN]> {
-        self.secret.as_ref().map(|s| s.server_proof(&CLIENT_NONCE, &self.challenge.unwrap_or_default()))
+    fn transcript(&self) -> Option<Transcript> {
+        Some(Transcript::new(self.hello.as_ref()?, self.challenge.as_ref()?))
+    }
+
+    /// The proof a server that knows the secret would send with a grant of `credits`.
+    fn correct_server_proof(&self, credits: u32) -> Option<[u8; PROOF_LEN]> {
+        let t = self.transcript().unwrap_or(Transcript::new(&Frame::Credit { n: 0 }, &Frame::Credit { n: 0 }));
+        self.secret.as_ref().map(|s| s.server_proof(&t, credits))
+    }
+
+    /// The credit limit the `Challenge` announced.
+    fn max_credits(&self) -> u32 {
+        match &self.challenge {
+            Some(Frame::Challenge { credits, .. }) => *credits,
+            _ => 0,
+        }
     }
 
     fn fetch(&mut self, c: &mut ClientSession, spans: Vec<BlockSpan>, now: Instant) {
@@ -559,9 +626,9 @@ impl ClientWatch {
 
     fn feed(&mut self, c: &mut ClientSession, frame: Frame, now: Instant) {
         match &frame {
-            Frame::Challenge { nonce, .. } if self.challenge.is_none() => self.challenge = Some(*nonce),
-            Frame::Ready { proof }
-                if self.secret.is_some() && self.challenge.is_some() && *proof == self.correct_server_proof() =>
+            Frame::Challenge { .. } if self.challenge.is_none() => self.challenge = Some(frame.clone()),
+            Frame::Ready { proof, credits }
+                if self.secret.is_some() && self.challenge.is_some() && *proof == self.correct_server_proof(*credits) =>
             {
                 self.valid_ready = true
             }
@@ -594,12 +661,12 @@ impl ClientWatch {
     }
 
     /// The driver finished a pull; checks the session's answer.
-    fn pull_complete(&mut self, c: &mut ClientSession, t: Token, ok: bool) {
+    fn pull_complete(&mut self, c: &mut ClientSession, t: Token, ok: bool, now: Instant) {
         let result = if ok { Ok(()) } else { Err(BlockFailure::new(FailureCode::PullFailed, "fuzz: read failed")) };
         let pulling = self.rendezvous.get(&t).copied();
-        let r = c.pull_complete(t, result);
+        let r = c.pull_complete(t, result, now);
         match (pulling, &r) {
-            (Some((_, received)), Ok(())) => {
+            (Some((_, received, _)), Ok(())) => {
                 if ok {
                     self.finish(t, Outcome::Pulled(received));
                 }
@@ -631,9 +698,11 @@ impl ClientWatch {
             Frame::Hello { nonce, .. } => {
                 assert_eq!(self.transmitted, 1, "Hello is the first frame and only that");
                 assert_eq!(*nonce, CLIENT_NONCE);
+                self.hello = Some(f.clone());
             }
             Frame::Auth { proof } => {
-                let expected = self.secret.as_ref().map(|s| s.client_proof(&CLIENT_NONCE, &self.challenge.unwrap_or_default()));
+                let t = self.transcript().expect("Auth after a Challenge");
+                let expected = self.secret.as_ref().map(|s| s.client_proof(&t));
                 assert_eq!(*proof, expected, "wrong client proof");
             }
             Frame::Fetch { req, first_index, blocks } => {
@@ -652,9 +721,9 @@ impl ClientWatch {
                 // Frames queued before a failure are still flushed after it, when the
                 // region may be gone; only a live session's pulls can be checked.
                 if !c.is_closed() {
-                    let d = self.rendezvous.values().find(|(d, _)| d.region == *region);
+                    let d = self.rendezvous.values().find(|(d, _, _)| d.region == *region);
                     assert!(
-                        d.is_some_and(|(d, _)| *offset == 0 && *len == d.len),
+                        d.is_some_and(|(d, _, _)| *offset == 0 && *len == d.len),
                         "pull {f:?} does not match an announced region"
                     );
                 }
@@ -682,7 +751,7 @@ impl ClientWatch {
                 if self.secret.is_some() {
                     assert!(self.valid_ready, "connected without the server proving the secret");
                 }
-                assert!(credits >= 1 && eager_threshold <= self.max_eager);
+                assert!(credits >= 1 && credits <= self.max_credits() && eager_threshold <= self.max_eager);
                 self.connected = Some((credits, eager_threshold));
             }
             ClientEvent::Eager { token, len } => {
@@ -692,11 +761,12 @@ impl ClientWatch {
             }
             ClientEvent::Rendezvous { token, desc } => {
                 assert!(self.live(token), "rendezvous for finished {token:?}");
-                assert!(self.rendezvous.insert(token, (desc, 0)).is_none(), "{token:?} announced twice");
+                assert!(self.rendezvous.insert(token, (desc, 0, false)).is_none(), "{token:?} announced twice");
             }
             ClientEvent::PullData { token, offset, len, last } => {
-                let (desc, received) =
+                let (desc, received, started) =
                     self.rendezvous.get_mut(&token).unwrap_or_else(|| panic!("pull data for {token:?}, not announced"));
+                assert!(*started, "pull data for {token:?} before its pull was sent");
                 assert_eq!(offset, *received, "pull data out of order");
                 *received += len;
                 assert!(*received <= desc.len);
@@ -720,8 +790,9 @@ impl ClientWatch {
 
     fn check_state(&self, c: &ClientSession) {
         assert_eq!(self.closed_event, c.is_closed(), "closed without a Closed event, or the reverse");
-        if let Some((granted, _)) = self.connected {
-            assert!(c.credits() <= granted, "{} credits with {granted} granted", c.credits());
+        if self.connected.is_some() {
+            let max = self.max_credits();
+            assert!(c.credits() <= max, "{} credits with a limit of {max}", c.credits());
         }
         let open: usize =
             self.requests.values().filter(|r| !r.done).map(|r| r.outcome.iter().filter(|o| o.is_none()).count()).sum();
@@ -767,17 +838,19 @@ fn run_client(c: &mut Cursor<'_>) -> Stats {
                 let nonce = c.array();
                 let b = c.u8();
                 let f = Frame::Challenge {
-                    version: 1,
+                    version: 2,
                     caps,
                     nonce,
                     auth_required: watch.secret.is_some() ^ (b & 0x80 != 0),
                     credits: 1 + (b & 15) as u32,
                     eager_threshold: c.u32(),
+                    app_id: String::new(),
                 };
                 watch.feed(&mut s, f, now);
             }
             client_op::READY => {
-                let f = Frame::Ready { proof: watch.correct_server_proof() };
+                let credits = watch.max_credits().max(1);
+                let f = Frame::Ready { proof: watch.correct_server_proof(credits), credits };
                 watch.feed(&mut s, f, now);
             }
             client_op::FETCH => {
@@ -816,9 +889,9 @@ fn run_client(c: &mut Cursor<'_>) -> Stats {
                 let i = c.u8() as usize;
                 let mode = c.u8();
                 let (mut offset, mut len) = (c.u64(), c.u64());
-                let announced: Vec<(Descriptor, u64)> = watch.rendezvous.values().copied().collect();
+                let announced: Vec<(Descriptor, u64, bool)> = watch.rendezvous.values().copied().collect();
                 let region = match announced.get(i % announced.len().max(1)) {
-                    Some((desc, received)) => {
+                    Some((desc, received, _)) => {
                         if mode & 1 == 1 {
                             offset = *received;
                         }
@@ -842,11 +915,14 @@ fn run_client(c: &mut Cursor<'_>) -> Stats {
                 let tokens: Vec<Token> = watch.rendezvous.keys().copied().collect();
                 let token = tokens.get(i % tokens.len().max(1)).copied().unwrap_or(Token { req: i as u64, index: b as u32 });
                 if b & 1 == 1 {
-                    let r = s.send_pull(token);
-                    let fresh = watch.rendezvous.get(&token).is_some_and(|(_, received)| *received == 0);
+                    let r = s.send_pull(token, now);
+                    let fresh = watch.rendezvous.get(&token).is_some_and(|(_, received, started)| *received == 0 && !started);
                     assert_eq!(r.is_ok(), fresh && !s.is_closed(), "send_pull({token:?}) gave {r:?}");
+                    if let (Ok(()), Some(entry)) = (r, watch.rendezvous.get_mut(&token)) {
+                        entry.2 = true;
+                    }
                 } else {
-                    watch.pull_complete(&mut s, token, b & 2 == 2);
+                    watch.pull_complete(&mut s, token, b & 2 == 2, now);
                 }
             }
             client_op::CREDIT => watch.feed(&mut s, Frame::Credit { n: c.u32() }, now),
@@ -894,7 +970,7 @@ fn pair_resolver(span: &BlockSpan) -> Result<Resolved<u64>, BlockFailure> {
     if span.group % 8 == 7 {
         return Err(BlockFailure::new(FailureCode::from_u16(span.start as u16), "fuzz: failing block"));
     }
-    Ok(Resolved { source: span.object, offset: 0, len: span.object % (64 << 20), addr: 0x2000, rkey: 3 })
+    Ok(Resolved { source: span.object, offset: 0, len: span.object % (64 << 20) })
 }
 
 struct Pair {
@@ -937,10 +1013,12 @@ impl Pair {
     fn server_to_client(&mut self) -> bool {
         let Some(o) = self.server.poll_output() else { return false };
         self.sw.check_output(&o);
-        let (frame, payload) = match o {
-            ServerOutput::Frame(f) => (f, 0),
-            ServerOutput::Eager { frame, len, .. } | ServerOutput::PullData { frame, len, .. } => (frame, len),
+        let payload = match &o {
+            ServerOutput::Eager { len, .. } | ServerOutput::PullData { len, .. } => *len,
+            _ => 0,
         };
+        // A revocation sends nothing (as a driver would: it only withdraws the exposure).
+        let Some(frame) = output_frame(&o, 3) else { return true };
         let mut bytes = frame.to_vec();
         self.corrupt(true, &mut bytes);
         let limits = self.client.limits();
@@ -973,12 +1051,17 @@ impl Pair {
         while let Some(e) = self.client.poll_event() {
             self.cw.check_event(e.clone(), &self.client);
             match e {
-                ClientEvent::Rendezvous { token, desc } if desc.len == 0 => self.cw.pull_complete(&mut self.client, token, true),
-                ClientEvent::Rendezvous { token, .. } => {
-                    let r = self.client.send_pull(token);
-                    assert!(r.is_ok() || self.client.is_closed(), "send_pull after Rendezvous: {r:?}");
+                ClientEvent::Rendezvous { token, desc } if desc.len == 0 => {
+                    self.cw.pull_complete(&mut self.client, token, true, self.now)
                 }
-                ClientEvent::PullData { token, last: true, .. } => self.cw.pull_complete(&mut self.client, token, true),
+                ClientEvent::Rendezvous { token, .. } => {
+                    let r = self.client.send_pull(token, self.now);
+                    assert!(r.is_ok() || self.client.is_closed(), "send_pull after Rendezvous: {r:?}");
+                    if let (Ok(()), Some(entry)) = (r, self.cw.rendezvous.get_mut(&token)) {
+                        entry.2 = true;
+                    }
+                }
+                ClientEvent::PullData { token, last: true, .. } => self.cw.pull_complete(&mut self.client, token, true, self.now),
                 _ => {}
             }
         }

@@ -140,8 +140,8 @@ pub struct SweepConfig {
     pub device: Option<String>,
     /// GID index (`None`: the first RoCEv2 IPv4-mapped one).
     pub gid_index: Option<u8>,
-    /// Client threads performing rendezvous READs (each waits for its READ to complete, so
-    /// this bounds READs in flight); the engine's default unless set.
+    /// Obsolete: READs are posted asynchronously by the driver, bounded by bytes in flight and
+    /// the pool, not by threads. Accepted (and reported) for compatibility, otherwise unused.
     pub pull_threads: usize,
     /// Where data files are written (tmpfs in the VM, so they count against its memory).
     pub dir: PathBuf,
@@ -161,7 +161,7 @@ impl Default for SweepConfig {
             lat_secs: 3.0,
             device: None,
             gid_index: None,
-            pull_threads: rdma_shuffle_fabric::ClientEndpointConfig::default().pull_threads,
+            pull_threads: 0,
             dir: std::env::temp_dir(),
             out: None,
         }
@@ -595,7 +595,6 @@ mod measure {
             let ccfg = ClientEndpointConfig {
                 max_eager: eager as u32,
                 limits,
-                pull_threads: cfg.pull_threads,
                 name: format!("sweep-{path}-client"),
                 ..ClientEndpointConfig::default()
             };

@@ -1,12 +1,13 @@
 //! The pool's configuration, errors and counters.
 
 use super::{page_size, round_up, TierSpec};
+use rdma_shuffle_wire::Knob;
 use std::error::Error as StdError;
 use std::io;
 
-/// Name of the user-facing setting that sets [`PoolConfig::cap_bytes`]; quoted in errors so
-/// a user knows what to change.
-pub const CAP_BYTES_SETTING: &str = "spark.shuffle.rdma.pool.capBytes";
+/// What names [`PoolConfig::cap_bytes`] in errors: the layer that owns the settings renders
+/// the key a user sets it with.
+pub const CAP_KNOB: Knob = Knob::PoolCapBytes;
 
 /// Smallest alignment of a slab. Slabs are mmapped, so they are aligned to the system page,
 /// which is never smaller than this on the platforms we run on.
@@ -26,7 +27,7 @@ pub enum PoolError {
     #[error(
         "timed out waiting for {requested} bytes of pool memory: {in_use} of {cap} bytes are \
          leased; raise {setting} or fetch fewer blocks at once",
-        setting = CAP_BYTES_SETTING
+        setting = CAP_KNOB
     )]
     Timeout {
         /// Bytes the caller asked for.
@@ -40,7 +41,7 @@ pub enum PoolError {
     #[error(
         "a request for {requested} bytes exceeds the memory pool cap of {cap} bytes; \
          raise {setting} above {requested}",
-        setting = CAP_BYTES_SETTING
+        setting = CAP_KNOB
     )]
     ExceedsCap {
         /// Bytes the caller asked for.
@@ -87,7 +88,7 @@ pub struct PoolConfig {
     /// but always at least one. Near the cap a slab is cut down to what still fits.
     pub slab_bytes: usize,
     /// Hard cap on bytes mapped by the pool (slabs and oversize buffers, each rounded up to
-    /// whole pages). Set by [`CAP_BYTES_SETTING`].
+    /// whole pages). Named by [`CAP_KNOB`] in errors.
     pub cap_bytes: u64,
     /// Map and register one full slab of every tier when the pool is created, so the first
     /// fetches do not pay for registration.
@@ -108,6 +109,17 @@ impl Default for PoolConfig {
     /// [`DEFAULT_TIERS`] (4 KiB … 16 MiB); 4 MiB slabs; a 256 MiB cap; no preallocation.
     fn default() -> Self {
         Self { tiers: DEFAULT_TIERS.to_vec(), slab_bytes: 4 << 20, cap_bytes: 256 << 20, prealloc: false }
+    }
+}
+
+impl PoolError {
+    /// The setting that cures this error, where there is one.
+    pub fn knob(&self) -> Option<Knob> {
+        match self {
+            PoolError::Timeout { .. } | PoolError::ExceedsCap { .. } | PoolError::Registration { .. } => Some(CAP_KNOB),
+            PoolError::Config(_) => Some(CAP_KNOB),
+            _ => None,
+        }
     }
 }
 
@@ -141,7 +153,7 @@ impl PoolConfig {
             round_up(largest, page).ok_or_else(|| PoolError::Config(format!("tier size {largest} is too large to map")))?;
         if (largest_mapped as u64) > self.cap_bytes {
             return bad(format!(
-                "`cap_bytes` ({}, set by {CAP_BYTES_SETTING}) is smaller than one buffer of the \
+                "`cap_bytes` ({}, {CAP_KNOB}) is smaller than one buffer of the \
                  largest tier ({largest_mapped} bytes once rounded up to whole pages); raise \
                  the cap or drop the tier",
                 self.cap_bytes
@@ -169,7 +181,7 @@ impl PoolConfig {
         if self.prealloc && prealloc_total > self.cap_bytes {
             return bad(format!(
                 "`prealloc` needs one slab per tier ({prealloc_total} bytes) but `cap_bytes` \
-                 ({}, set by {CAP_BYTES_SETTING}) is smaller; lower `slab_bytes`, raise the \
+                 ({}, {CAP_KNOB}) is smaller; lower `slab_bytes`, raise the \
                  cap or turn `prealloc` off",
                 self.cap_bytes
             ));

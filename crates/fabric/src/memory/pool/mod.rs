@@ -24,8 +24,9 @@ mod slabs;
 mod tests;
 
 pub use super::registration::{NoRegistration, RegionKeys, Registrar};
-pub use config::{PoolConfig, PoolError, PoolStats, CAP_BYTES_SETTING, DEFAULT_TIERS, MAX_TIERS, SLAB_ALIGN};
+pub use config::{PoolConfig, PoolError, PoolStats, CAP_KNOB, DEFAULT_TIERS, MAX_TIERS, SLAB_ALIGN};
 
+pub use slabs::ReleaseHook;
 use slabs::{BufRef, Class, Origin, Reservation, Shared, State, Step, Taken, TierSpec, TierState};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -80,6 +81,7 @@ impl TieredPool {
                 waiters: 0,
             }),
             cond: Condvar::new(),
+            hooks: Mutex::new(Vec::new()),
             tiers: specs,
             registrar,
             config,
@@ -123,6 +125,11 @@ impl TieredPool {
     /// It may still map and register a slab.
     pub fn try_acquire(&self, len: usize) -> Result<Option<Lease>, PoolError> {
         self.acquire_inner(len, None)
+    }
+
+    /// Registers `hook` to be told whenever a lease comes back (until the hook is dropped).
+    pub fn add_release_hook(&self, hook: std::sync::Weak<dyn ReleaseHook>) {
+        self.shared.hooks.lock().push(hook);
     }
 
     /// Current counters.

@@ -7,8 +7,15 @@ use memmap2::{MmapMut, MmapRaw};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::io;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use tracing::{debug, trace, warn};
+
+/// Something to tell when pool memory comes back.
+pub trait ReleaseHook: Send + Sync {
+    /// A lease went back to the pool. Runs on the thread that dropped it, with no pool lock
+    /// held; must be quick and must not block.
+    fn released(&self);
+}
 
 /// Everything a pool handle or a lease shares.
 pub(super) struct Shared {
@@ -21,6 +28,9 @@ pub(super) struct Shared {
     /// Signalled when memory comes back or a slab is installed. All waiters are woken: a
     /// returned buffer of one tier may let a waiter of another tier reclaim a slab.
     pub(super) cond: Condvar,
+    /// Told (outside the state lock) whenever a lease comes back: lets an event loop that
+    /// never blocks on the pool retry its `try_acquire`s.
+    pub(super) hooks: Mutex<Vec<Weak<dyn ReleaseHook>>>,
 }
 
 pub(super) struct TierSpec {
@@ -351,6 +361,8 @@ impl Shared {
         if st.waiters > 0 {
             self.cond.notify_all();
         }
+        drop(st);
+        self.run_hooks();
     }
 
     pub(super) fn release_oversize(&self, bytes: u64) {
@@ -360,6 +372,22 @@ impl Shared {
         if st.waiters > 0 {
             self.cond.notify_all();
         }
+        drop(st);
+        self.run_hooks();
+    }
+
+    fn run_hooks(&self) {
+        let mut hooks = self.hooks.lock();
+        if hooks.is_empty() {
+            return;
+        }
+        hooks.retain(|h| match h.upgrade() {
+            Some(h) => {
+                h.released();
+                true
+            }
+            None => false,
+        });
     }
 
     /// Maps and registers the memory reserved in `res`, then commits the reservation under

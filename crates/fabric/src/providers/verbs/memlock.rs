@@ -1,0 +1,68 @@
+//! The locked-memory limit: RDMA registration pins memory, and a limit below what the engine
+//! registers makes `ibv_reg_mr` fail with `ENOMEM`. Checked when the provider opens, and named
+//! in every registration failure, with the fix.
+
+use rdma_shuffle_wire::Knob;
+
+/// The locked-memory limit of this process, in bytes (`None` = unlimited).
+pub fn memlock_limit() -> Option<u64> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 || r.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(r.rlim_cur)
+}
+
+/// Whether this thread may lock memory beyond the limit (CAP_IPC_LOCK, e.g. root).
+pub fn can_lock_unlimited() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/thread-self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:").map(|v| v.trim().to_string())))
+        .and_then(|hex| u64::from_str_radix(&hex, 16).ok())
+        .map(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+        .unwrap_or(false)
+}
+
+fn advice(limit: u64, need: u64) -> String {
+    format!(
+        "the locked-memory limit is {limit} bytes and RDMA needs at least {need}: raise it (`ulimit -l unlimited`, \
+         LimitMEMLOCK=infinity for systemd units, or memlock in /etc/security/limits.conf), or lower {}",
+        Knob::PoolCapBytes
+    )
+}
+
+/// Checks that `need` bytes can be registered under `limit` (None = unlimited), unless the
+/// process may exceed the limit. The error names the limit, the need, and what to change.
+pub fn check_memlock(limit: Option<u64>, privileged: bool, need: u64) -> Result<(), String> {
+    match limit {
+        Some(l) if !privileged && l < need => Err(format!("cannot register the {need}-byte pool: {}", advice(l, need))),
+        _ => Ok(()),
+    }
+}
+
+/// What to tell a user whose registration of `bytes` failed with `ENOMEM`.
+pub fn memlock_advice(bytes: u64) -> String {
+    match memlock_limit() {
+        Some(l) => advice(l, bytes),
+        None => "the locked-memory limit is unlimited, so the device itself is out of memory".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_check_names_the_limit_the_need_and_the_fix() {
+        assert!(check_memlock(None, false, 1 << 40).is_ok());
+        assert!(check_memlock(Some(8 << 20), true, 1 << 30).is_ok(), "CAP_IPC_LOCK is not limited");
+        assert!(check_memlock(Some(1 << 30), false, 1 << 20).is_ok());
+        let e = check_memlock(Some(8 << 20), false, 512 << 20).unwrap_err();
+        assert!(
+            e.contains("8388608") && e.contains("536870912") && e.contains("ulimit -l") && e.contains("memory pool cap"),
+            "{e}"
+        );
+    }
+}
