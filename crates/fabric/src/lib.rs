@@ -25,4 +25,5 @@ pub use driver::{
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
+pub use providers::verbs;
 pub use providers::{Provider, ProviderKind, SimProvider, Source, TcpProvider};

@@ -272,9 +272,8 @@ pub fn credits_for(size: usize) -> u32 {
     (32 * MIB / size).clamp(4, 64) as u32
 }
 
-/// Message buffers per direction and connection on the SEND path: each buffer holds a whole
-/// block, and every connection has receive and send buffers on both sides, so their number
-/// is capped to keep one connection's buffers near 64 MiB per direction (the VM has 2 GiB).
+/// Receive buffers of each engine on the SEND path: each buffer holds a whole block, so
+/// their number is capped to keep one engine's buffers near 64 MiB (the VM has 2 GiB).
 pub fn send_path_depth(size: usize) -> u32 {
     (64 * MIB / (size + FRAME_ROOM)).clamp(4, 64) as u32
 }
@@ -564,17 +563,17 @@ mod measure {
             let depth = match path {
                 PathKind::Send => send_path_depth(size),
                 // READ frames are small: the provider's defaults, as the engine uses them.
-                PathKind::Read => VerbsConfig::default().recv_depth,
+                PathKind::Read => VerbsConfig::default().recv_buffers,
             };
             let vc = VerbsConfig {
                 device: cfg.device.clone(),
                 gid_index: cfg.gid_index,
-                recv_depth: depth,
-                send_depth: depth.min(VerbsConfig::default().send_depth),
+                recv_buffers: depth.max(8),
+                send_buffers: depth.clamp(4, VerbsConfig::default().send_buffers),
                 max_message: max_message_for(eager),
                 ..VerbsConfig::default()
             };
-            // Two providers: the server's and the client's progress threads and protection
+            // Two providers: the server's and the client's devices contexts and protection
             // domains are separate, as in two executors.
             let sp = VerbsProvider::open(vc.clone()).map_err(|e| fail(format!("opening the server's device: {e}")))?;
             let cp = VerbsProvider::open(vc).map_err(|e| fail(format!("opening the client's device: {e}")))?;
@@ -652,7 +651,7 @@ mod measure {
             let rendezvous = s.rendezvous_blocks.load(std::sync::atomic::Ordering::Relaxed);
             let reads = self.client.stats().one_sided_reads.load(std::sync::atomic::Ordering::Relaxed);
             let device_reads =
-                self.client_provider.counters().iter().find(|(n, _)| *n == "rdma_reads").map(|(_, v)| *v).unwrap_or(0);
+                self.client.driver().provider_counters().iter().find(|(n, _)| *n == "rdma_reads").map(|(_, v)| *v).unwrap_or(0);
             let ok = match self.path {
                 PathKind::Send => eager > 0 && rendezvous == 0 && reads == 0 && device_reads == 0,
                 PathKind::Read => eager == 0 && rendezvous > 0 && reads == rendezvous && device_reads == rendezvous,

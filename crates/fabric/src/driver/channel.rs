@@ -380,11 +380,13 @@ impl Loop {
     #[allow(unused_variables)]
     fn channel_attach(&mut self, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
         #[cfg(feature = "verbs")]
-        if let Transport::Verbs(v) = &mut conn.transport {
+        if matches!(conn.transport, Transport::Verbs(_)) {
             // The caller ran the handshake itself: it vouches for the peer.
             conn.authenticated = true;
             let accepted = chan_mut(conn).accepted;
-            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, &self.shared.stats) };
+            let key = conn.key.to_u64();
+            let Transport::Verbs(v) = &mut conn.transport else { return };
+            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, &self.shared.stats, key) };
             match r {
                 Ok(()) => chan_mut(conn).attach_reply = Some(reply),
                 Err(e) => {
@@ -457,18 +459,22 @@ impl Loop {
             #[cfg(feature = "verbs")]
             Incoming::Attach(data) => {
                 let accepted = chan_mut(conn).accepted;
+                let key = conn.key.to_u64();
                 let Transport::Verbs(v) = &mut conn.transport else { return };
-                let r = if accepted {
-                    v.accept_attach(&mut self.net, &self.shared.stats, &data)
+                // An accepting channel attaches only when its owner asked (after running the
+                // handshake it trusts); the connecting side only answers its own request.
+                let r = if accepted && conn.authenticated {
+                    v.accept_attach(&mut self.net, &self.shared.stats, key, &data)
+                } else if accepted {
+                    Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
                 } else {
                     v.complete_attach(&mut self.net, &data)
                 };
-                if let Some(reply) = chan_mut(conn).attach_reply.take() {
-                    let failed = r.as_ref().err().map(|e| e.to_string());
-                    let _ = reply.send(r);
-                    if let Some(why) = failed {
-                        self.fail(conn, FabricError::Unsupported(why));
+                if let Err(e) = r {
+                    if let Some(reply) = chan_mut(conn).attach_reply.take() {
+                        let _ = reply.send(Err(FabricError::Unsupported(e.to_string())));
                     }
+                    self.fail(conn, e);
                 }
             }
             #[cfg(feature = "verbs")]

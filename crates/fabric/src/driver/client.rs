@@ -16,6 +16,8 @@ use super::{Command, Driver, Loop, MemWaiter};
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, TieredPool};
 use crate::providers::tcp::OutPayload;
+#[cfg(feature = "verbs")]
+use rdma_shuffle_wire::Frame;
 use rdma_shuffle_wire::{
     caps, BlockFailure, BlockSpan, ClientConfig, ClientEvent, ClientSession, Descriptor, FailureCode, Knob, Limits,
     ProtocolError, RequestId, Secret, Token,
@@ -444,6 +446,14 @@ impl Loop {
         sc.limits = cfg.limits;
         sc.handshake_timeout = cfg.handshake_timeout;
         sc.fetch_timeout = cfg.fetch_timeout;
+        #[cfg(feature = "verbs")]
+        if let super::conn::Transport::Verbs(v) = &transport {
+            // Answers land in the shared receive queue: the driver sends requests only as far
+            // as the queue has room for their answers, and a Fetch must fit one buffer.
+            sc.auto_flush = false;
+            let fit = (v.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
+            sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
+        }
         if !transport.one_sided() {
             sc.caps &= !caps::RDMA_READ;
         }
@@ -487,6 +497,10 @@ impl Loop {
                 }
             }
             Incoming::Message(frame, payload) => {
+                #[cfg(feature = "verbs")]
+                if matches!(frame, Frame::Eager { .. } | Frame::Rendezvous { .. } | Frame::BlockFailed { .. }) {
+                    self.client_answer(conn);
+                }
                 let r = client_mut(conn).session.handle_frame(frame, now);
                 self.client_events(conn, Some(payload));
                 if r.is_err() {
@@ -496,6 +510,32 @@ impl Loop {
             Incoming::Payload(lease) => self.client_payload(conn, lease),
             Incoming::PayloadVec(_) => {}
             Incoming::ReadDone { tag, lease, result } => self.client_read_done(conn, tag, lease, result),
+            #[cfg(feature = "verbs")]
+            Incoming::Attach(data) => {
+                let r = match &mut conn.transport {
+                    super::conn::Transport::Verbs(v) => v.complete_attach(&mut self.net, &data),
+                    _ => Ok(()),
+                };
+                if let Err(e) = r {
+                    self.fail(conn, e);
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Incoming::Attached => {}
+        }
+    }
+
+    /// (verbs) An answer arrived: its room in the shared receive queue is free again, and
+    /// connections that waited for room go on.
+    #[cfg(feature = "verbs")]
+    fn client_answer(&mut self, conn: &mut Conn) {
+        if let super::conn::Transport::Verbs(v) = &mut conn.transport {
+            if v.answered() {
+                let woken = self.net.verbs.as_mut().map(|e| e.return_client_room(1)).unwrap_or_default();
+                for k in woken {
+                    self.drive_again(ConnKey::from_u64(k));
+                }
+            }
         }
     }
 
@@ -584,7 +624,9 @@ impl Loop {
                     tracing::debug!(peer = %conn.peer, version, eager_threshold, credits, "connected");
                     #[cfg(feature = "verbs")]
                     if let super::conn::Transport::Verbs(v) = &mut conn.transport {
-                        if let Err(e) = v.begin_attach(&mut self.net, &self.shared.stats) {
+                        // Authenticated: only now is a queue pair created for this peer.
+                        let key = conn.key.to_u64();
+                        if let Err(e) = v.begin_attach(&mut self.net, &self.shared.stats, key) {
                             self.fail(conn, e);
                             return;
                         }
@@ -772,6 +814,10 @@ impl Loop {
     fn start_pull(&mut self, conn: &mut Conn, token: Token, desc: Descriptor) -> bool {
         let ep_id = client_mut(conn).ep;
         let Some(ep) = self.clients.get(&ep_id) else { return true };
+        if !conn.transport.can_read(&self.net) {
+            // A cap on reads in flight (per queue pair, per engine): wait like for memory.
+            return false;
+        }
         let len = desc.len as usize;
         // Budget what the pool will really hand out (tier-rounded), or the budget would let
         // more pool memory into flight than it means to.
@@ -938,8 +984,26 @@ impl Loop {
         self.shared.delivery.send((sink, index, Err(failure)));
     }
 
-    /// Sends what the session queued.
+    /// Sends what the session queued (on verbs, first the requests the shared receive queue
+    /// has room to answer).
     pub(crate) fn client_after(&mut self, conn: &mut Conn) {
+        #[cfg(feature = "verbs")]
+        if let super::conn::Transport::Verbs(v) = &mut conn.transport {
+            let c = match &mut conn.role {
+                Role::Client(c) => c,
+                _ => return,
+            };
+            if let (true, Some(e)) = (v.is_open(), self.net.verbs.as_mut()) {
+                if c.session.queued_blocks() > 0 {
+                    let sent = c.session.flush_requests(e.client_room(), Instant::now());
+                    e.take_client_room(sent);
+                    v.requested(sent);
+                    if c.session.queued_blocks() > 0 {
+                        e.starve(conn.key.to_u64());
+                    }
+                }
+            }
+        }
         while let Some(f) = client_mut(conn).session.poll_transmit() {
             if let Err(e) = conn.transport.send(&mut self.net, &f, OutPayload::None) {
                 self.fail(conn, e);

@@ -44,7 +44,7 @@ pub(crate) enum Transport {
     Tcp(TcpConn),
     Sim(SimTransport),
     #[cfg(feature = "verbs")]
-    Verbs(crate::providers::verbs::conn::VerbsConn),
+    Verbs(Box<crate::providers::verbs::conn::VerbsConn>),
 }
 
 /// A sim connection and its completed one-sided reads (sim reads finish at once; they are
@@ -218,6 +218,17 @@ impl Transport {
             }
             #[cfg(feature = "verbs")]
             Transport::Verbs(v) => v.revoke(net, rkey),
+        }
+    }
+
+    /// Whether a one-sided read may be posted now (verbs caps reads per queue pair and per
+    /// engine).
+    pub(crate) fn can_read(&self, net: &Net) -> bool {
+        let _ = net;
+        match self {
+            Transport::Tcp(_) | Transport::Sim(_) => true,
+            #[cfg(feature = "verbs")]
+            Transport::Verbs(v) => v.can_read(net),
         }
     }
 

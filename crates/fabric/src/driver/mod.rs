@@ -604,7 +604,7 @@ impl Loop {
         conn.transport.shutdown(&mut self.net);
         #[cfg(feature = "verbs")]
         if let Transport::Verbs(v) = &mut conn.transport {
-            v.destroy(&mut self.net);
+            v.destroy(&mut self.net, &self.shared.stats);
         }
         self.shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
         if let Some(slot) = self.conns.get_mut(key.index as usize) {
@@ -651,8 +651,10 @@ impl Loop {
             if budget == 0 {
                 self.again.push(key);
             }
-        } else {
-            // A closing connection reads nothing but must still collect device completions.
+        }
+        if conn.closing.is_some() {
+            // A closing connection reads nothing but must still collect device completions
+            // (the flushes that give back the buffers its posted work targets).
             let limits = self.limits(&conn);
             while let Ok(Some(inc)) = conn.transport.next(&mut self.net, &limits) {
                 self.incoming(&mut conn, inc);
@@ -887,7 +889,7 @@ impl Loop {
                     let t = TcpConn::accepted(s, peer);
                     #[cfg(feature = "verbs")]
                     if let Some(v) = &self.net.verbs {
-                        (peer.to_string(), Transport::Verbs(v.accepted(t)))
+                        (peer.to_string(), Transport::Verbs(Box::new(v.accepted(t))))
                     } else {
                         (peer.to_string(), Transport::Tcp(t))
                     }
@@ -1015,7 +1017,7 @@ pub(crate) fn connect(lp: &Loop, addr: SocketAddr) -> Result<Transport, FabricEr
         ProviderKind::Verbs(_) => {
             let t = TcpConn::connect(addr)?;
             match &lp.net.verbs {
-                Some(v) => Ok(Transport::Verbs(v.connecting(t))),
+                Some(v) => Ok(Transport::Verbs(Box::new(v.connecting(t)))),
                 None => Err(FabricError::Unsupported("verbs engine missing".into())),
             }
         }

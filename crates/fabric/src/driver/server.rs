@@ -342,6 +342,8 @@ impl Loop {
             Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } => {}
             #[cfg(feature = "verbs")]
             Incoming::Attach(data) => self.server_attach(conn, data),
+            #[cfg(feature = "verbs")]
+            Incoming::Attached => {}
         }
     }
 
@@ -355,8 +357,9 @@ impl Loop {
             self.close(conn, "attach before authentication".into(), true);
             return;
         }
+        let key = conn.key.to_u64();
         let Transport::Verbs(v) = &mut conn.transport else { return };
-        if let Err(e) = v.accept_attach(&mut self.net, &self.shared.stats, &data) {
+        if let Err(e) = v.accept_attach(&mut self.net, &self.shared.stats, key, &data) {
             self.fail(conn, e);
         }
     }
@@ -382,8 +385,11 @@ impl Loop {
             conn.authenticated = true;
             self.leave_pending(conn);
             #[cfg(feature = "verbs")]
-            if let Transport::Verbs(v) = &mut conn.transport {
-                v.granted(server_mut(conn).session.live_credits());
+            {
+                let live = server_mut(conn).session.live_credits();
+                if let Transport::Verbs(v) = &mut conn.transport {
+                    v.granted(live);
+                }
             }
         }
         if let Err(e) = r {

@@ -202,6 +202,12 @@ impl TcpConn {
         }
     }
 
+    /// The peer's address.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
     /// The socket, for registration with the poll.
     pub(crate) fn stream_mut(&mut self) -> &mut mio::net::TcpStream {
         &mut self.stream

@@ -37,7 +37,9 @@ fn advice(limit: u64, need: u64) -> String {
 /// process may exceed the limit. The error names the limit, the need, and what to change.
 pub fn check_memlock(limit: Option<u64>, privileged: bool, need: u64) -> Result<(), String> {
     match limit {
-        Some(l) if !privileged && l < need => Err(format!("cannot register the {need}-byte pool: {}", advice(l, need))),
+        Some(l) if !privileged && l < need => {
+            Err(format!("cannot register {need} bytes (memory pool, receive and send buffers): {}", advice(l, need)))
+        }
         _ => Ok(()),
     }
 }
