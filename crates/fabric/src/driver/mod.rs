@@ -42,20 +42,24 @@
 mod budget;
 pub(crate) mod channel;
 pub(crate) mod client;
+mod commands;
 pub(crate) mod conn;
 mod delivery;
 pub(crate) mod server;
+mod sockets;
+mod stats;
 mod timers;
 
 pub use budget::BudgetGuard;
 pub use channel::{Channel, ChannelListener, Received};
 pub use client::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock};
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
+pub(crate) use sockets::connect;
+pub use stats::DriverStats;
 
 use crate::error::FabricError;
 use crate::memory::pool::ReleaseHook;
 use crate::providers::sim::{Notify, SimAcceptQueue};
-use crate::providers::tcp::TcpConn;
 use crate::providers::{Provider, ProviderKind};
 use channel::ChanListenerEp;
 use client::ClientEp;
@@ -65,7 +69,6 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 use server::ServerEp;
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -97,62 +100,6 @@ impl Default for DriverConfig {
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
 /// Incoming items one connection may handle before the loop serves the others.
 const DRIVE_BUDGET: usize = 128;
-
-/// Counters and gauges of a driver, summed over its endpoints.
-#[derive(Debug, Default)]
-pub struct DriverStats {
-    /// Connections open now (every role).
-    pub connections_open: AtomicU64,
-    /// Server connections accepted but not yet authenticated, now.
-    pub pending_handshakes: AtomicU64,
-    /// Unauthenticated connections closed at the handshake timeout.
-    pub handshake_timeouts: AtomicU64,
-    /// Unauthenticated connections evicted for newer ones at the pending cap.
-    pub handshake_evictions: AtomicU64,
-    /// Memory this driver registered with the device now: receive and send buffers and
-    /// exposed regions (sim counts exposed regions too). Pool slabs are the provider's.
-    pub registered_bytes: AtomicU64,
-    /// Memory ever registered for a peer before it authenticated. Stays 0: the counter is
-    /// the proof.
-    pub preauth_registered_bytes: AtomicU64,
-    /// Connections closed after their idle timeout.
-    pub idle_closes: AtomicU64,
-    /// One-sided reads posted and not yet completed, now.
-    pub reads_in_flight: AtomicU64,
-    /// The most one-sided reads ever in flight at once.
-    pub peak_reads_in_flight: AtomicU64,
-    /// Provider-specific counters (verbs: sends, receives, reads, queue pairs...).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) provider: ProviderCounters,
-}
-
-/// Counters of the verbs data plane (zero elsewhere).
-#[derive(Debug, Default)]
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-pub(crate) struct ProviderCounters {
-    pub(crate) sends: AtomicU64,
-    pub(crate) send_bytes: AtomicU64,
-    pub(crate) recvs: AtomicU64,
-    pub(crate) reads: AtomicU64,
-    pub(crate) read_bytes: AtomicU64,
-    pub(crate) qps_created: AtomicU64,
-    pub(crate) qps_open: AtomicU64,
-    pub(crate) flushed_completions: AtomicU64,
-    pub(crate) windows_bound: AtomicU64,
-    pub(crate) windows_revoked: AtomicU64,
-    pub(crate) rnr_errors: AtomicU64,
-}
-
-impl DriverStats {
-    fn note_reads(&self, delta: i64) {
-        let now = if delta >= 0 {
-            self.reads_in_flight.fetch_add(delta as u64, Ordering::Relaxed) + delta as u64
-        } else {
-            self.reads_in_flight.fetch_sub((-delta) as u64, Ordering::Relaxed) - (-delta) as u64
-        };
-        self.peak_reads_in_flight.fetch_max(now, Ordering::Relaxed);
-    }
-}
 
 /// Work for the loop from other threads.
 pub(crate) enum Command {
@@ -588,6 +535,13 @@ impl Loop {
         self.conns.get(key.index as usize).is_some_and(|s| s.gen == key.gen && s.conn.is_some())
     }
 
+    /// Whether `key` is a connection that is not closing.
+    pub(crate) fn live(&self, key: ConnKey) -> bool {
+        self.conns
+            .get(key.index as usize)
+            .is_some_and(|s| s.gen == key.gen && s.conn.as_ref().is_some_and(|c| c.closing.is_none()))
+    }
+
     fn remove(&mut self, mut conn: Conn) {
         let key = conn.key;
         if conn.registered {
@@ -816,210 +770,6 @@ impl Loop {
             Role::Client(_) => self.client_removed(conn),
             Role::Server(_) => self.server_removed(conn),
             Role::Channel(_) => self.channel_failed(conn, format!("connection to {} closed", conn.peer)),
-        }
-    }
-
-    // ------------------------------------------------------------------ listeners
-
-    /// Binds a listening socket on `addr`.
-    pub(crate) fn listen(&mut self, id: u64, addr: SocketAddr) -> Result<(SocketAddr, ListenSocket), FabricError> {
-        match self.shared.provider.kind() {
-            ProviderKind::Sim(p) => {
-                let (addr, q) = p.listen(addr)?;
-                let n: Arc<dyn Notify> = self.shared.clone();
-                q.set_notify(n, (1 << 63) | id);
-                Ok((addr, ListenSocket::Sim(q)))
-            }
-            _ => {
-                let mut l = mio::net::TcpListener::bind(addr).map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-                let local = l.local_addr().map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-                self.poll
-                    .registry()
-                    .register(&mut l, listener_token(id), Interest::READABLE)
-                    .map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
-                Ok((local, ListenSocket::Tcp(l)))
-            }
-        }
-    }
-
-    pub(crate) fn unlisten(&mut self, addr: SocketAddr, socket: &mut ListenSocket) {
-        match socket {
-            ListenSocket::Tcp(l) => {
-                let _ = self.poll.registry().deregister(l);
-            }
-            ListenSocket::Sim(_) => {
-                if let ProviderKind::Sim(p) = self.shared.provider.kind() {
-                    p.unlisten(addr);
-                }
-            }
-        }
-    }
-
-    /// Accepts every waiting connection of listener `id`.
-    fn accept(&mut self, id: u64) {
-        loop {
-            let accepted = {
-                let socket = if let Some(s) = self.servers.get_mut(&id) {
-                    &mut s.socket
-                } else if let Some(c) = self.chan_listeners.get_mut(&id) {
-                    &mut c.socket
-                } else {
-                    return;
-                };
-                match socket {
-                    ListenSocket::Tcp(l) => match l.accept() {
-                        Ok((s, peer)) => Some(Accepted::Tcp(s, peer)),
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
-                        Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::Interrupted) => {
-                            continue
-                        }
-                        Err(e) => {
-                            // EMFILE and friends: the backlog keeps the peers; try again on the
-                            // next turn instead of spinning.
-                            tracing::warn!(driver = %self.shared.name, error = %e, "accept failed; retrying later");
-                            None
-                        }
-                    },
-                    ListenSocket::Sim(q) => q.accept().map(Accepted::Sim),
-                }
-            };
-            let Some(accepted) = accepted else { return };
-            let (peer, transport) = match accepted {
-                Accepted::Tcp(s, peer) => {
-                    let t = TcpConn::accepted(s, peer);
-                    #[cfg(feature = "verbs")]
-                    if let Some(v) = &self.net.verbs {
-                        (peer.to_string(), Transport::Verbs(Box::new(v.accepted(t))))
-                    } else {
-                        (peer.to_string(), Transport::Tcp(t))
-                    }
-                    #[cfg(not(feature = "verbs"))]
-                    (peer.to_string(), Transport::Tcp(t))
-                }
-                Accepted::Sim(c) => {
-                    let peer = c.peer_name().to_string();
-                    (peer, Transport::Sim(conn::SimTransport { conn: c, reads_done: VecDeque::new(), exposed: HashMap::new() }))
-                }
-            };
-            if self.servers.contains_key(&id) {
-                self.server_accepted(id, peer, transport);
-            } else {
-                self.channel_accepted(id, peer, transport);
-            }
-        }
-    }
-
-    // ------------------------------------------------------------------ commands
-
-    fn commands(&mut self) {
-        let cmds: Vec<Command> = std::mem::take(&mut *self.shared.commands.lock());
-        for c in cmds {
-            match c {
-                Command::AddServer(a) => self.add_server(a),
-                Command::RemoveServer { id, done } => {
-                    self.remove_server(id);
-                    let _ = done.send(());
-                }
-                Command::AddClient(a) => self.add_client(a),
-                Command::RemoveClient { id, done } => {
-                    self.remove_client(id);
-                    let _ = done.send(());
-                }
-                Command::Fetch(f) => self.fetch(f),
-                Command::Channel(c) => self.channel_command(c),
-                Command::Shutdown => {
-                    self.close_everything("the engine is shutting down");
-                    self.exiting = Some(Instant::now() + CLOSE_LINGER + Duration::from_secs(1));
-                }
-            }
-        }
-    }
-
-    fn close_everything(&mut self, why: &str) {
-        let servers: Vec<u64> = self.servers.keys().copied().collect();
-        for id in servers {
-            self.remove_server(id);
-        }
-        let clients: Vec<u64> = self.clients.keys().copied().collect();
-        for id in clients {
-            self.remove_client(id);
-        }
-        let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
-        for id in listeners {
-            self.remove_chan_listener(id);
-        }
-        let keys: Vec<ConnKey> = self
-            .conns
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.conn.is_some())
-            .map(|(i, s)| ConnKey { index: i as u32, gen: s.gen })
-            .collect();
-        for k in keys {
-            if let Some(mut conn) = self.take(k) {
-                self.fail(&mut conn, FabricError::Shutdown);
-                let _ = why;
-                self.put(conn);
-            }
-        }
-        // Blocks staged in memory waiters of endpoints that are gone fail now.
-        self.service_memory();
-    }
-
-    // ------------------------------------------------------------------ verbs
-
-    fn verbs_events(&mut self) {
-        #[cfg(feature = "verbs")]
-        {
-            let Some(v) = self.net.verbs.as_mut() else { return };
-            let touched = v.poll_completions(&self.shared.stats);
-            for k in touched {
-                self.drive(ConnKey::from_u64(k));
-            }
-        }
-    }
-
-    // ------------------------------------------------------------------ memory
-
-    /// Registers interest in memory coming back (pool leases, budget bytes), for a block
-    /// just queued to wait for it.
-    pub(crate) fn want_memory(&mut self) {
-        self.shared.mem_wanted.store(true, Ordering::Release);
-        self.mem_dirty = true;
-    }
-
-    /// Queues a connection to be driven again on this turn (it was unblocked).
-    pub(crate) fn drive_again(&mut self, key: ConnKey) {
-        self.again.push(key);
-    }
-
-    pub(crate) fn idle_timeout(&self) -> Duration {
-        self.shared.config.idle_timeout
-    }
-}
-
-enum Accepted {
-    Tcp(mio::net::TcpStream, SocketAddr),
-    Sim(crate::providers::sim::SimConn),
-}
-
-/// A sim connection made by `provider` (used by client and channel roles).
-pub(crate) fn sim_transport(c: crate::providers::sim::SimConn) -> Transport {
-    Transport::Sim(conn::SimTransport { conn: c, reads_done: VecDeque::new(), exposed: HashMap::new() })
-}
-
-/// A new outgoing connection of the driver's provider to `addr`.
-pub(crate) fn connect(lp: &Loop, addr: SocketAddr) -> Result<Transport, FabricError> {
-    match lp.shared.provider.kind() {
-        ProviderKind::Sim(p) => Ok(sim_transport(p.connect(addr)?)),
-        ProviderKind::Tcp(_) => Ok(Transport::Tcp(TcpConn::connect(addr)?)),
-        #[cfg(feature = "verbs")]
-        ProviderKind::Verbs(_) => {
-            let t = TcpConn::connect(addr)?;
-            match &lp.net.verbs {
-                Some(v) => Ok(Transport::Verbs(Box::new(v.connecting(t)))),
-                None => Err(FabricError::Unsupported("verbs engine missing".into())),
-            }
         }
     }
 }

@@ -208,6 +208,7 @@ pub(crate) struct ServerEp {
 /// A server connection, inside the loop.
 pub(crate) struct ServerConn {
     ep: u64,
+    stats: Arc<ServerStats>,
     pub(crate) session: ServerSession<Arc<dyn Source>>,
     /// Exposed regions and their keys.
     exposures: HashMap<RegionId, u32>,
@@ -292,6 +293,7 @@ impl Loop {
         let session = ServerSession::new(sc, Instant::now());
         let role = Role::Server(Box::new(ServerConn {
             ep: id,
+            stats: ep.stats.clone(),
             session,
             exposures: HashMap::new(),
             published: ServerCounters::default(),
@@ -508,16 +510,13 @@ impl Loop {
         self.leave_pending(conn);
         let s = server_mut(conn);
         let ep_id = s.ep;
+        s.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
         let regions: Vec<u32> = s.exposures.drain().map(|(_, k)| k).collect();
         for rkey in regions {
             conn.transport.revoke(&mut self.net, rkey);
         }
         if let Some(ep) = self.servers.get_mut(&ep_id) {
             ep.conns.remove(&conn.key);
-            ep.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
-        } else if let Some(ep) = self.servers.values().next() {
-            // The endpoint was removed first; its gauge must still come down.
-            let _ = ep;
         }
     }
 }

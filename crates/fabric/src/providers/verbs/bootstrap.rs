@@ -15,6 +15,7 @@
 //! (1 = 256 B … 5 = 4096 B); `max_message` is the largest message the sender's receive
 //! buffers take; `recv_credits` is how many messages it lets the peer have in flight towards
 //! it (informational: the block protocol's own credits bound what is sent).
+#![forbid(unsafe_code)]
 
 use std::fmt;
 use thiserror::Error;

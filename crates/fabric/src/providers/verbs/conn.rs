@@ -1,6 +1,7 @@
 //! One verbs connection: its control socket, and — once the handshake authenticated the peer
 //! and the two sides attached — its queue pair, the messages waiting for a send buffer, the
 //! regions it exposes, and the reads it posted.
+#![forbid(unsafe_code)]
 
 use super::bootstrap::AttachRecord;
 use super::engine::Event;

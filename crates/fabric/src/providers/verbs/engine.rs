@@ -1,6 +1,7 @@
 //! What the verbs provider keeps per driver (engine): the completion channel in the loop's
 //! poll, one completion queue, one shared receive queue, the send buffers, the routing of
 //! completions to connections, and the credit budgets against the shared receive queue.
+#![forbid(unsafe_code)]
 
 use super::conn::VerbsConn;
 use super::sys::{CompChannel, Cq, Device, Qp, QpTimers, SendBuffers, Srq, Wc, WR_RECV, WR_SEND};

@@ -4,14 +4,17 @@
 
 use rdma_shuffle_wire::Knob;
 
-/// The locked-memory limit of this process, in bytes (`None` = unlimited).
+/// The locked-memory limit (soft) of this process, in bytes (`None` = unlimited or unknown),
+/// as `/proc/self/limits` reports it.
 pub fn memlock_limit() -> Option<u64> {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes into the struct we pass.
-    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 || r.rlim_cur == libc::RLIM_INFINITY {
-        return None;
-    }
-    Some(r.rlim_cur)
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    parse_memlock(&limits)
+}
+
+/// The soft "Max locked memory" of a `/proc/<pid>/limits` text.
+fn parse_memlock(limits: &str) -> Option<u64> {
+    let line = limits.lines().find(|l| l.starts_with("Max locked memory"))?;
+    line["Max locked memory".len()..].split_whitespace().next()?.parse().ok()
 }
 
 /// Whether this thread may lock memory beyond the limit (CAP_IPC_LOCK, e.g. root).
@@ -55,6 +58,16 @@ pub fn memlock_advice(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_limit_is_read_from_proc() {
+        let text = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                    Max locked memory         8388608              unlimited            bytes     \n";
+        assert_eq!(parse_memlock(text), Some(8 << 20));
+        assert_eq!(parse_memlock(&text.replace("8388608  ", "unlimited")), None);
+        // This process: whatever it is, reading it works (root: often unlimited).
+        let _ = memlock_limit();
+    }
 
     #[test]
     fn memlock_check_names_the_limit_the_need_and_the_fix() {
