@@ -20,7 +20,7 @@ pub mod providers;
 
 pub use driver::{
     BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver,
-    DriverConfig, DriverStats, FetchedBlock, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
+    DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
 };
 pub use error::FabricError;
 pub use memory::pool;

@@ -361,6 +361,7 @@ impl Engine {
         kv("preauth_registered_bytes", r(&d.preauth_registered_bytes));
         kv("reads_in_flight", r(&d.reads_in_flight));
         kv("peak_reads_in_flight", r(&d.peak_reads_in_flight));
+        kv("unflushed_closes", r(&d.unflushed_closes));
         kv("pool_bytes_allocated", p.bytes_allocated);
         kv("pool_bytes_in_use", p.bytes_in_use);
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);

@@ -144,13 +144,26 @@ impl Channel {
     /// at most `timeout`. The buffer comes back with the bytes; on an error it goes back to
     /// its pool once the device has let go of it.
     pub fn read(&self, desc: &Descriptor, dst: Lease, timeout: Duration) -> Result<Lease, FabricError> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.cmd(ChannelCmd::Read { key: self.key, desc: *desc, lease: dst, reply: tx })?;
-        match rx.recv_timeout(timeout) {
-            Ok((lease, Ok(()))) => Ok(lease),
-            Ok((_, Err(e))) => Err(e),
-            Err(_) => Err(FabricError::Unsupported(format!("read from {} did not complete within {timeout:?}", self.peer))),
+        self.read_async(desc, dst)?.wait(timeout)
+    }
+
+    /// Starts a one-sided read and returns at once; many may be in flight.
+    pub fn read_async(&self, desc: &Descriptor, dst: Lease) -> Result<PendingRead, FabricError> {
+        Ok(self.read_batch(vec![(*desc, dst)])?.pop().expect("one read"))
+    }
+
+    /// Starts one-sided reads back to back (posted in order in one turn of the loop, nothing
+    /// handled between them) and returns at once.
+    pub fn read_batch(&self, reads: Vec<(Descriptor, Lease)>) -> Result<Vec<PendingRead>, FabricError> {
+        let mut pending = Vec::with_capacity(reads.len());
+        let mut batch = Vec::with_capacity(reads.len());
+        for (desc, lease) in reads {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            batch.push((desc, lease, tx));
+            pending.push(PendingRead { rx, peer: self.peer.clone() });
         }
+        self.cmd(ChannelCmd::Read { key: self.key, reads: batch })?;
+        Ok(pending)
     }
 
     /// Closes the connection. Idempotent.
@@ -162,6 +175,27 @@ impl Channel {
 impl Drop for Channel {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// A one-sided read in flight (see [`Channel::read_async`]).
+pub struct PendingRead {
+    rx: crossbeam_channel::Receiver<(Lease, Result<(), FabricError>)>,
+    peer: String,
+}
+
+impl PendingRead {
+    /// Waits at most `timeout` for the read: the buffer with the bytes, or why it failed (its
+    /// buffer then goes back to its pool — after the device let go of it).
+    pub fn wait(self, timeout: Duration) -> Result<Lease, FabricError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok((lease, Ok(()))) => Ok(lease),
+            Ok((_, Err(e))) => Err(e),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                Err(FabricError::Unsupported(format!("read from {} did not complete within {timeout:?}", self.peer)))
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(FabricError::Closed { peer: self.peer.clone() }),
+        }
     }
 }
 
@@ -232,7 +266,7 @@ pub(crate) enum ChannelCmd {
     Send { key: ConnKey, frame: Frame, payload: Vec<u8> },
     Raw { key: ConnKey, bytes: Vec<u8> },
     Attach { key: ConnKey, reply: Sender<Result<(), FabricError>> },
-    Read { key: ConnKey, desc: Descriptor, lease: Lease, reply: ReadReply },
+    Read { key: ConnKey, reads: Vec<(Descriptor, Lease, ReadReply)> },
     Close { key: ConnKey },
 }
 
@@ -338,23 +372,27 @@ impl Loop {
                 }
                 self.with_channel(key, |lp, conn| lp.channel_attach(conn, reply))
             }
-            ChannelCmd::Read { key, desc, lease, reply } => {
+            ChannelCmd::Read { key, reads } => {
                 if !self.contains(key) {
-                    let _ = reply.send((lease, Err(FabricError::Closed { peer: "channel".into() })));
+                    for (_, lease, reply) in reads {
+                        let _ = reply.send((lease, Err(FabricError::Closed { peer: "channel".into() })));
+                    }
                     return;
                 }
                 self.with_channel(key, |lp, conn| {
-                    let c = chan_mut(conn);
-                    let tag = c.next_tag;
-                    c.next_tag += 1;
-                    match conn.transport.start_read(&mut lp.net, tag, &desc, lease) {
-                        Ok(()) => {
-                            lp.shared.stats.note_reads(1);
-                            chan_mut(conn).reads.insert(tag, reply);
-                        }
-                        Err(failed) => {
-                            let (lease, e) = *failed;
-                            let _ = reply.send((lease, Err(e)));
+                    for (desc, lease, reply) in reads {
+                        let c = chan_mut(conn);
+                        let tag = c.next_tag;
+                        c.next_tag += 1;
+                        match conn.transport.start_read(&mut lp.net, tag, &desc, lease) {
+                            Ok(()) => {
+                                lp.shared.stats.note_reads(1);
+                                chan_mut(conn).reads.insert(tag, reply);
+                            }
+                            Err(failed) => {
+                                let (lease, e) = *failed;
+                                let _ = reply.send((lease, Err(e)));
+                            }
                         }
                     }
                 })

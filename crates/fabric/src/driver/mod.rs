@@ -51,7 +51,7 @@ mod stats;
 mod timers;
 
 pub use budget::BudgetGuard;
-pub use channel::{Channel, ChannelListener, Received};
+pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use client::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock};
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
 pub(crate) use sockets::connect;
@@ -386,6 +386,9 @@ pub(crate) struct Loop {
 
 impl Loop {
     fn run(&mut self) {
+        // The gauge includes what the provider registered for this loop from the start
+        // (verbs: the shared receive queue and the send buffers).
+        self.update_registered();
         let mut events = Events::with_capacity(1024);
         loop {
             let now = Instant::now();
@@ -713,6 +716,7 @@ impl Loop {
             return false;
         }
         if conn.transport.busy() {
+            self.shared.stats.unflushed_closes.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(driver = %self.shared.name, peer = %conn.peer, reason = %closing.reason,
                 "device work still outstanding after the close limit; its buffers are kept, not reused");
         }

@@ -425,6 +425,8 @@ impl Loop {
                     match conn.transport.expose(&mut self.net, source, offset, len) {
                         Ok((addr, rkey)) => {
                             server_mut(conn).exposures.insert(region, rkey);
+                            // Counted before the descriptor leaves.
+                            self.update_registered();
                             let desc = Descriptor { region, addr, len, rkey };
                             conn.transport.send(&mut self.net, &Frame::Rendezvous { req, index, desc }, OutPayload::None)
                         }

@@ -25,6 +25,9 @@ pub struct DriverStats {
     pub reads_in_flight: AtomicU64,
     /// The most one-sided reads ever in flight at once.
     pub peak_reads_in_flight: AtomicU64,
+    /// Connections removed with device work still posted after the close limit (their
+    /// buffers are leaked, never reused). Stays 0 when every flush completion came back.
+    pub unflushed_closes: AtomicU64,
     /// Provider-specific counters (verbs: sends, receives, reads, queue pairs...).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) provider: ProviderCounters,

@@ -317,6 +317,12 @@ impl VerbsConn {
     /// The next thing that arrived: completions routed to this connection first, then the
     /// control socket (which must stay silent once the data plane is up).
     pub(crate) fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        // Woken as a send-slot waiter, or slots freed by other connections: go on posting.
+        if !self.out.is_empty() {
+            if let Err(e) = self.flush(net) {
+                self.fail(e);
+            }
+        }
         loop {
             if let Some(i) = self.ready.pop_front() {
                 return Ok(Some(i));
