@@ -3,6 +3,13 @@
 //! test file that instantiates the suite with `provider_suite!`.
 #![allow(dead_code)]
 
+pub mod resources;
+pub mod security;
+#[allow(unused_imports)]
+pub use resources::*;
+#[allow(unused_imports)]
+pub use security::*;
+
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 use rdma_shuffle_fabric::{
@@ -61,6 +68,18 @@ impl Collect {
             hold: Mutex::new(Vec::new()),
             duplicate: Mutex::new(false),
         })
+    }
+
+    /// Whether every block reported within `limit`.
+    pub fn ready(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut r = self.results.lock();
+        while r.len() < self.expected {
+            if self.cv.wait_until(&mut r, deadline).timed_out() {
+                return false;
+            }
+        }
+        true
     }
 
     pub fn wait(&self, limit: Duration) -> HashMap<usize, Result<Vec<u8>, BlockFailure>> {
@@ -609,7 +628,12 @@ macro_rules! provider_suite {
             server_vanishing_mid_stream_fails_blocks_in_bounded_time,
             silent_server_times_out,
             unreachable_server_fails_fast,
-            many_fetchers_through_a_small_pool
+            many_fetchers_through_a_small_pool,
+            reads_need_authentication_die_with_release_and_stay_with_their_peer,
+            another_application_or_secret_is_refused_and_nothing_is_served,
+            a_tampered_handshake_field_fails_authentication,
+            local_backpressure_is_not_peer_silence,
+            idle_connections_close_and_reopen
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {
