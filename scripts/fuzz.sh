@@ -20,13 +20,13 @@
 # cargo-fuzz is installed from crates.io with `cargo install cargo-fuzz --locked` when missing
 # (about 3 minutes on 2 cores).
 #
-# Other settings: FUZZ_TARGETS (default "frame_decode handshake"), FUZZ_SANITIZER (default
+# Other settings: FUZZ_TARGETS (default "frame_decode handshake verbs_bootstrap"), FUZZ_SANITIZER (default
 # none: the wire crate and the harnesses forbid unsafe code, and without ASan libFuzzer runs
 # about twice as many inputs; set "address" to check the dependencies' unsafe code too).
 set -euo pipefail
 
 SECONDS_PER_TARGET="${1:-30}"
-TARGETS="${FUZZ_TARGETS:-frame_decode handshake}"
+TARGETS="${FUZZ_TARGETS:-frame_decode handshake verbs_bootstrap}"
 SANITIZER="${FUZZ_SANITIZER:-none}"
 INPUT_TIMEOUT="${FUZZ_INPUT_TIMEOUT:-10}"
 RSS_MB="${FUZZ_RSS_MB:-2048}"

@@ -2,7 +2,7 @@
 //! harnesses.
 
 use crate::cursor::{Cursor, Writer};
-use wire::frame::{Header, HEADER_LEN, MAX_MESSAGE_LEN};
+use wire::frame::{Header, HEADER_LEN, MAX_APP_ID_LEN, MAX_ATTACH_LEN, MAX_MESSAGE_LEN};
 use wire::{BlockSpan, Descriptor, FailureCode, Frame, FrameError, FrameKind, Limits};
 
 /// Small limits, all at or below [`Limits::default`], so that every bound in the codec is
@@ -13,11 +13,16 @@ pub const TIGHT: Limits = Limits { max_control: 256, max_eager: 4096, max_pull: 
 /// Reads one frame of any kind, every field chosen by the input. The frame need not be valid
 /// on the wire (an empty `Fetch`, a huge `PullData`): callers send it through the codec.
 pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
-    let kind = FrameKind::from_u8(c.u8() % 13 + 1).unwrap_or(FrameKind::Error);
+    let kind = FrameKind::from_u8(c.u8() % 14 + 1).unwrap_or(FrameKind::Error);
     match kind {
-        FrameKind::Hello => {
-            Frame::Hello { min_version: c.u8(), max_version: c.u8(), caps: c.u64(), nonce: c.array(), max_eager: c.u32() }
-        }
+        FrameKind::Hello => Frame::Hello {
+            min_version: c.u8(),
+            max_version: c.u8(),
+            caps: c.u64(),
+            nonce: c.array(),
+            max_eager: c.u32(),
+            app_id: String::from_utf8_lossy(c.blob()).into_owned(),
+        },
         FrameKind::Challenge => Frame::Challenge {
             version: c.u8(),
             caps: c.u64(),
@@ -25,9 +30,11 @@ pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
             auth_required: c.u8() & 1 == 1,
             credits: c.u32(),
             eager_threshold: c.u32(),
+            app_id: String::from_utf8_lossy(c.blob()).into_owned(),
         },
         FrameKind::Auth => Frame::Auth { proof: read_proof(c) },
-        FrameKind::Ready => Frame::Ready { proof: read_proof(c) },
+        FrameKind::Ready => Frame::Ready { proof: read_proof(c), credits: c.u32() },
+        FrameKind::Attach => Frame::Attach { data: c.blob().to_vec() },
         FrameKind::Fetch => {
             let req = c.u64();
             let first_index = c.u32();
@@ -58,6 +65,17 @@ pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
     }
 }
 
+fn write_proof(w: &mut Writer, proof: &Option<[u8; 32]>) {
+    match proof {
+        Some(p) => {
+            w.u8(1).bytes(p);
+        }
+        None => {
+            w.u8(0);
+        }
+    }
+}
+
 fn read_proof(c: &mut Cursor<'_>) -> Option<[u8; 32]> {
     if c.u8() & 1 == 1 {
         Some(c.array())
@@ -71,20 +89,26 @@ fn read_proof(c: &mut Cursor<'_>) -> Option<[u8; 32]> {
 pub fn write_frame(w: &mut Writer, f: &Frame) {
     w.u8(f.kind() as u8 - 1);
     match f {
-        Frame::Hello { min_version, max_version, caps, nonce, max_eager } => {
-            w.u8(*min_version).u8(*max_version).u64(*caps).bytes(nonce).u32(*max_eager);
+        Frame::Hello { min_version, max_version, caps, nonce, max_eager, app_id } => {
+            w.u8(*min_version).u8(*max_version).u64(*caps).bytes(nonce).u32(*max_eager).blob(app_id.as_bytes());
         }
-        Frame::Challenge { version, caps, nonce, auth_required, credits, eager_threshold } => {
-            w.u8(*version).u64(*caps).bytes(nonce).u8(*auth_required as u8).u32(*credits).u32(*eager_threshold);
+        Frame::Challenge { version, caps, nonce, auth_required, credits, eager_threshold, app_id } => {
+            w.u8(*version)
+                .u64(*caps)
+                .bytes(nonce)
+                .u8(*auth_required as u8)
+                .u32(*credits)
+                .u32(*eager_threshold)
+                .blob(app_id.as_bytes());
         }
-        Frame::Auth { proof } | Frame::Ready { proof } => match proof {
-            Some(p) => {
-                w.u8(1).bytes(p);
-            }
-            None => {
-                w.u8(0);
-            }
-        },
+        Frame::Auth { proof } => write_proof(w, proof),
+        Frame::Ready { proof, credits } => {
+            write_proof(w, proof);
+            w.u32(*credits);
+        }
+        Frame::Attach { data } => {
+            w.blob(data);
+        }
         Frame::Fetch { req, first_index, blocks } => {
             let blocks = &blocks[..blocks.len().min(255)];
             w.u64(*req).u32(*first_index).u8(blocks.len() as u8);
@@ -135,17 +159,47 @@ pub fn through_codec(f: &Frame, limits: &Limits) -> Result<Frame, FrameError> {
 }
 
 /// Whether `received` is what the codec makes of `sent`: equal, except that messages longer
-/// than [`MAX_MESSAGE_LEN`] are cut on a char boundary.
+/// than [`MAX_MESSAGE_LEN`] and application ids longer than [`MAX_APP_ID_LEN`] are cut on a
+/// char boundary, and attach data longer than [`MAX_ATTACH_LEN`] is cut.
 pub fn same_after_codec(sent: &Frame, received: &Frame) -> bool {
-    fn cut_ok(a: &str, b: &str) -> bool {
-        a == b || (a.len() > MAX_MESSAGE_LEN && b.len() <= MAX_MESSAGE_LEN && a.starts_with(b) && MAX_MESSAGE_LEN - b.len() < 4)
+    fn cut_ok(a: &str, b: &str, max: usize) -> bool {
+        a == b || (a.len() > max && b.len() <= max && a.starts_with(b) && max - b.len() < 4)
     }
     match (sent, received) {
-        (Frame::Error { code: c1, message: m1 }, Frame::Error { code: c2, message: m2 }) => c1 == c2 && cut_ok(m1, m2),
+        (Frame::Error { code: c1, message: m1 }, Frame::Error { code: c2, message: m2 }) => {
+            c1 == c2 && cut_ok(m1, m2, MAX_MESSAGE_LEN)
+        }
         (
             Frame::BlockFailed { req: r1, index: i1, code: c1, message: m1 },
             Frame::BlockFailed { req: r2, index: i2, code: c2, message: m2 },
-        ) => (r1, i1, c1) == (r2, i2, c2) && cut_ok(m1, m2),
+        ) => (r1, i1, c1) == (r2, i2, c2) && cut_ok(m1, m2, MAX_MESSAGE_LEN),
+        (
+            Frame::Hello { min_version: a1, max_version: b1, caps: c1, nonce: n1, max_eager: e1, app_id: i1 },
+            Frame::Hello { min_version: a2, max_version: b2, caps: c2, nonce: n2, max_eager: e2, app_id: i2 },
+        ) => (a1, b1, c1, n1, e1) == (a2, b2, c2, n2, e2) && cut_ok(i1, i2, MAX_APP_ID_LEN),
+        (
+            Frame::Challenge {
+                version: v1,
+                caps: c1,
+                nonce: n1,
+                auth_required: a1,
+                credits: r1,
+                eager_threshold: e1,
+                app_id: i1,
+            },
+            Frame::Challenge {
+                version: v2,
+                caps: c2,
+                nonce: n2,
+                auth_required: a2,
+                credits: r2,
+                eager_threshold: e2,
+                app_id: i2,
+            },
+        ) => (v1, c1, n1, a1, r1, e1) == (v2, c2, n2, a2, r2, e2) && cut_ok(i1, i2, MAX_APP_ID_LEN),
+        (Frame::Attach { data: d1 }, Frame::Attach { data: d2 }) => {
+            d1 == d2 || (d1.len() > MAX_ATTACH_LEN && d1[..MAX_ATTACH_LEN] == d2[..])
+        }
         _ => sent == received,
     }
 }
@@ -169,7 +223,7 @@ mod tests {
     fn sample_frames_survive_the_codec_and_cover_every_kind() {
         let mut kinds: Vec<u8> = sample_frames().iter().map(|f| f.kind() as u8).collect();
         kinds.dedup();
-        assert_eq!(kinds, (1..=13).collect::<Vec<_>>());
+        assert_eq!(kinds, (1..=14).collect::<Vec<_>>());
         for f in sample_frames() {
             assert_eq!(through_codec(&f, &Limits::default()), Ok(f.clone()));
         }

@@ -9,6 +9,9 @@
 //!   toolchain can be had and a quick regression check everywhere else;
 //! - from the `seeds` example, which writes the seed corpora.
 //!
+//! The `verbs_bootstrap` target covers the one decoder outside `wire`: the verbs provider's
+//! attach record (built without libibverbs).
+//!
 //! Every harness takes arbitrary bytes and panics only when the protocol breaks one of the
 //! invariants it asserts; see [`frame_decode`] and [`handshake`].
 #![deny(missing_docs)]
@@ -19,3 +22,4 @@ pub mod frame_decode;
 pub mod frames;
 pub mod handshake;
 pub mod seeds;
+pub mod verbs_bootstrap;

@@ -4,7 +4,7 @@
 use crate::cursor::Writer;
 use crate::frames::{sample_frames, write_frame};
 use crate::handshake::{client_op, pair_op, server_op, Mode, CLIENT_NONCE};
-use wire::{caps, BlockSpan, Frame, Secret};
+use wire::{caps, BlockSpan, Frame, Secret, Transcript};
 
 /// Named seeds for the `frame_decode` target: each sample frame encoded as one message, with
 /// its payload when it has one, and once more behind 20 bytes of roomy limits.
@@ -27,7 +27,7 @@ fn frame_op(w: &mut Writer, op: u8, f: &Frame) {
 }
 
 fn hello() -> Frame {
-    Frame::Hello { min_version: 1, max_version: 1, caps: caps::ALL, nonce: CLIENT_NONCE, max_eager: 4096 }
+    Frame::Hello { min_version: 2, max_version: 2, caps: caps::ALL, nonce: CLIENT_NONCE, max_eager: 4096, app_id: String::new() }
 }
 
 /// Fetch frame: one small block (eager), one large (rendezvous), one in a failing group.
@@ -103,11 +103,18 @@ pub fn handshake() -> Vec<(String, Vec<u8>)> {
         let mut w = Writer::new();
         w.u8(Mode::Client as u8).u8(1 | (7 << 2)).u32(1 << 20);
         w.u8(client_op::FETCH).u8(1).u8(1).u8(1).u8(0).u8(1);
-        let challenge =
-            Frame::Challenge { version: 1, caps: 7, nonce: [0x22; 16], auth_required: true, credits: 4, eager_threshold: 1024 };
+        let challenge = Frame::Challenge {
+            version: 2,
+            caps: 7,
+            nonce: [0x22; 16],
+            auth_required: true,
+            credits: 4,
+            eager_threshold: 1024,
+            app_id: String::new(),
+        };
         w.u8(client_op::RAW).blob(&challenge.to_vec());
-        let forged = Secret::new("guess").server_proof(&CLIENT_NONCE, &[0x22; 16]);
-        w.u8(client_op::RAW).blob(&Frame::Ready { proof: Some(forged) }.to_vec());
+        let forged = Secret::new("guess").server_proof(&Transcript::new(&hello(), &challenge), 4);
+        w.u8(client_op::RAW).blob(&Frame::Ready { proof: Some(forged), credits: 4 }.to_vec());
         out.push(("client-forged-ready".into(), w.buf));
     }
 

@@ -9,7 +9,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 use wire_fuzz::handshake::{self, Mode};
-use wire_fuzz::{frame_decode, seeds};
+use wire_fuzz::{frame_decode, seeds, verbs_bootstrap};
 
 /// xorshift64*: deterministic, dependency-free.
 struct Rng(u64);
@@ -95,6 +95,11 @@ fn handshake_seeds_and_mutations() {
     fuzz("handshake", handshake::run, seeds::handshake());
 }
 
+#[test]
+fn verbs_bootstrap_seeds_and_mutations() {
+    fuzz("verbs_bootstrap", verbs_bootstrap::run, verbs_bootstrap::seeds());
+}
+
 /// The seeds do what their names say, so the fuzzer starts from deep states.
 #[test]
 fn handshake_seeds_reach_deep_states() {
@@ -134,7 +139,9 @@ fn handshake_seeds_reach_deep_states() {
 #[test]
 fn past_crashes_pass() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("regressions");
-    let targets: [(&str, fn(&[u8])); 2] = [("frame_decode", frame_decode::run), ("handshake", handshake::run)];
+    type Harness = fn(&[u8]);
+    let targets: [(&str, Harness); 3] =
+        [("frame_decode", frame_decode::run), ("handshake", handshake::run), ("verbs_bootstrap", verbs_bootstrap::run)];
     let mut replayed = 0;
     for (target, harness) in targets {
         let Ok(entries) = std::fs::read_dir(dir.join(target)) else { continue };

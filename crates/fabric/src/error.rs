@@ -1,7 +1,7 @@
 //! Errors of the fabric layer.
 
-use crate::pool::PoolError;
-use rdma_shuffle_wire::{FrameError, SessionError};
+use crate::memory::pool::PoolError;
+use rdma_shuffle_wire::{FrameError, Knob, SessionError};
 use std::io;
 use thiserror::Error;
 
@@ -42,12 +42,22 @@ pub enum FabricError {
     #[error(transparent)]
     Pool(#[from] PoolError),
     /// No connection could be made in time.
-    #[error("connect to {peer} timed out after {timeout_ms} ms (raise spark.shuffle.rdma.connectTimeout)")]
+    #[error("connect to {peer} timed out after {timeout_ms} ms (raise {})", Knob::ConnectTimeout)]
     ConnectTimeout {
         /// Peer address.
         peer: String,
         /// The limit.
         timeout_ms: u64,
+    },
+    /// A one-sided read was refused by the peer's memory protection: the key names no window
+    /// of this peer for this connection (never exposed, another peer's, or released), or the
+    /// range lies outside it.
+    #[error("remote access error reading from {peer}: {what}")]
+    RemoteAccess {
+        /// Peer address or name.
+        peer: String,
+        /// What the check found.
+        what: String,
     },
     /// The provider cannot do what was asked (e.g. a one-sided read on tcp).
     #[error("{0}")]
@@ -57,8 +67,10 @@ pub enum FabricError {
     Provider {
         /// Provider name.
         provider: &'static str,
-        /// What failed, with context and the setting to change where there is one.
+        /// What failed, with context.
         message: String,
+        /// The setting that cures it, where there is one.
+        knob: Option<Knob>,
     },
     /// The endpoint was shut down.
     #[error("endpoint is shut down")]
@@ -78,5 +90,16 @@ impl FabricError {
             return FabricError::Closed { peer: peer.to_string() };
         }
         FabricError::Io { peer: peer.to_string(), op, source }
+    }
+
+    /// The setting a user changes to cure this error, where there is one.
+    pub fn knob(&self) -> Option<Knob> {
+        match self {
+            FabricError::Session(s) => s.error.knob(),
+            FabricError::Pool(p) => p.knob(),
+            FabricError::ConnectTimeout { .. } => Some(Knob::ConnectTimeout),
+            FabricError::Provider { knob, .. } => *knob,
+            _ => None,
+        }
     }
 }

@@ -1,33 +1,29 @@
 //! Transports and memory for rdma-shuffle.
 //!
-//! * [`link`] — what a provider implements: [`Link`]s that move frames and payloads,
-//!   [`Listener`]s, and registration of sources for one-sided reads.
-//! * [`tcp`], [`sim`] — the providers available everywhere (verbs joins them where a
-//!   device exists).
-//! * [`pool`] — the tiered pool of registered memory every fetched block lands in.
-//! * [`server`], [`client`] — the endpoints that run the `wire` sessions over any provider:
-//!   the progress engine.
+//! * [`memory`] — the tiered pool of registered memory every fetched block lands in, and the
+//!   registration of memory with a device.
+//! * [`providers`] — the transports: [`tcp`](providers::tcp), [`sim`](providers::sim) and,
+//!   with the `verbs` feature, [`verbs`](providers::verbs).
+//! * [`driver`] — one event loop per engine that runs every connection of every provider:
+//!   the block client and server endpoints that execute the `wire` sessions, and raw
+//!   channels.
 //!
-//! Nothing here is specific to Spark's shuffle; the shuffle crate and, later, collectives
-//! build on these pieces.
+//! Nothing here is specific to Spark: settings arrive as plain values, and errors name the
+//! setting to change as a [`Knob`](rdma_shuffle_wire::Knob). The shuffle crate and, later,
+//! collectives build on these pieces.
 #![deny(missing_docs)]
 
-pub mod client;
+pub mod driver;
 pub mod error;
-pub mod link;
-pub mod mesh;
-pub mod pool;
-pub mod server;
-pub mod sim;
-mod sock;
-pub mod tcp;
-#[cfg(feature = "verbs")]
-pub mod verbs;
+pub mod memory;
+pub mod providers;
 
-pub use client::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock};
+pub use driver::{
+    BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver,
+    DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
+};
 pub use error::FabricError;
-pub use link::{Link, Listener, Payload, Placement, Provider, Received, Source, SourceKeys};
+pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
-pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
-pub use sim::SimProvider;
-pub use tcp::TcpProvider;
+pub use providers::verbs;
+pub use providers::{Provider, ProviderKind, SimProvider, Source, TcpProvider};

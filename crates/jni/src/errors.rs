@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 pub const EXCEPTION_CLASS: &str = "org/apache/spark/shuffle/rdma/RdmaShuffleException";
 
 /// Every kind the bridge itself raises, and whether a retry may cure it. Per-block fetch
-/// failures use [`FailureCode`](rdma_shuffle_wire::FailureCode) names instead. The Java side
+/// failures use [`FailureCode`](rdma_shuffle_shuffle::FailureCode) names instead. The Java side
 /// keeps the same lists (`RdmaShuffleException.TRANSIENT_KINDS` / `PERMANENT_KINDS`); a test
 /// checks that they agree.
 pub const BRIDGE_KINDS: [(&str, bool); 8] = [

@@ -3,7 +3,7 @@
 //! equal: every kind the native code can send is known to Java, with the same verdict.
 
 use rdma_shuffle_jni::errors::BRIDGE_KINDS;
-use rdma_shuffle_wire::FailureCode;
+use rdma_shuffle_shuffle::FailureCode;
 use std::collections::BTreeSet;
 use std::path::Path;
 

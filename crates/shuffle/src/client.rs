@@ -1,8 +1,12 @@
 //! The block client: fetches Spark shuffle blocks from many executors' block servers.
 
+use crate::knobs::render_failure;
 use crate::store::{MapId, ReduceId, ShuffleId};
-use rdma_shuffle_fabric::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FabricError, Provider, TieredPool};
-use rdma_shuffle_wire::BlockSpan;
+use rdma_shuffle_fabric::{
+    BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver, DriverConfig, FabricError, FetchedBlock, Provider,
+    TieredPool,
+};
+use rdma_shuffle_wire::{BlockFailure, BlockSpan};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -42,15 +46,36 @@ pub struct BlockClient {
     endpoint: ClientEndpoint,
 }
 
+/// Renders the setting behind a failure into its message before the user's sink sees it.
+struct SparkSink(Arc<dyn BlockSink>);
+
+impl BlockSink for SparkSink {
+    fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
+        self.0.on_block(index, result.map_err(render_failure))
+    }
+}
+
 impl BlockClient {
-    /// A client over `provider`, landing blocks in `pool`.
+    /// A client over `provider` on a driver (event loop) of its own, landing blocks in `pool`.
     pub fn new(provider: Arc<dyn Provider>, pool: TieredPool, config: ClientEndpointConfig) -> Result<Self, FabricError> {
-        Ok(BlockClient { endpoint: ClientEndpoint::new(provider, pool, config)? })
+        let driver = Driver::new(provider, DriverConfig { name: config.name.clone(), ..DriverConfig::default() })?;
+        Self::on(&driver, pool, config)
     }
 
-    /// Fetches `blocks` from the block server at `addr`; see [`ClientEndpoint::fetch`].
+    /// A client on `driver` (an engine's loop, shared with its server).
+    pub fn on(driver: &Driver, pool: TieredPool, config: ClientEndpointConfig) -> Result<Self, FabricError> {
+        Ok(BlockClient { endpoint: ClientEndpoint::new(driver, pool, config)? })
+    }
+
+    /// Fetches `blocks` from the block server at `addr`; see [`ClientEndpoint::fetch`]. Failure
+    /// messages name the Spark setting that cures them, where there is one.
     pub fn fetch(&self, addr: SocketAddr, blocks: &[ShuffleBlock], sink: Arc<dyn BlockSink>) {
-        self.endpoint.fetch(addr, blocks.iter().map(ShuffleBlock::span).collect(), sink)
+        self.endpoint.fetch(addr, blocks.iter().map(ShuffleBlock::span).collect(), Arc::new(SparkSink(sink)))
+    }
+
+    /// The driver (event loop) this client runs on.
+    pub fn driver(&self) -> &Driver {
+        self.endpoint.driver()
     }
 
     /// Fetching counters.

@@ -1,10 +1,13 @@
 //! One executor's engine: provider, pool, block server and block client, configured from
 //! Spark's `spark.shuffle.rdma.*` settings. This is what the JNI layer opens per executor.
 
+use crate::knobs::{render_error, with_setting};
 use crate::{BlockClient, BlockServer, ServerError};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
-use rdma_shuffle_fabric::{ClientEndpointConfig, FabricError, Provider, ServerEndpointConfig, TcpProvider};
-use rdma_shuffle_wire::{Limits, Secret};
+use rdma_shuffle_fabric::{
+    ClientEndpointConfig, Driver, DriverConfig, FabricError, PoolError, Provider, ServerEndpointConfig, TcpProvider,
+};
+use rdma_shuffle_wire::{FailureCode, Limits, Secret};
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
@@ -30,13 +33,13 @@ pub enum EngineError {
     #[error("{0}")]
     Transport(String),
     /// The pool could not be built.
-    #[error(transparent)]
-    Pool(#[from] rdma_shuffle_fabric::PoolError),
+    #[error("{}", with_setting(&.0.to_string(), .0.knob()))]
+    Pool(#[from] PoolError),
     /// The server could not start.
-    #[error(transparent)]
+    #[error("{}", match .0 { ServerError::Fabric(e) => render_error(e), e => e.to_string() })]
     Server(#[from] ServerError),
-    /// The client could not start.
-    #[error(transparent)]
+    /// The driver or the client could not start.
+    #[error("{}", render_error(.0))]
     Fabric(#[from] FabricError),
 }
 
@@ -65,7 +68,9 @@ pub struct EngineConfig {
     pub pool_cap: u64,
     /// `spark.shuffle.rdma.port` (0 = ephemeral).
     pub port: u16,
-    /// `spark.shuffle.rdma.bindHost` (the JVM passes the executor's host).
+    /// `spark.shuffle.rdma.bindHost`: the executor's own address, which the caller must set
+    /// (the JVM passes the executor's host). The default, unspecified, is refused by
+    /// [`Engine::open`]: a block server on every interface is not what anyone asked for.
     pub bind_host: IpAddr,
     /// `spark.shuffle.rdma.connectTimeout` (ms).
     pub connect_timeout: Duration,
@@ -88,6 +93,8 @@ pub struct EngineConfig {
     pub device: Option<String>,
     /// `spark.shuffle.rdma.gidIndex`: GID index (default: first RoCEv2 IPv4-mapped GID).
     pub gid_index: Option<u8>,
+    /// `spark.app.id`: engines of different applications refuse each other.
+    pub app_id: String,
 }
 
 /// Picks the provider for `transport`, with the reason (logged once by the caller).
@@ -112,11 +119,11 @@ fn open_verbs(config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), Stri
         device: config.device.clone(),
         gid_index: config.gid_index,
         max_message: config.eager_threshold.max(4096) + 4096,
-        recv_depth: (config.credits * 2 + 16).max(64),
+        recv_buffers: config.recv_buffers,
         pool_bytes: config.pool_cap,
         ..VerbsConfig::default()
     };
-    let p = VerbsProvider::open(vc).map_err(|e| e.to_string())?;
+    let p = VerbsProvider::open(vc).map_err(|e| render_error(&e))?;
     let why = format!("transport: verbs on RDMA device {}", p.device());
     Ok((Arc::new(p), why))
 }
@@ -126,45 +133,69 @@ fn open_verbs(_config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), Str
     Err("this build of the native library has no verbs provider (libibverbs was not available)".into())
 }
 
-/// An executor's engine.
+/// An executor's engine: one driver (event loop, plus its delivery thread) runs both the
+/// block server and the block client, whatever the number of peers.
 pub struct Engine {
     config: EngineConfig,
     provider: Arc<dyn Provider>,
+    driver: Driver,
     server: BlockServer,
     client: BlockClient,
     why: String,
 }
 
 impl Engine {
-    /// Builds provider, pool, server and client.
+    /// Builds provider, driver, pool, server and client.
     pub fn open(config: EngineConfig) -> Result<Self, EngineError> {
+        if config.bind_host.is_unspecified() {
+            return Err(EngineError::Setting {
+                key: "spark.shuffle.rdma.bindHost".into(),
+                value: config.bind_host.to_string(),
+                why: format!(
+                    "executor {}: the engine binds the executor's own address, which the caller must pass; \
+                     an unspecified address would serve blocks on every interface",
+                    config.executor_id
+                ),
+            });
+        }
         let (provider, why) = select_provider(&config)?;
         tracing::info!(executor = %config.executor_id, transport = provider.name(), "{why}");
+        let driver = Driver::new(
+            provider.clone(),
+            DriverConfig { name: config.executor_id.clone(), idle_timeout: config.idle_timeout, ..DriverConfig::default() },
+        )?;
         let pool_cfg = PoolConfig { tiers: config.pool_tiers.clone(), cap_bytes: config.pool_cap, ..PoolConfig::default() };
         let pool = TieredPool::new(pool_cfg, provider.registrar())?;
         let limits = Limits { max_eager: config.eager_threshold.max(1), ..Limits::default() };
+        let handshake_timeout = config.connect_timeout.min(Duration::from_secs(30));
         let server_cfg = ServerEndpointConfig {
             secret: config.secret.clone(),
+            app_id: config.app_id.clone(),
             credits: config.credits,
             eager_threshold: config.eager_threshold,
             limits,
-            handshake_timeout: config.connect_timeout.min(Duration::from_secs(30)),
+            handshake_timeout,
             name: config.executor_id.clone(),
         };
-        let server = BlockServer::bind(provider.clone(), SocketAddr::new(config.bind_host, config.port), server_cfg)?;
+        let server = BlockServer::bind_on(&driver, SocketAddr::new(config.bind_host, config.port), server_cfg)?;
         let client_cfg = ClientEndpointConfig {
             secret: config.secret.clone(),
+            app_id: config.app_id.clone(),
             connect_timeout: config.connect_timeout,
-            handshake_timeout: config.connect_timeout.min(Duration::from_secs(30)),
+            handshake_timeout,
             fetch_timeout: config.fetch_timeout,
             max_eager: config.eager_threshold.max(1),
             max_bytes_in_flight: config.max_bytes_in_flight,
             limits,
             name: format!("executor {}", config.executor_id),
-            ..ClientEndpointConfig::default()
         };
-        let client = BlockClient::new(provider.clone(), pool, client_cfg)?;
-        Ok(Engine { config, provider, server, client, why })
+        let client = BlockClient::on(&driver, pool, client_cfg)?;
+        Ok(Engine { config, provider, driver, server, client, why })
+    }
+
+    /// The driver (event loop) of this engine.
+    pub fn driver(&self) -> &Driver {
+        &self.driver
     }
 
     /// The block server.
@@ -202,6 +233,7 @@ impl Engine {
         let mut kv = |k: &str, v: u64| {
             let _ = writeln!(out, "{k}={v}");
         };
+        let d = self.driver.stats();
         kv("blocks_served", s.blocks_served());
         kv("bytes_served", s.bytes_served());
         kv("blocks_fetched", r(&c.blocks_fetched));
@@ -210,29 +242,51 @@ impl Engine {
         kv("rendezvous_blocks_served", r(&s.rendezvous_blocks));
         kv("failed_blocks_served", r(&s.failed_blocks));
         kv("eager_blocks_fetched", r(&c.eager_blocks));
+        kv("eager_bytes_fetched", r(&c.eager_bytes));
         kv("rendezvous_blocks_fetched", r(&c.rendezvous_blocks));
+        kv("rendezvous_bytes_fetched", r(&c.rendezvous_bytes));
         kv("one_sided_reads", r(&c.one_sided_reads));
+        kv("read_bytes", r(&c.read_bytes));
         kv("stream_pulls", r(&c.stream_pulls));
         kv("failed_blocks_fetched", r(&c.failed_blocks));
+        for code in FailureCode::ALL {
+            let _ = writeln!(out, "failed_blocks_fetched_{}={}", code.name(), c.failed(code));
+        }
+        let mut kv = |k: &str, v: u64| {
+            let _ = writeln!(out, "{k}={v}");
+        };
+        kv("staged_payloads", r(&c.staged_payloads));
         kv("connections_accepted", r(&s.connections));
         kv("connections_opened", r(&c.connections));
+        kv("connections_open", r(&d.connections_open));
+        kv("idle_closes", r(&d.idle_closes));
         kv("auth_failures", r(&s.auth_failures));
+        kv("pending_handshakes", r(&d.pending_handshakes));
+        kv("handshake_timeouts", r(&d.handshake_timeouts));
+        kv("handshake_evictions", r(&d.handshake_evictions));
+        kv("registered_bytes", self.provider.registered_bytes() + r(&d.registered_bytes));
+        kv("preauth_registered_bytes", r(&d.preauth_registered_bytes));
+        kv("reads_in_flight", r(&d.reads_in_flight));
+        kv("peak_reads_in_flight", r(&d.peak_reads_in_flight));
+        kv("unflushed_closes", r(&d.unflushed_closes));
         kv("pool_bytes_allocated", p.bytes_allocated);
         kv("pool_bytes_in_use", p.bytes_in_use);
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);
         kv("pool_waits", p.waits);
         kv("map_outputs_registered", self.server.store().len() as u64);
-        for (k, v) in self.provider.counters() {
+        for (k, v) in self.driver.provider_counters() {
             kv(k, v);
         }
         let _ = writeln!(out, "transport={}", self.transport());
         out
     }
 
-    /// Stops client and server. Idempotent; leases still held stay valid until released.
+    /// Stops client, server and driver. Idempotent; leases still held stay valid until
+    /// released.
     pub fn shutdown(&self) {
         self.client.shutdown();
         self.server.shutdown();
+        self.driver.shutdown();
         tracing::info!(executor = %self.config.executor_id, "engine stopped");
     }
 }

@@ -5,8 +5,9 @@
 //!   memory, mapped read-only, resolved to validated byte ranges.
 //! * [`server`] — [`BlockServer`]: the store exposed through a fabric endpoint.
 //! * [`client`] — [`BlockClient`]: fetches Spark shuffle blocks from many block servers.
-//! * [`engine`] — [`Engine`]: one executor's provider, pool, server and client, from Spark's
-//!   settings.
+//! * [`engine`] — [`Engine`]: one executor's provider, driver (event loop), pool, server and
+//!   client, from Spark's settings.
+//! * [`knobs`] — the Spark key behind each setting an error of a lower layer points at.
 //! * [`settings`] — the `spark.shuffle.rdma.*` schema (`settings/settings.tsv`, compiled in):
 //!   defaults, parsing and validation of [`EngineConfig`].
 //! * [`testkit`] — writes map outputs in Spark's exact layout (and corrupt variants) for tests
@@ -15,6 +16,7 @@
 
 pub mod client;
 pub mod engine;
+pub mod knobs;
 pub mod server;
 pub mod settings;
 pub mod store;
@@ -22,4 +24,7 @@ pub mod testkit;
 
 pub use client::{BlockClient, ShuffleBlock};
 pub use engine::{Engine, EngineConfig, EngineError, Transport};
+/// What the JNI layer (which talks to this crate only) needs of the layers below.
+pub use rdma_shuffle_fabric::{BlockSink, FetchedBlock, Lease};
+pub use rdma_shuffle_wire::{BlockFailure, FailureCode};
 pub use server::{BlockServer, ServerError};

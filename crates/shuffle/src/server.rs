@@ -1,5 +1,9 @@
-//! The block server: Spark's committed map outputs, exposed to remote executors through a
+//! The block server: Spark's committed map outputs, served to remote executors through a
 //! fabric [`ServerEndpoint`].
+//!
+//! Nothing is registered with a device when a map output is registered: a rendezvous block
+//! is exposed by the driver per request, to the one authenticated peer that asked for it,
+//! until that peer releases it (see `rdma_shuffle_fabric::driver`).
 
 use crate::store::{
     CorruptIndexPolicy, MapId, MapOutput, MapOutputFiles, MapOutputId, MapOutputStore, ShuffleId, StoreConfig, StoreError,
@@ -7,7 +11,7 @@ use crate::store::{
 };
 use parking_lot::RwLock;
 use rdma_shuffle_fabric::{
-    BlockSource, FabricError, Provider, ServerEndpoint, ServerEndpointConfig, ServerStats, Source, SourceKeys,
+    BlockSource, Driver, DriverConfig, FabricError, Provider, ServerEndpoint, ServerEndpointConfig, ServerStats, Source,
 };
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, FailureCode, Resolved};
 use std::collections::HashMap;
@@ -32,7 +36,6 @@ impl Source for MappedOutput {
 struct Exposed {
     id: MapOutputId,
     source: Arc<dyn Source>,
-    keys: SourceKeys,
 }
 
 /// Errors of registering map outputs.
@@ -42,17 +45,6 @@ pub enum ServerError {
     /// The files could not be registered.
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// The provider could not expose the data file (e.g. memory registration failed).
-    #[error("exposing shuffle {shuffle_id} map {map_id}: {source}")]
-    Expose {
-        /// Shuffle id.
-        shuffle_id: ShuffleId,
-        /// Map id.
-        map_id: MapId,
-        /// What the provider said.
-        #[source]
-        source: FabricError,
-    },
     /// The endpoint could not start.
     #[error(transparent)]
     Fabric(#[from] FabricError),
@@ -60,7 +52,6 @@ pub enum ServerError {
 
 struct Catalog {
     store: MapOutputStore,
-    provider: Arc<dyn Provider>,
     exposed: RwLock<HashMap<(ShuffleId, MapId), Exposed>>,
     name: String,
 }
@@ -88,13 +79,7 @@ impl BlockSource for Catalog {
             // Only registered outputs of live shuffles are ever exposed; a resolve racing an
             // unregister or a re-registration is answered as unknown, never with stale bytes.
             .ok_or_else(|| self.failure(span, StoreError::UnknownMapOutput { shuffle_id: span.group, map_id: span.object }))?;
-        Ok(Resolved {
-            source: e.source.clone(),
-            offset: slice.offset(),
-            len: slice.len(),
-            addr: e.keys.addr + slice.offset(),
-            rkey: e.keys.rkey,
-        })
+        Ok(Resolved { source: e.source.clone(), offset: slice.offset(), len: slice.len() })
     }
 }
 
@@ -105,8 +90,14 @@ pub struct BlockServer {
 }
 
 impl BlockServer {
-    /// Starts serving on `addr` through `provider`.
+    /// Starts serving on `addr` through `provider`, on a driver (event loop) of its own.
     pub fn bind(provider: Arc<dyn Provider>, addr: SocketAddr, config: ServerEndpointConfig) -> Result<Self, ServerError> {
+        let driver = Driver::new(provider, DriverConfig { name: config.name.clone(), ..DriverConfig::default() })?;
+        Self::bind_on(&driver, addr, config)
+    }
+
+    /// Starts serving on `addr` on `driver` (an engine's loop, shared with its client).
+    pub fn bind_on(driver: &Driver, addr: SocketAddr, config: ServerEndpointConfig) -> Result<Self, ServerError> {
         let catalog = Arc::new(Catalog {
             // A corrupt index is kept and every fetch from it fails with the exact reason, so
             // the reducer's FetchFailedException says what is wrong (and Spark recomputes the
@@ -116,10 +107,9 @@ impl BlockServer {
                 ..StoreConfig::default()
             }),
             name: config.name.clone(),
-            provider: provider.clone(),
             exposed: RwLock::new(HashMap::new()),
         });
-        let endpoint = ServerEndpoint::bind(&*provider, addr, config, catalog.clone())?;
+        let endpoint = ServerEndpoint::bind(driver, addr, config, catalog.clone())?;
         Ok(BlockServer { catalog, endpoint })
     }
 
@@ -134,33 +124,18 @@ impl BlockServer {
         let (shuffle_id, map_id) = (files.shuffle_id, files.map_id);
         let output = self.catalog.store.register(files)?;
         let source: Arc<dyn Source> = Arc::new(MappedOutput(output.clone()));
-        let keys = match self.catalog.provider.register_source(&source) {
-            Ok(k) => k,
-            Err(e) => {
-                self.catalog.store.unregister_map_output(shuffle_id, map_id);
-                return Err(ServerError::Expose { shuffle_id, map_id, source: e });
-            }
-        };
-        let old = self.catalog.exposed.write().insert((shuffle_id, map_id), Exposed { id: output.id(), source, keys });
-        if let Some(old) = old {
-            self.catalog.provider.deregister_source(&old.keys);
-        }
+        self.catalog.exposed.write().insert((shuffle_id, map_id), Exposed { id: output.id(), source });
         tracing::debug!(shuffle_id, map_id, bytes = output.data_len(), "map output registered");
         Ok(())
     }
 
-    /// Drops every map output of `shuffle_id`; returns how many there were. Their remote keys
-    /// die with them.
+    /// Drops every map output of `shuffle_id`; returns how many there were. Later requests
+    /// for them fail; a region already handed to a client stays readable by that client
+    /// until it releases it (its bytes stay mapped until then).
     pub fn unregister_shuffle(&self, shuffle_id: ShuffleId) -> usize {
         let n = self.catalog.store.unregister_shuffle(shuffle_id);
-        let gone: Vec<Exposed> = {
-            let mut ex = self.catalog.exposed.write();
-            let keys: Vec<_> = ex.keys().filter(|(s, _)| *s == shuffle_id).copied().collect();
-            keys.into_iter().filter_map(|k| ex.remove(&k)).collect()
-        };
-        for e in gone {
-            self.catalog.provider.deregister_source(&e.keys);
-        }
+        let mut ex = self.catalog.exposed.write();
+        ex.retain(|(s, _), _| *s != shuffle_id);
         n
     }
 
@@ -172,6 +147,11 @@ impl BlockServer {
     /// Serving counters.
     pub fn stats(&self) -> &Arc<ServerStats> {
         self.endpoint.stats()
+    }
+
+    /// The driver (event loop) serving this server.
+    pub fn driver(&self) -> &Driver {
+        self.endpoint.driver()
     }
 
     /// Open client connections.

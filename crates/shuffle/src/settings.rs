@@ -396,7 +396,7 @@ impl EngineConfig {
 
     /// Parses newline-separated `key=value` lines: the `spark.shuffle.rdma.*` keys of the
     /// schema (values in canonical units or Spark's unit syntax, range-checked), plus
-    /// `spark.executor.id`, `spark.authenticate` and `spark.authenticate.secret`. A key that is
+    /// `spark.executor.id`, `spark.app.id`, `spark.authenticate` and `spark.authenticate.secret`. A key that is
     /// not given keeps its schema default. Other keys are ignored: the JVM warns once about
     /// unknown `spark.shuffle.rdma.*` keys and never forwards them.
     pub fn from_kv(text: &str) -> Result<Self, EngineError> {
@@ -410,6 +410,7 @@ impl EngineConfig {
                 "spark.authenticate" => auth = v.eq_ignore_ascii_case("true"),
                 "spark.authenticate.secret" => secret = Some(v.to_string()),
                 "spark.executor.id" => c.executor_id = v.to_string(),
+                "spark.app.id" => c.app_id = v.to_string(),
                 _ => {
                     if let Some(s) = lookup(k).filter(|s| s.scope == Scope::Engine) {
                         c.apply(s.key, &s.parse(v)?)?;
@@ -461,6 +462,7 @@ impl Default for EngineConfig {
             executor_id: "unknown".into(),
             device: None,
             gid_index: None,
+            app_id: String::new(),
         };
         for s in schema().iter().filter(|s| s.scope == Scope::Engine) {
             let v = s.default.map(|d| s.parse(d)).unwrap_or(Ok(Value::Unset));

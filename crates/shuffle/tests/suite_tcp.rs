@@ -15,3 +15,9 @@ provider_suite!(tcp);
 fn silent_connections_do_not_delay_other_clients() {
     suite::silent_connections_do_not_delay_other_clients(tcp)
 }
+
+// Needs real sockets (the sim provider has none).
+#[test]
+fn a_thousand_silent_connections_leave_an_honest_client_served() {
+    suite::a_thousand_silent_connections_leave_an_honest_client_served(tcp)
+}

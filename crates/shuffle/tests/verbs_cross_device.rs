@@ -6,7 +6,7 @@
 
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
-use rdma_shuffle_fabric::{BlockSink, ClientEndpointConfig, FetchedBlock, Provider, ServerEndpointConfig};
+use rdma_shuffle_fabric::{BlockSink, ClientEndpointConfig, Driver, FetchedBlock, Provider, ServerEndpointConfig};
 use rdma_shuffle_shuffle::testkit::write_map_output;
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
 use rdma_shuffle_wire::BlockFailure;
@@ -14,18 +14,16 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// One delivered block: its index in the request and its bytes or failure.
-type Delivery = (usize, Result<Vec<u8>, BlockFailure>);
-
-struct Tx(parking_lot::Mutex<mpsc::Sender<Delivery>>);
+type Outcome = (usize, Result<Vec<u8>, BlockFailure>);
+struct Tx(parking_lot::Mutex<mpsc::Sender<Outcome>>);
 impl BlockSink for Tx {
     fn on_block(&self, i: usize, r: Result<FetchedBlock, BlockFailure>) {
         let _ = self.0.lock().send((i, r.map(|b| b.to_vec())));
     }
 }
 
-fn counter(p: &dyn Provider, name: &str) -> u64 {
-    p.counters().into_iter().find(|(k, _)| *k == name).map(|(_, v)| v).unwrap_or(0)
+fn counter(d: &Driver, name: &str) -> u64 {
+    d.provider_counters().into_iter().find(|(k, _)| *k == name).map(|(_, v)| v).unwrap_or(0)
 }
 
 #[test]
@@ -63,8 +61,9 @@ fn blocks_cross_between_two_rdma_devices() {
     }
     // The large blocks came by RDMA READ on the client's device; the small ones by SEND from
     // the server's device.
-    assert!(counter(&client_p, "rdma_reads") >= 2, "client counters: {:?}", client_p.counters());
-    assert!(counter(&server_p, "verbs_sends") >= 3, "server counters: {:?}", server_p.counters());
+    let (cd, sd) = (client.driver(), server.driver());
+    assert!(counter(cd, "rdma_reads") >= 2, "client counters: {:?}", cd.provider_counters());
+    assert!(counter(sd, "verbs_sends") >= 3, "server counters: {:?}", sd.provider_counters());
     client.shutdown();
     server.shutdown();
 }
@@ -72,7 +71,12 @@ fn blocks_cross_between_two_rdma_devices() {
 /// With a usable device, `transport=auto` picks verbs and says so.
 #[test]
 fn auto_transport_picks_verbs_where_a_device_exists() {
-    let cfg = rdma_shuffle_shuffle::EngineConfig { pool_cap: 32 << 20, ..Default::default() };
+    let cfg = rdma_shuffle_shuffle::EngineConfig {
+        pool_cap: 32 << 20,
+        bind_host: "127.0.0.1".parse().unwrap(),
+        recv_buffers: 64,
+        ..Default::default()
+    };
     let engine = rdma_shuffle_shuffle::Engine::open(cfg).unwrap();
     assert_eq!(engine.transport(), "verbs", "{}", engine.transport_reason());
     assert!(engine.transport_reason().contains("RDMA device"), "{}", engine.transport_reason());
@@ -110,6 +114,9 @@ fn drop_ipc_lock_for_this_thread() {
 #[test]
 fn memlock_limit_too_low_is_a_typed_error() {
     std::thread::spawn(|| {
+        // Opened with the capability: registrations below happen without it, under the low
+        // limit.
+        let p = VerbsProvider::open(VerbsConfig::default()).unwrap();
         drop_ipc_lock_for_this_thread();
         assert!(!rdma_shuffle_fabric::verbs::can_lock_unlimited());
         let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -119,15 +126,14 @@ fn memlock_limit_too_low_is_a_typed_error() {
             libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old);
             libc::setrlimit(libc::RLIMIT_MEMLOCK, &low);
         }
-        let Err(e) = VerbsProvider::open(VerbsConfig { pool_bytes: 32 << 20, ..VerbsConfig::default() }) else {
-            panic!("open must refuse")
-        };
+        let cfg = VerbsConfig { pool_bytes: 32 << 20, ..VerbsConfig::default() };
+        let need = (32u64 << 20) + cfg.buffer_bytes();
+        let e = VerbsProvider::open(cfg).expect_err("open must refuse");
         let msg = e.to_string();
-        assert!(msg.contains("ulimit -l") && msg.contains("33554432") && msg.contains("1048576"), "{msg}");
+        assert!(msg.contains("ulimit -l") && msg.contains(&need.to_string()) && msg.contains("1048576"), "{msg}");
         // Registration itself: the kernel refuses the 16 MiB slab with ENOMEM.
-        let p = VerbsProvider::open(VerbsConfig::default()).unwrap();
         let pool = TieredPool::new(PoolConfig { cap_bytes: 64 << 20, ..PoolConfig::default() }, p.registrar()).unwrap();
-        let Err(e) = pool.acquire(16 << 20, None) else { panic!("registration beyond the limit must fail") };
+        let e = pool.acquire(16 << 20, None).expect_err("registration beyond the limit must fail");
         let msg = format!("{e}: {:?}", std::error::Error::source(&e).map(|s| s.to_string()));
         assert!(msg.contains("ulimit -l"), "{msg}");
         // SAFETY: restores the limit read above.

@@ -51,7 +51,7 @@ fn codec(c: &mut Criterion) {
 }
 
 fn resolve(span: &BlockSpan) -> Result<Resolved<u64>, BlockFailure> {
-    Ok(Resolved { source: span.object, offset: 0, len: 4096, addr: 0, rkey: 0 })
+    Ok(Resolved { source: span.object, offset: 0, len: 4096 })
 }
 
 /// Encodes `f` into `buf` and decodes it back, as the transport between the two sessions.
@@ -101,6 +101,8 @@ fn session(c: &mut Criterion) {
             while let Some(o) = server.poll_output() {
                 let f = match o {
                     ServerOutput::Frame(f) | ServerOutput::Eager { frame: f, .. } | ServerOutput::PullData { frame: f, .. } => f,
+                    // Eager-sized blocks only: nothing is exposed or revoked here.
+                    ServerOutput::Expose { .. } | ServerOutput::Revoke { .. } => continue,
                 };
                 client.handle_frame(carry(&f, &mut buf, &cl), now).unwrap();
             }

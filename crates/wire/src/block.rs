@@ -1,5 +1,6 @@
 //! What a request names and what a response carries, independent of framing.
 
+use crate::knob::Knob;
 use std::fmt;
 
 /// A contiguous range of parts `[start, end)` of one object in one group.
@@ -191,12 +192,21 @@ pub struct BlockFailure {
     pub code: FailureCode,
     /// What exactly went wrong: names the peer, the block and the limit where known.
     pub message: String,
+    /// The setting that cures it, where there is one; the layer that owns the settings
+    /// renders its name into what the user sees.
+    pub knob: Option<Knob>,
 }
 
 impl BlockFailure {
     /// A failure of `code` with `message`.
     pub fn new(code: FailureCode, message: impl Into<String>) -> Self {
-        BlockFailure { code, message: message.into() }
+        BlockFailure { code, message: message.into(), knob: None }
+    }
+
+    /// The same failure, pointing at `knob`.
+    pub fn with_knob(mut self, knob: Option<Knob>) -> Self {
+        self.knob = knob;
+        self
     }
 }
 

@@ -1,10 +1,11 @@
 //! The client side of a connection: handshake, request queueing under credits, and the
 //! bookkeeping of every block until it is delivered or failed.
 
-use crate::auth::Secret;
+use crate::auth::{Secret, Transcript};
 use crate::block::{BlockFailure, BlockSpan, Descriptor, FailureCode};
 use crate::error::{ProtocolError, SessionError};
 use crate::frame::{Frame, FrameKind, Limits, NONCE_LEN};
+use crate::knob::Knob;
 use crate::{caps, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -28,6 +29,8 @@ pub struct ClientConfig {
     pub peer: String,
     /// Shared secret; when set the server must prove it too.
     pub secret: Option<Secret>,
+    /// This engine's application id; a server of another application is refused.
+    pub app_id: String,
     /// Fresh random nonce for this connection (the caller owns randomness).
     pub nonce: [u8; NONCE_LEN],
     /// Capabilities offered ([`crate::caps`]).
@@ -38,23 +41,29 @@ pub struct ClientConfig {
     pub limits: Limits,
     /// Limit for the handshake to complete.
     pub handshake_timeout: Duration,
-    /// Limit for silence from the server while blocks are outstanding.
+    /// Limit for silence from the server while we wait for it.
     pub fetch_timeout: Duration,
+    /// Whether queued blocks are sent as soon as credits allow (`true`), or only when the
+    /// driver calls [`ClientSession::flush_requests`] with a budget of its own (a driver
+    /// that bounds the answers in flight towards a shared receive queue).
+    pub auto_flush: bool,
 }
 
 impl ClientConfig {
-    /// Defaults for `peer` with `nonce`: no secret, every capability, 1 MiB eager maximum,
-    /// 30 s handshake and 120 s fetch timeouts (Spark's `spark.network.timeout`).
+    /// Defaults for `peer` with `nonce`: no secret, an empty application id, every
+    /// capability, 1 MiB eager maximum, 30 s handshake and 120 s fetch timeouts.
     pub fn new(peer: impl Into<String>, nonce: [u8; NONCE_LEN]) -> Self {
         ClientConfig {
             peer: peer.into(),
             secret: None,
+            app_id: String::new(),
             nonce,
             caps: caps::ALL,
             max_eager: 1024 * 1024,
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(30),
             fetch_timeout: Duration::from_secs(120),
+            auto_flush: true,
         }
     }
 }
@@ -125,17 +134,32 @@ pub enum ClientEvent {
 #[derive(Debug)]
 enum State {
     AwaitChallenge,
-    AwaitReady { server_nonce: [u8; NONCE_LEN], version: u8, caps: u64, credits: u32, eager: u32 },
+    AwaitReady { transcript: Transcript, version: u8, caps: u64, max_credits: u32, eager: u32 },
     Ready,
     Closed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BlockState {
+    /// Not yet sent in a `Fetch`.
     Queued,
+    /// Sent; waiting for the server's answer.
     Requested,
-    Pulling { desc: Descriptor, received: u64 },
+    /// Announced by a `Rendezvous`. `started`: the pull was sent or the one-sided read
+    /// posted, so the block waits for the peer; before that it waits for local memory only.
+    Pulling {
+        desc: Descriptor,
+        received: u64,
+        started: bool,
+    },
     Done,
+}
+
+impl BlockState {
+    /// Whether progress of this block depends on the peer (the silence clock runs).
+    fn waits_for_peer(self) -> bool {
+        matches!(self, BlockState::Requested | BlockState::Pulling { started: true, .. })
+    }
 }
 
 #[derive(Debug)]
@@ -148,12 +172,28 @@ struct Request {
 }
 
 /// The client half of the protocol for one connection.
+///
+/// Credits: the server's `Ready` grants `credits` blocks in flight. A block takes one when it
+/// is sent in a `Fetch` and gives it back when its `Eager` or `BlockFailed` answer arrives, or
+/// when the client sends the `Release` of its rendezvous region (the server reads that
+/// `Release` before any later `Fetch`, so the credit is free for the next request at once).
+/// Every requested block is answered by exactly one frame, which lets a driver bound the
+/// frames in flight towards it.
+///
+/// Timeouts: the fetch timeout measures silence from the peer while something waits for the
+/// peer: a requested block, a pull that was sent, a one-sided read that was posted. Blocks
+/// waiting for local memory (a buffer, the bytes-in-flight budget) do not count, and a driver
+/// that stops reading because it has no memory for a payload says so with
+/// [`stall`](ClientSession::stall): local backpressure is not peer silence.
 #[derive(Debug)]
 pub struct ClientSession {
     config: ClientConfig,
+    hello: Frame,
     state: State,
     credits: u32,
-    granted: u32,
+    /// Credits taken by requested blocks whose credit has not come back.
+    in_use: u32,
+    max_credits: u32,
     eager_max: u32,
     caps: u64,
     next_req: RequestId,
@@ -166,6 +206,10 @@ pub struct ClientSession {
     events: VecDeque<ClientEvent>,
     handshake_deadline: Instant,
     last_progress: Instant,
+    /// Blocks in a state where they wait for the peer.
+    peer_waits: usize,
+    /// The driver stopped reading for lack of local memory.
+    stalled: bool,
 }
 
 impl ClientSession {
@@ -177,22 +221,27 @@ impl ClientSession {
             caps: config.caps,
             nonce: config.nonce,
             max_eager: config.max_eager.min(config.limits.max_eager),
+            app_id: config.app_id.clone(),
         };
         let handshake_deadline = now + config.handshake_timeout;
         ClientSession {
             state: State::AwaitChallenge,
             credits: 0,
-            granted: 0,
+            in_use: 0,
+            max_credits: 0,
             eager_max: 0,
             caps: 0,
             next_req: 1,
             requests: BTreeMap::new(),
             unsent: VecDeque::new(),
             regions: HashMap::new(),
-            transmit: VecDeque::from([hello]),
+            transmit: VecDeque::from([hello.clone()]),
+            hello,
             events: VecDeque::new(),
             handshake_deadline,
             last_progress: now,
+            peer_waits: 0,
+            stalled: false,
             config,
         }
     }
@@ -229,6 +278,11 @@ impl ClientSession {
         self.requests.values().map(|r| r.remaining).sum()
     }
 
+    /// Blocks queued but not yet sent in a `Fetch`.
+    pub fn queued_blocks(&self) -> usize {
+        self.unsent.iter().filter_map(|q| self.requests.get(q)).map(|r| r.blocks.len() - r.next_unsent as usize).sum()
+    }
+
     /// Queues a request for `blocks`; they are sent as credits allow. Returns its id. On a
     /// closed session every block fails at once.
     pub fn fetch(&mut self, blocks: Vec<BlockSpan>, now: Instant) -> RequestId {
@@ -239,10 +293,6 @@ impl ClientSession {
             self.events.push_back(ClientEvent::RequestDone { req });
             return req;
         }
-        if self.outstanding_blocks() == 0 {
-            // The silence clock only runs while something is outstanding.
-            self.last_progress = now;
-        }
         self.requests.insert(req, Request { state: vec![BlockState::Queued; n], blocks, remaining: n, next_unsent: 0 });
         if self.is_closed() {
             let failure = BlockFailure::new(FailureCode::PeerGone, format!("connection to {} is closed", self.config.peer));
@@ -252,7 +302,9 @@ impl ClientSession {
             return req;
         }
         self.unsent.push_back(req);
-        self.flush_requests();
+        if self.config.auto_flush {
+            self.flush_requests(u32::MAX, now);
+        }
         req
     }
 
@@ -270,13 +322,9 @@ impl ClientSession {
     pub fn poll_timeout(&self) -> Option<Instant> {
         match self.state {
             State::AwaitChallenge | State::AwaitReady { .. } => Some(self.handshake_deadline),
-            State::Ready if self.has_in_flight() => Some(self.last_progress + self.config.fetch_timeout),
+            State::Ready if self.peer_waits > 0 && !self.stalled => Some(self.last_progress + self.config.fetch_timeout),
             _ => None,
         }
-    }
-
-    fn has_in_flight(&self) -> bool {
-        self.requests.values().any(|r| r.state.iter().any(|s| !matches!(s, BlockState::Queued | BlockState::Done)))
     }
 
     /// Records that bytes arrived (e.g. part of a long payload), which resets the silence
@@ -285,15 +333,32 @@ impl ClientSession {
         self.last_progress = now;
     }
 
+    /// The driver stopped reading from the peer because it has no local memory for the
+    /// payload at hand: the silence clock stops until [`unstall`](Self::unstall).
+    pub fn stall(&mut self) {
+        self.stalled = true;
+    }
+
+    /// The driver reads again: the silence clock restarts from `now`.
+    pub fn unstall(&mut self, now: Instant) {
+        if self.stalled {
+            self.stalled = false;
+            self.last_progress = now;
+        }
+    }
+
     /// Fails the connection if a deadline has passed.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let (what, since, limit) = match self.state {
+        let (what, since, limit, knob) = match self.state {
             State::AwaitChallenge | State::AwaitReady { .. } => (
                 "waiting for the handshake",
                 self.handshake_deadline - self.config.handshake_timeout,
                 self.config.handshake_timeout,
+                Knob::ConnectTimeout,
             ),
-            State::Ready if self.has_in_flight() => ("waiting for blocks", self.last_progress, self.config.fetch_timeout),
+            State::Ready if self.peer_waits > 0 && !self.stalled => {
+                ("waiting for blocks", self.last_progress, self.config.fetch_timeout, Knob::FetchTimeout)
+            }
             _ => return,
         };
         if now >= since + limit {
@@ -301,6 +366,7 @@ impl ClientSession {
                 what,
                 waited_ms: now.saturating_duration_since(since).as_millis() as u64,
                 timeout_ms: limit.as_millis() as u64,
+                knob,
             });
         }
     }
@@ -313,6 +379,12 @@ impl ClientSession {
     /// Closes the session locally; outstanding blocks fail with `PeerGone`.
     pub fn close(&mut self) {
         self.fail(ProtocolError::LocallyClosed);
+    }
+
+    /// Fails the session with `error` (e.g. a transport-level protocol violation the driver
+    /// detected); outstanding blocks fail with its code.
+    pub fn fail_with(&mut self, error: ProtocolError) -> SessionError {
+        self.fail(error)
     }
 
     /// A frame that could not be decoded: fatal for the connection.
@@ -329,7 +401,7 @@ impl ClientSession {
             return Err(self.err(ProtocolError::LocallyClosed));
         }
         self.last_progress = now;
-        let r = self.on_frame(frame);
+        let r = self.on_frame(frame, now);
         r.map_err(|e| {
             if matches!(e, ProtocolError::PeerError { .. }) {
                 self.fail(e)
@@ -340,12 +412,12 @@ impl ClientSession {
         })
     }
 
-    fn on_frame(&mut self, frame: Frame) -> Result<(), ProtocolError> {
+    fn on_frame(&mut self, frame: Frame, now: Instant) -> Result<(), ProtocolError> {
         match (&self.state, frame) {
             (_, Frame::Error { code, message }) => Err(ProtocolError::PeerError { code, message }),
             (
                 State::AwaitChallenge,
-                Frame::Challenge { version, caps: server_caps, nonce, auth_required, credits, eager_threshold },
+                Frame::Challenge { version, caps: server_caps, nonce, auth_required, credits, eager_threshold, app_id },
             ) => {
                 if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
                     return Err(ProtocolError::NoCommonVersion {
@@ -355,14 +427,24 @@ impl ClientSession {
                         our_max: PROTOCOL_VERSION,
                     });
                 }
+                if app_id != self.config.app_id {
+                    return Err(ProtocolError::AppMismatch { ours: self.config.app_id.clone(), theirs: app_id });
+                }
+                if credits == 0 {
+                    return Err(ProtocolError::InvalidRequest("server offers zero credits".into()));
+                }
+                // The transcript is over the frame as received (re-encoding is canonical).
+                let challenge =
+                    Frame::Challenge { version, caps: server_caps, nonce, auth_required, credits, eager_threshold, app_id };
+                let transcript = Transcript::new(&self.hello, &challenge);
                 let proof = match (&self.config.secret, auth_required) {
-                    (Some(s), true) => Some(s.client_proof(&self.config.nonce, &nonce)),
+                    (Some(s), true) => Some(s.client_proof(&transcript)),
                     (None, false) => None,
                     (Some(_), false) => {
                         // A server that does not ask for auth could be anyone: with a secret
                         // configured we only talk to servers that prove they know it.
                         return Err(ProtocolError::AuthRefused(
-                            "the server does not require authentication but spark.authenticate is on here".into(),
+                            "the server does not require authentication but authentication is on here".into(),
                         ));
                     }
                     (None, true) => {
@@ -374,36 +456,44 @@ impl ClientSession {
                 self.transmit.push_back(Frame::Auth { proof });
                 let eager = eager_threshold.min(self.config.max_eager);
                 self.state =
-                    State::AwaitReady { server_nonce: nonce, version, caps: server_caps & self.config.caps, credits, eager };
+                    State::AwaitReady { transcript, version, caps: server_caps & self.config.caps, max_credits: credits, eager };
                 Ok(())
             }
-            (State::AwaitReady { server_nonce, version, caps, credits, eager }, Frame::Ready { proof }) => {
+            (State::AwaitReady { transcript, version, caps, max_credits, eager }, Frame::Ready { proof, credits }) => {
                 if let Some(secret) = &self.config.secret {
-                    let ok = proof.map(|p| secret.verify_server(&self.config.nonce, server_nonce, &p)).unwrap_or(false);
+                    let ok = proof.map(|p| secret.verify_server(transcript, credits, &p)).unwrap_or(false);
                     if !ok {
-                        return Err(ProtocolError::AuthRefused("the server's proof of the shared secret is wrong".into()));
+                        return Err(ProtocolError::AuthRefused(
+                            "the server's proof of the shared secret over the handshake is wrong".into(),
+                        ));
                     }
                 }
-                let (version, caps, credits, eager) = (*version, *caps, *credits, *eager);
-                if credits == 0 {
-                    return Err(ProtocolError::InvalidRequest("server granted zero credits".into()));
+                let (version, caps, max_credits, eager) = (*version, *caps, *max_credits, *eager);
+                if credits == 0 || credits > max_credits {
+                    return Err(ProtocolError::InvalidRequest(format!(
+                        "server granted {credits} credits (must be 1..={max_credits}, as its challenge said)"
+                    )));
                 }
                 self.state = State::Ready;
                 self.credits = credits;
-                self.granted = credits;
+                self.max_credits = max_credits;
                 self.eager_max = eager;
                 self.caps = caps;
                 self.events.push_back(ClientEvent::Connected { version, caps, eager_threshold: eager, credits });
-                self.flush_requests();
+                if self.config.auto_flush {
+                    self.flush_requests(u32::MAX, now);
+                }
                 Ok(())
             }
             (State::Ready, Frame::Credit { n }) => {
-                let available = self.credits as u64 + n as u64;
-                if available > self.granted as u64 {
-                    return Err(ProtocolError::CreditOverflow { available, n, granted: self.granted });
+                let total = self.credits as u64 + self.in_use as u64 + n as u64;
+                if total > self.max_credits as u64 {
+                    return Err(ProtocolError::CreditOverflow { available: total, n, granted: self.max_credits });
                 }
-                self.credits = available as u32;
-                self.flush_requests();
+                self.credits += n;
+                if self.config.auto_flush {
+                    self.flush_requests(u32::MAX, now);
+                }
                 Ok(())
             }
             (State::Ready, Frame::Eager { req, index, len }) => {
@@ -413,7 +503,9 @@ impl ClientSession {
                     return Err(ProtocolError::EagerTooLarge { len: len as u64, max: self.eager_max as u64 });
                 }
                 self.events.push_back(ClientEvent::Eager { token, len });
+                self.return_credit();
                 self.finish(token, None);
+                self.auto_flush(now);
                 Ok(())
             }
             (State::Ready, Frame::Rendezvous { req, index, desc }) => {
@@ -431,7 +523,7 @@ impl ClientSession {
                 if desc.len > i32::MAX as u64 {
                     return Err(ProtocolError::InvalidRequest(format!("block of {} bytes exceeds 2 GiB", desc.len)));
                 }
-                self.set_state(token, BlockState::Pulling { desc, received: 0 });
+                self.set_state(token, BlockState::Pulling { desc, received: 0, started: false }, now);
                 self.regions.insert(desc.region, token);
                 self.events.push_back(ClientEvent::Rendezvous { token, desc });
                 Ok(())
@@ -439,14 +531,14 @@ impl ClientSession {
             (State::Ready, Frame::PullData { region, offset, len }) => {
                 let token = *self.regions.get(&region).ok_or(ProtocolError::UnknownRegion { region })?;
                 let (desc, received) = match self.block_state(token) {
-                    Some(BlockState::Pulling { desc, received }) => (desc, received),
+                    Some(BlockState::Pulling { desc, received, started: true }) => (desc, received),
                     _ => return Err(ProtocolError::UnknownRegion { region }),
                 };
                 let end = offset.saturating_add(len);
                 if offset != received || end > desc.len || (len == 0 && desc.len != 0) {
                     return Err(ProtocolError::PullOutOfBounds { region, offset, end, region_len: desc.len });
                 }
-                self.set_state(token, BlockState::Pulling { desc, received: end });
+                self.set_state(token, BlockState::Pulling { desc, received: end, started: true }, now);
                 self.events.push_back(ClientEvent::PullData { token, offset, len, last: end == desc.len });
                 Ok(())
             }
@@ -455,19 +547,45 @@ impl ClientSession {
                 self.expect(token, |s| matches!(s, BlockState::Requested))?;
                 let span = self.span(token);
                 let failure = BlockFailure::new(code, format!("{} from {}: {}", span, self.config.peer, message));
+                self.return_credit();
                 self.finish(token, Some(failure));
+                self.auto_flush(now);
                 Ok(())
             }
             (_, other) => Err(ProtocolError::UnexpectedFrame { kind: other.kind(), state: self.state_name() }),
         }
     }
 
+    fn return_credit(&mut self) {
+        self.in_use = self.in_use.saturating_sub(1);
+        self.credits += 1;
+    }
+
+    fn auto_flush(&mut self, now: Instant) {
+        if self.config.auto_flush {
+            self.flush_requests(u32::MAX, now);
+        }
+    }
+
     /// (tcp) Queues the `Pull` frame for a block announced by a `Rendezvous` event, once the
-    /// driver has a buffer for it.
-    pub fn send_pull(&mut self, token: Token) -> Result<(), SessionError> {
+    /// driver has a buffer for it. From here on the block waits for the peer.
+    pub fn send_pull(&mut self, token: Token, now: Instant) -> Result<(), SessionError> {
         match self.block_state(token) {
-            Some(BlockState::Pulling { desc, received: 0 }) => {
+            Some(BlockState::Pulling { desc, received: 0, started: false }) => {
                 self.transmit.push_back(Frame::Pull { region: desc.region, offset: 0, len: desc.len });
+                self.set_state(token, BlockState::Pulling { desc, received: 0, started: true }, now);
+                Ok(())
+            }
+            _ => Err(self.err(ProtocolError::UnknownBlock { req: token.req, index: token.index })),
+        }
+    }
+
+    /// (one-sided) The driver posted the read of a block announced by a `Rendezvous` event:
+    /// from here on the block waits for the peer.
+    pub fn pull_started(&mut self, token: Token, now: Instant) -> Result<(), SessionError> {
+        match self.block_state(token) {
+            Some(BlockState::Pulling { desc, received, started: false }) => {
+                self.set_state(token, BlockState::Pulling { desc, received, started: true }, now);
                 Ok(())
             }
             _ => Err(self.err(ProtocolError::UnknownBlock { req: token.req, index: token.index })),
@@ -476,8 +594,9 @@ impl ClientSession {
 
     /// The pull of `token` finished: its bytes are in the driver's buffer (`Ok`) or could not
     /// be had (`Err`, e.g. an RDMA READ completion error or no memory). The region is released
-    /// either way. A zero-length region completes with no `PullData`.
-    pub fn pull_complete(&mut self, token: Token, result: Result<(), BlockFailure>) -> Result<(), SessionError> {
+    /// either way, which gives the block's credit back. A zero-length region completes with
+    /// no `PullData`.
+    pub fn pull_complete(&mut self, token: Token, result: Result<(), BlockFailure>, now: Instant) -> Result<(), SessionError> {
         let desc = match self.block_state(token) {
             Some(BlockState::Pulling { desc, .. }) => desc,
             _ => return Err(self.err(ProtocolError::UnknownBlock { req: token.req, index: token.index })),
@@ -485,8 +604,10 @@ impl ClientSession {
         self.regions.remove(&desc.region);
         if !self.is_closed() {
             self.transmit.push_back(Frame::Release { region: desc.region });
+            self.return_credit();
         }
         self.finish(token, result.err());
+        self.auto_flush(now);
         Ok(())
     }
 
@@ -513,9 +634,19 @@ impl ClientSession {
         self.requests.get(&t.req).and_then(|r| r.state.get(t.index as usize).copied())
     }
 
-    fn set_state(&mut self, t: Token, s: BlockState) {
-        if let Some(slot) = self.requests.get_mut(&t.req).and_then(|r| r.state.get_mut(t.index as usize)) {
-            *slot = s;
+    /// Sets a block's state, keeping the count of blocks that wait for the peer (and
+    /// restarting the silence clock when that count leaves zero).
+    fn set_state(&mut self, t: Token, s: BlockState, now: Instant) {
+        let Some(slot) = self.requests.get_mut(&t.req).and_then(|r| r.state.get_mut(t.index as usize)) else { return };
+        let (was, is) = (slot.waits_for_peer(), s.waits_for_peer());
+        *slot = s;
+        if was && !is {
+            self.peer_waits -= 1;
+        } else if !was && is {
+            if self.peer_waits == 0 {
+                self.last_progress = now;
+            }
+            self.peer_waits += 1;
         }
     }
 
@@ -529,12 +660,16 @@ impl ClientSession {
     /// Marks a block done, emitting `Failed` if `failure`, and `RequestDone` when it was the
     /// request's last.
     fn finish(&mut self, t: Token, failure: Option<BlockFailure>) {
-        let Some(r) = self.requests.get_mut(&t.req) else { return };
-        let Some(slot) = r.state.get_mut(t.index as usize) else { return };
-        if *slot == BlockState::Done {
-            return;
+        match self.block_state(t) {
+            None | Some(BlockState::Done) => return,
+            Some(s) => {
+                if s.waits_for_peer() {
+                    self.peer_waits -= 1;
+                }
+            }
         }
-        *slot = BlockState::Done;
+        let Some(r) = self.requests.get_mut(&t.req) else { return };
+        r.state[t.index as usize] = BlockState::Done;
         r.remaining -= 1;
         let done = r.remaining == 0;
         if let Some(failure) = failure {
@@ -547,13 +682,16 @@ impl ClientSession {
         }
     }
 
-    /// Sends queued blocks while credits last, oldest request first.
-    fn flush_requests(&mut self) {
+    /// Sends queued blocks, oldest request first, while credits last and at most
+    /// `max_blocks` of them. Returns how many blocks were sent. With
+    /// [`ClientConfig::auto_flush`] the session calls this itself with no bound.
+    pub fn flush_requests(&mut self, max_blocks: u32, now: Instant) -> u32 {
         if !self.is_ready() {
-            return;
+            return 0;
         }
         let max = self.config.limits.max_blocks_per_fetch.max(1);
-        while self.credits > 0 {
+        let mut sent = 0u32;
+        while self.credits > 0 && sent < max_blocks {
             let Some(&req) = self.unsent.front() else { break };
             let Some(r) = self.requests.get_mut(&req) else {
                 self.unsent.pop_front();
@@ -561,18 +699,21 @@ impl ClientSession {
             };
             let total = r.blocks.len() as u32;
             let first = r.next_unsent;
-            let n = (total - first).min(self.credits).min(max);
+            let n = (total - first).min(self.credits).min(max).min(max_blocks - sent);
             let blocks = r.blocks[first as usize..(first + n) as usize].to_vec();
-            for s in &mut r.state[first as usize..(first + n) as usize] {
-                *s = BlockState::Requested;
-            }
             r.next_unsent += n;
             if r.next_unsent == total {
                 self.unsent.pop_front();
             }
+            for i in first..first + n {
+                self.set_state(Token { req, index: i }, BlockState::Requested, now);
+            }
             self.credits -= n;
+            self.in_use += n;
+            sent += n;
             self.transmit.push_back(Frame::Fetch { req, first_index: first, blocks });
         }
+        sent
     }
 
     fn err(&self, error: ProtocolError) -> SessionError {
@@ -588,6 +729,7 @@ impl ClientSession {
         }
         self.state = State::Closed;
         let code = err.error.failure_code();
+        let knob = err.error.knob();
         let tokens: Vec<Token> = self
             .requests
             .iter()
@@ -600,7 +742,7 @@ impl ClientSession {
             })
             .collect();
         for t in tokens {
-            let failure = BlockFailure::new(code, format!("{}: {}", self.span(t), err));
+            let failure = BlockFailure::new(code, format!("{}: {}", self.span(t), err)).with_knob(knob);
             self.finish(t, Some(failure));
         }
         self.regions.clear();

@@ -2,6 +2,7 @@
 
 use crate::block::{FailureCode, RegionId};
 use crate::frame::{FrameError, FrameKind};
+use crate::knob::Knob;
 use thiserror::Error;
 
 /// A fatal error of one connection. After it the session is closed: every outstanding block
@@ -32,9 +33,17 @@ pub enum ProtocolError {
         /// Our newest.
         our_max: u8,
     },
-    /// The client's proof of the shared secret was wrong or missing.
-    #[error("authentication refused: {0} (check that spark.authenticate and its secret match on every executor)")]
+    /// A proof of the shared secret was wrong or missing, or only one side has a secret.
+    #[error("authentication refused: {0} (authentication and its secret must be the same on every peer)")]
     AuthRefused(String),
+    /// The peer belongs to another application.
+    #[error("the peer belongs to application '{theirs}' but this engine serves application '{ours}'; engines of different applications never exchange blocks")]
+    AppMismatch {
+        /// Our application id.
+        ours: String,
+        /// The peer's application id.
+        theirs: String,
+    },
     /// The peer rejected our handshake or reported a fatal error.
     #[error("peer reported {code}: {message}")]
     PeerError {
@@ -101,7 +110,7 @@ pub enum ProtocolError {
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     /// Nothing arrived from the peer within the timeout while we waited for it.
-    #[error("no progress for {waited_ms} ms while {what} (timeout {timeout_ms} ms; raise spark.shuffle.rdma.fetchTimeout / spark.network.timeout)")]
+    #[error("no progress for {waited_ms} ms while {what} (timeout {timeout_ms} ms; raise {knob})")]
     Timeout {
         /// What we were waiting for.
         what: &'static str,
@@ -109,6 +118,8 @@ pub enum ProtocolError {
         waited_ms: u64,
         /// The limit.
         timeout_ms: u64,
+        /// The setting that sets the limit.
+        knob: Knob,
     },
     /// The transport reported the connection gone.
     #[error("connection lost: {0}")]
@@ -123,11 +134,23 @@ impl ProtocolError {
     /// error get.
     pub fn failure_code(&self) -> FailureCode {
         match self {
-            ProtocolError::AuthRefused(_) => FailureCode::AuthRefused,
+            ProtocolError::AuthRefused(_) | ProtocolError::AppMismatch { .. } => FailureCode::AuthRefused,
             ProtocolError::PeerError { code, .. } => *code,
             ProtocolError::Timeout { .. } => FailureCode::Timeout,
             ProtocolError::ConnectionLost(_) | ProtocolError::LocallyClosed => FailureCode::PeerGone,
             _ => FailureCode::Protocol,
+        }
+    }
+
+    /// The setting a user changes to cure this error, where there is one.
+    pub fn knob(&self) -> Option<Knob> {
+        match self {
+            ProtocolError::AuthRefused(_) => Some(Knob::Secret),
+            ProtocolError::PeerError { code: FailureCode::AuthRefused, .. } => Some(Knob::Secret),
+            ProtocolError::AppMismatch { .. } => Some(Knob::AppId),
+            ProtocolError::Timeout { knob, .. } => Some(*knob),
+            ProtocolError::EagerTooLarge { .. } => Some(Knob::EagerThreshold),
+            _ => None,
         }
     }
 }

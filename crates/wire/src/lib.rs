@@ -22,19 +22,25 @@ pub mod block;
 pub mod client;
 pub mod error;
 pub mod frame;
+pub mod knob;
 pub mod server;
 
-pub use auth::Secret;
+pub use auth::{Secret, Transcript};
 pub use block::{BlockFailure, BlockSpan, Descriptor, FailureCode, RegionId};
 pub use client::{ClientConfig, ClientEvent, ClientSession, RequestId, Token};
 pub use error::{ProtocolError, SessionError};
 pub use frame::{Frame, FrameError, FrameKind, Header, Limits};
-pub use server::{Resolved, ServerConfig, ServerOutput, ServerSession};
+pub use knob::Knob;
+pub use server::{Resolved, ServerConfig, ServerHooks, ServerOutput, ServerSession};
 
 /// The protocol versions this build speaks. The handshake picks the highest both sides share.
-pub const PROTOCOL_VERSION: u8 = 1;
+///
+/// Version 2: the handshake carries the application id, the proofs cover the whole
+/// transcript, `Ready` carries the live credit grant, credits come back implicitly (with a
+/// block's answer, or with its `Release`), and `Attach` bootstraps a data plane.
+pub const PROTOCOL_VERSION: u8 = 2;
 /// The oldest protocol version this build still accepts.
-pub const MIN_PROTOCOL_VERSION: u8 = 1;
+pub const MIN_PROTOCOL_VERSION: u8 = 2;
 
 /// Capability bits exchanged in the handshake; the session uses the intersection.
 pub mod caps {

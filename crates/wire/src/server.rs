@@ -2,10 +2,11 @@
 //! resolving requested blocks, the eager-versus-rendezvous choice, and the table of
 //! rendezvous regions the client may pull from until it releases them.
 
-use crate::auth::Secret;
-use crate::block::{BlockFailure, BlockSpan, Descriptor, FailureCode, RegionId};
+use crate::auth::{Secret, Transcript};
+use crate::block::{BlockFailure, BlockSpan, FailureCode, RegionId};
 use crate::error::{ProtocolError, SessionError};
 use crate::frame::{Frame, Limits, MAX_PULL_CHUNK, NONCE_LEN};
+use crate::knob::Knob;
 use crate::{caps, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -17,11 +18,14 @@ pub struct ServerConfig {
     pub peer: String,
     /// When set, clients must prove knowledge of it before any block is served.
     pub secret: Option<Secret>,
+    /// This engine's application id; clients of another application are refused.
+    pub app_id: String,
     /// Fresh random nonce for this connection.
     pub nonce: [u8; NONCE_LEN],
     /// Capabilities offered ([`crate::caps`]).
     pub caps: u64,
-    /// Blocks one client may have in flight on this connection.
+    /// Most blocks one client may have in flight on this connection (the live grant, chosen
+    /// after authentication by [`ServerHooks::grant`], is at most this).
     pub credits: u32,
     /// Blocks up to this many bytes are sent inline; larger ones by rendezvous.
     pub eager_threshold: u32,
@@ -32,11 +36,13 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
-    /// Defaults for `peer` with `nonce`: no secret, 64 credits, 64 KiB eager threshold.
+    /// Defaults for `peer` with `nonce`: no secret, an empty application id, 64 credits,
+    /// 64 KiB eager threshold.
     pub fn new(peer: impl Into<String>, nonce: [u8; NONCE_LEN]) -> Self {
         ServerConfig {
             peer: peer.into(),
             secret: None,
+            app_id: String::new(),
             nonce,
             caps: caps::ALL,
             credits: 64,
@@ -56,18 +62,40 @@ pub struct Resolved<H> {
     pub offset: u64,
     /// Length of the block.
     pub len: u64,
-    /// Remote address of the first byte for RDMA READ (verbs), or `offset` (tcp).
-    pub addr: u64,
-    /// Remote key of the registered source (verbs), 0 otherwise.
-    pub rkey: u32,
 }
 
-/// What the driver must send.
+/// What the session asks of its driver while it handles a frame.
+///
+/// Any `FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>` is a `ServerHooks` that
+/// grants every client the full credit limit.
+pub trait ServerHooks<H> {
+    /// Where `span`'s bytes are, or why it cannot be served (unknown shuffle, corrupt
+    /// index, ...).
+    fn resolve(&mut self, span: &BlockSpan) -> Result<Resolved<H>, BlockFailure>;
+
+    /// The live credit grant for a client that just authenticated, at most `max` (the
+    /// session clamps the answer to `1..=max`). A driver whose receive buffers are shared by
+    /// every connection grants from what is left of them.
+    fn grant(&mut self, max: u32) -> u32 {
+        max
+    }
+}
+
+impl<H, F> ServerHooks<H> for F
+where
+    F: FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
+{
+    fn resolve(&mut self, span: &BlockSpan) -> Result<Resolved<H>, BlockFailure> {
+        self(span)
+    }
+}
+
+/// What the driver must do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ServerOutput<H> {
-    /// A frame without payload.
+    /// Send a frame without payload.
     Frame(Frame),
-    /// An `Eager` frame followed by `len` bytes of `source` at `offset`.
+    /// Send an `Eager` frame followed by `len` bytes of `source` at `offset`.
     Eager {
         /// The frame (header and fixed part).
         frame: Frame,
@@ -78,7 +106,30 @@ pub enum ServerOutput<H> {
         /// Payload length.
         len: u64,
     },
-    /// A `PullData` frame followed by `len` bytes of `source` at `offset` (tcp).
+    /// Expose `len` bytes of `source` at `offset` to this client as `region` (verbs: a memory
+    /// window only this connection's queue pair can use), then send
+    /// `Frame::Rendezvous { req, index, desc }` with the keys of the exposure. The exposure
+    /// lasts until a [`ServerOutput::Revoke`] of the region, or the end of the connection.
+    Expose {
+        /// Request id.
+        req: u64,
+        /// Block index in the request.
+        index: u32,
+        /// The region id the client will name in `Pull` and `Release`.
+        region: RegionId,
+        /// Source of the bytes.
+        source: H,
+        /// Offset in the source.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// The client released `region`: revoke its exposure (from now on reads of it must fail).
+    Revoke {
+        /// The region.
+        region: RegionId,
+    },
+    /// Send a `PullData` frame followed by `len` bytes of `source` at `offset` (tcp).
     PullData {
         /// The frame (header and fixed part).
         frame: Frame,
@@ -94,7 +145,7 @@ pub enum ServerOutput<H> {
 #[derive(Debug)]
 enum State {
     AwaitHello,
-    AwaitAuth { client_nonce: [u8; NONCE_LEN] },
+    AwaitAuth { transcript: Transcript },
     Ready,
     Closed,
 }
@@ -124,12 +175,20 @@ pub struct ServerCounters {
 }
 
 /// The server half of the protocol for one connection.
+///
+/// Credits (see [`crate::ClientSession`]): a block takes a credit when it arrives in a
+/// `Fetch`; the credit comes back when the session answers it inline or with a failure, or
+/// when the client releases its rendezvous region. There are no credit frames in normal
+/// operation; [`raise_credits`](Self::raise_credits) sends one to grant more, up to the limit
+/// the `Challenge` announced.
 #[derive(Debug)]
 pub struct ServerSession<H> {
     config: ServerConfig,
     state: State,
     eager_threshold: u64,
     caps: u64,
+    /// Credits the client may use now (the live grant).
+    live: u32,
     outstanding: u32,
     next_region: RegionId,
     regions: HashMap<RegionId, Region<H>>,
@@ -145,6 +204,7 @@ impl<H: Clone> ServerSession<H> {
             state: State::AwaitHello,
             eager_threshold: 0,
             caps: 0,
+            live: 0,
             outstanding: 0,
             next_region: 1,
             regions: HashMap::new(),
@@ -190,7 +250,12 @@ impl<H: Clone> ServerSession<H> {
         self.outstanding
     }
 
-    /// Next output to send, if any.
+    /// The live credit grant (0 before authentication).
+    pub fn live_credits(&self) -> u32 {
+        self.live
+    }
+
+    /// Next output to act on, if any.
     pub fn poll_output(&mut self) -> Option<ServerOutput<H>> {
         self.out.pop_front()
     }
@@ -207,8 +272,15 @@ impl<H: Clone> ServerSession<H> {
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), SessionError> {
         if matches!(self.state, State::AwaitHello | State::AwaitAuth { .. }) && now >= self.handshake_deadline {
             let t = self.config.handshake_timeout.as_millis() as u64;
-            return Err(self
-                .fail(ProtocolError::Timeout { what: "waiting for the client's handshake", waited_ms: t, timeout_ms: t }, true));
+            return Err(self.fail(
+                ProtocolError::Timeout {
+                    what: "waiting for the client's handshake",
+                    waited_ms: t,
+                    timeout_ms: t,
+                    knob: Knob::ConnectTimeout,
+                },
+                true,
+            ));
         }
         Ok(())
     }
@@ -219,39 +291,68 @@ impl<H: Clone> ServerSession<H> {
         self.fail(ProtocolError::Frame(error), true)
     }
 
+    /// Fails the session with `error`, telling the peer (e.g. a transport-level violation the
+    /// driver detected).
+    pub fn fail_with(&mut self, error: ProtocolError) -> SessionError {
+        self.fail(error, true)
+    }
+
     /// The transport lost the connection. Regions are dropped.
     pub fn handle_connection_lost(&mut self, reason: impl Into<String>) -> SessionError {
         self.fail(ProtocolError::ConnectionLost(reason.into()), false)
     }
 
-    /// Handles one decoded frame from the client. `resolve` maps a requested span to where
-    /// its bytes are, or to a per-block failure (unknown shuffle, corrupt index, ...).
+    /// Grants the client `n` more credits (a `Credit` frame), up to the limit announced in
+    /// the `Challenge`. Returns how many were granted.
+    pub fn raise_credits(&mut self, n: u32) -> u32 {
+        if !self.is_ready() {
+            return 0;
+        }
+        let n = n.min(self.config.credits.max(1) - self.live);
+        if n > 0 {
+            self.live += n;
+            self.out.push_back(ServerOutput::Frame(Frame::Credit { n }));
+        }
+        n
+    }
+
+    /// The driver could not expose `region` (announced by a [`ServerOutput::Expose`]): the
+    /// block fails instead with `failure`, its credit comes back, and the region is forgotten.
+    pub fn abandon_region(&mut self, req: u64, index: u32, region: RegionId, failure: BlockFailure) {
+        if let Some(r) = self.regions.remove(&region) {
+            self.outstanding = self.outstanding.saturating_sub(1);
+            self.counters.rendezvous_blocks -= 1;
+            self.counters.rendezvous_bytes -= r.len;
+            self.counters.failed_blocks += 1;
+            self.out.push_back(ServerOutput::Frame(Frame::BlockFailed {
+                req,
+                index,
+                code: failure.code,
+                message: failure.message,
+            }));
+        }
+    }
+
+    /// Handles one decoded frame from the client; `hooks` resolves requested spans (and
+    /// chooses the credit grant at authentication).
     ///
     /// An `Err` is fatal for this connection only: an `Error` frame for the client is queued
     /// (flush [`poll_output`](Self::poll_output), then close the transport).
-    pub fn handle_frame(
-        &mut self,
-        frame: Frame,
-        resolve: &mut dyn FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
-    ) -> Result<(), SessionError> {
+    pub fn handle_frame(&mut self, frame: Frame, hooks: &mut dyn ServerHooks<H>) -> Result<(), SessionError> {
         if self.is_closed() {
             return Err(self.err(ProtocolError::LocallyClosed));
         }
-        match self.on_frame(frame, resolve) {
+        match self.on_frame(frame, hooks) {
             Ok(()) => Ok(()),
             Err(ProtocolError::PeerError { code, message }) => Err(self.fail(ProtocolError::PeerError { code, message }, false)),
             Err(e) => Err(self.fail(e, true)),
         }
     }
 
-    fn on_frame(
-        &mut self,
-        frame: Frame,
-        resolve: &mut dyn FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
-    ) -> Result<(), ProtocolError> {
+    fn on_frame(&mut self, frame: Frame, hooks: &mut dyn ServerHooks<H>) -> Result<(), ProtocolError> {
         match (&self.state, frame) {
             (_, Frame::Error { code, message }) => Err(ProtocolError::PeerError { code, message }),
-            (State::AwaitHello, Frame::Hello { min_version, max_version, caps: client_caps, nonce, max_eager }) => {
+            (State::AwaitHello, Frame::Hello { min_version, max_version, caps: client_caps, nonce, max_eager, app_id }) => {
                 let version = max_version.min(PROTOCOL_VERSION);
                 if version < min_version.max(MIN_PROTOCOL_VERSION) {
                     return Err(ProtocolError::NoCommonVersion {
@@ -261,38 +362,50 @@ impl<H: Clone> ServerSession<H> {
                         our_max: PROTOCOL_VERSION,
                     });
                 }
+                if app_id != self.config.app_id {
+                    return Err(ProtocolError::AppMismatch { ours: self.config.app_id.clone(), theirs: app_id });
+                }
+                let hello = Frame::Hello { min_version, max_version, caps: client_caps, nonce, max_eager, app_id };
                 self.caps = client_caps & self.config.caps;
                 self.eager_threshold = (self.config.eager_threshold as u64).min(max_eager as u64);
-                self.out.push_back(ServerOutput::Frame(Frame::Challenge {
+                let challenge = Frame::Challenge {
                     version,
                     caps: self.caps,
                     nonce: self.config.nonce,
                     auth_required: self.config.secret.is_some(),
                     credits: self.config.credits.max(1),
                     eager_threshold: self.eager_threshold as u32,
-                }));
-                self.state = State::AwaitAuth { client_nonce: nonce };
+                    app_id: self.config.app_id.clone(),
+                };
+                let transcript = Transcript::new(&hello, &challenge);
+                self.out.push_back(ServerOutput::Frame(challenge));
+                self.state = State::AwaitAuth { transcript };
                 Ok(())
             }
-            (State::AwaitAuth { client_nonce }, Frame::Auth { proof }) => {
-                let client_nonce = *client_nonce;
-                let server_proof = match (&self.config.secret, proof) {
-                    (None, _) => None,
-                    (Some(s), Some(p)) if s.verify_client(&client_nonce, &self.config.nonce, &p) => {
-                        Some(s.server_proof(&client_nonce, &self.config.nonce))
-                    }
+            (State::AwaitAuth { transcript }, Frame::Auth { proof }) => {
+                let transcript = *transcript;
+                match (&self.config.secret, proof) {
+                    (None, _) => {}
+                    (Some(s), Some(p)) if s.verify_client(&transcript, &p) => {}
                     (Some(_), Some(_)) => {
-                        return Err(ProtocolError::AuthRefused("the client's proof of the shared secret is wrong".into()))
+                        return Err(ProtocolError::AuthRefused(
+                            "the client's proof of the shared secret over the handshake is wrong".into(),
+                        ))
                     }
                     (Some(_), None) => {
                         return Err(ProtocolError::AuthRefused("the client sent no proof but authentication is required".into()))
                     }
-                };
-                self.out.push_back(ServerOutput::Frame(Frame::Ready { proof: server_proof }));
+                }
+                // Authenticated: only now may the driver spend anything on this peer.
+                let max = self.config.credits.max(1);
+                let live = hooks.grant(max).clamp(1, max);
+                let proof = self.config.secret.as_ref().map(|s| s.server_proof(&transcript, live));
+                self.live = live;
+                self.out.push_back(ServerOutput::Frame(Frame::Ready { proof, credits: live }));
                 self.state = State::Ready;
                 Ok(())
             }
-            (State::Ready, Frame::Fetch { req, first_index, blocks }) => self.on_fetch(req, first_index, blocks, resolve),
+            (State::Ready, Frame::Fetch { req, first_index, blocks }) => self.on_fetch(req, first_index, blocks, hooks),
             (State::Ready, Frame::Pull { region, offset, len }) => {
                 let r = self.regions.get(&region).ok_or(ProtocolError::UnknownRegion { region })?;
                 let end = offset.saturating_add(len);
@@ -321,7 +434,7 @@ impl<H: Clone> ServerSession<H> {
             (State::Ready, Frame::Release { region }) => {
                 self.regions.remove(&region).ok_or(ProtocolError::UnknownRegion { region })?;
                 self.outstanding = self.outstanding.saturating_sub(1);
-                self.out.push_back(ServerOutput::Frame(Frame::Credit { n: 1 }));
+                self.out.push_back(ServerOutput::Revoke { region });
                 Ok(())
             }
             (State::AwaitHello | State::AwaitAuth { .. }, other) => Err(ProtocolError::UnexpectedFrame {
@@ -337,27 +450,25 @@ impl<H: Clone> ServerSession<H> {
         req: u64,
         first_index: u32,
         blocks: Vec<BlockSpan>,
-        resolve: &mut dyn FnMut(&BlockSpan) -> Result<Resolved<H>, BlockFailure>,
+        hooks: &mut dyn ServerHooks<H>,
     ) -> Result<(), ProtocolError> {
         let n = blocks.len() as u32;
-        let granted = self.config.credits.max(1);
-        if self.outstanding.saturating_add(n) > granted {
-            return Err(ProtocolError::CreditExceeded { requested: n, outstanding: self.outstanding, granted });
+        if self.outstanding.saturating_add(n) > self.live {
+            return Err(ProtocolError::CreditExceeded { requested: n, outstanding: self.outstanding, granted: self.live });
         }
         self.outstanding += n;
-        let mut returned = 0u32;
         for (i, span) in blocks.iter().enumerate() {
             let index = first_index + i as u32;
             let resolved = if span.start >= span.end {
                 Err(BlockFailure::new(FailureCode::BadRange, format!("{span}: empty part range {}..{}", span.start, span.end)))
             } else {
-                resolve(span)
+                hooks.resolve(span)
             };
             match resolved {
                 Err(f) => {
                     self.counters.failed_blocks += 1;
                     self.out.push_back(ServerOutput::Frame(Frame::BlockFailed { req, index, code: f.code, message: f.message }));
-                    returned += 1;
+                    self.outstanding -= 1;
                 }
                 Ok(r) if r.len <= self.eager_threshold || self.caps & caps::RENDEZVOUS == 0 => {
                     if r.len > self.eager_threshold {
@@ -378,22 +489,24 @@ impl<H: Clone> ServerSession<H> {
                             len: r.len,
                         });
                     }
-                    returned += 1;
+                    self.outstanding -= 1;
                 }
                 Ok(r) => {
                     let region = self.next_region;
                     self.next_region += 1;
                     self.counters.rendezvous_blocks += 1;
                     self.counters.rendezvous_bytes += r.len;
-                    let desc = Descriptor { region, addr: r.addr, len: r.len, rkey: r.rkey };
-                    self.regions.insert(region, Region { source: r.source, offset: r.offset, len: r.len });
-                    self.out.push_back(ServerOutput::Frame(Frame::Rendezvous { req, index, desc }));
+                    self.regions.insert(region, Region { source: r.source.clone(), offset: r.offset, len: r.len });
+                    self.out.push_back(ServerOutput::Expose {
+                        req,
+                        index,
+                        region,
+                        source: r.source,
+                        offset: r.offset,
+                        len: r.len,
+                    });
                 }
             }
-        }
-        if returned > 0 {
-            self.outstanding -= returned;
-            self.out.push_back(ServerOutput::Frame(Frame::Credit { n: returned }));
         }
         Ok(())
     }

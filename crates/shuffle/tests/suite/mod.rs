@@ -3,16 +3,23 @@
 //! test file that instantiates the suite with `provider_suite!`.
 #![allow(dead_code)]
 
+pub mod resources;
+pub mod security;
+#[allow(unused_imports)]
+pub use resources::*;
+#[allow(unused_imports)]
+pub use security::*;
+
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
-use rdma_shuffle_fabric::{BlockSink, ClientEndpointConfig, FetchedBlock, Link, Placement, Provider, ServerEndpointConfig};
+use rdma_shuffle_fabric::{
+    BlockSink, Channel, ChannelListener, ClientEndpointConfig, Driver, DriverConfig, FetchedBlock, Provider, ServerEndpointConfig,
+};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::testkit::{corrupt_index, write_map_output, GeneratedOutput, IndexCorruption};
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
 use rdma_shuffle_wire::frame::HEADER_LEN;
-use rdma_shuffle_wire::{
-    BlockFailure, ClientConfig, ClientSession, FailureCode, Frame, Limits, Secret, ServerConfig, ServerSession,
-};
+use rdma_shuffle_wire::{BlockFailure, ClientConfig, ClientSession, FailureCode, Frame, Secret, ServerConfig, ServerSession};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -29,6 +36,18 @@ pub fn listen_addr() -> SocketAddr {
 }
 
 pub const EAGER: u32 = 16 * 1024;
+
+/// A driver (one engine's loop) over the provider under test.
+pub fn driver(f: Factory) -> Driver {
+    Driver::new(f(), DriverConfig { name: "test".into(), ..DriverConfig::default() }).unwrap()
+}
+
+/// A raw channel to `addr`, on a driver of its own.
+pub fn channel(f: Factory, addr: SocketAddr) -> Channel {
+    Channel::connect(&driver(f), addr, Duration::from_secs(10)).unwrap()
+}
+
+const T: Duration = Duration::from_secs(20);
 
 /// Collects one fetch's outcomes; `wait` returns when every block has reported.
 pub struct Collect {
@@ -49,6 +68,18 @@ impl Collect {
             hold: Mutex::new(Vec::new()),
             duplicate: Mutex::new(false),
         })
+    }
+
+    /// Whether every block reported within `limit`.
+    pub fn ready(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut r = self.results.lock();
+        while r.len() < self.expected {
+            if self.cv.wait_until(&mut r, deadline).timed_out() {
+                return false;
+            }
+        }
+        true
     }
 
     pub fn wait(&self, limit: Duration) -> HashMap<usize, Result<Vec<u8>, BlockFailure>> {
@@ -290,26 +321,30 @@ pub fn corrupt_indexes_get_typed_errors(f: Factory) {
     assert_eq!(got[&blocks.len()].as_ref().unwrap(), &good.range_bytes(3, 4), "healthy outputs are still served");
 }
 
-/// Connects a raw link and completes the handshake by hand, so a test can misbehave after.
-fn raw_client(f: Factory, addr: SocketAddr) -> (Box<dyn Link>, ClientSession) {
-    let link = f().connect(addr, Duration::from_secs(5)).unwrap();
-    let mut s = ClientSession::new(ClientConfig::new(addr.to_string(), [7; 16]), Instant::now());
-    let limits = s.limits();
+/// Connects a raw channel and completes the handshake by hand (then attaches the data
+/// plane), so a test can misbehave after.
+pub fn raw_client(f: Factory, addr: SocketAddr) -> (Channel, ClientSession) {
+    raw_client_with(f, addr, ClientConfig::new(addr.to_string(), [7; 16]))
+}
+
+pub fn raw_client_with(f: Factory, addr: SocketAddr, cfg: ClientConfig) -> (Channel, ClientSession) {
+    let link = channel(f, addr);
+    let mut s = ClientSession::new(cfg, Instant::now());
     while !s.is_ready() {
         while let Some(fr) = s.poll_transmit() {
-            link.send(&fr, rdma_shuffle_fabric::Payload::None).unwrap();
+            link.send(&fr, &[]).unwrap();
         }
-        let r = link.recv(&limits, &mut |_| Placement::Discard).unwrap();
+        let r = link.recv(T).unwrap();
         s.handle_frame(r.frame, Instant::now()).unwrap();
     }
+    link.attach(T).unwrap();
     (link, s)
 }
 
 /// Reads frames until the server's `Error` frame, returning its message.
-fn expect_error_frame(link: &dyn Link) -> String {
-    let limits = Limits::default();
+pub fn expect_error_frame(link: &Channel) -> String {
     loop {
-        match link.recv(&limits, &mut |_| Placement::Discard) {
+        match link.recv(T) {
             Ok(r) => {
                 if let Frame::Error { message, .. } = r.frame {
                     return message;
@@ -323,7 +358,9 @@ fn expect_error_frame(link: &dyn Link) -> String {
 pub fn bad_input_gets_typed_errors_and_server_keeps_serving(f: Factory) {
     let fx = server_with(f, server_cfg(None), 1);
     let addr = fx.server.local_addr();
-    let hello = Frame::Hello { min_version: 1, max_version: 1, caps: 7, nonce: [0; 16], max_eager: 1 << 20 }.to_vec();
+    let hello =
+        Frame::Hello { min_version: 2, max_version: 2, caps: 7, nonce: [0; 16], max_eager: 1 << 20, app_id: String::new() }
+            .to_vec();
     let mut cases: Vec<(&str, Vec<u8>, &str)> = Vec::new();
     let mut b = hello.clone();
     b[0] = b'X';
@@ -335,27 +372,24 @@ pub fn bad_input_gets_typed_errors_and_server_keeps_serving(f: Factory) {
     b[8..12].copy_from_slice(&(64u32 << 20).to_be_bytes());
     cases.push(("frame length over the limit", b, "exceeds the limit"));
     for (what, bytes, expect) in cases {
-        let link = f().connect(addr, Duration::from_secs(5)).unwrap();
+        let link = channel(f, addr);
         link.send_raw(&bytes).unwrap();
-        let msg = expect_error_frame(&*link);
+        let msg = expect_error_frame(&link);
         assert!(msg.contains(expect), "{what}: {msg}");
         assert!(msg.contains("rejected the connection from"), "{what}: the error names the peer: {msg}");
     }
     // A descriptor for an unknown region.
     let (link, _s) = raw_client(f, addr);
-    link.send(&Frame::Pull { region: 4242, offset: 0, len: 10 }, rdma_shuffle_fabric::Payload::None).unwrap();
-    assert!(expect_error_frame(&*link).contains("unknown region 4242"));
+    link.send(&Frame::Pull { region: 4242, offset: 0, len: 10 }, &[]).unwrap();
+    assert!(expect_error_frame(&link).contains("unknown region 4242"));
     // A fetch before the handshake.
-    let link = f().connect(addr, Duration::from_secs(5)).unwrap();
-    link.send(
-        &Frame::Fetch { req: 1, first_index: 0, blocks: vec![ShuffleBlockSpan::of(3, 100, 0)] },
-        rdma_shuffle_fabric::Payload::None,
-    )
-    .unwrap();
-    assert!(expect_error_frame(&*link).contains("no block is served before"));
+    let link = channel(f, addr);
+    link.send(&Frame::Fetch { req: 1, first_index: 0, blocks: vec![ShuffleBlockSpan::of(3, 100, 0)] }, &[]).unwrap();
+    assert!(expect_error_frame(&link).contains("no block is served before"));
     // A truncated frame, then the client vanishes.
-    let link = f().connect(addr, Duration::from_secs(5)).unwrap();
+    let link = channel(f, addr);
     link.send_raw(&hello[..HEADER_LEN + 3]).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
     link.shutdown();
     drop(link);
     // The server still serves a well-behaved client, and counted the bad connections.
@@ -382,11 +416,11 @@ pub fn client_vanishing_mid_stream_leaves_server_serving(f: Factory) {
     let (link, mut s) = raw_client(f, addr);
     s.fetch(vec![ShuffleBlockSpan::of(3, o.map_id, 8)], Instant::now());
     while let Some(fr) = s.poll_transmit() {
-        link.send(&fr, rdma_shuffle_fabric::Payload::None).unwrap();
+        link.send(&fr, &[]).unwrap();
     }
-    let r = link.recv(&s.limits(), &mut |_| Placement::Discard).unwrap();
+    let r = link.recv(T).unwrap();
     if let Frame::Rendezvous { desc, .. } = r.frame {
-        link.send(&Frame::Pull { region: desc.region, offset: 0, len: desc.len }, rdma_shuffle_fabric::Payload::None).unwrap();
+        link.send(&Frame::Pull { region: desc.region, offset: 0, len: desc.len }, &[]).unwrap();
     }
     link.shutdown();
     drop(link);
@@ -422,23 +456,28 @@ pub fn silent_connections_do_not_delay_other_clients(f: Factory) {
 }
 
 /// A server that completes the handshake, then runs `script` on the first fetch it gets.
-fn scripted_server(f: Factory, script: impl FnOnce(&dyn Link, &Frame) + Send + 'static) -> SocketAddr {
-    let provider = f();
-    let listener = provider.listen(listen_addr()).unwrap();
+fn scripted_server(f: Factory, script: impl FnOnce(&Channel, &Frame) + Send + 'static) -> SocketAddr {
+    let listener = ChannelListener::bind(&driver(f), listen_addr()).unwrap();
     let addr = listener.local_addr();
     std::thread::spawn(move || {
-        let _keep = provider;
-        let link = listener.accept().unwrap();
+        let link = listener.accept(Duration::from_secs(60)).unwrap();
         let mut s: ServerSession<()> = ServerSession::new(ServerConfig::new("scripted", [1; 16]), Instant::now());
+        let mut attached = false;
         loop {
-            let Ok(r) = link.recv(&Limits::default(), &mut |_| Placement::Discard) else { return };
+            let Ok(r) = link.recv(Duration::from_secs(60)) else { return };
             if matches!(r.frame, Frame::Fetch { .. }) {
-                script(&*link, &r.frame);
+                script(&link, &r.frame);
                 return;
             }
-            let _ = s.handle_frame(r.frame, &mut |_| Err(BlockFailure::new(FailureCode::Other, "none")));
+            let _ = s.handle_frame(r.frame, &mut |_: &rdma_shuffle_wire::BlockSpan| {
+                Err(BlockFailure::new(FailureCode::Other, "none"))
+            });
             while let Some(rdma_shuffle_wire::ServerOutput::Frame(fr)) = s.poll_output() {
-                let _ = link.send(&fr, rdma_shuffle_fabric::Payload::None);
+                let _ = link.send(&fr, &[]);
+            }
+            if s.is_ready() && !attached {
+                attached = true;
+                link.attach(T).unwrap();
             }
         }
     });
@@ -489,7 +528,7 @@ pub fn silent_server_times_out(f: Factory) {
     let e = got[&0].as_ref().unwrap_err();
     // Timeout, not PeerGone: the client gave up before the server's silence ended.
     assert_eq!(e.code, FailureCode::Timeout, "{e}");
-    assert!(e.message.contains("spark.network.timeout") || e.message.contains("fetchTimeout"), "{e}");
+    assert!(e.message.contains("spark.network.timeout") && e.message.contains("spark.shuffle.rdma.fetchTimeout"), "{e}");
     let waited_ms: u64 = e
         .message
         .split("no progress for ")
@@ -498,13 +537,12 @@ pub fn silent_server_times_out(f: Factory) {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no wait in: {e}"));
     assert!(waited_ms >= timeout.as_millis() as u64, "fired early: {e}");
-    // The 100 ms timer tick plus scheduling; far below the silence either way.
+    // Timers are exact now (no tick); scheduling only. Far below the silence either way.
     assert!(failed_after < SILENCE / 2, "failed {failed_after:?} after the server saw the Fetch: {e}");
 }
 
 pub fn unreachable_server_fails_fast(f: Factory) {
-    let provider = f();
-    let listener = provider.listen(listen_addr()).unwrap();
+    let listener = ChannelListener::bind(&driver(f), listen_addr()).unwrap();
     let addr = listener.local_addr();
     listener.shutdown();
     drop(listener);
@@ -590,7 +628,12 @@ macro_rules! provider_suite {
             server_vanishing_mid_stream_fails_blocks_in_bounded_time,
             silent_server_times_out,
             unreachable_server_fails_fast,
-            many_fetchers_through_a_small_pool
+            many_fetchers_through_a_small_pool,
+            reads_need_authentication_die_with_release_and_stay_with_their_peer,
+            another_application_or_secret_is_refused_and_nothing_is_served,
+            a_tampered_handshake_field_fails_authentication,
+            local_backpressure_is_not_peer_silence,
+            idle_connections_close_and_reopen
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {

@@ -32,6 +32,10 @@ pub const MAX_PULL_CHUNK: u64 = 16 * 1024 * 1024;
 pub const NONCE_LEN: usize = 16;
 /// Length of an authentication proof (HMAC-SHA256).
 pub const PROOF_LEN: usize = 32;
+/// Upper bound on the application id carried in the handshake.
+pub const MAX_APP_ID_LEN: usize = 256;
+/// Upper bound on the provider bytes of an `Attach` frame.
+pub const MAX_ATTACH_LEN: usize = 512;
 
 /// Bounds applied to every length read from the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +86,9 @@ pub enum FrameKind {
     Credit = 12,
     /// Either way: fatal error, the sender closes the connection.
     Error = 13,
+    /// Either way, after the handshake: a provider's data-plane bootstrap (verbs: queue pair
+    /// numbers and addresses), opaque to the protocol.
+    Attach = 14,
 }
 
 impl FrameKind {
@@ -102,6 +109,7 @@ impl FrameKind {
             11 => Release,
             12 => Credit,
             13 => Error,
+            14 => Attach,
             _ => return None,
         })
     }
@@ -270,6 +278,8 @@ pub enum Frame {
         nonce: [u8; NONCE_LEN],
         /// Largest eager block the client accepts inline.
         max_eager: u32,
+        /// The client's application id; a server of another application refuses it.
+        app_id: String,
     },
     /// Server → client, answer to `Hello`.
     Challenge {
@@ -281,20 +291,28 @@ pub enum Frame {
         nonce: [u8; NONCE_LEN],
         /// Whether the client must prove knowledge of the shared secret.
         auth_required: bool,
-        /// Blocks the client may have in flight at first.
+        /// Most blocks the client will ever be allowed in flight (the live grant comes in
+        /// `Ready`, after authentication).
         credits: u32,
         /// Blocks up to this size come inline; larger ones by rendezvous.
         eager_threshold: u32,
+        /// The server's application id.
+        app_id: String,
     },
     /// Client → server: proof of the secret, `None` when auth is off.
     Auth {
-        /// HMAC over both nonces.
+        /// HMAC over the handshake transcript (see [`crate::auth`]).
         proof: Option<[u8; PROOF_LEN]>,
     },
     /// Server → client: handshake complete.
     Ready {
-        /// Server's HMAC over both nonces (mutual auth), `None` when auth is off.
+        /// Server's HMAC over the transcript and `credits` (mutual auth), `None` when auth
+        /// is off.
         proof: Option<[u8; PROOF_LEN]>,
+        /// Blocks the client may have in flight from now on (at most the `Challenge`'s
+        /// `credits`). A credit comes back when its block's answer arrives, or when the
+        /// client releases its rendezvous region.
+        credits: u32,
     },
     /// Client → server: fetch `blocks`; block `i` of the list is index `first_index + i` of
     /// request `req` (a request larger than the client's credits is sent in several frames).
@@ -370,6 +388,11 @@ pub enum Frame {
         /// Explanation.
         message: String,
     },
+    /// Provider bootstrap bytes, exchanged once after the handshake (verbs).
+    Attach {
+        /// At most [`MAX_ATTACH_LEN`] bytes, decoded by the provider.
+        data: Vec<u8>,
+    },
 }
 
 impl Frame {
@@ -389,6 +412,7 @@ impl Frame {
             Frame::Release { .. } => FrameKind::Release,
             Frame::Credit { .. } => FrameKind::Credit,
             Frame::Error { .. } => FrameKind::Error,
+            Frame::Attach { .. } => FrameKind::Attach,
         }
     }
 
@@ -409,28 +433,28 @@ impl Frame {
         Header::encode(self.kind(), 0, out);
         let body_start = out.len();
         match self {
-            Frame::Hello { min_version, max_version, caps, nonce, max_eager } => {
+            Frame::Hello { min_version, max_version, caps, nonce, max_eager, app_id } => {
                 out.push(*min_version);
                 out.push(*max_version);
                 out.extend_from_slice(&caps.to_be_bytes());
                 out.extend_from_slice(nonce);
                 out.extend_from_slice(&max_eager.to_be_bytes());
+                put_str_max(out, app_id, MAX_APP_ID_LEN);
             }
-            Frame::Challenge { version, caps, nonce, auth_required, credits, eager_threshold } => {
+            Frame::Challenge { version, caps, nonce, auth_required, credits, eager_threshold, app_id } => {
                 out.push(*version);
                 out.extend_from_slice(&caps.to_be_bytes());
                 out.extend_from_slice(nonce);
                 out.push(*auth_required as u8);
                 out.extend_from_slice(&credits.to_be_bytes());
                 out.extend_from_slice(&eager_threshold.to_be_bytes());
+                put_str_max(out, app_id, MAX_APP_ID_LEN);
             }
-            Frame::Auth { proof } | Frame::Ready { proof } => match proof {
-                Some(p) => {
-                    out.push(1);
-                    out.extend_from_slice(p);
-                }
-                None => out.push(0),
-            },
+            Frame::Auth { proof } => put_proof(out, proof),
+            Frame::Ready { proof, credits } => {
+                put_proof(out, proof);
+                out.extend_from_slice(&credits.to_be_bytes());
+            }
             Frame::Fetch { req, first_index, blocks } => {
                 out.extend_from_slice(&req.to_be_bytes());
                 out.extend_from_slice(&first_index.to_be_bytes());
@@ -475,6 +499,12 @@ impl Frame {
                 out.extend_from_slice(&code.to_u16().to_be_bytes());
                 put_str(out, message);
             }
+            Frame::Attach { data } => {
+                // Longer data is cut rather than panicking; the peer then rejects it.
+                let n = data.len().min(MAX_ATTACH_LEN);
+                out.extend_from_slice(&(n as u16).to_be_bytes());
+                out.extend_from_slice(&data[..n]);
+            }
         }
         // Payload frames larger than u32 are never built (the server chunks pulls); saturate
         // rather than wrap so a bug shows up as a TooLong error on the peer, not as garbage.
@@ -506,6 +536,7 @@ impl Frame {
                 caps: r.u64()?,
                 nonce: r.array()?,
                 max_eager: r.u32()?,
+                app_id: r.string_max(MAX_APP_ID_LEN, "application id")?,
             },
             FrameKind::Challenge => Frame::Challenge {
                 version: r.u8()?,
@@ -514,9 +545,10 @@ impl Frame {
                 auth_required: r.bool()?,
                 credits: r.u32()?,
                 eager_threshold: r.u32()?,
+                app_id: r.string_max(MAX_APP_ID_LEN, "application id")?,
             },
             FrameKind::Auth => Frame::Auth { proof: r.opt_proof()? },
-            FrameKind::Ready => Frame::Ready { proof: r.opt_proof()? },
+            FrameKind::Ready => Frame::Ready { proof: r.opt_proof()?, credits: r.u32()? },
             FrameKind::Fetch => {
                 let req = r.u64()?;
                 let first_index = r.u32()?;
@@ -556,6 +588,13 @@ impl Frame {
             FrameKind::Release => Frame::Release { region: r.u64()? },
             FrameKind::Credit => Frame::Credit { n: r.u32()? },
             FrameKind::Error => Frame::Error { code: FailureCode::from_u16(r.u16()?), message: r.string()? },
+            FrameKind::Attach => {
+                let n = r.u16()? as usize;
+                if n > MAX_ATTACH_LEN {
+                    return Err(r.malformed(format!("attach data of {n} bytes exceeds {MAX_ATTACH_LEN}")));
+                }
+                Frame::Attach { data: r.take(n)?.to_vec() }
+            }
         };
         if r.remaining() != 0 {
             return Err(r.malformed(format!("{} trailing bytes", r.remaining())));
@@ -584,12 +623,27 @@ impl Frame {
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
-    let mut end = s.len().min(MAX_MESSAGE_LEN);
+    put_str_max(out, s, MAX_MESSAGE_LEN)
+}
+
+/// A `u16` length and at most `max` bytes of `s`, cut at a char boundary.
+fn put_str_max(out: &mut Vec<u8>, s: &str, max: usize) {
+    let mut end = s.len().min(max);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
     out.extend_from_slice(&(end as u16).to_be_bytes());
     out.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+fn put_proof(out: &mut Vec<u8>, proof: &Option<[u8; PROOF_LEN]>) {
+    match proof {
+        Some(p) => {
+            out.push(1);
+            out.extend_from_slice(p);
+        }
+        None => out.push(0),
+    }
 }
 
 /// A bounds-checked cursor; every read returns `Truncated` instead of panicking.
@@ -652,143 +706,22 @@ impl<'a> Reader<'a> {
         }
     }
     fn string(&mut self) -> Result<String, FrameError> {
+        self.string_max(MAX_MESSAGE_LEN, "message")
+    }
+    fn string_max(&mut self, max: usize, what: &str) -> Result<String, FrameError> {
         let n = self.u16()? as usize;
-        if n > MAX_MESSAGE_LEN {
-            return Err(self.malformed(format!("message of {n} bytes exceeds {MAX_MESSAGE_LEN}")));
+        if n > max {
+            return Err(self.malformed(format!("{what} of {n} bytes exceeds {max}")));
         }
         let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| self.malformed("message is not UTF-8".into()))
+        String::from_utf8(b.to_vec()).map_err(|_| self.malformed(format!("{what} is not UTF-8")))
     }
 }
 
-/// One valid frame of every kind, in kind order (and both forms of the optional proofs, and
-/// extreme field values): the fixtures of the codec tests and the fuzzers' seeds. Built for
-/// tests and with the `samples` feature only.
 #[cfg(any(test, feature = "samples"))]
-pub fn sample_frames() -> Vec<Frame> {
-    use crate::{BlockSpan, Descriptor, FailureCode};
-    vec![
-        Frame::Hello { min_version: 1, max_version: 1, caps: crate::caps::ALL, nonce: [3; 16], max_eager: 65536 },
-        Frame::Challenge { version: 1, caps: 5, nonce: [9; 16], auth_required: true, credits: 64, eager_threshold: 32768 },
-        Frame::Auth { proof: Some([1; 32]) },
-        Frame::Auth { proof: None },
-        Frame::Ready { proof: Some([2; 32]) },
-        Frame::Ready { proof: None },
-        Frame::Fetch {
-            req: 42,
-            first_index: 7,
-            blocks: vec![BlockSpan::single(1, 2, 3), BlockSpan { group: 4, object: u64::MAX, start: 0, end: 9 }],
-        },
-        Frame::Eager { req: 1, index: 2, len: 100 },
-        Frame::Rendezvous { req: 1, index: 0, desc: Descriptor { region: 5, addr: 0xdead, len: 1 << 20, rkey: 77 } },
-        Frame::BlockFailed { req: 3, index: 1, code: FailureCode::Corrupt, message: "bad index é".into() },
-        Frame::Pull { region: 5, offset: 10, len: 20 },
-        Frame::PullData { region: 5, offset: 10, len: 20 },
-        Frame::Release { region: 5 },
-        Frame::Credit { n: 3 },
-        Frame::Error { code: FailureCode::AuthRefused, message: "no".into() },
-    ]
-}
+mod samples;
+#[cfg(any(test, feature = "samples"))]
+pub use samples::sample_frames;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_frame_round_trips_as_a_message() {
-        let limits = Limits::default();
-        for f in sample_frames() {
-            let mut buf = f.to_vec();
-            let payload = vec![0xab; f.payload_len() as usize];
-            buf.extend_from_slice(&payload);
-            let (g, off) = Frame::decode_message(&buf, &limits).unwrap();
-            assert_eq!(f, g);
-            assert_eq!(&buf[off..], &payload[..]);
-        }
-    }
-
-    #[test]
-    fn header_rejects_bad_magic_version_kind_flags() {
-        let limits = Limits::default();
-        let good = Frame::Credit { n: 1 }.to_vec();
-        let mut b = good.clone();
-        b[0] = b'X';
-        assert!(matches!(Header::decode(&b, &limits), Err(FrameError::BadMagic { .. })));
-        let mut b = good.clone();
-        b[4] = 99;
-        assert!(matches!(Header::decode(&b, &limits), Err(FrameError::UnsupportedVersion { found: 99, .. })));
-        let mut b = good.clone();
-        b[5] = 200;
-        assert_eq!(Header::decode(&b, &limits), Err(FrameError::UnknownKind(200)));
-        let mut b = good;
-        b[7] = 1;
-        assert_eq!(Header::decode(&b, &limits), Err(FrameError::ReservedFlags(1)));
-    }
-
-    #[test]
-    fn lying_lengths_are_bounded_before_reading() {
-        let limits = Limits { max_control: 100, max_eager: 1000, max_pull: 5000, max_blocks_per_fetch: 4 };
-        let mut b = Frame::Credit { n: 1 }.to_vec();
-        b[8..12].copy_from_slice(&101u32.to_be_bytes());
-        assert!(matches!(Header::decode(&b, &limits), Err(FrameError::TooLong { len: 101, max: 100, .. })));
-        let mut b = Frame::Eager { req: 1, index: 0, len: 1001 }.to_vec();
-        assert!(matches!(Header::decode(&b, &limits), Err(FrameError::TooLong { kind: FrameKind::Eager, .. })));
-        // An eager frame shorter than its fixed part.
-        b[8..12].copy_from_slice(&3u32.to_be_bytes());
-        assert!(matches!(Header::decode(&b, &limits), Err(FrameError::Truncated { .. })));
-        // A Fetch whose count disagrees with the body.
-        let mut b = Frame::Fetch { req: 1, first_index: 0, blocks: vec![BlockSpan::single(0, 0, 0)] }.to_vec();
-        b[HEADER_LEN + 12..HEADER_LEN + 16].copy_from_slice(&3u32.to_be_bytes());
-        assert!(matches!(Frame::decode_message(&b, &limits), Err(FrameError::Malformed { .. })));
-        // Too many blocks.
-        let f = Frame::Fetch { req: 1, first_index: 0, blocks: vec![BlockSpan::single(0, 0, 0); 5] };
-        let roomy = Limits { max_control: 4096, ..limits };
-        assert!(matches!(Frame::decode_message(&f.to_vec(), &roomy), Err(FrameError::Malformed { .. })));
-    }
-
-    #[test]
-    fn an_unlimited_pull_limit_does_not_overflow() {
-        // Found by the frame_decode fuzz target: `16 + max_pull` overflowed for u64::MAX.
-        let limits = Limits { max_pull: u64::MAX, ..Limits::default() };
-        let b = Frame::PullData { region: 1, offset: 0, len: 100 }.to_vec();
-        let h = Header::decode(&b, &limits).unwrap();
-        assert_eq!((h.kind, h.payload_len()), (FrameKind::PullData, 100));
-        let mut b = Frame::PullData { region: 1, offset: 0, len: u32::MAX as u64 - 16 }.to_vec();
-        b.resize(HEADER_LEN + 16 + 3, 0);
-        assert!(matches!(Frame::decode_message(&b, &limits), Err(FrameError::Truncated { .. })));
-    }
-
-    #[test]
-    fn encoding_a_huge_payload_length_saturates_instead_of_overflowing() {
-        // Found by the handshake fuzz target: `encode` is documented never to panic, but
-        // `fixed + payload_len` overflowed for a PullData len near u64::MAX.
-        let b = Frame::PullData { region: 1, offset: 0, len: u64::MAX }.to_vec();
-        assert_eq!(&b[8..12], &u32::MAX.to_be_bytes());
-        let h = Header::decode(&b, &Limits { max_pull: u64::MAX, ..Limits::default() }).unwrap();
-        assert_eq!(h.payload_len(), u32::MAX as u64 - 16);
-        assert!(matches!(Header::decode(&b, &Limits::default()), Err(FrameError::TooLong { kind: FrameKind::PullData, .. })));
-    }
-
-    #[test]
-    fn truncated_messages_are_errors_at_every_cut() {
-        let limits = Limits::default();
-        for f in sample_frames() {
-            let mut buf = f.to_vec();
-            buf.extend(std::iter::repeat_n(7, f.payload_len() as usize));
-            for cut in 0..buf.len() {
-                assert!(Frame::decode_message(&buf[..cut], &limits).is_err(), "{f:?} cut at {cut}");
-            }
-        }
-    }
-
-    #[test]
-    fn message_strings_are_bounded_and_cut_on_char_boundaries() {
-        let long = "é".repeat(MAX_MESSAGE_LEN);
-        let f = Frame::Error { code: FailureCode::Other, message: long };
-        let (g, _) = Frame::decode_message(&f.to_vec(), &Limits::default()).unwrap();
-        match g {
-            Frame::Error { message, .. } => assert!(message.len() <= MAX_MESSAGE_LEN && message.chars().all(|c| c == 'é')),
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-}
+mod tests;

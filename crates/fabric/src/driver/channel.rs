@@ -1,0 +1,537 @@
+//! Raw channels: the provider-level primitives, without a session on top.
+//!
+//! A [`Channel`] connects (or is accepted), sends frames with payloads, receives whole frames,
+//! bootstraps the provider's data plane ([`Channel::attach`]; verbs builds its queue pair
+//! then) and performs one-sided reads of regions its peer exposed. It is what tests use to
+//! play a misbehaving peer, and the base a protocol other than block fetching (collectives:
+//! persistent peer channels, pipelined chunks) builds on. Authentication is the caller's: run
+//! a `wire` session's handshake over the channel first, then attach.
+
+use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::{Command, Driver, ListenSocket, Loop};
+use crate::error::FabricError;
+use crate::memory::pool::Lease;
+use crate::providers::tcp::OutPayload;
+use crossbeam_channel::Sender;
+use parking_lot::{Condvar, Mutex};
+use rdma_shuffle_wire::{Descriptor, Frame, Limits};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One received frame with its payload bytes.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// The frame.
+    pub frame: Frame,
+    /// The payload that followed it (empty for frames without one).
+    pub payload: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Inbox {
+    msgs: VecDeque<Received>,
+    error: Option<String>,
+}
+
+/// What a channel handle shares with its connection in the loop.
+pub(crate) struct ChannelShared {
+    inbox: Mutex<Inbox>,
+    cv: Condvar,
+}
+
+impl ChannelShared {
+    fn new() -> Arc<Self> {
+        Arc::new(ChannelShared { inbox: Mutex::new(Inbox::default()), cv: Condvar::new() })
+    }
+
+    fn push(&self, r: Received) {
+        self.inbox.lock().msgs.push_back(r);
+        self.cv.notify_all();
+    }
+
+    fn fail(&self, why: String) {
+        let mut i = self.inbox.lock();
+        if i.error.is_none() {
+            i.error = Some(why);
+        }
+        self.cv.notify_all();
+    }
+}
+
+/// A raw connection to a peer.
+pub struct Channel {
+    driver: Driver,
+    key: ConnKey,
+    peer: String,
+    shared: Arc<ChannelShared>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Channel({})", self.peer)
+    }
+}
+
+impl Channel {
+    /// Connects to `addr` through `driver`'s provider; returns once connected, or the error.
+    pub fn connect(driver: &Driver, addr: SocketAddr, timeout: Duration) -> Result<Channel, FabricError> {
+        let shared = ChannelShared::new();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        driver.shared().command(Command::Channel(ChannelCmd::Connect {
+            addr,
+            shared: shared.clone(),
+            limits: Limits::default(),
+            reply: tx,
+        }))?;
+        match rx.recv_timeout(timeout) {
+            Ok(Ok(key)) => Ok(Channel { driver: driver.clone(), key, peer: addr.to_string(), shared }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(FabricError::ConnectTimeout { peer: addr.to_string(), timeout_ms: timeout.as_millis() as u64 }),
+        }
+    }
+
+    /// The peer's address or name.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn cmd(&self, c: ChannelCmd) -> Result<(), FabricError> {
+        self.driver.shared().command(Command::Channel(c))
+    }
+
+    /// Sends `frame` followed by `payload` (which must be `frame.payload_len()` bytes).
+    pub fn send(&self, frame: &Frame, payload: &[u8]) -> Result<(), FabricError> {
+        self.cmd(ChannelCmd::Send { key: self.key, frame: frame.clone(), payload: payload.to_vec() })
+    }
+
+    /// Sends raw bytes as one write or message, bypassing the codec (tests of a peer's
+    /// decoder).
+    pub fn send_raw(&self, bytes: &[u8]) -> Result<(), FabricError> {
+        self.cmd(ChannelCmd::Raw { key: self.key, bytes: bytes.to_vec() })
+    }
+
+    /// The next frame, waiting at most `timeout`. After the connection ended, the frames it
+    /// delivered first, then its error.
+    pub fn recv(&self, timeout: Duration) -> Result<Received, FabricError> {
+        let deadline = Instant::now() + timeout;
+        let mut i = self.shared.inbox.lock();
+        loop {
+            if let Some(r) = i.msgs.pop_front() {
+                return Ok(r);
+            }
+            if let Some(e) = &i.error {
+                return Err(FabricError::Unsupported(format!("channel to {}: {e}", self.peer)));
+            }
+            if self.shared.cv.wait_until(&mut i, deadline).timed_out() {
+                return Err(FabricError::Unsupported(format!("channel to {}: nothing arrived within {timeout:?}", self.peer)));
+            }
+        }
+    }
+
+    /// Bootstraps the provider's data plane with the peer (verbs: exchanges queue pair
+    /// addresses over the control socket and connects the queue pairs; the connecting side
+    /// sends first, the accepting side answers). A no-op on tcp and sim. Call it after the
+    /// handshake: a verbs server creates nothing for a peer that has not authenticated.
+    pub fn attach(&self, timeout: Duration) -> Result<(), FabricError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.cmd(ChannelCmd::Attach { key: self.key, reply: tx })?;
+        rx.recv_timeout(timeout).map_err(|_| FabricError::Unsupported(format!("attach to {} timed out", self.peer)))?
+    }
+
+    /// Reads `desc.len` bytes of a region the peer exposed into `dst` (one-sided), waiting
+    /// at most `timeout`. The buffer comes back with the bytes; on an error it goes back to
+    /// its pool once the device has let go of it.
+    pub fn read(&self, desc: &Descriptor, dst: Lease, timeout: Duration) -> Result<Lease, FabricError> {
+        self.read_async(desc, dst)?.wait(timeout)
+    }
+
+    /// Starts a one-sided read and returns at once; many may be in flight.
+    pub fn read_async(&self, desc: &Descriptor, dst: Lease) -> Result<PendingRead, FabricError> {
+        Ok(self.read_batch(vec![(*desc, dst)])?.pop().expect("one read"))
+    }
+
+    /// Starts one-sided reads back to back (posted in order in one turn of the loop, nothing
+    /// handled between them) and returns at once.
+    pub fn read_batch(&self, reads: Vec<(Descriptor, Lease)>) -> Result<Vec<PendingRead>, FabricError> {
+        let mut pending = Vec::with_capacity(reads.len());
+        let mut batch = Vec::with_capacity(reads.len());
+        for (desc, lease) in reads {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            batch.push((desc, lease, tx));
+            pending.push(PendingRead { rx, peer: self.peer.clone() });
+        }
+        self.cmd(ChannelCmd::Read { key: self.key, reads: batch })?;
+        Ok(pending)
+    }
+
+    /// Closes the connection. Idempotent.
+    pub fn shutdown(&self) {
+        let _ = self.cmd(ChannelCmd::Close { key: self.key });
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A one-sided read in flight (see [`Channel::read_async`]).
+pub struct PendingRead {
+    rx: crossbeam_channel::Receiver<(Lease, Result<(), FabricError>)>,
+    peer: String,
+}
+
+impl PendingRead {
+    /// Waits at most `timeout` for the read: the buffer with the bytes, or why it failed (its
+    /// buffer then goes back to its pool — after the device let go of it).
+    pub fn wait(self, timeout: Duration) -> Result<Lease, FabricError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok((lease, Ok(()))) => Ok(lease),
+            Ok((_, Err(e))) => Err(e),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                Err(FabricError::Unsupported(format!("read from {} did not complete within {timeout:?}", self.peer)))
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(FabricError::Closed { peer: self.peer.clone() }),
+        }
+    }
+}
+
+pub(crate) struct AcceptQueue {
+    queue: Mutex<VecDeque<(ConnKey, String, Arc<ChannelShared>)>>,
+    cv: Condvar,
+}
+
+/// Accepts raw channels.
+pub struct ChannelListener {
+    driver: Driver,
+    id: u64,
+    addr: SocketAddr,
+    accepted: Arc<AcceptQueue>,
+}
+
+impl ChannelListener {
+    /// Listens on `addr` (port 0 picks one).
+    pub fn bind(driver: &Driver, addr: SocketAddr) -> Result<ChannelListener, FabricError> {
+        let id = driver.shared().next_id();
+        let accepted = Arc::new(AcceptQueue { queue: Mutex::new(VecDeque::new()), cv: Condvar::new() });
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        driver.shared().command(Command::Channel(ChannelCmd::Listen { id, addr, accepted: accepted.clone(), reply: tx }))?;
+        let addr = rx.recv().map_err(|_| FabricError::Shutdown)??;
+        Ok(ChannelListener { driver: driver.clone(), id, addr, accepted })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The next channel, waiting at most `timeout`.
+    pub fn accept(&self, timeout: Duration) -> Result<Channel, FabricError> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.accepted.queue.lock();
+        loop {
+            if let Some((key, peer, shared)) = q.pop_front() {
+                return Ok(Channel { driver: self.driver.clone(), key, peer, shared });
+            }
+            if self.accepted.cv.wait_until(&mut q, deadline).timed_out() {
+                return Err(FabricError::Unsupported(format!("no connection to {} within {timeout:?}", self.addr)));
+            }
+        }
+    }
+
+    /// Stops listening (returns once the socket is closed). Idempotent.
+    pub fn shutdown(&self) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.driver.shared().command(Command::Channel(ChannelCmd::Unlisten { id: self.id, done: tx })).is_ok() {
+            let _ = rx.recv_timeout(Duration::from_secs(10));
+        }
+    }
+}
+
+impl Drop for ChannelListener {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+type ReadReply = Sender<(Lease, Result<(), FabricError>)>;
+
+pub(crate) enum ChannelCmd {
+    Connect { addr: SocketAddr, shared: Arc<ChannelShared>, limits: Limits, reply: Sender<Result<ConnKey, FabricError>> },
+    Listen { id: u64, addr: SocketAddr, accepted: Arc<AcceptQueue>, reply: Sender<Result<SocketAddr, FabricError>> },
+    Unlisten { id: u64, done: Sender<()> },
+    Send { key: ConnKey, frame: Frame, payload: Vec<u8> },
+    Raw { key: ConnKey, bytes: Vec<u8> },
+    Attach { key: ConnKey, reply: Sender<Result<(), FabricError>> },
+    Read { key: ConnKey, reads: Vec<(Descriptor, Lease, ReadReply)> },
+    Close { key: ConnKey },
+}
+
+/// A channel listener inside the loop.
+pub(crate) struct ChanListenerEp {
+    pub(crate) socket: ListenSocket,
+    addr: SocketAddr,
+    accepted: Arc<AcceptQueue>,
+}
+
+/// A channel inside the loop.
+pub(crate) struct ChannelConn {
+    shared: Arc<ChannelShared>,
+    pub(crate) limits: Limits,
+    /// (stream) the frame whose payload is being read.
+    pending: Option<Frame>,
+    reads: HashMap<u64, ReadReply>,
+    next_tag: u64,
+    connect_reply: Option<Sender<Result<ConnKey, FabricError>>>,
+    attach_reply: Option<Sender<Result<(), FabricError>>>,
+    /// Accepted (the peer connected), as opposed to connected by us.
+    #[allow(dead_code)]
+    accepted: bool,
+}
+
+fn chan_mut(conn: &mut Conn) -> &mut ChannelConn {
+    match &mut conn.role {
+        Role::Channel(c) => c,
+        _ => unreachable_role(),
+    }
+}
+
+#[cold]
+fn unreachable_role() -> ! {
+    // Only called from channel handlers, which the loop dispatches on `Role::Channel`.
+    panic!("channel handler called on a connection of another role")
+}
+
+impl Loop {
+    pub(crate) fn channel_command(&mut self, c: ChannelCmd) {
+        match c {
+            ChannelCmd::Connect { addr, shared, limits, reply } => {
+                let transport = match super::connect(self, addr) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
+                let connected = match &transport {
+                    Transport::Tcp(t) => t.is_connected(),
+                    #[cfg(feature = "verbs")]
+                    Transport::Verbs(v) => v.control_connected(),
+                    Transport::Sim(_) => true,
+                };
+                let role = Role::Channel(ChannelConn {
+                    shared,
+                    limits,
+                    pending: None,
+                    reads: HashMap::new(),
+                    next_tag: 1,
+                    connect_reply: Some(reply),
+                    attach_reply: None,
+                    accepted: false,
+                });
+                let key = self.insert(addr.to_string(), transport, role);
+                if connected {
+                    if let Some(mut conn) = self.take(key) {
+                        self.channel_connected(&mut conn);
+                        self.put(conn);
+                    }
+                }
+                self.activate(key);
+            }
+            ChannelCmd::Listen { id, addr, accepted, reply } => match self.listen(id, addr) {
+                Ok((local, socket)) => {
+                    self.chan_listeners.insert(id, ChanListenerEp { socket, addr: local, accepted });
+                    let _ = reply.send(Ok(local));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            ChannelCmd::Unlisten { id, done } => {
+                self.remove_chan_listener(id);
+                let _ = done.send(());
+            }
+            ChannelCmd::Send { key, frame, payload } => self.with_channel(key, |lp, conn| {
+                let p = if payload.is_empty() { OutPayload::None } else { OutPayload::Bytes(payload) };
+                if let Err(e) = conn.transport.send(&mut lp.net, &frame, p) {
+                    lp.fail(conn, e);
+                }
+            }),
+            ChannelCmd::Raw { key, bytes } => self.with_channel(key, |lp, conn| {
+                if let Err(e) = conn.transport.send_raw(&mut lp.net, bytes) {
+                    lp.fail(conn, e);
+                }
+            }),
+            ChannelCmd::Attach { key, reply } => {
+                if !self.contains(key) {
+                    let _ = reply.send(Err(FabricError::Closed { peer: "channel".into() }));
+                    return;
+                }
+                self.with_channel(key, |lp, conn| lp.channel_attach(conn, reply))
+            }
+            ChannelCmd::Read { key, reads } => {
+                if !self.contains(key) {
+                    for (_, lease, reply) in reads {
+                        let _ = reply.send((lease, Err(FabricError::Closed { peer: "channel".into() })));
+                    }
+                    return;
+                }
+                self.with_channel(key, |lp, conn| {
+                    for (desc, lease, reply) in reads {
+                        let c = chan_mut(conn);
+                        let tag = c.next_tag;
+                        c.next_tag += 1;
+                        match conn.transport.start_read(&mut lp.net, tag, &desc, lease) {
+                            Ok(()) => {
+                                lp.shared.stats.note_reads(1);
+                                chan_mut(conn).reads.insert(tag, reply);
+                            }
+                            Err(failed) => {
+                                let (lease, e) = *failed;
+                                let _ = reply.send((lease, Err(e)));
+                            }
+                        }
+                    }
+                })
+            }
+            ChannelCmd::Close { key } => self.with_channel(key, |lp, conn| {
+                lp.channel_failed(conn, "closed locally".into());
+                lp.close(conn, "channel closed locally".into(), true);
+            }),
+        }
+    }
+
+    fn with_channel(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
+        let Some(mut conn) = self.take(key) else { return };
+        if matches!(conn.role, Role::Channel(_)) {
+            f(self, &mut conn);
+        }
+        let k = conn.key;
+        self.put(conn);
+        // Whatever the command started (a read, an attach) may have completed already.
+        self.drive_again(k);
+    }
+
+    #[allow(unused_variables)]
+    fn channel_attach(&mut self, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
+        #[cfg(feature = "verbs")]
+        if matches!(conn.transport, Transport::Verbs(_)) {
+            // The caller ran the handshake itself: it vouches for the peer.
+            conn.authenticated = true;
+            let accepted = chan_mut(conn).accepted;
+            let key = conn.key.to_u64();
+            let Transport::Verbs(v) = &mut conn.transport else { return };
+            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, &self.shared.stats, key) };
+            match r {
+                Ok(()) => chan_mut(conn).attach_reply = Some(reply),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            }
+            return;
+        }
+        let _ = reply.send(Ok(()));
+    }
+
+    pub(crate) fn remove_chan_listener(&mut self, id: u64) {
+        if let Some(mut l) = self.chan_listeners.remove(&id) {
+            self.unlisten(l.addr, &mut l.socket);
+        }
+    }
+
+    pub(crate) fn channel_accepted(&mut self, id: u64, peer: String, transport: Transport) {
+        let Some(l) = self.chan_listeners.get(&id) else { return };
+        let accepted = l.accepted.clone();
+        let shared = ChannelShared::new();
+        let role = Role::Channel(ChannelConn {
+            shared: shared.clone(),
+            limits: Limits::default(),
+            pending: None,
+            reads: HashMap::new(),
+            next_tag: 1,
+            connect_reply: None,
+            attach_reply: None,
+            accepted: true,
+        });
+        let key = self.insert(peer.clone(), transport, role);
+        accepted.queue.lock().push_back((key, peer, shared));
+        accepted.cv.notify_all();
+        self.activate(key);
+    }
+
+    pub(crate) fn channel_connected(&mut self, conn: &mut Conn) {
+        if let Some(r) = chan_mut(conn).connect_reply.take() {
+            let _ = r.send(Ok(conn.key));
+        }
+    }
+
+    pub(crate) fn channel_incoming(&mut self, conn: &mut Conn, inc: Incoming) {
+        match inc {
+            Incoming::Frame(frame) => {
+                if frame.kind().payload_offset().is_some() {
+                    chan_mut(conn).pending = Some(frame);
+                    if let Err(e) = conn.transport.place(Placement::Vec) {
+                        self.fail(conn, e);
+                    }
+                } else {
+                    chan_mut(conn).shared.push(Received { frame, payload: Vec::new() });
+                }
+            }
+            Incoming::PayloadVec(payload) => {
+                let c = chan_mut(conn);
+                if let Some(frame) = c.pending.take() {
+                    c.shared.push(Received { frame, payload });
+                }
+            }
+            Incoming::Payload(_) => {}
+            Incoming::Message(frame, p) => chan_mut(conn).shared.push(Received { frame, payload: p.bytes().to_vec() }),
+            Incoming::ReadDone { tag, lease, result } => {
+                self.shared.stats.note_reads(-1);
+                if let Some(reply) = chan_mut(conn).reads.remove(&tag) {
+                    let _ = reply.send((lease, result));
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Incoming::Attach(data) => {
+                let accepted = chan_mut(conn).accepted;
+                let key = conn.key.to_u64();
+                let Transport::Verbs(v) = &mut conn.transport else { return };
+                // An accepting channel attaches only when its owner asked (after running the
+                // handshake it trusts); the connecting side only answers its own request.
+                let r = if accepted && conn.authenticated {
+                    v.accept_attach(&mut self.net, &self.shared.stats, key, &data)
+                } else if accepted {
+                    Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
+                } else {
+                    v.complete_attach(&mut self.net, &data)
+                };
+                if let Err(e) = r {
+                    if let Some(reply) = chan_mut(conn).attach_reply.take() {
+                        let _ = reply.send(Err(FabricError::Unsupported(e.to_string())));
+                    }
+                    self.fail(conn, e);
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Incoming::Attached => {
+                if let Some(reply) = chan_mut(conn).attach_reply.take() {
+                    let _ = reply.send(Ok(()));
+                }
+            }
+        }
+    }
+
+    pub(crate) fn channel_failed(&mut self, conn: &mut Conn, why: String) {
+        let c = chan_mut(conn);
+        if let Some(r) = c.connect_reply.take() {
+            let _ = r.send(Err(FabricError::Unsupported(why.clone())));
+        }
+        if let Some(r) = c.attach_reply.take() {
+            let _ = r.send(Err(FabricError::Unsupported(why.clone())));
+        }
+        c.shared.fail(why);
+    }
+}

@@ -1,0 +1,308 @@
+//! The client role, inside the loop: what arrives on a client connection and what the
+//! session makes of it.
+
+use super::{client_mut, BlockSink, MemWait, Path, PayloadState};
+#[cfg(feature = "verbs")]
+use crate::driver::conn::ConnKey;
+use crate::driver::conn::{Conn, Incoming, MsgPayload, Placement};
+use crate::driver::{Loop, MemWaiter};
+use crate::error::FabricError;
+use crate::memory::pool::Lease;
+#[cfg(feature = "verbs")]
+use rdma_shuffle_wire::Frame;
+use rdma_shuffle_wire::{BlockFailure, ClientEvent, FailureCode, Token};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Loop {
+    pub(crate) fn client_incoming(&mut self, conn: &mut Conn, inc: Incoming) {
+        let now = Instant::now();
+        match inc {
+            Incoming::Frame(frame) => {
+                let r = client_mut(conn).session.handle_frame(frame, now);
+                self.client_events(conn, None);
+                if r.is_err() {
+                    self.client_session_failed(conn);
+                }
+            }
+            Incoming::Message(frame, payload) => {
+                #[cfg(feature = "verbs")]
+                if matches!(frame, Frame::Eager { .. } | Frame::Rendezvous { .. } | Frame::BlockFailed { .. }) {
+                    self.client_answer(conn);
+                }
+                let r = client_mut(conn).session.handle_frame(frame, now);
+                self.client_events(conn, Some(payload));
+                if r.is_err() {
+                    self.client_session_failed(conn);
+                }
+            }
+            Incoming::Payload(lease) => self.client_payload(conn, lease),
+            Incoming::PayloadVec(_) => {}
+            Incoming::ReadDone { tag, lease, result } => self.client_read_done(conn, tag, lease, result),
+            #[cfg(feature = "verbs")]
+            Incoming::Attach(data) => {
+                let r = match &mut conn.transport {
+                    crate::driver::conn::Transport::Verbs(v) => v.complete_attach(&mut self.net, &data),
+                    _ => Ok(()),
+                };
+                if let Err(e) = r {
+                    self.fail(conn, e);
+                }
+            }
+            #[cfg(feature = "verbs")]
+            Incoming::Attached => {}
+        }
+    }
+
+    /// (verbs) An answer arrived: its room in the shared receive queue is free again, and
+    /// connections that waited for room go on.
+    #[cfg(feature = "verbs")]
+    pub(super) fn client_answer(&mut self, conn: &mut Conn) {
+        if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
+            if v.answered() {
+                let woken = self.net.verbs.as_mut().map(|e| e.return_client_room(1)).unwrap_or_default();
+                for k in woken {
+                    self.drive_again(ConnKey::from_u64(k));
+                }
+            }
+        }
+    }
+
+    /// The session closed after a frame: flush its `Error` for the peer, then close.
+    pub(super) fn client_session_failed(&mut self, conn: &mut Conn) {
+        if conn.closing.is_none() {
+            self.client_after(conn);
+            self.close(conn, "protocol error".into(), true);
+        }
+    }
+
+    pub(super) fn client_payload(&mut self, conn: &mut Conn, lease: Option<Lease>) {
+        let ep_id = client_mut(conn).ep;
+        match std::mem::replace(&mut client_mut(conn).payload, PayloadState::None) {
+            PayloadState::Eager { token, sink } => {
+                if let Some(sink) = sink {
+                    let len = lease.as_ref().map(|l| l.len()).unwrap_or(0) as u64;
+                    self.deliver_ok(ep_id, sink, token.index as usize, lease, None, Path::Eager, len);
+                }
+            }
+            PayloadState::Pull { token, last } => {
+                let Some(lease) = lease else { return };
+                let c = client_mut(conn);
+                if last {
+                    let guard = c.pull_guards.remove(&token).flatten();
+                    let sink = c.sinks.get(&token.req).cloned();
+                    let _ = c.session.pull_complete(token, Ok(()), Instant::now());
+                    let len = lease.len() as u64;
+                    if let Some(sink) = sink {
+                        self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), guard, Path::Stream, len);
+                    }
+                    self.client_events(conn, None);
+                } else if !c.session.is_closed() {
+                    c.pull_leases.insert(token, lease);
+                }
+            }
+            PayloadState::Discard | PayloadState::None | PayloadState::NeedsMemory { .. } => {}
+        }
+    }
+
+    pub(super) fn client_read_done(&mut self, conn: &mut Conn, tag: u64, lease: Lease, result: Result<(), FabricError>) {
+        self.shared.stats.note_reads(-1);
+        let ep_id = client_mut(conn).ep;
+        let name = self.clients.get(&ep_id).map(|e| e.config.name.clone()).unwrap_or_default();
+        let c = client_mut(conn);
+        let Some((token, guard, len)) = c.reads.remove(&tag) else { return };
+        if c.session.is_closed() {
+            // The block already failed with the connection; the buffer is free only now that
+            // the device has let go of it.
+            return;
+        }
+        let sink = c.sinks.get(&token.req).cloned();
+        let now = Instant::now();
+        match result {
+            Ok(()) => {
+                let _ = c.session.pull_complete(token, Ok(()), now);
+                if let Some(sink) = sink {
+                    self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), guard, Path::Read, len);
+                }
+            }
+            Err(e) => {
+                let failure =
+                    BlockFailure::new(FailureCode::PullFailed, format!("{name}: read from {}: {e}", c.addr)).with_knob(e.knob());
+                let _ = c.session.pull_complete(token, Err(failure), now);
+            }
+        }
+        self.client_events(conn, None);
+    }
+
+    /// Acts on the session's events. `msg` is the payload of the message just handled
+    /// (message transports); on a stream the payload is placed for reading instead.
+    pub(crate) fn client_events(&mut self, conn: &mut Conn, msg: Option<MsgPayload>) {
+        let ep_id = client_mut(conn).ep;
+        let mut msg = msg;
+        while let Some(ev) = client_mut(conn).session.poll_event() {
+            match ev {
+                ClientEvent::Connected { version, eager_threshold, credits, .. } => {
+                    let c = client_mut(conn);
+                    if !c.counted {
+                        c.counted = true;
+                        if let Some(ep) = self.clients.get(&ep_id) {
+                            ep.stats.connections.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    conn.authenticated = true;
+                    tracing::debug!(peer = %conn.peer, version, eager_threshold, credits, "connected");
+                    #[cfg(feature = "verbs")]
+                    if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
+                        // Authenticated: only now is a queue pair created for this peer.
+                        let key = conn.key.to_u64();
+                        if let Err(e) = v.begin_attach(&mut self.net, &self.shared.stats, key) {
+                            self.fail(conn, e);
+                            return;
+                        }
+                    }
+                }
+                ClientEvent::Eager { token, len } => {
+                    let sink = client_mut(conn).sinks.get(&token.req).cloned();
+                    match msg.take() {
+                        Some(p) => self.eager_message(conn, token, sink, p),
+                        None => self.eager_stream(conn, token, len, sink),
+                    }
+                }
+                ClientEvent::PullData { token, offset, len, last } => match msg.take() {
+                    Some(p) => {
+                        let c = client_mut(conn);
+                        if let Some(lease) = c.pull_leases.get_mut(&token) {
+                            let at = offset as usize;
+                            let bytes = p.bytes();
+                            if bytes.len() as u64 == len && at + bytes.len() <= lease.len() {
+                                lease[at..at + bytes.len()].copy_from_slice(bytes);
+                            }
+                        }
+                        if last {
+                            if let Some(lease) = c.pull_leases.remove(&token) {
+                                client_mut(conn).payload = PayloadState::Pull { token, last: true };
+                                self.client_payload(conn, Some(lease));
+                            }
+                        }
+                    }
+                    None => {
+                        let c = client_mut(conn);
+                        match c.pull_leases.remove(&token) {
+                            Some(lease) => {
+                                c.payload = PayloadState::Pull { token, last };
+                                if let Err(e) = conn.transport.place(Placement::Into { lease, at: offset as usize }) {
+                                    self.fail(conn, e);
+                                    return;
+                                }
+                            }
+                            None => {
+                                let e = FabricError::Unsupported(format!("{}: pull data for a block with no buffer", conn.peer));
+                                self.fail(conn, e);
+                                return;
+                            }
+                        }
+                    }
+                },
+                ClientEvent::Rendezvous { token, desc } => {
+                    if desc.len == 0 {
+                        let c = client_mut(conn);
+                        let sink = c.sinks.get(&token.req).cloned();
+                        let _ = c.session.pull_complete(token, Ok(()), Instant::now());
+                        if let Some(sink) = sink {
+                            self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Read, 0);
+                        }
+                    } else if self.mem_waiters.is_empty() && self.start_pull(conn, token, desc) {
+                        // Started at once.
+                    } else {
+                        self.mem_waiters.push_back(MemWaiter { conn: conn.key, kind: MemWait::Rendezvous { token, desc } });
+                        self.want_memory();
+                    }
+                }
+                ClientEvent::Failed { token, failure } => {
+                    let c = client_mut(conn);
+                    c.pull_leases.remove(&token);
+                    c.pull_guards.remove(&token);
+                    if let Some(sink) = c.sinks.get(&token.req).cloned() {
+                        self.deliver_err(ep_id, sink, token.index as usize, failure);
+                    }
+                }
+                ClientEvent::RequestDone { req } => {
+                    client_mut(conn).sinks.remove(&req);
+                }
+                ClientEvent::Closed { error } => {
+                    tracing::debug!(driver = %self.shared.name, peer = %conn.peer, error = %error, "client session closed");
+                    // An eager block whose payload never came is ours to fail.
+                    if let PayloadState::Eager { token, sink: Some(sink) }
+                    | PayloadState::NeedsMemory { token, sink: Some(sink), .. } =
+                        std::mem::replace(&mut client_mut(conn).payload, PayloadState::Discard)
+                    {
+                        let f = BlockFailure::new(
+                            error.error.failure_code(),
+                            format!("block {} of request {} from {}: {error}", token.index, token.req, conn.peer),
+                        )
+                        .with_knob(error.error.knob());
+                        self.deliver_err(ep_id, sink, token.index as usize, f);
+                    }
+                }
+            }
+        }
+        if client_mut(conn).session.is_closed() && conn.closing.is_none() {
+            let flush = true;
+            self.client_after(conn);
+            self.close(conn, "session closed".into(), flush);
+        }
+    }
+
+    pub(super) fn eager_message(&mut self, conn: &mut Conn, token: Token, sink: Option<Arc<dyn BlockSink>>, p: MsgPayload) {
+        let ep_id = client_mut(conn).ep;
+        let Some(sink) = sink else { return };
+        let bytes = p.bytes();
+        if bytes.is_empty() {
+            self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Eager, 0);
+            return;
+        }
+        let Some(ep) = self.clients.get(&ep_id) else { return };
+        let r = if self.mem_waiters.is_empty() { ep.pool.try_acquire(bytes.len()) } else { Ok(None) };
+        match r {
+            Ok(Some(mut lease)) => {
+                lease.copy_from_slice(bytes);
+                let len = bytes.len() as u64;
+                self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), None, Path::Eager, len);
+            }
+            Ok(None) => {
+                ep.stats.staged_payloads.fetch_add(1, Ordering::Relaxed);
+                let bytes = bytes.to_vec();
+                self.mem_waiters.push_back(MemWaiter {
+                    conn: conn.key,
+                    kind: MemWait::Staged { ep: ep_id, sink, index: token.index as usize, bytes },
+                });
+                self.want_memory();
+            }
+            Err(e) => {
+                let f = self.pool_failure(ep_id, &conn.peer, bytes.len() as u64, &e);
+                self.deliver_err(ep_id, sink, token.index as usize, f);
+            }
+        }
+    }
+
+    pub(super) fn eager_stream(&mut self, conn: &mut Conn, token: Token, len: u32, sink: Option<Arc<dyn BlockSink>>) {
+        let ep_id = client_mut(conn).ep;
+        if len == 0 {
+            if let Some(sink) = sink {
+                self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Eager, 0);
+            }
+            client_mut(conn).payload = PayloadState::Discard;
+            if let Err(e) = conn.transport.place(Placement::Discard) {
+                self.fail(conn, e);
+            }
+            return;
+        }
+        client_mut(conn).payload = PayloadState::NeedsMemory { token, len, sink };
+        if !self.mem_waiters.is_empty() || !self.payload_memory(conn) {
+            client_mut(conn).session.stall();
+            self.mem_waiters.push_back(MemWaiter { conn: conn.key, kind: MemWait::Payload });
+            self.want_memory();
+        }
+    }
+}

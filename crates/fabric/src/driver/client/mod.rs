@@ -1,0 +1,636 @@
+//! The fetching endpoint: one connection per server address, a [`ClientSession`] each, all
+//! run by the driver's loop. Fetched blocks land in [`TieredPool`] buffers and go to a
+//! [`BlockSink`] on the driver's delivery thread.
+//!
+//! Memory: a block's buffer is taken with `try_acquire` only, never waited for. A
+//! rendezvous block that finds no buffer (or no room in the bytes-in-flight budget) waits in
+//! the loop's queue, and its session does not count that wait as peer silence. An eager
+//! payload that finds no buffer stops its stream connection (the socket buffer and TCP flow
+//! control push back on that one peer) or, on message transports whose receive buffers are
+//! shared by every peer, is copied aside until a buffer comes back, so the shared receive
+//! queue never runs dry because of a slow consumer.
+
+mod incoming;
+mod memory;
+
+use super::budget::{BudgetGuard, ByteBudget};
+use super::conn::{Conn, ConnKey, Role};
+use super::{Command, Driver, Loop};
+use crate::error::FabricError;
+use crate::memory::pool::{Lease, TieredPool};
+use crate::providers::tcp::OutPayload;
+use rdma_shuffle_wire::{
+    caps, BlockFailure, BlockSpan, ClientConfig, ClientSession, Descriptor, FailureCode, Knob, Limits, ProtocolError, RequestId,
+    Secret, Token,
+};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Receives the outcome of each block of one fetch, exactly once per block, on the driver's
+/// delivery thread.
+pub trait BlockSink: Send + Sync {
+    /// Block `index` of the fetch's list arrived (`Ok`) or failed (`Err`).
+    fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>);
+}
+
+/// A fetched block's bytes, in pool memory until dropped.
+#[derive(Debug)]
+pub struct FetchedBlock {
+    lease: Option<Lease>,
+    _budget: Option<BudgetGuard>,
+}
+
+impl FetchedBlock {
+    /// Block length.
+    pub fn len(&self) -> usize {
+        self.lease.as_ref().map(|l| l.len()).unwrap_or(0)
+    }
+
+    /// Whether the block is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The pool buffer holding the bytes (`None` for an empty block). The block's share of
+    /// the bytes-in-flight budget is given back here.
+    pub fn into_lease(self) -> Option<Lease> {
+        self.lease
+    }
+}
+
+impl Deref for FetchedBlock {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.lease {
+            Some(l) => l,
+            None => &[],
+        }
+    }
+}
+
+/// Settings of a fetching endpoint.
+#[derive(Clone, Debug)]
+pub struct ClientEndpointConfig {
+    /// Shared secret; servers must prove it too.
+    pub secret: Option<Secret>,
+    /// This engine's application id; servers of another application are refused.
+    pub app_id: String,
+    /// Limit for establishing a connection.
+    pub connect_timeout: Duration,
+    /// Limit for the handshake.
+    pub handshake_timeout: Duration,
+    /// Limit for silence from a server while we wait for it.
+    pub fetch_timeout: Duration,
+    /// Largest block accepted inline.
+    pub max_eager: u32,
+    /// Bound on rendezvous bytes in flight (being read, or delivered and not yet dropped),
+    /// over all servers. Capped at half the pool: the other half stays for eager blocks, so a
+    /// stream never waits for memory only its own progress could free.
+    pub max_bytes_in_flight: u64,
+    /// Bounds on what servers may send.
+    pub limits: Limits,
+    /// Name used in logs and errors (the executor id).
+    pub name: String,
+}
+
+impl Default for ClientEndpointConfig {
+    fn default() -> Self {
+        ClientEndpointConfig {
+            secret: None,
+            app_id: String::new(),
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(30),
+            fetch_timeout: Duration::from_secs(120),
+            max_eager: 1024 * 1024,
+            max_bytes_in_flight: 48 * 1024 * 1024,
+            limits: Limits::default(),
+            name: "client".into(),
+        }
+    }
+}
+
+/// Counters of a fetching endpoint.
+#[derive(Debug, Default)]
+pub struct ClientStats {
+    /// Connections whose handshake completed.
+    pub connections: AtomicU64,
+    /// Connection attempts that failed.
+    pub connect_failures: AtomicU64,
+    /// Client connections open now.
+    pub connections_open: AtomicU64,
+    /// Blocks delivered.
+    pub blocks_fetched: AtomicU64,
+    /// Bytes delivered.
+    pub bytes_fetched: AtomicU64,
+    /// Blocks delivered inline.
+    pub eager_blocks: AtomicU64,
+    /// Bytes delivered inline.
+    pub eager_bytes: AtomicU64,
+    /// Blocks delivered by rendezvous.
+    pub rendezvous_blocks: AtomicU64,
+    /// Bytes delivered by rendezvous.
+    pub rendezvous_bytes: AtomicU64,
+    /// Rendezvous blocks read one-sidedly (RDMA READ / sim).
+    pub one_sided_reads: AtomicU64,
+    /// Bytes read one-sidedly.
+    pub read_bytes: AtomicU64,
+    /// Rendezvous blocks pulled over the stream (tcp).
+    pub stream_pulls: AtomicU64,
+    /// Blocks that failed.
+    pub failed_blocks: AtomicU64,
+    /// Blocks that failed, by [`FailureCode`] (index of the code in [`FailureCode::ALL`]).
+    pub failed_by_code: [AtomicU64; FailureCode::ALL.len()],
+    /// Eager payloads copied aside because no pool buffer was free when they arrived.
+    pub staged_payloads: AtomicU64,
+    /// Connections closed after their idle timeout.
+    pub idle_closes: AtomicU64,
+}
+
+impl ClientStats {
+    /// Failed blocks of `code`.
+    pub fn failed(&self, code: FailureCode) -> u64 {
+        FailureCode::ALL.iter().position(|c| *c == code).map(|i| self.failed_by_code[i].load(Ordering::Relaxed)).unwrap_or(0)
+    }
+}
+
+/// Fetches blocks from many servers at once.
+pub struct ClientEndpoint {
+    driver: Driver,
+    id: u64,
+    pool: TieredPool,
+    stats: Arc<ClientStats>,
+    closed: AtomicBool,
+}
+
+impl ClientEndpoint {
+    /// A fetching endpoint on `driver`, landing blocks in `pool`.
+    pub fn new(driver: &Driver, pool: TieredPool, config: ClientEndpointConfig) -> Result<Self, FabricError> {
+        let half = (pool.config().cap_bytes / 2).max(1);
+        let mut config = config;
+        if config.max_bytes_in_flight > half {
+            tracing::debug!(requested = config.max_bytes_in_flight, used = half, "bytes in flight capped at half the pool");
+            config.max_bytes_in_flight = half;
+        }
+        let shared = driver.shared();
+        let id = shared.next_id();
+        let budget = ByteBudget::new(config.max_bytes_in_flight);
+        let hook: Arc<dyn crate::memory::pool::ReleaseHook> = shared.clone();
+        budget.set_hook(Arc::downgrade(&hook));
+        pool.add_release_hook(Arc::downgrade(&hook));
+        let stats = Arc::new(ClientStats::default());
+        shared.command(Command::AddClient(AddClient { id, config, pool: pool.clone(), budget, stats: stats.clone() }))?;
+        Ok(ClientEndpoint { driver: driver.clone(), id, pool, stats, closed: AtomicBool::new(false) })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ClientStats {
+        &self.stats
+    }
+
+    /// The pool blocks land in.
+    pub fn pool(&self) -> &TieredPool {
+        &self.pool
+    }
+
+    /// The provider's name.
+    pub fn provider(&self) -> &'static str {
+        self.driver.provider_name()
+    }
+
+    /// The driver this endpoint runs on.
+    pub fn driver(&self) -> &Driver {
+        &self.driver
+    }
+
+    /// Open connections.
+    pub fn connections(&self) -> usize {
+        self.stats.connections_open.load(Ordering::Relaxed) as usize
+    }
+
+    /// Fetches `blocks` from the server at `addr`. Returns at once; `sink` gets every block's
+    /// outcome exactly once, on the delivery thread.
+    pub fn fetch(&self, addr: SocketAddr, blocks: Vec<BlockSpan>, sink: Arc<dyn BlockSink>) {
+        if blocks.is_empty() {
+            return;
+        }
+        let cmd = Command::Fetch(FetchCmd { client: self.id, addr, blocks, sink });
+        if let Err(e) = self.driver.shared().command(cmd) {
+            // The loop is gone: nothing else would ever answer these blocks.
+            tracing::debug!(error = %e, "fetch after shutdown");
+        }
+        if self.closed.load(Ordering::Acquire) || self.driver.shared().stopping.load(Ordering::Acquire) {
+            // Commands queued after the loop's last turn are answered here.
+            self.drain_unanswered();
+        }
+    }
+
+    fn drain_unanswered(&self) {
+        let cmds: Vec<Command> = {
+            let mut q = self.driver.shared().commands.lock();
+            let (mine, rest): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut *q).into_iter().partition(|c| matches!(c, Command::Fetch(f) if f.client == self.id));
+            *q = rest;
+            mine
+        };
+        for c in cmds {
+            if let Command::Fetch(f) = c {
+                for (i, span) in f.blocks.iter().enumerate() {
+                    f.sink
+                        .on_block(i, Err(BlockFailure::new(FailureCode::PeerGone, format!("{span}: the endpoint is shut down"))));
+                }
+            }
+        }
+    }
+
+    /// Closes every connection (outstanding blocks fail with `PeerGone`). Idempotent.
+    pub fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.driver.shared().command(Command::RemoveClient { id: self.id, done: tx }).is_ok() {
+            let _ = rx.recv_timeout(Duration::from_secs(30));
+        }
+        self.drain_unanswered();
+    }
+}
+
+impl Drop for ClientEndpoint {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+pub(crate) struct AddClient {
+    id: u64,
+    config: ClientEndpointConfig,
+    pool: TieredPool,
+    budget: Arc<ByteBudget>,
+    stats: Arc<ClientStats>,
+}
+
+pub(crate) struct FetchCmd {
+    pub(crate) client: u64,
+    addr: SocketAddr,
+    blocks: Vec<BlockSpan>,
+    sink: Arc<dyn BlockSink>,
+}
+
+/// A client endpoint, inside the loop.
+pub(crate) struct ClientEp {
+    config: ClientEndpointConfig,
+    pool: TieredPool,
+    budget: Arc<ByteBudget>,
+    stats: Arc<ClientStats>,
+    conns: HashMap<SocketAddr, ConnKey>,
+}
+
+/// What a block waiting for memory needs.
+pub(crate) enum MemWait {
+    /// A buffer (and budget) to pull a rendezvous block into.
+    Rendezvous { token: Token, desc: Descriptor },
+    /// A buffer for an eager payload copied aside (message transports).
+    Staged { ep: u64, sink: Arc<dyn BlockSink>, index: usize, bytes: Vec<u8> },
+    /// A buffer for the eager payload its stream connection stopped at.
+    Payload,
+}
+
+/// What the payload being read on a stream connection is for.
+enum PayloadState {
+    None,
+    /// No buffer yet: the connection reads nothing until one comes.
+    NeedsMemory {
+        token: Token,
+        len: u32,
+        sink: Option<Arc<dyn BlockSink>>,
+    },
+    Eager {
+        token: Token,
+        sink: Option<Arc<dyn BlockSink>>,
+    },
+    Pull {
+        token: Token,
+        last: bool,
+    },
+    Discard,
+}
+
+/// A client connection, inside the loop.
+pub(crate) struct ClientConn {
+    ep: u64,
+    stats: Arc<ClientStats>,
+    addr: SocketAddr,
+    pub(crate) session: ClientSession,
+    sinks: HashMap<RequestId, Arc<dyn BlockSink>>,
+    /// (stream pulls) buffers of blocks being pulled, and their budget.
+    pull_leases: HashMap<Token, Lease>,
+    pull_guards: HashMap<Token, Option<BudgetGuard>>,
+    /// One-sided reads in flight: tag → block, budget, length.
+    reads: HashMap<u64, (Token, Option<BudgetGuard>, u64)>,
+    next_tag: u64,
+    payload: PayloadState,
+    connected: bool,
+    connect_deadline: Instant,
+    /// The handshake completed (counted once).
+    counted: bool,
+}
+
+impl ClientConn {
+    pub(crate) fn blocked(&self) -> bool {
+        matches!(self.payload, PayloadState::NeedsMemory { .. })
+    }
+
+    fn idle(&self) -> bool {
+        self.session.is_ready()
+            && self.session.outstanding_blocks() == 0
+            && self.reads.is_empty()
+            && matches!(self.payload, PayloadState::None | PayloadState::Discard)
+    }
+}
+
+fn client_mut(conn: &mut Conn) -> &mut ClientConn {
+    match &mut conn.role {
+        Role::Client(c) => c,
+        _ => unreachable_role(),
+    }
+}
+
+#[cold]
+fn unreachable_role() -> ! {
+    // Only called from client handlers, which the loop dispatches on `Role::Client`.
+    panic!("client handler called on a connection of another role")
+}
+
+fn code_index(code: FailureCode) -> usize {
+    FailureCode::ALL.iter().position(|c| *c == code).unwrap_or(FailureCode::ALL.len() - 1)
+}
+
+impl Loop {
+    pub(crate) fn add_client(&mut self, a: AddClient) {
+        let AddClient { id, config, pool, budget, stats } = a;
+        self.clients.insert(id, ClientEp { config, pool, budget, stats, conns: HashMap::new() });
+    }
+
+    pub(crate) fn remove_client(&mut self, id: u64) {
+        let Some(ep) = self.clients.get(&id) else { return };
+        let keys: Vec<ConnKey> = ep.conns.values().copied().collect();
+        for k in keys {
+            if let Some(mut conn) = self.take(k) {
+                client_mut(&mut conn).session.close();
+                self.client_events(&mut conn, None);
+                self.close(&mut conn, "the client endpoint was shut down".into(), false);
+                self.put(conn);
+            }
+        }
+        self.clients.remove(&id);
+        // Staged payloads of this endpoint fail now (no pool to put them in).
+        self.service_memory();
+    }
+
+    pub(crate) fn fetch(&mut self, f: FetchCmd) {
+        let FetchCmd { client, addr, blocks, sink } = f;
+        let fail_all = |lp: &Loop, code: FailureCode, why: String, knob: Option<Knob>| {
+            for (i, span) in blocks.iter().enumerate() {
+                let failure = BlockFailure::new(code, format!("{span}: {why}")).with_knob(knob);
+                if let Some(ep) = lp.clients.get(&client) {
+                    ep.stats.failed_blocks.fetch_add(1, Ordering::Relaxed);
+                    ep.stats.failed_by_code[code_index(code)].fetch_add(1, Ordering::Relaxed);
+                }
+                lp.shared.delivery.send((sink.clone(), i, Err(failure)));
+            }
+        };
+        let Some(ep) = self.clients.get(&client) else {
+            fail_all(self, FailureCode::PeerGone, "the endpoint is shut down".into(), None);
+            return;
+        };
+        // A connection that is closing (idle, or failed and draining its device work) takes
+        // no new requests: the fetch opens a new one.
+        let existing = ep.conns.get(&addr).copied().filter(|k| self.live(*k));
+        let (key, fresh) = match existing {
+            Some(k) => (k, false),
+            None => match self.client_connect(client, addr) {
+                Ok(k) => (k, true),
+                Err(e) => {
+                    let name = self.clients.get(&client).map(|e| e.config.name.clone()).unwrap_or_default();
+                    if let Some(ep) = self.clients.get(&client) {
+                        ep.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let code = if matches!(e, FabricError::ConnectTimeout { .. }) {
+                        FailureCode::Timeout
+                    } else {
+                        FailureCode::PeerGone
+                    };
+                    let knob = e.knob();
+                    fail_all(self, code, format!("{name} cannot reach {addr}: {e}"), knob);
+                    return;
+                }
+            },
+        };
+        let Some(mut conn) = self.take(key) else {
+            // Gone between the lookup and now (cannot happen within one turn): fail rather than
+            // lose the blocks.
+            fail_all(self, FailureCode::PeerGone, format!("the connection to {addr} closed"), None);
+            return;
+        };
+        // The request is in the session before the connection is first driven: a peer that
+        // answers (or refuses) at once still finds it there.
+        let c = client_mut(&mut conn);
+        let req = c.session.fetch(blocks, Instant::now());
+        c.sinks.insert(req, sink);
+        self.client_events(&mut conn, None);
+        self.put(conn);
+        if fresh {
+            self.activate(key);
+        }
+    }
+
+    pub(super) fn client_connect(&mut self, ep_id: u64, addr: SocketAddr) -> Result<ConnKey, FabricError> {
+        let transport = super::connect(self, addr)?;
+        let ep = self.clients.get_mut(&ep_id).ok_or(FabricError::Shutdown)?;
+        let cfg = &ep.config;
+        let now = Instant::now();
+        let mut sc = ClientConfig::new(addr.to_string(), rand::random());
+        sc.secret = cfg.secret.clone();
+        sc.app_id = cfg.app_id.clone();
+        sc.max_eager = cfg.max_eager.min(transport_max_eager(&transport));
+        sc.limits = cfg.limits;
+        sc.handshake_timeout = cfg.handshake_timeout;
+        sc.fetch_timeout = cfg.fetch_timeout;
+        #[cfg(feature = "verbs")]
+        if let crate::driver::conn::Transport::Verbs(v) = &transport {
+            // Answers land in the shared receive queue: the driver sends requests only as far
+            // as the queue has room for their answers, and a Fetch must fit one buffer.
+            sc.auto_flush = false;
+            let fit = (v.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
+            sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
+        }
+        if !transport.one_sided() {
+            sc.caps &= !caps::RDMA_READ;
+        }
+        let connect_deadline = now + cfg.connect_timeout;
+        let role = Role::Client(Box::new(ClientConn {
+            ep: ep_id,
+            stats: ep.stats.clone(),
+            addr,
+            session: ClientSession::new(sc, now),
+            sinks: HashMap::new(),
+            pull_leases: HashMap::new(),
+            pull_guards: HashMap::new(),
+            reads: HashMap::new(),
+            next_tag: 1,
+            payload: PayloadState::None,
+            connected: !transport.is_stream() || is_connected(&transport),
+            connect_deadline,
+            counted: false,
+        }));
+        let stats = ep.stats.clone();
+        let key = self.insert(addr.to_string(), transport, role);
+        stats.connections_open.fetch_add(1, Ordering::Relaxed);
+        if let Some(ep) = self.clients.get_mut(&ep_id) {
+            ep.conns.insert(addr, key);
+        }
+        // Activated by the caller once the first request is in the session.
+        Ok(key)
+    }
+
+    pub(crate) fn client_connected(&mut self, conn: &mut Conn) {
+        client_mut(conn).connected = true;
+    }
+
+    /// Sends what the session queued (on verbs, first the requests the shared receive queue
+    /// has room to answer).
+    pub(crate) fn client_after(&mut self, conn: &mut Conn) {
+        #[cfg(feature = "verbs")]
+        if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
+            let c = match &mut conn.role {
+                Role::Client(c) => c,
+                _ => return,
+            };
+            if let (true, Some(e)) = (v.is_open(), self.net.verbs.as_mut()) {
+                if c.session.queued_blocks() > 0 {
+                    let sent = c.session.flush_requests(e.client_room(), Instant::now());
+                    e.take_client_room(sent);
+                    v.requested(sent);
+                    if c.session.queued_blocks() > 0 {
+                        e.starve(conn.key.to_u64());
+                    }
+                }
+            }
+        }
+        while let Some(f) = client_mut(conn).session.poll_transmit() {
+            if let Err(e) = conn.transport.send(&mut self.net, &f, OutPayload::None) {
+                self.fail(conn, e);
+                return;
+            }
+        }
+    }
+
+    pub(crate) fn client_deadline(&self, conn: &Conn, c: &ClientConn) -> Option<Instant> {
+        let mut d = c.session.poll_timeout();
+        if !c.connected {
+            d = Some(d.map_or(c.connect_deadline, |x| x.min(c.connect_deadline)));
+        }
+        if c.idle() {
+            let idle = conn.last_active + self.idle_timeout();
+            d = Some(d.map_or(idle, |x| x.min(idle)));
+        }
+        d
+    }
+
+    pub(crate) fn client_timeout(&mut self, conn: &mut Conn, now: Instant) {
+        let ep_id = client_mut(conn).ep;
+        let c = client_mut(conn);
+        if !c.connected && now >= c.connect_deadline {
+            let ms = self.clients.get(&ep_id).map(|e| e.config.connect_timeout.as_millis() as u64).unwrap_or(0);
+            c.session.fail_with(ProtocolError::Timeout {
+                what: "connecting",
+                waited_ms: ms,
+                timeout_ms: ms,
+                knob: Knob::ConnectTimeout,
+            });
+            if let Some(ep) = self.clients.get(&ep_id) {
+                ep.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            self.client_events(conn, None);
+            return;
+        }
+        c.session.handle_timeout(now);
+        if client_mut(conn).session.is_closed() {
+            self.client_events(conn, None);
+            return;
+        }
+        if client_mut(conn).idle() && now >= conn.last_active + self.idle_timeout() {
+            if let Some(ep) = self.clients.get(&ep_id) {
+                ep.stats.idle_closes.fetch_add(1, Ordering::Relaxed);
+            }
+            self.shared.stats.idle_closes.fetch_add(1, Ordering::Relaxed);
+            client_mut(conn).session.close();
+            self.client_events(conn, None);
+        }
+    }
+
+    pub(crate) fn client_failed(&mut self, conn: &mut Conn, error: &FabricError) {
+        let c = client_mut(conn);
+        if !c.session.is_closed() {
+            match error {
+                FabricError::Frame { source, .. } => {
+                    c.session.handle_decode_error(source.clone());
+                }
+                _ => c.session.handle_connection_lost(error.to_string()),
+            }
+        }
+        self.client_events(conn, None);
+    }
+
+    pub(crate) fn client_removed(&mut self, conn: &mut Conn) {
+        let c = client_mut(conn);
+        let (ep_id, addr) = (c.ep, c.addr);
+        c.pull_leases.clear();
+        c.pull_guards.clear();
+        let reads = c.reads.len();
+        c.reads.clear();
+        if reads > 0 {
+            self.shared.stats.note_reads(-(reads as i64));
+        }
+        c.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
+        if let Some(ep) = self.clients.get_mut(&ep_id) {
+            if ep.conns.get(&addr) == Some(&conn.key) {
+                ep.conns.remove(&addr);
+            }
+        }
+    }
+
+    /// Blocks of `ep` the driver still holds (for shutdown accounting in tests).
+    #[allow(dead_code)]
+    pub(crate) fn client_budget_used(&self, ep: u64) -> u64 {
+        self.clients.get(&ep).map(|e| e.budget.used()).unwrap_or(0)
+    }
+}
+
+/// How a block was delivered, for the counters.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Eager,
+    Read,
+    Stream,
+}
+
+fn is_connected(t: &crate::driver::conn::Transport) -> bool {
+    match t {
+        crate::driver::conn::Transport::Tcp(t) => t.is_connected(),
+        _ => true,
+    }
+}
+
+/// The largest eager payload a transport's receive buffers hold (unbounded for streams).
+fn transport_max_eager(t: &crate::driver::conn::Transport) -> u32 {
+    match t {
+        #[cfg(feature = "verbs")]
+        crate::driver::conn::Transport::Verbs(v) => v.max_eager(),
+        _ => u32::MAX,
+    }
+}

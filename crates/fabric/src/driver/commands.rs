@@ -1,0 +1,98 @@
+//! Commands from other threads, whole-loop shutdown, the verbs completion queue, and memory
+//! interest.
+
+use super::conn::ConnKey;
+use super::{Command, Loop, CLOSE_LINGER};
+use crate::error::FabricError;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+impl Loop {
+    // ------------------------------------------------------------------ commands
+
+    pub(crate) fn commands(&mut self) {
+        let cmds: Vec<Command> = std::mem::take(&mut *self.shared.commands.lock());
+        for c in cmds {
+            match c {
+                Command::AddServer(a) => self.add_server(a),
+                Command::RemoveServer { id, done } => {
+                    self.remove_server(id);
+                    let _ = done.send(());
+                }
+                Command::AddClient(a) => self.add_client(a),
+                Command::RemoveClient { id, done } => {
+                    self.remove_client(id);
+                    let _ = done.send(());
+                }
+                Command::Fetch(f) => self.fetch(f),
+                Command::Channel(c) => self.channel_command(c),
+                Command::Shutdown => {
+                    self.close_everything("the engine is shutting down");
+                    self.exiting = Some(Instant::now() + CLOSE_LINGER + Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    pub(crate) fn close_everything(&mut self, why: &str) {
+        let servers: Vec<u64> = self.servers.keys().copied().collect();
+        for id in servers {
+            self.remove_server(id);
+        }
+        let clients: Vec<u64> = self.clients.keys().copied().collect();
+        for id in clients {
+            self.remove_client(id);
+        }
+        let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
+        for id in listeners {
+            self.remove_chan_listener(id);
+        }
+        let keys: Vec<ConnKey> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.conn.is_some())
+            .map(|(i, s)| ConnKey { index: i as u32, gen: s.gen })
+            .collect();
+        for k in keys {
+            if let Some(mut conn) = self.take(k) {
+                self.fail(&mut conn, FabricError::Shutdown);
+                let _ = why;
+                self.put(conn);
+            }
+        }
+        // Blocks staged in memory waiters of endpoints that are gone fail now.
+        self.service_memory();
+    }
+
+    // ------------------------------------------------------------------ verbs
+
+    pub(crate) fn verbs_events(&mut self) {
+        #[cfg(feature = "verbs")]
+        {
+            let Some(v) = self.net.verbs.as_mut() else { return };
+            let touched = v.poll_completions(&self.shared.stats);
+            for k in touched {
+                self.drive(ConnKey::from_u64(k));
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ memory
+
+    /// Registers interest in memory coming back (pool leases, budget bytes), for a block
+    /// just queued to wait for it.
+    pub(crate) fn want_memory(&mut self) {
+        self.shared.mem_wanted.store(true, Ordering::Release);
+        self.mem_dirty = true;
+    }
+
+    /// Queues a connection to be driven again on this turn (it was unblocked).
+    pub(crate) fn drive_again(&mut self, key: ConnKey) {
+        self.again.push(key);
+    }
+
+    pub(crate) fn idle_timeout(&self) -> Duration {
+        self.shared.config.idle_timeout
+    }
+}

@@ -1,0 +1,61 @@
+//! The delivery thread: hands block outcomes to their sinks, so a slow sink (a JVM callback)
+//! never stalls the loop's I/O.
+
+use super::client::{BlockSink, FetchedBlock};
+use crossbeam_channel::{unbounded, Sender};
+use parking_lot::Mutex;
+use rdma_shuffle_wire::BlockFailure;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// One outcome for one sink.
+pub(crate) type Job = (Arc<dyn BlockSink>, usize, Result<FetchedBlock, BlockFailure>);
+
+pub(crate) struct Delivery {
+    tx: Mutex<Option<Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Delivery {
+    pub(crate) fn start(name: &str) -> std::io::Result<Delivery> {
+        let (tx, rx) = unbounded::<Job>();
+        let thread = std::thread::Builder::new().name(format!("rdma-shuffle-deliver-{name}")).spawn(move || {
+            for (sink, index, result) in rx.iter() {
+                // A sink that panics loses its block, not the thread: every other sink still
+                // gets its outcomes.
+                if catch_unwind(AssertUnwindSafe(|| sink.on_block(index, result))).is_err() {
+                    tracing::error!(index, "a block sink panicked; its outcome is lost");
+                }
+            }
+        })?;
+        Ok(Delivery { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
+    }
+
+    /// Queues an outcome. After [`stop`](Self::stop) the outcome is delivered on the calling
+    /// thread instead, so none is ever lost.
+    pub(crate) fn send(&self, job: Job) {
+        let job = match self.tx.lock().as_ref() {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => return,
+                Err(e) => e.0,
+            },
+            None => job,
+        };
+        let (sink, index, result) = job;
+        if catch_unwind(AssertUnwindSafe(|| sink.on_block(index, result))).is_err() {
+            tracing::error!(index, "a block sink panicked; its outcome is lost");
+        }
+    }
+
+    /// Delivers everything queued, then ends the thread.
+    pub(crate) fn stop(&self) {
+        drop(self.tx.lock().take());
+        let t = self.thread.lock().take();
+        if let Some(t) = t {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}

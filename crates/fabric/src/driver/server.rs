@@ -1,0 +1,524 @@
+//! The serving endpoint: accepts connections, runs a [`ServerSession`] each, resolves blocks
+//! through a [`BlockSource`], sends eager payloads and pulls straight from the sources (no
+//! copy on tcp), and exposes rendezvous regions to the one client that asked for them for
+//! exactly as long as it holds them.
+//!
+//! Before a client authenticated, its connection is a socket and a session — nothing is
+//! exposed, registered or granted for it, and at most
+//! [`DriverConfig::max_pending_handshakes`](super::DriverConfig) such connections exist: a
+//! new one evicts the oldest.
+
+use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::{Command, Driver, ListenSocket, Loop};
+use crate::error::FabricError;
+use crate::providers::tcp::OutPayload;
+use crate::providers::Source;
+use rdma_shuffle_wire::server::ServerCounters;
+use rdma_shuffle_wire::{
+    BlockFailure, BlockSpan, Descriptor, FailureCode, Frame, Limits, ProtocolError, RegionId, Resolved, Secret, ServerConfig,
+    ServerHooks, ServerOutput, ServerSession,
+};
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Maps requested spans to registered bytes. Implemented by the shuffle layer's store.
+pub trait BlockSource: Send + Sync {
+    /// Where `span`'s bytes are, or why it cannot be served. Runs on the loop thread: must
+    /// not block on I/O beyond reading memory-mapped index data.
+    fn resolve(&self, span: &BlockSpan) -> Result<Resolved<Arc<dyn Source>>, BlockFailure>;
+}
+
+/// Settings of a serving endpoint.
+#[derive(Clone, Debug)]
+pub struct ServerEndpointConfig {
+    /// When set, clients must prove knowledge of it.
+    pub secret: Option<Secret>,
+    /// This engine's application id; clients of another application are refused.
+    pub app_id: String,
+    /// Most blocks in flight per client connection (a verbs server grants fewer when its
+    /// shared receive queue is short).
+    pub credits: u32,
+    /// Blocks up to this size are sent inline.
+    pub eager_threshold: u32,
+    /// Bounds on what clients may send.
+    pub limits: Limits,
+    /// Limit for a client to complete the handshake.
+    pub handshake_timeout: Duration,
+    /// Name used in logs (the executor id).
+    pub name: String,
+}
+
+impl Default for ServerEndpointConfig {
+    fn default() -> Self {
+        ServerEndpointConfig {
+            secret: None,
+            app_id: String::new(),
+            credits: 64,
+            eager_threshold: 64 * 1024,
+            limits: Limits::default(),
+            handshake_timeout: Duration::from_secs(30),
+            name: "server".into(),
+        }
+    }
+}
+
+/// Counters of a serving endpoint, summed over connections.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Connections accepted.
+    pub connections: AtomicU64,
+    /// Connections open now.
+    pub connections_open: AtomicU64,
+    /// Connections that ended with a protocol or I/O error.
+    pub connection_errors: AtomicU64,
+    /// Connections refused during authentication (wrong or missing proof, other application).
+    pub auth_failures: AtomicU64,
+    /// Blocks sent inline.
+    pub eager_blocks: AtomicU64,
+    /// Bytes sent inline.
+    pub eager_bytes: AtomicU64,
+    /// Blocks offered by rendezvous.
+    pub rendezvous_blocks: AtomicU64,
+    /// Bytes offered by rendezvous.
+    pub rendezvous_bytes: AtomicU64,
+    /// Bytes streamed for pulls (tcp).
+    pub pulled_bytes: AtomicU64,
+    /// Blocks answered with a failure.
+    pub failed_blocks: AtomicU64,
+}
+
+impl ServerStats {
+    /// Adds what a session counted since `last`.
+    fn publish(&self, now: &ServerCounters, last: &mut ServerCounters) {
+        self.eager_blocks.fetch_add(now.eager_blocks - last.eager_blocks, Ordering::Relaxed);
+        self.eager_bytes.fetch_add(now.eager_bytes - last.eager_bytes, Ordering::Relaxed);
+        // Abandoned regions take back what they counted.
+        self.rendezvous_blocks.fetch_add(now.rendezvous_blocks.wrapping_sub(last.rendezvous_blocks), Ordering::Relaxed);
+        self.rendezvous_bytes.fetch_add(now.rendezvous_bytes.wrapping_sub(last.rendezvous_bytes), Ordering::Relaxed);
+        self.pulled_bytes.fetch_add(now.pulled_bytes - last.pulled_bytes, Ordering::Relaxed);
+        self.failed_blocks.fetch_add(now.failed_blocks - last.failed_blocks, Ordering::Relaxed);
+        *last = *now;
+    }
+
+    /// Blocks served (inline or by rendezvous).
+    pub fn blocks_served(&self) -> u64 {
+        self.eager_blocks.load(Ordering::Relaxed) + self.rendezvous_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Bytes served (inline or by rendezvous).
+    pub fn bytes_served(&self) -> u64 {
+        self.eager_bytes.load(Ordering::Relaxed) + self.rendezvous_bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// A listening endpoint serving blocks until [`shutdown`](ServerEndpoint::shutdown) or drop.
+pub struct ServerEndpoint {
+    driver: Driver,
+    id: u64,
+    addr: SocketAddr,
+    stats: Arc<ServerStats>,
+    closed: AtomicBool,
+}
+
+impl ServerEndpoint {
+    /// Listens on `addr` on `driver` and serves blocks from `source`.
+    pub fn bind(
+        driver: &Driver,
+        addr: SocketAddr,
+        config: ServerEndpointConfig,
+        source: Arc<dyn BlockSource>,
+    ) -> Result<Self, FabricError> {
+        let shared = driver.shared();
+        let id = shared.next_id();
+        let stats = Arc::new(ServerStats::default());
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let name = config.name.clone();
+        shared.command(Command::AddServer(AddServer { id, addr, config, source, stats: stats.clone(), reply: tx }))?;
+        let addr = rx.recv().map_err(|_| FabricError::Shutdown)??;
+        tracing::info!(%addr, provider = driver.provider_name(), %name, "block server listening");
+        Ok(ServerEndpoint { driver: driver.clone(), id, addr, stats, closed: AtomicBool::new(false) })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The provider's name.
+    pub fn provider(&self) -> &'static str {
+        self.driver.provider_name()
+    }
+
+    /// The driver this endpoint runs on.
+    pub fn driver(&self) -> &Driver {
+        &self.driver
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// Open client connections.
+    pub fn connections(&self) -> usize {
+        self.stats.connections_open.load(Ordering::Relaxed) as usize
+    }
+
+    /// Stops accepting and closes every connection. Idempotent.
+    pub fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.driver.shared().command(Command::RemoveServer { id: self.id, done: tx }).is_ok() {
+            let _ = rx.recv_timeout(Duration::from_secs(30));
+        }
+        tracing::info!(addr = %self.addr, "block server stopped");
+    }
+}
+
+impl Drop for ServerEndpoint {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+pub(crate) struct AddServer {
+    id: u64,
+    addr: SocketAddr,
+    config: ServerEndpointConfig,
+    source: Arc<dyn BlockSource>,
+    stats: Arc<ServerStats>,
+    reply: crossbeam_channel::Sender<Result<SocketAddr, FabricError>>,
+}
+
+/// A server endpoint, inside the loop.
+pub(crate) struct ServerEp {
+    config: ServerEndpointConfig,
+    source: Arc<dyn BlockSource>,
+    stats: Arc<ServerStats>,
+    pub(crate) socket: ListenSocket,
+    addr: SocketAddr,
+    conns: HashSet<ConnKey>,
+}
+
+/// A server connection, inside the loop.
+pub(crate) struct ServerConn {
+    ep: u64,
+    stats: Arc<ServerStats>,
+    pub(crate) session: ServerSession<Arc<dyn Source>>,
+    /// Exposed regions and their keys.
+    exposures: HashMap<RegionId, u32>,
+    published: ServerCounters,
+    /// Not yet authenticated (counted in the pending gauge).
+    pending: bool,
+}
+
+fn server_mut(conn: &mut Conn) -> &mut ServerConn {
+    match &mut conn.role {
+        Role::Server(s) => s,
+        _ => unreachable_role(),
+    }
+}
+
+#[cold]
+fn unreachable_role() -> ! {
+    // Only called from server handlers, which the loop dispatches on `Role::Server`.
+    panic!("server handler called on a connection of another role")
+}
+
+/// What the session asks of the loop while it handles a frame.
+struct Hooks<'a> {
+    source: &'a dyn BlockSource,
+    grant: &'a mut dyn FnMut(u32) -> u32,
+}
+
+impl ServerHooks<Arc<dyn Source>> for Hooks<'_> {
+    fn resolve(&mut self, span: &BlockSpan) -> Result<Resolved<Arc<dyn Source>>, BlockFailure> {
+        self.source.resolve(span)
+    }
+    fn grant(&mut self, max: u32) -> u32 {
+        (self.grant)(max)
+    }
+}
+
+impl Loop {
+    pub(crate) fn add_server(&mut self, a: AddServer) {
+        let AddServer { id, addr, config, source, stats, reply } = a;
+        match self.listen(id, addr) {
+            Ok((local, socket)) => {
+                self.servers.insert(id, ServerEp { config, source, stats, socket, addr: local, conns: HashSet::new() });
+                let _ = reply.send(Ok(local));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    pub(crate) fn remove_server(&mut self, id: u64) {
+        let Some(mut ep) = self.servers.remove(&id) else { return };
+        self.unlisten(ep.addr, &mut ep.socket);
+        let keys: Vec<ConnKey> = ep.conns.iter().copied().collect();
+        // Put the endpoint back while its connections close, so their handlers find it.
+        self.servers.insert(id, ep);
+        for k in keys {
+            if let Some(mut conn) = self.take(k) {
+                self.fail(&mut conn, FabricError::Shutdown);
+                self.put(conn);
+            }
+        }
+        if let Some(mut ep) = self.servers.remove(&id) {
+            // Connections still draining keep nothing of the endpoint but its id.
+            ep.conns.clear();
+        }
+    }
+
+    pub(crate) fn server_accepted(&mut self, id: u64, peer: String, transport: Transport) {
+        let Some(ep) = self.servers.get(&id) else { return };
+        let c = &ep.config;
+        let mut sc = ServerConfig::new(peer.clone(), rand::random());
+        sc.secret = c.secret.clone();
+        sc.app_id = c.app_id.clone();
+        sc.credits = c.credits;
+        sc.eager_threshold = c.eager_threshold;
+        sc.limits = c.limits;
+        sc.handshake_timeout = c.handshake_timeout;
+        if !transport.one_sided() {
+            sc.caps &= !rdma_shuffle_wire::caps::RDMA_READ;
+        }
+        let session = ServerSession::new(sc, Instant::now());
+        let role = Role::Server(Box::new(ServerConn {
+            ep: id,
+            stats: ep.stats.clone(),
+            session,
+            exposures: HashMap::new(),
+            published: ServerCounters::default(),
+            pending: true,
+        }));
+        ep.stats.connections.fetch_add(1, Ordering::Relaxed);
+        ep.stats.connections_open.fetch_add(1, Ordering::Relaxed);
+        let key = self.insert(peer, transport, role);
+        if let Some(ep) = self.servers.get_mut(&id) {
+            ep.conns.insert(key);
+        }
+        self.pending.push_back(key);
+        self.shared.stats.pending_handshakes.fetch_add(1, Ordering::Relaxed);
+        // Oldest first: a flood of silent peers cannot keep out the ones behind it, and it
+        // never holds more than the cap.
+        while self.pending.len() > self.shared.config.max_pending_handshakes.max(1) {
+            let Some(oldest) = self.pending.pop_front() else { break };
+            if let Some(mut conn) = self.take(oldest) {
+                self.shared.stats.handshake_evictions.fetch_add(1, Ordering::Relaxed);
+                self.leave_pending(&mut conn);
+                self.close(&mut conn, "evicted: too many connections waiting for their handshake".into(), false);
+                self.put(conn);
+            }
+        }
+        self.activate(key);
+    }
+
+    fn leave_pending(&mut self, conn: &mut Conn) {
+        let s = server_mut(conn);
+        if s.pending {
+            s.pending = false;
+            self.shared.stats.pending_handshakes.fetch_sub(1, Ordering::Relaxed);
+            let key = conn.key;
+            self.pending.retain(|k| *k != key);
+        }
+    }
+
+    pub(crate) fn server_incoming(&mut self, conn: &mut Conn, inc: Incoming) {
+        match inc {
+            Incoming::Frame(frame) => {
+                if frame.kind().payload_offset().is_some() {
+                    // Clients send no payloads; the session refuses the frame, the bytes go.
+                    let _ = conn.transport.place(Placement::Discard);
+                }
+                self.server_frame(conn, frame);
+            }
+            Incoming::Message(frame, _) => self.server_frame(conn, frame),
+            Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } => {}
+            #[cfg(feature = "verbs")]
+            Incoming::Attach(data) => self.server_attach(conn, data),
+            #[cfg(feature = "verbs")]
+            Incoming::Attached => {}
+        }
+    }
+
+    #[cfg(feature = "verbs")]
+    fn server_attach(&mut self, conn: &mut Conn, data: Vec<u8>) {
+        // The queue pair is created only now, and only for a peer that authenticated.
+        if !conn.authenticated || !server_mut(conn).session.is_ready() {
+            let e = ProtocolError::UnexpectedFrame { kind: rdma_shuffle_wire::FrameKind::Attach, state: "before authentication" };
+            server_mut(conn).session.fail_with(e);
+            self.server_after(conn);
+            self.close(conn, "attach before authentication".into(), true);
+            return;
+        }
+        let key = conn.key.to_u64();
+        let Transport::Verbs(v) = &mut conn.transport else { return };
+        if let Err(e) = v.accept_attach(&mut self.net, &self.shared.stats, key, &data) {
+            self.fail(conn, e);
+        }
+    }
+
+    fn server_frame(&mut self, conn: &mut Conn, frame: Frame) {
+        let ep_id = server_mut(conn).ep;
+        let Some(ep) = self.servers.get(&ep_id) else {
+            self.close(conn, "the server endpoint was shut down".into(), false);
+            return;
+        };
+        let source = ep.source.clone();
+        #[cfg(feature = "verbs")]
+        let mut grant = {
+            let net = &mut self.net;
+            let is_verbs = matches!(conn.transport, Transport::Verbs(_));
+            move |max: u32| if is_verbs { net.verbs.as_mut().map(|v| v.grant(max)).unwrap_or(max) } else { max }
+        };
+        #[cfg(not(feature = "verbs"))]
+        let mut grant = |max: u32| max;
+        let mut hooks = Hooks { source: &*source, grant: &mut grant };
+        let r = server_mut(conn).session.handle_frame(frame, &mut hooks);
+        if server_mut(conn).session.is_ready() && !conn.authenticated {
+            conn.authenticated = true;
+            self.leave_pending(conn);
+            #[cfg(feature = "verbs")]
+            {
+                let live = server_mut(conn).session.live_credits();
+                if let Transport::Verbs(v) = &mut conn.transport {
+                    v.granted(live);
+                }
+            }
+        }
+        if let Err(e) = r {
+            if let Some(ep) = self.servers.get(&ep_id) {
+                ep.stats.connection_errors.fetch_add(1, Ordering::Relaxed);
+                if matches!(e.error, ProtocolError::AuthRefused(_) | ProtocolError::AppMismatch { .. }) {
+                    ep.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            tracing::warn!(driver = %self.shared.name, peer = %conn.peer, error = %e, "closing client connection");
+            self.server_after(conn);
+            self.close(conn, e.to_string(), true);
+        }
+    }
+
+    /// Acts on what the session produced: frames, payloads, exposures and revocations.
+    pub(crate) fn server_after(&mut self, conn: &mut Conn) {
+        let ep_id = server_mut(conn).ep;
+        while let Some(out) = server_mut(conn).session.poll_output() {
+            let r = match out {
+                ServerOutput::Frame(f) => conn.transport.send(&mut self.net, &f, OutPayload::None),
+                ServerOutput::Eager { frame, source, offset, len } | ServerOutput::PullData { frame, source, offset, len } => {
+                    conn.transport.send(&mut self.net, &frame, OutPayload::Source { source, offset, len })
+                }
+                ServerOutput::Expose { req, index, region, source, offset, len } => {
+                    if !conn.authenticated {
+                        // Cannot happen (the session exposes only after authentication); the
+                        // counter would show it.
+                        self.shared.stats.preauth_registered_bytes.fetch_add(len, Ordering::Relaxed);
+                    }
+                    match conn.transport.expose(&mut self.net, source, offset, len) {
+                        Ok((addr, rkey)) => {
+                            server_mut(conn).exposures.insert(region, rkey);
+                            // Counted before the descriptor leaves.
+                            self.update_registered();
+                            let desc = Descriptor { region, addr, len, rkey };
+                            conn.transport.send(&mut self.net, &Frame::Rendezvous { req, index, desc }, OutPayload::None)
+                        }
+                        Err(e) => {
+                            tracing::warn!(peer = %conn.peer, error = %e, "cannot expose a rendezvous region; the block fails");
+                            let f = BlockFailure::new(FailureCode::Io, format!("cannot expose the block for reading: {e}"));
+                            server_mut(conn).session.abandon_region(req, index, region, f);
+                            Ok(())
+                        }
+                    }
+                }
+                ServerOutput::Revoke { region } => {
+                    if let Some(rkey) = server_mut(conn).exposures.remove(&region) {
+                        conn.transport.revoke(&mut self.net, rkey);
+                    }
+                    Ok(())
+                }
+            };
+            if let Err(e) = r {
+                self.fail(conn, e);
+                return;
+            }
+        }
+        self.update_registered();
+        if let Some(ep) = self.servers.get(&ep_id) {
+            let s = server_mut(conn);
+            ep.stats.publish(&s.session.counters(), &mut s.published);
+        }
+    }
+
+    pub(crate) fn server_deadline(&self, conn: &Conn, s: &ServerConn) -> Option<Instant> {
+        let mut d = s.session.poll_timeout();
+        if s.session.is_ready() && s.session.outstanding() == 0 && s.session.open_regions() == 0 {
+            // Twice the client's limit: the client normally closes first.
+            let idle = conn.last_active + self.idle_timeout() * 2;
+            d = Some(d.map_or(idle, |x| x.min(idle)));
+        }
+        d
+    }
+
+    pub(crate) fn server_timeout(&mut self, conn: &mut Conn, now: Instant) {
+        if server_mut(conn).session.handle_timeout(now).is_err() {
+            self.shared.stats.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+            self.server_after(conn);
+            self.close(conn, "handshake timeout".into(), true);
+            return;
+        }
+        let s = server_mut(conn);
+        if s.session.is_ready()
+            && s.session.outstanding() == 0
+            && s.session.open_regions() == 0
+            && now >= conn.last_active + self.idle_timeout() * 2
+        {
+            self.shared.stats.idle_closes.fetch_add(1, Ordering::Relaxed);
+            self.close(conn, "idle".into(), false);
+        }
+    }
+
+    /// The transport failed. Returns whether frames queued for the peer (an `Error` about a
+    /// frame it sent that could not be decoded) should be flushed first.
+    pub(crate) fn server_failed(&mut self, conn: &mut Conn, error: &FabricError) -> bool {
+        let ep_id = server_mut(conn).ep;
+        let quiet = matches!(error, FabricError::Closed { .. } | FabricError::Shutdown);
+        if !quiet {
+            if let Some(ep) = self.servers.get(&ep_id) {
+                ep.stats.connection_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::warn!(driver = %self.shared.name, peer = %conn.peer, error = %error, "closing client connection");
+        } else {
+            tracing::debug!(peer = %conn.peer, "client disconnected");
+        }
+        let s = server_mut(conn);
+        if let FabricError::Frame { source, .. } = error {
+            s.session.handle_decode_error(source.clone());
+            self.server_after(conn);
+            return true;
+        }
+        let _ = s.session.handle_connection_lost(error.to_string());
+        false
+    }
+
+    pub(crate) fn server_removed(&mut self, conn: &mut Conn) {
+        self.leave_pending(conn);
+        let s = server_mut(conn);
+        let ep_id = s.ep;
+        s.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
+        let regions: Vec<u32> = s.exposures.drain().map(|(_, k)| k).collect();
+        for rkey in regions {
+            conn.transport.revoke(&mut self.net, rkey);
+        }
+        if let Some(ep) = self.servers.get_mut(&ep_id) {
+            ep.conns.remove(&conn.key);
+        }
+    }
+}

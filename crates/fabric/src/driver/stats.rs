@@ -1,0 +1,62 @@
+//! The driver's counters and gauges.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters and gauges of a driver, summed over its endpoints.
+#[derive(Debug, Default)]
+pub struct DriverStats {
+    /// Connections open now (every role).
+    pub connections_open: AtomicU64,
+    /// Server connections accepted but not yet authenticated, now.
+    pub pending_handshakes: AtomicU64,
+    /// Unauthenticated connections closed at the handshake timeout.
+    pub handshake_timeouts: AtomicU64,
+    /// Unauthenticated connections evicted for newer ones at the pending cap.
+    pub handshake_evictions: AtomicU64,
+    /// Memory this driver registered with the device now: receive and send buffers and
+    /// exposed regions (sim counts exposed regions too). Pool slabs are the provider's.
+    pub registered_bytes: AtomicU64,
+    /// Memory ever registered for a peer before it authenticated. Stays 0: the counter is
+    /// the proof.
+    pub preauth_registered_bytes: AtomicU64,
+    /// Connections closed after their idle timeout.
+    pub idle_closes: AtomicU64,
+    /// One-sided reads posted and not yet completed, now.
+    pub reads_in_flight: AtomicU64,
+    /// The most one-sided reads ever in flight at once.
+    pub peak_reads_in_flight: AtomicU64,
+    /// Connections removed with device work still posted after the close limit (their
+    /// buffers are leaked, never reused). Stays 0 when every flush completion came back.
+    pub unflushed_closes: AtomicU64,
+    /// Provider-specific counters (verbs: sends, receives, reads, queue pairs...).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) provider: ProviderCounters,
+}
+
+/// Counters of the verbs data plane (zero elsewhere).
+#[derive(Debug, Default)]
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) struct ProviderCounters {
+    pub(crate) sends: AtomicU64,
+    pub(crate) send_bytes: AtomicU64,
+    pub(crate) recvs: AtomicU64,
+    pub(crate) reads: AtomicU64,
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) qps_created: AtomicU64,
+    pub(crate) qps_open: AtomicU64,
+    pub(crate) flushed_completions: AtomicU64,
+    pub(crate) windows_bound: AtomicU64,
+    pub(crate) windows_revoked: AtomicU64,
+    pub(crate) rnr_errors: AtomicU64,
+}
+
+impl DriverStats {
+    pub(crate) fn note_reads(&self, delta: i64) {
+        let now = if delta >= 0 {
+            self.reads_in_flight.fetch_add(delta as u64, Ordering::Relaxed) + delta as u64
+        } else {
+            self.reads_in_flight.fetch_sub((-delta) as u64, Ordering::Relaxed) - (-delta) as u64
+        };
+        self.peak_reads_in_flight.fetch_max(now, Ordering::Relaxed);
+    }
+}

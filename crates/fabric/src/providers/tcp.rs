@@ -1,0 +1,549 @@
+//! The tcp provider: real sockets, frames over a byte stream, rendezvous regions streamed on
+//! request, payloads sent zero-copy (`sendfile` from the data file, `writev` from its
+//! mapping).
+//!
+//! [`TcpConn`] is the nonblocking framing both socket providers share: the tcp provider
+//! carries everything over it, the verbs provider its control plane (handshake, attach,
+//! liveness). Reading is a small state machine — header, fixed part, then the payload of
+//! `Eager`/`PullData` frames straight into the buffer the connection's owner chose after
+//! seeing the fixed part. Until the owner chooses (it may be waiting for pool memory) the
+//! connection reads nothing more: the kernel's socket buffer and TCP flow control push back
+//! on the peer, and no other connection is held up.
+
+use crate::error::FabricError;
+use crate::memory::pool::{Lease, NoRegistration};
+use crate::memory::registration::Registrar;
+use crate::providers::{Provider, ProviderKind, Source};
+use rdma_shuffle_wire::frame::HEADER_LEN;
+use rdma_shuffle_wire::{Frame, Header, Limits};
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+/// Payloads at least this large go by `sendfile` when the source has a file descriptor;
+/// smaller ones by one `writev` of header and mapped bytes (one syscall, still no copy).
+const SENDFILE_MIN: u64 = 64 * 1024;
+/// Socket buffers large enough for a few MiB in flight per connection on a LAN.
+const SOCKET_BUFFER: usize = 4 * 1024 * 1024;
+/// Read buffer for headers, fixed parts and small payloads; grows for a large fixed part.
+const READ_BUFFER: usize = 64 * 1024;
+
+/// The tcp provider.
+#[derive(Debug, Default, Clone)]
+pub struct TcpProvider {
+    _private: (),
+}
+
+impl TcpProvider {
+    /// A tcp provider.
+    pub fn new() -> Self {
+        TcpProvider::default()
+    }
+}
+
+impl Provider for TcpProvider {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn registrar(&self) -> Arc<dyn Registrar> {
+        Arc::new(NoRegistration)
+    }
+
+    fn kind(&self) -> ProviderKind<'_> {
+        ProviderKind::Tcp(self)
+    }
+}
+
+/// Latency of small control frames matters more than packet count; large buffers keep a
+/// LAN busy; keepalive eventually frees connections of vanished peers.
+pub(crate) fn tune(stream: &mio::net::TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let fd = stream.as_raw_fd();
+    let size = SOCKET_BUFFER as libc::c_int;
+    let one: libc::c_int = 1;
+    // SAFETY: setsockopt on a valid socket with pointers to live c_ints of the right size.
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, &size as *const _ as *const libc::c_void, 4);
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &size as *const _ as *const libc::c_void, 4);
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, &one as *const _ as *const libc::c_void, 4);
+    }
+}
+
+/// What follows a frame on the stream.
+pub(crate) enum OutPayload {
+    /// Nothing.
+    None,
+    /// These bytes.
+    Bytes(Vec<u8>),
+    /// `len` bytes of `source` from `offset`.
+    Source {
+        /// Where the bytes are.
+        source: Arc<dyn Source>,
+        /// Offset in the source.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+}
+
+impl OutPayload {
+    fn len(&self) -> u64 {
+        match self {
+            OutPayload::None => 0,
+            OutPayload::Bytes(b) => b.len() as u64,
+            OutPayload::Source { len, .. } => *len,
+        }
+    }
+}
+
+struct OutFrame {
+    head: Vec<u8>,
+    payload: OutPayload,
+    /// Bytes of `head` then `payload` already written.
+    pos: u64,
+}
+
+/// Where the payload of the frame just returned by [`TcpConn::next`] goes.
+pub(crate) enum TcpPlacement {
+    /// Read and drop it.
+    Discard,
+    /// Into `lease` from byte `at`.
+    Into {
+        /// Destination.
+        lease: Lease,
+        /// Offset in it.
+        at: usize,
+    },
+    /// Into a new vector (raw channels).
+    Vec,
+}
+
+enum ReadState {
+    Header,
+    Fixed(Header),
+    /// A payload frame was returned; its owner has not placed the payload yet.
+    AwaitPlacement {
+        remaining: u64,
+    },
+    Skip {
+        remaining: u64,
+    },
+    Fill {
+        lease: Lease,
+        at: usize,
+        done: u64,
+        total: u64,
+    },
+    FillVec {
+        buf: Vec<u8>,
+        total: u64,
+    },
+}
+
+/// One step of reading.
+pub(crate) enum TcpRead {
+    /// A frame's header and fixed part. For `Eager` and `PullData` frames the payload follows:
+    /// call [`TcpConn::place`] before reading on.
+    Frame(Frame),
+    /// The placed payload is complete (`None` when it was discarded).
+    Payload(Option<Lease>),
+    /// The placed payload is complete, as a vector.
+    PayloadVec(Vec<u8>),
+    /// Nothing more to read now (the socket is drained, or a payload awaits placement).
+    Idle,
+}
+
+/// A nonblocking, framed tcp connection.
+pub(crate) struct TcpConn {
+    stream: mio::net::TcpStream,
+    peer: String,
+    connected: bool,
+    rbuf: Vec<u8>,
+    rstart: usize,
+    rend: usize,
+    rstate: ReadState,
+    eof: bool,
+    out: VecDeque<OutFrame>,
+    /// Bytes queued and not yet written.
+    out_bytes: u64,
+}
+
+impl TcpConn {
+    /// Starts connecting to `addr` (nonblocking); [`on_writable`](Self::on_writable) says
+    /// when it is done.
+    pub(crate) fn connect(addr: SocketAddr) -> Result<TcpConn, FabricError> {
+        let stream = mio::net::TcpStream::connect(addr).map_err(|e| FabricError::io(&addr.to_string(), "connect to", e))?;
+        Ok(TcpConn::new(stream, addr.to_string(), false))
+    }
+
+    /// An accepted connection.
+    pub(crate) fn accepted(stream: mio::net::TcpStream, peer: SocketAddr) -> TcpConn {
+        TcpConn::new(stream, peer.to_string(), true)
+    }
+
+    fn new(stream: mio::net::TcpStream, peer: String, connected: bool) -> TcpConn {
+        if connected {
+            tune(&stream);
+        }
+        TcpConn {
+            stream,
+            peer,
+            connected,
+            rbuf: vec![0; READ_BUFFER],
+            rstart: 0,
+            rend: 0,
+            rstate: ReadState::Header,
+            eof: false,
+            out: VecDeque::new(),
+            out_bytes: 0,
+        }
+    }
+
+    /// The peer's address.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The socket, for registration with the poll.
+    pub(crate) fn stream_mut(&mut self) -> &mut mio::net::TcpStream {
+        &mut self.stream
+    }
+
+    /// Whether the connect completed.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.connected
+    }
+
+    /// Bytes queued and not yet written.
+    pub(crate) fn queued_bytes(&self) -> u64 {
+        self.out_bytes
+    }
+
+    /// The socket became writable: completes a pending connect (`Ok(true)` the first time),
+    /// then writes what is queued.
+    pub(crate) fn on_writable(&mut self) -> Result<bool, FabricError> {
+        let mut just_connected = false;
+        if !self.connected {
+            if let Some(e) = self.stream.take_error().map_err(|e| self.err("connect to", e))? {
+                return Err(self.err("connect to", e));
+            }
+            match self.stream.peer_addr() {
+                Ok(_) => {
+                    self.connected = true;
+                    just_connected = true;
+                    tune(&self.stream);
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotConnected => return Ok(false),
+                Err(e) => return Err(self.err("connect to", e)),
+            }
+        }
+        self.flush()?;
+        Ok(just_connected)
+    }
+
+    fn err(&self, op: &'static str, e: io::Error) -> FabricError {
+        FabricError::io(&self.peer, op, e)
+    }
+
+    /// Queues `frame` and its payload and writes as much as the socket takes.
+    pub(crate) fn send(&mut self, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        if let OutPayload::Source { source, offset, len } = &payload {
+            let have = source.as_bytes().len() as u64;
+            if offset.checked_add(*len).is_none_or(|end| end > have) {
+                return Err(self.err(
+                    "write to",
+                    io::Error::new(io::ErrorKind::InvalidInput, format!("payload {offset}+{len} outside its {have}-byte source")),
+                ));
+            }
+        }
+        let mut head = Vec::with_capacity(64);
+        frame.encode(&mut head);
+        self.push(head, payload)
+    }
+
+    /// Queues raw bytes (tests of a peer's decoder).
+    pub(crate) fn send_raw(&mut self, bytes: Vec<u8>) -> Result<(), FabricError> {
+        self.push(bytes, OutPayload::None)
+    }
+
+    fn push(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+        self.out_bytes += head.len() as u64 + payload.len();
+        self.out.push_back(OutFrame { head, payload, pos: 0 });
+        if self.connected {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Writes queued frames until the socket would block. `Ok(true)` when everything is out.
+    pub(crate) fn flush(&mut self) -> Result<bool, FabricError> {
+        while let Some(f) = self.out.front_mut() {
+            let head_len = f.head.len() as u64;
+            let total = head_len + f.payload.len();
+            while f.pos < total {
+                let r = if f.pos >= head_len {
+                    let at = f.pos - head_len;
+                    match &f.payload {
+                        OutPayload::Source { source, offset, len } if *len >= SENDFILE_MIN && source.raw_fd().is_some() => {
+                            let fd = source.raw_fd().unwrap_or(-1);
+                            sendfile(&self.stream, fd, offset + at, len - at)
+                        }
+                        p => {
+                            let rest = payload_slice(p, at);
+                            (&self.stream).write(rest)
+                        }
+                    }
+                } else {
+                    let head = &f.head[f.pos as usize..];
+                    let body = payload_slice(&f.payload, 0);
+                    let small = !matches!(&f.payload, OutPayload::Source { len, source, .. }
+                        if *len >= SENDFILE_MIN && source.raw_fd().is_some());
+                    if small && !body.is_empty() {
+                        (&self.stream).write_vectored(&[IoSlice::new(head), IoSlice::new(body)])
+                    } else {
+                        (&self.stream).write(head)
+                    }
+                };
+                match r {
+                    Ok(0) => return Err(FabricError::io(&self.peer, "write to", io::ErrorKind::WriteZero.into())),
+                    Ok(n) => {
+                        f.pos += n as u64;
+                        self.out_bytes -= n as u64;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(FabricError::io(&self.peer, "write to", e)),
+                }
+            }
+            self.out.pop_front();
+        }
+        Ok(true)
+    }
+
+    /// Places the payload of the frame [`next`](Self::next) just returned.
+    pub(crate) fn place(&mut self, placement: TcpPlacement) -> Result<(), FabricError> {
+        let ReadState::AwaitPlacement { remaining } = self.rstate else {
+            return Err(FabricError::Unsupported(format!("{}: no payload awaits placement", self.peer)));
+        };
+        self.rstate = match placement {
+            TcpPlacement::Discard => ReadState::Skip { remaining },
+            TcpPlacement::Into { lease, at } => {
+                if (at as u64).saturating_add(remaining) > lease.len() as u64 {
+                    return Err(FabricError::Unsupported(format!(
+                        "{}: payload of {remaining} bytes at {at} does not fit a buffer of {}",
+                        self.peer,
+                        lease.len()
+                    )));
+                }
+                ReadState::Fill { lease, at, done: 0, total: remaining }
+            }
+            TcpPlacement::Vec => ReadState::FillVec { buf: Vec::with_capacity(remaining as usize), total: remaining },
+        };
+        Ok(())
+    }
+
+    /// Whether a payload waits for [`place`](Self::place).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn awaits_placement(&self) -> bool {
+        matches!(self.rstate, ReadState::AwaitPlacement { .. })
+    }
+
+    /// Reads the next frame or payload. Errors are fatal for the connection (end of stream
+    /// included: [`FabricError::Closed`]).
+    pub(crate) fn next(&mut self, limits: &Limits) -> Result<TcpRead, FabricError> {
+        loop {
+            match &mut self.rstate {
+                ReadState::AwaitPlacement { .. } => return Ok(TcpRead::Idle),
+                ReadState::Header => {
+                    if self.buffered() < HEADER_LEN {
+                        if !self.fill(HEADER_LEN)? {
+                            return Ok(TcpRead::Idle);
+                        }
+                        continue;
+                    }
+                    let h = Header::decode(&self.rbuf[self.rstart..self.rstart + HEADER_LEN], limits)
+                        .map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
+                    self.rstart += HEADER_LEN;
+                    self.rstate = ReadState::Fixed(h);
+                }
+                ReadState::Fixed(h) => {
+                    let (h, need) = (*h, h.fixed_len());
+                    if self.buffered() < need {
+                        if !self.fill(need)? {
+                            return Ok(TcpRead::Idle);
+                        }
+                        continue;
+                    }
+                    let frame = Frame::decode_body(&h, &self.rbuf[self.rstart..self.rstart + need], limits)
+                        .map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
+                    self.rstart += need;
+                    self.rstate = if h.kind.payload_offset().is_some() {
+                        ReadState::AwaitPlacement { remaining: h.payload_len() }
+                    } else {
+                        ReadState::Header
+                    };
+                    return Ok(TcpRead::Frame(frame));
+                }
+                ReadState::Skip { remaining } => {
+                    let take = (*remaining).min((self.rend - self.rstart) as u64) as usize;
+                    self.rstart += take;
+                    *remaining -= take as u64;
+                    if *remaining == 0 {
+                        self.rstate = ReadState::Header;
+                        return Ok(TcpRead::Payload(None));
+                    }
+                    if !self.fill(1)? {
+                        return Ok(TcpRead::Idle);
+                    }
+                }
+                ReadState::FillVec { buf, total } => {
+                    let take = (*total - buf.len() as u64).min((self.rend - self.rstart) as u64) as usize;
+                    buf.extend_from_slice(&self.rbuf[self.rstart..self.rstart + take]);
+                    self.rstart += take;
+                    if buf.len() as u64 == *total {
+                        let ReadState::FillVec { buf, .. } = std::mem::replace(&mut self.rstate, ReadState::Header) else {
+                            continue;
+                        };
+                        return Ok(TcpRead::PayloadVec(buf));
+                    }
+                    if !self.fill(1)? {
+                        return Ok(TcpRead::Idle);
+                    }
+                }
+                ReadState::Fill { lease, at, done, total } => {
+                    // Buffered bytes first, then straight from the socket into the lease.
+                    let buffered = self.rend - self.rstart;
+                    if buffered > 0 {
+                        let take = ((*total - *done) as usize).min(buffered);
+                        let dst = *at + *done as usize;
+                        lease[dst..dst + take].copy_from_slice(&self.rbuf[self.rstart..self.rstart + take]);
+                        self.rstart += take;
+                        *done += take as u64;
+                    }
+                    while *done < *total {
+                        let dst = *at + *done as usize;
+                        let end = *at + *total as usize;
+                        match (&self.stream).read(&mut lease[dst..end]) {
+                            Ok(0) => {
+                                self.eof = true;
+                                return Err(FabricError::Closed { peer: self.peer.clone() });
+                            }
+                            Ok(n) => *done += n as u64,
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(TcpRead::Idle),
+                            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                            Err(e) => return Err(FabricError::io(&self.peer, "read from", e)),
+                        }
+                    }
+                    let ReadState::Fill { lease, .. } = std::mem::replace(&mut self.rstate, ReadState::Header) else {
+                        continue;
+                    };
+                    return Ok(TcpRead::Payload(Some(lease)));
+                }
+            }
+        }
+    }
+
+    fn buffered(&self) -> usize {
+        self.rend - self.rstart
+    }
+
+    /// Reads from the socket until at least `need` bytes are buffered. `Ok(false)` when the
+    /// socket has nothing more now.
+    fn fill(&mut self, need: usize) -> Result<bool, FabricError> {
+        if self.eof {
+            return Err(FabricError::Closed { peer: self.peer.clone() });
+        }
+        if self.rstart == self.rend {
+            self.rstart = 0;
+            self.rend = 0;
+        } else if self.rbuf.len() - self.rstart < need {
+            self.rbuf.copy_within(self.rstart..self.rend, 0);
+            self.rend -= self.rstart;
+            self.rstart = 0;
+        }
+        if self.rbuf.len() < need {
+            self.rbuf.resize(need, 0);
+        } else if self.rbuf.len() > READ_BUFFER && self.rend < READ_BUFFER && need <= READ_BUFFER {
+            // A large fixed part passed: give the memory back.
+            self.rbuf.truncate(READ_BUFFER);
+            self.rbuf.shrink_to_fit();
+        }
+        loop {
+            match (&self.stream).read(&mut self.rbuf[self.rend..]) {
+                Ok(0) => {
+                    self.eof = true;
+                    return Err(FabricError::Closed { peer: self.peer.clone() });
+                }
+                Ok(n) => {
+                    self.rend += n;
+                    if self.rend - self.rstart >= need {
+                        return Ok(true);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FabricError::io(&self.peer, "read from", e)),
+            }
+        }
+    }
+
+    /// Whether the socket has bytes (or an end of stream) waiting: a liveness check for
+    /// control sockets that must stay silent.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn poll_silent(&mut self) -> Result<(), FabricError> {
+        let mut one = [0u8; 1];
+        loop {
+            match (&self.stream).read(&mut one) {
+                Ok(0) => return Err(FabricError::Closed { peer: self.peer.clone() }),
+                Ok(_) => {
+                    return Err(FabricError::Unsupported(format!(
+                        "{} sent bytes on its control socket after the data plane was set up",
+                        self.peer
+                    )))
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FabricError::io(&self.peer, "read from", e)),
+            }
+        }
+    }
+
+    /// Closes both directions now.
+    pub(crate) fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn payload_slice(p: &OutPayload, at: u64) -> &[u8] {
+    match p {
+        OutPayload::None => &[],
+        OutPayload::Bytes(b) => &b[at as usize..],
+        OutPayload::Source { source, offset, len } => {
+            // Checked against the source's length when queued.
+            let bytes = source.as_bytes();
+            let start = (offset + at) as usize;
+            let end = (offset + len) as usize;
+            bytes.get(start..end).unwrap_or(&[])
+        }
+    }
+}
+
+/// Sends up to `len` bytes of file `fd` from `offset` with sendfile(2); one call.
+fn sendfile(w: &mio::net::TcpStream, fd: i32, offset: u64, len: u64) -> io::Result<usize> {
+    let mut off = offset as libc::off_t;
+    let chunk = len.min(1 << 30) as usize;
+    // SAFETY: both descriptors are valid for the call; `off` is a live off_t.
+    let n = unsafe { libc::sendfile(w.as_raw_fd(), fd, &mut off, chunk) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n == 0 {
+        // The file is shorter than the index claims: never send a short frame.
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "data file ended before the block did"));
+    }
+    Ok(n as usize)
+}

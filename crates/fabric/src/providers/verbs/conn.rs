@@ -1,0 +1,531 @@
+//! One verbs connection: its control socket, and — once the handshake authenticated the peer
+//! and the two sides attached — its queue pair, the messages waiting for a send buffer, the
+//! regions it exposes, and the reads it posted.
+#![forbid(unsafe_code)]
+
+use super::bootstrap::AttachRecord;
+use super::engine::Event;
+use super::sys::{Completed, Exposure, Qp};
+use crate::driver::conn::{encode_message, FailedRead, Incoming, MsgPayload};
+use crate::driver::{DriverStats, Net};
+use crate::error::FabricError;
+use crate::memory::pool::Lease;
+use crate::providers::tcp::{OutPayload, TcpConn, TcpPlacement, TcpRead};
+use crate::providers::Source;
+use rdma_shuffle_wire::{Descriptor, Frame, Knob, Limits};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Phase {
+    /// Frames go over the control socket (the handshake).
+    Control,
+    /// Our attach record went out; data frames wait for the peer's.
+    Attaching,
+    /// The queue pairs are connected: frames go as SEND/RECV messages.
+    Open,
+}
+
+pub(crate) struct VerbsConn {
+    control: TcpConn,
+    phase: Phase,
+    qp: Option<Qp>,
+    psn: u32,
+    key: u64,
+    /// The accepting side waits for the peer's attach (raw channels).
+    expecting: bool,
+    peer_max_message: usize,
+    max_eager: u32,
+    /// Messages waiting for the data plane or for a free send slot, in order.
+    out: VecDeque<Vec<u8>>,
+    sends_posted: usize,
+    exposures: HashMap<u32, Arc<Exposure>>,
+    reads: usize,
+    ready: VecDeque<Incoming>,
+    failed: Option<FabricError>,
+    /// Credits granted against the engine's receive buffers (server side).
+    granted: u32,
+    /// Answers requested and not yet received (client side room).
+    window: u32,
+    qp_counted: bool,
+    /// Shut down: only completions are collected now.
+    closing: bool,
+}
+
+fn dead(why: &str) -> FabricError {
+    FabricError::Provider { provider: "verbs", message: why.to_string(), knob: None }
+}
+
+impl VerbsConn {
+    pub(crate) fn new(control: TcpConn, max_eager: u32) -> Self {
+        VerbsConn {
+            control,
+            phase: Phase::Control,
+            qp: None,
+            psn: 0,
+            key: 0,
+            expecting: false,
+            peer_max_message: 0,
+            max_eager,
+            out: VecDeque::new(),
+            sends_posted: 0,
+            exposures: HashMap::new(),
+            reads: 0,
+            ready: VecDeque::new(),
+            failed: None,
+            granted: 0,
+            window: 0,
+            qp_counted: false,
+            closing: false,
+        }
+    }
+
+    pub(crate) fn control_mut(&mut self) -> &mut mio::net::TcpStream {
+        self.control.stream_mut()
+    }
+
+    pub(crate) fn control_connected(&self) -> bool {
+        self.control.is_connected()
+    }
+
+    pub(crate) fn on_writable(&mut self) -> Result<bool, FabricError> {
+        self.control.on_writable()
+    }
+
+    /// Frames are a byte stream until the data plane is up.
+    pub(crate) fn is_stream(&self) -> bool {
+        self.phase != Phase::Open
+    }
+
+    /// Whether the data plane is up.
+    pub(crate) fn is_open(&self) -> bool {
+        self.phase == Phase::Open
+    }
+
+    pub(crate) fn max_eager(&self) -> u32 {
+        self.max_eager
+    }
+
+    /// Server side: the credits its session granted (given back when the connection goes).
+    pub(crate) fn granted(&mut self, n: u32) {
+        self.granted = n;
+    }
+
+    /// Client side: `n` more answers requested.
+    pub(crate) fn requested(&mut self, n: u32) {
+        self.window += n;
+    }
+
+    /// Client side: one answer arrived.
+    pub(crate) fn answered(&mut self) -> bool {
+        if self.window > 0 {
+            self.window -= 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn engine<'a>(&self, net: &'a mut Net) -> Result<&'a mut super::engine::VerbsEngine, FabricError> {
+        net.verbs.as_mut().ok_or_else(|| dead("no verbs engine in this driver"))
+    }
+
+    fn record(&self, net: &mut Net, qp: &Qp, psn: u32) -> Result<AttachRecord, FabricError> {
+        let e = self.engine(net)?;
+        Ok(AttachRecord {
+            qpn: qp.num(),
+            psn,
+            mtu: e.dev.active_mtu,
+            gid: e.dev.gid,
+            max_message: e.cfg.max_message,
+            recv_credits: (e.cfg.recv_buffers / 2).max(1),
+        })
+    }
+
+    fn count_qp(&mut self, stats: &DriverStats) {
+        if !self.qp_counted {
+            self.qp_counted = true;
+            stats.provider.qps_created.fetch_add(1, Ordering::Relaxed);
+            stats.provider.qps_open.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// (connecting side, after the handshake) Creates the queue pair and sends our attach
+    /// record; frames wait until the peer's answers.
+    pub(crate) fn begin_attach(&mut self, net: &mut Net, stats: &DriverStats, key: u64) -> Result<(), FabricError> {
+        if self.phase != Phase::Control {
+            return Ok(());
+        }
+        self.key = key;
+        let e = self.engine(net)?;
+        let (qp, psn) = e.new_qp()?;
+        e.route(qp.num(), key);
+        let rec = self.record(net, &qp, psn)?;
+        self.qp = Some(qp);
+        self.psn = psn;
+        self.count_qp(stats);
+        self.control.send(&Frame::Attach { data: rec.encode().to_vec() }, OutPayload::None)?;
+        self.phase = Phase::Attaching;
+        Ok(())
+    }
+
+    /// (connecting side) The peer's record arrived: connect the queue pair; the data plane
+    /// is up.
+    pub(crate) fn complete_attach(&mut self, net: &mut Net, data: &[u8]) -> Result<(), FabricError> {
+        if self.phase != Phase::Attaching {
+            return Err(dead("an attach record arrived that was not asked for"));
+        }
+        let remote = AttachRecord::decode(data).map_err(|e| dead(&format!("bad attach record: {e}")))?;
+        let e = self.engine(net)?;
+        let (dev, timers) = (e.dev.clone(), e.timers());
+        let qp = self.qp.as_mut().ok_or_else(|| dead("no queue pair"))?;
+        // The client only reads: its queue pair grants the peer no remote access.
+        qp.connect(&dev, self.psn, &remote, false, timers)?;
+        self.peer_max_message = remote.max_message as usize;
+        self.phase = Phase::Open;
+        self.ready.push_back(Incoming::Attached);
+        self.flush(net)
+    }
+
+    /// (accepting side, raw channels) Waits for the peer's attach record.
+    pub(crate) fn expect_attach(&mut self) -> Result<(), FabricError> {
+        self.expecting = true;
+        Ok(())
+    }
+
+    /// (accepting side) The peer's record arrived and the peer is authenticated: create and
+    /// connect our queue pair — with remote read, since it is ours that exposes windows —
+    /// and answer with our record.
+    pub(crate) fn accept_attach(&mut self, net: &mut Net, stats: &DriverStats, key: u64, data: &[u8]) -> Result<(), FabricError> {
+        if self.phase != Phase::Control {
+            return Err(dead("a second attach record"));
+        }
+        let remote = AttachRecord::decode(data).map_err(|e| dead(&format!("bad attach record: {e}")))?;
+        self.key = key;
+        let e = self.engine(net)?;
+        let (mut qp, psn) = e.new_qp()?;
+        let (dev, timers) = (e.dev.clone(), e.timers());
+        e.route(qp.num(), key);
+        let rec = self.record(net, &qp, psn)?;
+        qp.connect(&dev, psn, &remote, true, timers)?;
+        self.qp = Some(qp);
+        self.psn = psn;
+        self.count_qp(stats);
+        self.peer_max_message = remote.max_message as usize;
+        // The record goes over the control socket before any message: the peer connects
+        // its queue pair when it reads it, and sends nothing on it before.
+        self.control.send(&Frame::Attach { data: rec.encode().to_vec() }, OutPayload::None)?;
+        self.phase = Phase::Open;
+        if self.expecting {
+            self.expecting = false;
+            self.ready.push_back(Incoming::Attached);
+        }
+        self.flush(net)
+    }
+
+    pub(crate) fn send(&mut self, net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        if self.phase == Phase::Control {
+            return self.control.send(frame, payload);
+        }
+        // Fast path: straight into a send slot from the header and the source's bytes.
+        if self.phase == Phase::Open && self.out.is_empty() && self.failed.is_none() {
+            let mut head = Vec::with_capacity(64);
+            frame.encode(&mut head);
+            let body: &[u8] = match &payload {
+                OutPayload::None => &[],
+                OutPayload::Bytes(b) => b,
+                OutPayload::Source { source, offset, len } => {
+                    let b = source.as_bytes();
+                    offset
+                        .checked_add(*len)
+                        .and_then(|end| b.get(*offset as usize..end as usize))
+                        .ok_or_else(|| dead(&format!("payload {offset}+{len} outside its {}-byte source", b.len())))?
+                }
+            };
+            if self.post_parts(net, &[&head, body])? {
+                return Ok(());
+            }
+        }
+        let msg = encode_message(frame, payload)?;
+        self.out.push_back(msg);
+        self.flush(net)
+    }
+
+    pub(crate) fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
+        if self.phase == Phase::Control {
+            return self.control.send_raw(bytes);
+        }
+        self.out.push_back(bytes);
+        self.flush(net)
+    }
+
+    /// Posts one message from `parts` if a send slot and queue room are free. `Ok(false)`:
+    /// not now (the caller queues it).
+    fn post_parts(&mut self, net: &mut Net, parts: &[&[u8]]) -> Result<bool, FabricError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total > self.peer_max_message {
+            return Err(FabricError::Provider {
+                provider: "verbs",
+                message: format!(
+                    "a message of {total} bytes exceeds the peer's receive buffers of {} bytes (the eager threshold must be the same on every engine)",
+                    self.peer_max_message
+                ),
+                knob: Some(Knob::EagerThreshold),
+            });
+        }
+        let key = self.key;
+        let Some(qp) = self.qp.as_mut() else { return Ok(false) };
+        if !qp.has_room() {
+            return Ok(false);
+        }
+        let e = net.verbs.as_mut().ok_or_else(|| dead("no verbs engine"))?;
+        let Some((slot, len)) = e.send.fill(parts) else {
+            e.wait_for_send_slot(key);
+            return Ok(false);
+        };
+        let r = qp.poster().and_then(|mut p| p.send(&mut e.send, slot, len));
+        if let Err(err) = r {
+            e.send.unfill(slot);
+            return Err(err);
+        }
+        self.sends_posted += 1;
+        let c = &e.shared.stats.provider;
+        c.sends.fetch_add(1, Ordering::Relaxed);
+        c.send_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Posts queued messages while slots and queue room last.
+    fn flush(&mut self, net: &mut Net) -> Result<(), FabricError> {
+        if self.phase != Phase::Open || self.failed.is_some() {
+            return Ok(());
+        }
+        while let Some(msg) = self.out.pop_front() {
+            if !self.post_parts(net, &[&msg])? {
+                self.out.push_front(msg);
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn place(&mut self, p: TcpPlacement) -> Result<(), FabricError> {
+        self.control.place(p)
+    }
+
+    /// The next thing that arrived: completions routed to this connection first, then the
+    /// control socket (which must stay silent once the data plane is up).
+    pub(crate) fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        // Woken as a send-slot waiter, or slots freed by other connections: go on posting.
+        if !self.out.is_empty() {
+            if let Err(e) = self.flush(net) {
+                self.fail(e);
+            }
+        }
+        loop {
+            if let Some(i) = self.ready.pop_front() {
+                return Ok(Some(i));
+            }
+            let ev = match net.verbs.as_mut() {
+                Some(e) if self.qp.is_some() => e.take_event(self.key),
+                _ => None,
+            };
+            let Some(ev) = ev else { break };
+            self.event(net, ev, limits)?;
+        }
+        if self.closing {
+            // Collecting completions only; the failure was reported already.
+            self.failed = None;
+            return Ok(None);
+        }
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        match self.phase {
+            Phase::Control | Phase::Attaching => Ok(match self.control.next(limits)? {
+                TcpRead::Frame(Frame::Attach { data }) => Some(Incoming::Attach(data)),
+                TcpRead::Frame(f) => Some(Incoming::Frame(f)),
+                TcpRead::Payload(l) => Some(Incoming::Payload(l)),
+                TcpRead::PayloadVec(v) => Some(Incoming::PayloadVec(v)),
+                TcpRead::Idle => None,
+            }),
+            Phase::Open => {
+                // Stream bytes before the switch (an Attach sent with frames after it) would
+                // be a protocol error; so is anything but the end of the stream now.
+                if self.control.awaits_placement() {
+                    return Err(dead("the peer sent a payload frame on the control socket"));
+                }
+                self.control.poll_silent()?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn event(&mut self, net: &mut Net, ev: Event, limits: &Limits) -> Result<(), FabricError> {
+        match ev {
+            Event::Recv(Ok(bytes)) => match Frame::decode_message(&bytes, limits) {
+                Ok((frame, at)) => self.ready.push_back(Incoming::Message(frame, MsgPayload { buf: bytes, at })),
+                Err(source) => return Err(FabricError::Frame { peer: self.control_peer(), source }),
+            },
+            Event::Recv(Err(why)) => self.fail(dead(&why)),
+            Event::Sq(wc) => {
+                let Some(qp) = self.qp.as_mut() else { return Ok(()) };
+                match qp.complete(&wc) {
+                    Some(Completed::Send) => {
+                        self.sends_posted -= 1;
+                        if !wc.ok() && !wc.flushed() {
+                            self.fail(dead(&format!("send failed: {}", wc.status_text())));
+                        } else if let Err(e) = self.flush(net) {
+                            self.fail(e);
+                        }
+                    }
+                    Some(Completed::Read { tag, lease }) => {
+                        self.reads -= 1;
+                        if let Some(e) = net.verbs.as_mut() {
+                            e.reads -= 1;
+                        }
+                        let result = if wc.ok() {
+                            if let Some(e) = net.verbs.as_ref() {
+                                let c = &e.shared.stats.provider;
+                                c.reads.fetch_add(1, Ordering::Relaxed);
+                                c.read_bytes.fetch_add(lease.len() as u64, Ordering::Relaxed);
+                            }
+                            Ok(())
+                        } else if wc.remote_access() {
+                            Err(FabricError::RemoteAccess { peer: self.control_peer(), what: wc.status_text() })
+                        } else {
+                            Err(dead(&format!("RDMA READ failed: {}", wc.status_text())))
+                        };
+                        if !wc.ok() && !wc.flushed() {
+                            // An error completion moves the queue pair to the error state.
+                            self.fail(dead(&format!("RDMA READ failed: {}", wc.status_text())));
+                        }
+                        self.ready.push_back(Incoming::ReadDone { tag, lease, result });
+                    }
+                    Some(Completed::Bind) => {
+                        if let Some(e) = net.verbs.as_mut() {
+                            e.binds -= 1;
+                        }
+                        if !wc.ok() && !wc.flushed() {
+                            self.fail(dead(&format!("binding a memory window failed: {}", wc.status_text())));
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, e: FabricError) {
+        if self.failed.is_none() {
+            self.failed = Some(e);
+        }
+        if let Some(qp) = self.qp.as_mut() {
+            qp.enter_error_state();
+        }
+    }
+
+    fn control_peer(&self) -> String {
+        self.control.peer().to_string()
+    }
+
+    /// Exposes `len` bytes of `source` at `offset` to this connection's peer: a window bound
+    /// to this queue pair only. Answers `(addr, rkey)`.
+    pub(crate) fn expose(
+        &mut self,
+        net: &mut Net,
+        source: Arc<dyn Source>,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u64, u32), FabricError> {
+        let e = net.verbs.as_mut().ok_or_else(|| dead("no verbs engine"))?;
+        if !e.bind_room() {
+            return Err(dead("too many windows being bound at once"));
+        }
+        let qp = self.qp.as_mut().ok_or_else(|| dead("the data plane is not up"))?;
+        let exposure = Arc::new(Exposure::new(&e.dev, source.raw_fd(), source.as_bytes(), offset, len)?);
+        let (addr, rkey) = qp.poster()?.bind(&exposure)?;
+        e.binds += 1;
+        e.shared.stats.provider.windows_bound.fetch_add(1, Ordering::Relaxed);
+        e.exposed_bytes += exposure.bytes();
+        self.exposures.insert(rkey, exposure);
+        Ok((addr, rkey))
+    }
+
+    /// Revokes an exposure: its window is deallocated (its key dies) once no bind of it is
+    /// outstanding.
+    pub(crate) fn revoke(&mut self, net: &mut Net, rkey: u32) {
+        if let Some(x) = self.exposures.remove(&rkey) {
+            if let Some(e) = net.verbs.as_mut() {
+                e.exposed_bytes -= x.bytes();
+                e.shared.stats.provider.windows_revoked.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether another read may be posted now (queue pair and engine caps).
+    pub(crate) fn can_read(&self, net: &Net) -> bool {
+        let engine_room = net.verbs.as_ref().is_some_and(|e| e.read_room() && self.reads < e.cfg.max_reads_per_qp as usize);
+        engine_room && self.qp.as_ref().is_some_and(|q| q.has_room()) && self.phase == Phase::Open && self.failed.is_none()
+    }
+
+    pub(crate) fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
+        let Some(qp) = self.qp.as_mut() else {
+            return Err(Box::new((lease, dead("the data plane is not up"))));
+        };
+        let mut poster = match qp.poster() {
+            Ok(p) => p,
+            Err(e) => return Err(Box::new((lease, e))),
+        };
+        poster.read(tag, desc, lease)?;
+        self.reads += 1;
+        if let Some(e) = net.verbs.as_mut() {
+            e.reads += 1;
+        }
+        Ok(())
+    }
+
+    /// Whether the last frames went out (control written, messages completed).
+    pub(crate) fn sends_done(&self) -> bool {
+        self.out.is_empty() && self.sends_posted == 0 && self.control.queued_bytes() == 0
+    }
+
+    /// Whether posted work is outstanding (the connection may not go until it completed).
+    pub(crate) fn busy(&self) -> bool {
+        self.qp.as_ref().is_some_and(|q| q.outstanding() > 0)
+    }
+
+    /// Stops: the queue pair goes to the error state (posted work completes, flushed), the
+    /// control socket closes, exposures are revoked.
+    pub(crate) fn shutdown(&mut self, net: &mut Net) {
+        self.closing = true;
+        if let Some(qp) = self.qp.as_mut() {
+            qp.enter_error_state();
+        }
+        self.control.shutdown();
+        let keys: Vec<u32> = self.exposures.keys().copied().collect();
+        for k in keys {
+            self.revoke(net, k);
+        }
+    }
+
+    /// The connection is removed: credits and room go back, the queue pair is destroyed
+    /// (after its posted work completed, or past the close limit, leaking its buffers).
+    pub(crate) fn destroy(&mut self, net: &mut Net, stats: &DriverStats) {
+        let key = self.key;
+        if let Some(e) = net.verbs.as_mut() {
+            e.return_grant(std::mem::take(&mut self.granted));
+            let _ = e.return_client_room(std::mem::take(&mut self.window));
+            if let Some(qp) = &self.qp {
+                e.unroute(qp.num(), key);
+            }
+            e.reads -= self.reads;
+        }
+        self.reads = 0;
+        if self.qp.take().is_some() && self.qp_counted {
+            stats.provider.qps_open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}

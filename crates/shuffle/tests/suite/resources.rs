@@ -1,0 +1,167 @@
+//! Bounded work and memory over every provider: local backpressure is not peer silence,
+//! silent peers cost the server nothing that delays honest ones, idle connections close.
+
+use super::*;
+use rdma_shuffle_fabric::DriverConfig;
+
+/// Keeps every delivered block (so its pool buffer and budget stay held) until told.
+#[derive(Default)]
+pub struct Hold {
+    blocks: Mutex<HashMap<usize, Result<FetchedBlock, BlockFailure>>>,
+    cv: Condvar,
+}
+
+impl Hold {
+    pub fn wait(&self, n: usize, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut b = self.blocks.lock();
+        while b.len() < n {
+            if self.cv.wait_until(&mut b, deadline).timed_out() {
+                return false;
+            }
+        }
+        true
+    }
+    pub fn count(&self) -> usize {
+        self.blocks.lock().len()
+    }
+    pub fn take(&self, i: usize) -> Option<Result<FetchedBlock, BlockFailure>> {
+        self.blocks.lock().remove(&i)
+    }
+}
+
+impl BlockSink for Hold {
+    fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
+        self.blocks.lock().insert(index, result);
+        self.cv.notify_all();
+    }
+}
+
+/// Issue 14 bug 4: time a block spends waiting for local memory does not count as silence
+/// of its peer, and neither fails that block nor the connection nor other requests on it.
+/// (Before the driver, the pull's budget wait gave up at the fetch timeout, and the session's
+/// silence timer killed the whole connection meanwhile.)
+pub fn local_backpressure_is_not_peer_silence(f: Factory) {
+    let fx = server_with(f, server_cfg(None), 1);
+    let addr = fx.server.local_addr();
+    let o = &fx.outputs[0];
+    let timeout = Duration::from_millis(400);
+    let p = f();
+    // Budget: half of the 4 MiB pool. The 1.5 MB block costs its 2 MiB tier: all of it.
+    let pool = pool_for(
+        &p,
+        PoolConfig {
+            tiers: vec![4096, 64 << 10, 256 << 10, 2 << 20],
+            slab_bytes: 256 << 10,
+            cap_bytes: 4 << 20,
+            prealloc: false,
+        },
+    );
+    let c = BlockClient::new(p, pool, ClientEndpointConfig { fetch_timeout: timeout, ..client_cfg(None) }).unwrap();
+
+    let first = Arc::new(Hold::default());
+    c.fetch(addr, &[ShuffleBlock::single(3, o.map_id, 8)], first.clone());
+    assert!(first.wait(1, Duration::from_secs(60)), "the first large block arrives");
+    let held = first.take(0).unwrap().unwrap();
+    assert_eq!(&held[..], &o.range_bytes(8, 9)[..]);
+
+    // The consumer holds that block. A second large block must wait for budget; small
+    // blocks of the same connection go on.
+    let second = Arc::new(Hold::default());
+    let blocks =
+        [ShuffleBlock::single(3, o.map_id, 6), ShuffleBlock::single(3, o.map_id, 1), ShuffleBlock::single(3, o.map_id, 2)];
+    c.fetch(addr, &blocks, second.clone());
+    assert!(second.wait(2, Duration::from_secs(60)), "the small blocks are not held up");
+    std::thread::sleep(timeout * 4);
+    assert_eq!(second.count(), 2, "the large block waits for memory, it does not fail");
+    for i in [1, 2] {
+        let b = second.take(i).unwrap().unwrap_or_else(|e| panic!("small block {i}: {e}"));
+        assert_eq!(&b[..], &o.range_bytes(i as u32, i as u32 + 1)[..]);
+    }
+    // The connection is alive: another request on it is served at once.
+    let got = fetch_all(&c, addr, &[ShuffleBlock::single(3, o.map_id, 3)]);
+    assert_eq!(got[&0].as_ref().unwrap(), &o.range_bytes(3, 4));
+    assert_eq!(c.stats().failed_blocks.load(Ordering::Relaxed), 0, "nothing failed while memory was short");
+
+    // The consumer lets go: the waiting block completes.
+    drop(held);
+    assert!(second.wait(1, Duration::from_secs(60)), "the waiting block completes once memory is back");
+    let b = second.take(0).unwrap().unwrap_or_else(|e| panic!("the waiting block failed: {e}"));
+    assert_eq!(&b[..], &o.range_bytes(6, 7)[..]);
+    assert_eq!(c.stats().failed_blocks.load(Ordering::Relaxed), 0);
+    assert_eq!(c.connections(), 1, "one connection the whole time");
+}
+
+fn raise_fd_limit(need: u64) {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain rlimit calls on this process.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        if r.rlim_cur < need {
+            r.rlim_cur = need.min(r.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+fn honest_fetch(f: Factory, addr: SocketAddr, o: &GeneratedOutput) -> Duration {
+    let c = client(f, None, 16 << 20);
+    let t = Instant::now();
+    let got = fetch_all(&c, addr, &[ShuffleBlock::single(3, o.map_id, 2), ShuffleBlock::single(3, o.map_id, 8)]);
+    let took = t.elapsed();
+    assert_eq!(got[&0].as_ref().unwrap(), &o.range_bytes(2, 3));
+    assert_eq!(got[&1].as_ref().unwrap(), &o.range_bytes(8, 9));
+    took
+}
+
+/// Socket-based providers (tcp, verbs' control plane): 1,000 peers that connect and say
+/// nothing cost the server a socket and a session each, for at most the handshake timeout
+/// and never more than the pending cap at once (the oldest is evicted); an honest client
+/// behind them is served about as fast as without them, and nothing is registered for them.
+pub fn a_thousand_silent_connections_leave_an_honest_client_served(f: Factory) {
+    const SILENT: usize = 1000;
+    raise_fd_limit(3 * SILENT as u64 + 512);
+    let fx = server_with(f, server_cfg(None), 1);
+    let addr = fx.server.local_addr();
+    let o = &fx.outputs[0];
+    let baseline = (0..3).map(|_| honest_fetch(f, addr, o)).min().unwrap();
+    let registered = fx.server.driver().stats().registered_bytes.load(Ordering::Relaxed);
+
+    let silent: Vec<std::net::TcpStream> = (0..SILENT).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+    let d = fx.server.driver().stats();
+    let cap = DriverConfig::default().max_pending_handshakes as u64;
+    wait_for(|| d.handshake_evictions.load(Ordering::Relaxed) >= SILENT as u64 - cap, "the server accepted every silent peer");
+    assert!(d.pending_handshakes.load(Ordering::Relaxed) <= cap, "pending handshakes stay under the cap");
+
+    let with_silent = honest_fetch(f, addr, o);
+    eprintln!("honest fetch: {baseline:?} alone, {with_silent:?} behind {SILENT} silent connections");
+    // Generous: a shared, loaded machine, and emulated RDMA in the VM.
+    assert!(
+        with_silent < baseline * 20 + Duration::from_secs(5),
+        "{with_silent:?} behind {SILENT} silent connections against {baseline:?} without"
+    );
+    assert_eq!(d.preauth_registered_bytes.load(Ordering::Relaxed), 0);
+    assert_eq!(d.registered_bytes.load(Ordering::Relaxed), registered, "nothing registered for silent peers");
+    drop(silent);
+}
+
+/// A connection with nothing to do closes after the idle timeout (client first); the next
+/// fetch opens a new one.
+pub fn idle_connections_close_and_reopen(f: Factory) {
+    let fx = server_with(f, server_cfg(None), 1);
+    let addr = fx.server.local_addr();
+    let o = &fx.outputs[0];
+    let d = Driver::new(f(), DriverConfig { idle_timeout: Duration::from_millis(300), ..DriverConfig::default() }).unwrap();
+    let p = d.provider().clone();
+    let c =
+        BlockClient::on(&d, pool_for(&p, PoolConfig { cap_bytes: 16 << 20, ..PoolConfig::default() }), client_cfg(None)).unwrap();
+    let blocks = [ShuffleBlock::single(3, o.map_id, 2), ShuffleBlock::single(3, o.map_id, 8)];
+    for round in 0..2 {
+        let got = fetch_all(&c, addr, &blocks);
+        assert_eq!(got[&1].as_ref().unwrap(), &o.range_bytes(8, 9), "round {round}");
+        wait_for(|| c.connections() == 0, "the idle connection closes");
+        wait_for(|| fx.server.connections() == 0, "the server side goes with it");
+    }
+    assert!(d.stats().idle_closes.load(Ordering::Relaxed) >= 2);
+    assert_eq!(c.stats().connections.load(Ordering::Relaxed), 2, "a new connection for each round");
+}
