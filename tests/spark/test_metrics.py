@@ -27,23 +27,12 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import CLUSTER_CONF, LINE, PLUGIN_CLASS, RUN_TIMEOUT_S
+from conftest import CLUSTER_CONF, RUN_TIMEOUT_S
 
 METRICS_JOB = "org.apache.spark.shuffle.rdma.jobs.MetricsJob"
 STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
 # How long one step may wait for the application (executor start-up on 2 busy cores included).
 STEP_TIMEOUT_S = 300
-
-
-def plugin_conf(jar: str) -> list:
-    """spark-submit arguments that install the plugin as a user of this Spark line would:
-    Spark 3.x creates the shuffle manager before it adds `--jars`, so 3.5 needs the jar on the
-    driver's and executors' class path; 4.x takes it from `--jars`."""
-    args = ["--conf", f"spark.shuffle.manager={PLUGIN_CLASS}"]
-    if LINE == "3.5":
-        return args + ["--conf", f"spark.driver.extraClassPath={jar}",
-                       "--conf", f"spark.executor.extraClassPath={jar}"]
-    return args + ["--jars", jar]
 
 
 def submit_cmd(runner, main_class: str, app_args: list, conf: dict, plugin: bool = True) -> list:
@@ -53,7 +42,8 @@ def submit_cmd(runner, main_class: str, app_args: list, conf: dict, plugin: bool
     for k, v in {**CLUSTER_CONF, **conf}.items():
         cmd += ["--conf", f"{k}={v}"]
     if plugin:
-        cmd += plugin_conf(runner.plugin_jar)
+        # Installed as the active Spark line needs it (conftest / scripts/spark-env.sh).
+        cmd += runner.plugin_args
     return cmd + ["--class", main_class, runner.jobs_jar] + app_args
 
 
