@@ -455,3 +455,29 @@ fn point_to_point_messages_of_any_size_arrive_whole_and_size_mismatches_are_name
         }
     });
 }
+
+/// A rank that leaves right after its last call (its `BYE` may overtake the others' reading
+/// of its last messages) does not fail the ranks still finishing that call: messages that
+/// arrived before a departure are delivered.
+#[test]
+fn a_rank_closing_right_after_its_last_call_does_not_fail_the_others() {
+    for (name, provider) in providers() {
+        for _ in 0..5 {
+            let comms = group(provider.clone(), 2, |_, _| {});
+            let errs: Vec<String> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .into_iter()
+                    .map(|c| {
+                        s.spawn(move || {
+                            let r = (0..50).try_for_each(|_| c.barrier()).map_err(|e| e.to_string()).err();
+                            drop(c);
+                            r.unwrap_or_default()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(errs.iter().all(|e| e.is_empty()), "{name}: {errs:?}");
+        }
+    }
+}

@@ -5,17 +5,20 @@
 //! * [`providers`] — the transports: [`tcp`](providers::tcp), [`sim`](providers::sim) and,
 //!   with the `verbs` feature, [`verbs`](providers::verbs).
 //! * [`driver`] — one event loop per engine that runs every connection of every provider:
-//!   the block client and server endpoints that execute the `wire` sessions, and raw
-//!   channels.
+//!   the block client and server endpoints that execute the `wire` sessions, raw channels,
+//!   and mesh links.
+//! * [`mesh`] — persistent all-to-all links among the ranks of a collective group (Mobius),
+//!   with tagged eager and zero-copy rendezvous messages, as a connection kind of the driver.
 //!
 //! Nothing here is specific to Spark: settings arrive as plain values, and errors name the
-//! setting to change as a [`Knob`](rdma_shuffle_wire::Knob). The shuffle crate and, later,
-//! collectives build on these pieces.
+//! setting to change as a [`Knob`](rdma_shuffle_wire::Knob). The shuffle crate and the
+//! collectives (crates/collective) build on these pieces.
 #![deny(missing_docs)]
 
 pub mod driver;
 pub mod error;
 pub mod memory;
+pub mod mesh;
 pub mod providers;
 
 pub use driver::{

@@ -26,6 +26,7 @@ impl Loop {
                 }
                 Command::Fetch(f) => self.fetch(f),
                 Command::Channel(c) => self.channel_command(c),
+                Command::Mesh(c) => self.mesh_command(c),
                 Command::Shutdown => {
                     self.close_everything("the engine is shutting down");
                     self.exiting = Some(Instant::now() + CLOSE_LINGER + Duration::from_secs(1));
@@ -46,6 +47,10 @@ impl Loop {
         let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
         for id in listeners {
             self.remove_chan_listener(id);
+        }
+        let meshes: Vec<u64> = self.meshes.keys().copied().collect();
+        for id in meshes {
+            self.remove_mesh(id, false);
         }
         let keys: Vec<ConnKey> = self
             .conns

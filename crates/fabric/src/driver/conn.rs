@@ -37,6 +37,7 @@ pub(crate) enum Role {
     Client(Box<ClientConn>),
     Server(Box<ServerConn>),
     Channel(ChannelConn),
+    Mesh(Box<super::mesh::MeshConn>),
 }
 
 /// The transport of a connection.

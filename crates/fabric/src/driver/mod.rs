@@ -37,7 +37,9 @@
 //! Every connection has a transport ([`conn::Transport`]: tcp, sim, verbs) and a role: a
 //! block client ([`ClientEndpoint`]), a block server ([`ServerEndpoint`]), or a raw
 //! [`Channel`] — frames in and out, one-sided reads, with no session: the provider-level
-//! primitives other protocols (tests, collectives) build on.
+//! primitives other protocols (tests) build on — or a link of a collective group's
+//! [mesh](crate::mesh): persistent, tagged, full-duplex messages with eager and rendezvous
+//! protocols ([`mesh`]).
 
 mod budget;
 pub(crate) mod channel;
@@ -45,6 +47,7 @@ pub(crate) mod client;
 mod commands;
 pub(crate) mod conn;
 mod delivery;
+pub(crate) mod mesh;
 pub(crate) mod server;
 mod sockets;
 mod stats;
@@ -109,6 +112,7 @@ pub(crate) enum Command {
     RemoveClient { id: u64, done: crossbeam_channel::Sender<()> },
     Fetch(client::FetchCmd),
     Channel(channel::ChannelCmd),
+    Mesh(mesh::MeshCmd),
     Shutdown,
 }
 
@@ -230,6 +234,8 @@ impl Driver {
             servers: HashMap::new(),
             clients: HashMap::new(),
             chan_listeners: HashMap::new(),
+            meshes: HashMap::new(),
+            mesh_mem: VecDeque::new(),
             timers: Timers::default(),
             mem_waiters: VecDeque::new(),
             pending: VecDeque::new(),
@@ -370,6 +376,9 @@ pub(crate) struct Loop {
     pub(crate) servers: HashMap<u64, ServerEp>,
     pub(crate) clients: HashMap<u64, ClientEp>,
     pub(crate) chan_listeners: HashMap<u64, ChanListenerEp>,
+    pub(crate) meshes: HashMap<u64, mesh::MeshEp>,
+    /// Mesh links parked until receive memory comes back.
+    pub(crate) mesh_mem: VecDeque<ConnKey>,
     timers: Timers,
     pub(crate) mem_waiters: VecDeque<MemWaiter>,
     /// Unauthenticated server connections, oldest first.
@@ -641,6 +650,7 @@ impl Loop {
         match &mut conn.role {
             Role::Client(_) => self.client_connected(conn),
             Role::Channel(_) => self.channel_connected(conn),
+            Role::Mesh(_) => self.mesh_connected(conn),
             Role::Server(_) => {}
         }
     }
@@ -649,6 +659,7 @@ impl Loop {
     fn blocked(&self, conn: &Conn) -> bool {
         match &conn.role {
             Role::Client(c) => c.blocked(),
+            Role::Mesh(m) => m.starved.is_some(),
             _ => false,
         }
     }
@@ -658,6 +669,7 @@ impl Loop {
             Role::Client(c) => c.session.limits(),
             Role::Server(s) => s.session.limits(),
             Role::Channel(c) => c.limits,
+            Role::Mesh(m) => m.limits,
         }
     }
 
@@ -666,6 +678,7 @@ impl Loop {
             Role::Client(_) => self.client_incoming(conn, inc),
             Role::Server(_) => self.server_incoming(conn, inc),
             Role::Channel(_) => self.channel_incoming(conn, inc),
+            Role::Mesh(_) => self.mesh_incoming(conn, inc),
         }
     }
 
@@ -683,6 +696,10 @@ impl Loop {
             Role::Server(_) => self.server_failed(conn, &error),
             Role::Channel(_) => {
                 self.channel_failed(conn, error.to_string());
+                false
+            }
+            Role::Mesh(_) => {
+                self.mesh_failed(conn, &error);
                 false
             }
         };
@@ -730,6 +747,7 @@ impl Loop {
                 Role::Client(_) => self.client_after(conn),
                 Role::Server(_) => self.server_after(conn),
                 Role::Channel(_) => {}
+                Role::Mesh(_) => self.mesh_after(conn),
             }
         }
         let deadline = self.deadline(conn);
@@ -745,7 +763,7 @@ impl Loop {
         match &conn.role {
             Role::Client(c) => self.client_deadline(conn, c),
             Role::Server(s) => self.server_deadline(conn, s),
-            Role::Channel(_) => None,
+            Role::Channel(_) | Role::Mesh(_) => None,
         }
     }
 
@@ -761,7 +779,7 @@ impl Loop {
                 match conn.role {
                     Role::Client(_) => self.client_timeout(&mut conn, now),
                     Role::Server(_) => self.server_timeout(&mut conn, now),
-                    Role::Channel(_) => {}
+                    Role::Channel(_) | Role::Mesh(_) => {}
                 }
             }
             self.put(conn);
@@ -774,6 +792,7 @@ impl Loop {
             Role::Client(_) => self.client_removed(conn),
             Role::Server(_) => self.server_removed(conn),
             Role::Channel(_) => self.channel_failed(conn, format!("connection to {} closed", conn.peer)),
+            Role::Mesh(_) => self.mesh_removed(conn),
         }
     }
 }

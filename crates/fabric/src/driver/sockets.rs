@@ -58,6 +58,13 @@ impl Loop {
                     &mut s.socket
                 } else if let Some(c) = self.chan_listeners.get_mut(&id) {
                     &mut c.socket
+                } else if let Some(m) = self.meshes.get_mut(&id) {
+                    // A mesh accepts once it was started (connections wait in the backlog).
+                    let started = m.started();
+                    match (&mut m.socket, started) {
+                        (Some(s), true) => s,
+                        _ => return,
+                    }
                 } else {
                     return;
                 };
@@ -98,6 +105,8 @@ impl Loop {
             };
             if self.servers.contains_key(&id) {
                 self.server_accepted(id, peer, transport);
+            } else if self.meshes.contains_key(&id) {
+                self.mesh_accepted(id, peer, transport);
             } else {
                 self.channel_accepted(id, peer, transport);
             }

@@ -169,6 +169,10 @@ pub(crate) struct TcpConn {
     out: VecDeque<OutFrame>,
     /// Bytes queued and not yet written.
     out_bytes: u64,
+    /// Bytes ever queued, and ever written: a frame queued when `queued_total` became `n` is
+    /// out once `sent_total >= n` (mesh sends written from caller memory complete then).
+    queued_total: u64,
+    sent_total: u64,
 }
 
 impl TcpConn {
@@ -199,6 +203,8 @@ impl TcpConn {
             eof: false,
             out: VecDeque::new(),
             out_bytes: 0,
+            queued_total: 0,
+            sent_total: 0,
         }
     }
 
@@ -221,6 +227,16 @@ impl TcpConn {
     /// Bytes queued and not yet written.
     pub(crate) fn queued_bytes(&self) -> u64 {
         self.out_bytes
+    }
+
+    /// Bytes ever queued on this connection (the stream position after the last frame).
+    pub(crate) fn queued_total(&self) -> u64 {
+        self.queued_total
+    }
+
+    /// Bytes ever written to the socket.
+    pub(crate) fn sent_total(&self) -> u64 {
+        self.sent_total
     }
 
     /// The socket became writable: completes a pending connect (`Ok(true)` the first time),
@@ -272,6 +288,7 @@ impl TcpConn {
 
     fn push(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         self.out_bytes += head.len() as u64 + payload.len();
+        self.queued_total += head.len() as u64 + payload.len();
         self.out.push_back(OutFrame { head, payload, pos: 0 });
         if self.connected {
             self.flush()?;
@@ -313,6 +330,7 @@ impl TcpConn {
                     Ok(n) => {
                         f.pos += n as u64;
                         self.out_bytes -= n as u64;
+                        self.sent_total += n as u64;
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

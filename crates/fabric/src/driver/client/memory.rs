@@ -118,7 +118,8 @@ impl Loop {
         }
         kept.extend(self.mem_waiters.drain(..));
         self.mem_waiters = kept;
-        if self.mem_waiters.is_empty() {
+        let mesh_waiting = self.service_mesh_memory();
+        if self.mem_waiters.is_empty() && !mesh_waiting {
             self.shared.mem_wanted.store(false, Ordering::Release);
         }
     }

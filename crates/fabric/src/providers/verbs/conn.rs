@@ -51,6 +51,9 @@ pub(crate) struct VerbsConn {
     qp_counted: bool,
     /// Shut down: only completions are collected now.
     closing: bool,
+    /// The connecting side's queue pair lets the peer read too (mesh links: both sides
+    /// send rendezvous messages). Set only after the peer authenticated.
+    remote_read: bool,
 }
 
 fn dead(why: &str) -> FabricError {
@@ -78,6 +81,7 @@ impl VerbsConn {
             window: 0,
             qp_counted: false,
             closing: false,
+            remote_read: false,
         }
     }
 
@@ -151,6 +155,13 @@ impl VerbsConn {
         }
     }
 
+    /// (connecting side, after the handshake) Lets the authenticated peer read memory
+    /// registered for it through this connection's queue pair (mesh links, where both sides
+    /// expose rendezvous buffers). Block clients never do: they only read.
+    pub(crate) fn grant_remote_read(&mut self) {
+        self.remote_read = true;
+    }
+
     /// (connecting side, after the handshake) Creates the queue pair and sends our attach
     /// record; frames wait until the peer's answers.
     pub(crate) fn begin_attach(&mut self, net: &mut Net, stats: &DriverStats, key: u64) -> Result<(), FabricError> {
@@ -180,8 +191,9 @@ impl VerbsConn {
         let e = self.engine(net)?;
         let (dev, timers) = (e.dev.clone(), e.timers());
         let qp = self.qp.as_mut().ok_or_else(|| dead("no queue pair"))?;
-        // The client only reads: its queue pair grants the peer no remote access.
-        qp.connect(&dev, self.psn, &remote, false, timers)?;
+        // A block client only reads: its queue pair grants the peer no remote access unless
+        // its owner asked for it (a mesh link).
+        qp.connect(&dev, self.psn, &remote, self.remote_read, timers)?;
         self.peer_max_message = remote.max_message as usize;
         self.phase = Phase::Open;
         self.ready.push_back(Incoming::Attached);

@@ -49,6 +49,8 @@ pub use memlock::{can_lock_unlimited, check_memlock, memlock_limit};
 
 #[cfg(feature = "verbs")]
 pub use provider::{VerbsConfig, VerbsProvider};
+#[cfg(feature = "verbs")]
+pub(crate) use sys::UserRegion;
 
 #[cfg(feature = "verbs")]
 mod provider {
@@ -176,6 +178,15 @@ mod provider {
         /// The settings in force.
         pub fn config(&self) -> &VerbsConfig {
             &self.config
+        }
+
+        /// Registers a caller's buffer for mesh rendezvous (see [`sys::UserRegion`]).
+        ///
+        /// # Safety
+        /// `[ptr, ptr + len)` must stay mapped until the region is dropped.
+        pub(crate) unsafe fn register_user(&self, ptr: *const u8, len: usize) -> Result<sys::UserRegion, FabricError> {
+            // SAFETY: forwarded contract.
+            unsafe { sys::UserRegion::new(&self.dev, ptr, len) }
         }
     }
 

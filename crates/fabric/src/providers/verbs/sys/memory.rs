@@ -243,3 +243,46 @@ impl Exposure {
         self.map.len as u64
     }
 }
+
+// ------------------------------------------------------------------------------ user memory
+
+/// A caller's buffer registered for mesh rendezvous: readable by the peers' queue pairs
+/// (remote read — only authenticated mesh peers have queue pairs in this protection domain)
+/// and, when the pages are writable, a target of this side's READs (local write).
+pub(crate) struct UserRegion {
+    mr: Mr,
+}
+
+impl UserRegion {
+    /// Registers `[ptr, ptr + len)`.
+    ///
+    /// # Safety
+    /// The range must stay mapped until the region is dropped.
+    pub(crate) unsafe fn new(dev: &Device, ptr: *const u8, len: usize) -> Result<UserRegion, FabricError> {
+        let both = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_READ;
+        // SAFETY: the caller keeps the range mapped for the region's life.
+        match unsafe { Mr::register(&dev.pd, ptr as *mut u8, len, both) } {
+            Ok(mr) => Ok(UserRegion { mr }),
+            Err(first) => {
+                // Read-only pages (a numpy array over `bytes`) refuse a writable pin: such a
+                // buffer can still be sent from.
+                // SAFETY: as above.
+                let mr = unsafe { Mr::register(&dev.pd, ptr as *mut u8, len, ibv_access_flags::IBV_ACCESS_REMOTE_READ) }
+                    .map_err(|e| {
+                        let advice = if e.raw_os_error() == Some(libc::ENOMEM) {
+                            format!("; {}", memlock_advice(len as u64))
+                        } else {
+                            String::new()
+                        };
+                        err(format!("registering a {len}-byte user buffer: {first} (read-only: {e}){advice}"))
+                    })?;
+                Ok(UserRegion { mr })
+            }
+        }
+    }
+
+    /// The key peers read it with.
+    pub(crate) fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+}

@@ -23,7 +23,7 @@ mod memory;
 mod qp;
 mod queues;
 
-pub(crate) use memory::{Exposure, PoolRegistrar};
+pub(crate) use memory::{Exposure, PoolRegistrar, UserRegion};
 pub(crate) use qp::{Completed, Qp, QpTimers};
 pub(crate) use queues::{CompChannel, Cq, SendBuffers, Srq, Wc};
 

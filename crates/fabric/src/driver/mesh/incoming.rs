@@ -1,0 +1,448 @@
+//! What arrives on a mesh link: handshake messages, data, rendezvous requests and their
+//! completions, and the memory a payload waits for.
+
+use super::{control, mesh_mut, MeshConn, Phase, ReadJob, RtsJob, Rx};
+#[cfg(feature = "verbs")]
+use crate::driver::conn::Transport;
+use crate::driver::conn::{Conn, ConnKey, Incoming, Placement};
+use crate::driver::Loop;
+use crate::error::FabricError;
+use crate::memory::pool::Lease;
+use crate::mesh::handshake::Reader;
+use crate::mesh::shared::bump;
+use crate::mesh::{
+    memory_advice, Body, MeshError, Message, Proto, Tag, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_DATA, KIND_DONE, KIND_HELLO,
+    KIND_MARK, KIND_PROOF, KIND_READY, KIND_REFUSE, KIND_RTS, KIND_WELCOME,
+};
+use rdma_shuffle_wire::{Descriptor, Frame};
+
+fn protocol(conn: &Conn, what: String) -> FabricError {
+    FabricError::Unsupported(format!("mesh peer {}: {what}", conn.peer))
+}
+
+impl Loop {
+    pub(crate) fn mesh_incoming(&mut self, conn: &mut Conn, inc: Incoming) {
+        let r = match inc {
+            Incoming::Frame(frame) => self.mesh_frame(conn, frame),
+            Incoming::Payload(lease) => self.mesh_payload(conn, lease.map(Body::Lease).unwrap_or(Body::Empty)),
+            Incoming::PayloadVec(v) => match mesh_mut(conn).rx.take() {
+                Some(Rx::Control { kind, req }) => self.mesh_control(conn, kind, req, &v),
+                _ => Err(protocol(conn, "a payload arrived that no frame announced".into())),
+            },
+            Incoming::Message(frame, p) => self.mesh_message(conn, frame, p.buf, p.at),
+            Incoming::ReadDone { tag, lease, result } => self.mesh_read_done(conn, tag, lease, result),
+            #[cfg(feature = "verbs")]
+            Incoming::Attach(data) => self.mesh_attach(conn, &data),
+            #[cfg(feature = "verbs")]
+            Incoming::Attached => {
+                self.mesh_up(conn);
+                Ok(())
+            }
+        };
+        if let Err(e) = r {
+            self.fail(conn, e);
+        }
+    }
+
+    /// (stream) A frame's fixed part: chooses where its payload goes.
+    fn mesh_frame(&mut self, conn: &mut Conn, frame: Frame) -> Result<(), FabricError> {
+        let up = matches!(mesh_mut(conn).phase, Phase::Up);
+        match frame {
+            Frame::Eager { req, index: KIND_DATA, len } if up => self.mesh_data_frame(conn, req, Proto::Eager, len as u64),
+            Frame::PullData { region, offset: 0, len } if up => self.mesh_data_frame(conn, region, Proto::Rendezvous, len),
+            Frame::Eager { req, index, len } if index & 0xffff_0000 == KIND_MARK && index != KIND_DATA => {
+                if len as usize > CONTROL_MAX {
+                    return Err(protocol(conn, format!("a control message of {len} bytes")));
+                }
+                mesh_mut(conn).rx = Some(Rx::Control { kind: index, req });
+                conn.transport.place(Placement::Vec)
+            }
+            other => Err(protocol(conn, format!("unexpected {:?} frame on a mesh link", other.kind()))),
+        }
+    }
+
+    /// (stream) A data frame: its payload goes into a pool buffer of its size.
+    fn mesh_data_frame(&mut self, conn: &mut Conn, tag: Tag, proto: Proto, len: u64) -> Result<(), FabricError> {
+        let m = mesh_mut(conn);
+        let peer = m.peer.unwrap_or(0);
+        let limit = if proto == Proto::Eager { m.shared.eager_limit } else { m.shared.max_message } as u64;
+        if len > limit {
+            return Err(protocol(conn, format!("a {proto} message of {len} bytes above the limit of {limit}")));
+        }
+        let slot = m.shared.open_slot(peer, tag);
+        let rx = Rx::Data { tag, slot, proto, len };
+        if len == 0 {
+            m.rx = Some(rx);
+            return conn.transport.place(Placement::Discard);
+        }
+        self.mesh_place(conn, rx)
+    }
+
+    /// Places a data payload into a pool buffer, or parks the link until memory comes back.
+    fn mesh_place(&mut self, conn: &mut Conn, rx: Rx) -> Result<(), FabricError> {
+        let Rx::Data { len, .. } = rx else { return Ok(()) };
+        let m = mesh_mut(conn);
+        let peer = m.peer.unwrap_or(0);
+        match m.shared.pool.try_acquire(len as usize) {
+            Ok(Some(lease)) => {
+                m.shared.memory_wait(peer, None);
+                m.rx = Some(rx);
+                conn.transport.place(Placement::Into { lease, at: 0 })
+            }
+            Ok(None) => {
+                m.shared.memory_wait(peer, Some(len));
+                m.starved = Some(rx);
+                self.mesh_want_memory(conn.key);
+                Ok(())
+            }
+            Err(e) => Err(FabricError::Unsupported(memory_advice(&e))),
+        }
+    }
+
+    /// (stream) A data payload is complete.
+    fn mesh_payload(&mut self, conn: &mut Conn, body: Body) -> Result<(), FabricError> {
+        let m = mesh_mut(conn);
+        let Some(Rx::Data { tag, slot, proto, len }) = m.rx.take() else {
+            return Err(protocol(conn, "a payload arrived that no frame announced".into()));
+        };
+        let peer = m.peer.unwrap_or(0);
+        let c = &m.shared.counters;
+        if proto == Proto::Eager {
+            bump(&c.eager_received, 1);
+            bump(&c.eager_received_bytes, len);
+        } else {
+            bump(&c.rendezvous_received, 1);
+            bump(&c.rendezvous_received_bytes, len);
+        }
+        if len > 0 {
+            bump(&c.staged, 1);
+            bump(&c.staged_bytes, len);
+        }
+        m.shared.fill_slot(peer, tag, slot, Message { body, proto });
+        Ok(())
+    }
+
+    /// (messages) A whole frame and its payload.
+    fn mesh_message(&mut self, conn: &mut Conn, frame: Frame, buf: Vec<u8>, at: usize) -> Result<(), FabricError> {
+        let m = mesh_mut(conn);
+        let up = matches!(m.phase, Phase::Up);
+        let peer = m.peer.unwrap_or(0);
+        match frame {
+            Frame::Eager { req, index: KIND_DATA, len } if up => {
+                let c = &m.shared.counters;
+                bump(&c.eager_received, 1);
+                bump(&c.eager_received_bytes, len as u64);
+                let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
+                m.shared.push_ready(peer, req, Message { body, proto: Proto::Eager });
+                Ok(())
+            }
+            Frame::PullData { region, offset: 0, len } if up => {
+                if len > m.shared.max_message as u64 {
+                    return Err(protocol(conn, format!("a rendezvous message of {len} bytes")));
+                }
+                let c = &m.shared.counters;
+                bump(&c.rendezvous_received, 1);
+                bump(&c.rendezvous_received_bytes, len);
+                let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
+                m.shared.push_ready(peer, region, Message { body, proto: Proto::Rendezvous });
+                Ok(())
+            }
+            Frame::Eager { req, index, .. } if index & 0xffff_0000 == KIND_MARK && index != KIND_DATA => {
+                let body = buf.get(at..).unwrap_or(&[]);
+                self.mesh_control(conn, index, req, body)
+            }
+            other => Err(protocol(conn, format!("unexpected {:?} frame on a mesh link", other.kind()))),
+        }
+    }
+
+    /// A whole control or handshake message.
+    fn mesh_control(&mut self, conn: &mut Conn, kind: u32, req: u64, body: &[u8]) -> Result<(), FabricError> {
+        let name = conn.peer.clone();
+        let m = mesh_mut(conn);
+        let phase = std::mem::replace(&mut m.phase, Phase::Attaching);
+        match (phase, kind) {
+            (Phase::Hello, KIND_HELLO) => {
+                let hs = m.shared.hs.clone();
+                match hs.server_hello(body) {
+                    Ok((state, welcome)) => {
+                        let from = state.from;
+                        m.peer = Some(from);
+                        m.phase = Phase::Proof(state);
+                        let (f, p) = control(KIND_WELCOME, 0, welcome);
+                        conn.transport.send(&mut self.net, &f, p)?;
+                        let _ = from;
+                    }
+                    Err((_, why)) => {
+                        m.phase = Phase::Hello;
+                        m.shared.build_problem(format!("connection from {name}: {why}"), None, None);
+                        self.mesh_refuse(conn, &why);
+                    }
+                }
+                Ok(())
+            }
+            (Phase::Proof(state), KIND_PROOF) => {
+                let hs = m.shared.hs.clone();
+                match hs.server_proof(&state, body) {
+                    Ok(()) => {
+                        let (f, p) = control(KIND_READY, 0, Vec::new());
+                        conn.transport.send(&mut self.net, &f, p)?;
+                        // The peer proved the secret (or none is required).
+                        conn.authenticated = true;
+                        self.mesh_authenticated(conn)
+                    }
+                    Err(why) => {
+                        m.phase = Phase::Hello;
+                        let problem = format!("connection from {name} claiming rank {}: {why}", state.from);
+                        m.shared.build_problem(problem, None, None);
+                        self.mesh_refuse(conn, &why);
+                        Ok(())
+                    }
+                }
+            }
+            (Phase::Welcome(state), KIND_WELCOME) => {
+                let hs = m.shared.hs.clone();
+                match hs.client_welcome(&state, body) {
+                    Ok(proof) => {
+                        m.phase = Phase::Ready;
+                        let (f, p) = control(KIND_PROOF, 0, proof);
+                        conn.transport.send(&mut self.net, &f, p)
+                    }
+                    Err(why) => {
+                        let peer = m.peer.unwrap_or(0);
+                        let rank = m.shared.rank;
+                        let e = MeshError::Handshake { rank, peer, addr: name.clone(), reason: why.clone() };
+                        m.shared.build_problem(String::new(), Some(e), None);
+                        self.mesh_refuse(conn, &format!("rank {rank} refused rank {peer}: {why}"));
+                        Ok(())
+                    }
+                }
+            }
+            (Phase::Ready, KIND_READY) => {
+                conn.authenticated = true;
+                self.mesh_authenticated(conn)
+            }
+            (phase, KIND_REFUSE) => {
+                let why = String::from_utf8_lossy(body).into_owned();
+                let outgoing = m.outgoing;
+                m.phase = phase;
+                if let (true, Some(peer)) = (outgoing, m.peer) {
+                    let e =
+                        MeshError::Handshake { rank: m.shared.rank, peer, addr: name.clone(), reason: format!("refused: {why}") };
+                    m.shared.build_problem(String::new(), Some(e), None);
+                } else {
+                    m.shared.build_problem(format!("connection from {name}: refused: {why}"), None, None);
+                }
+                self.close(conn, format!("refused by the peer: {why}"), false);
+                Ok(())
+            }
+            (Phase::Up, KIND_RTS) => {
+                m.phase = Phase::Up;
+                self.mesh_rts(conn, req, body)
+            }
+            (Phase::Up, KIND_DONE) => {
+                m.phase = Phase::Up;
+                if let Some(rkey) = m.exposures.remove(&req) {
+                    conn.transport.revoke(&mut self.net, rkey);
+                }
+                let m = mesh_mut(conn);
+                if let Some(peer) = m.peer {
+                    m.shared.send_done(peer, req);
+                }
+                Ok(())
+            }
+            (Phase::Up, KIND_ABORT) => {
+                m.phase = Phase::Up;
+                if let Some(peer) = m.peer {
+                    m.shared.aborted(peer, String::from_utf8_lossy(body).into_owned());
+                }
+                Ok(())
+            }
+            (Phase::Up, KIND_BYE) => {
+                m.phase = Phase::Up;
+                if let Some(peer) = m.peer {
+                    m.shared.peer_left(peer);
+                }
+                // Nothing more comes on this link.
+                self.close(conn, "the peer closed its mesh".into(), false);
+                Ok(())
+            }
+            (phase, kind) => {
+                let what = match &phase {
+                    Phase::Up => "after the handshake",
+                    _ => "during the handshake",
+                };
+                m.phase = phase;
+                Err(protocol(conn, format!("unexpected mesh message kind {:#x} {what}", kind & 0xffff)))
+            }
+        }
+    }
+
+    /// The peer authenticated: attach the verbs data plane, or the link is up.
+    fn mesh_authenticated(&mut self, conn: &mut Conn) -> Result<(), FabricError> {
+        #[cfg(feature = "verbs")]
+        if matches!(conn.transport, Transport::Verbs(_)) {
+            let key = conn.key.to_u64();
+            let outgoing = mesh_mut(conn).outgoing;
+            mesh_mut(conn).phase = Phase::Attaching;
+            let Transport::Verbs(v) = &mut conn.transport else { return Ok(()) };
+            // Both sides of a mesh link send rendezvous messages: both queue pairs let the
+            // (authenticated) peer read.
+            v.grant_remote_read();
+            return if outgoing { v.begin_attach(&mut self.net, &self.shared.stats, key) } else { v.expect_attach() };
+        }
+        self.mesh_up(conn);
+        Ok(())
+    }
+
+    #[cfg(feature = "verbs")]
+    fn mesh_attach(&mut self, conn: &mut Conn, data: &[u8]) -> Result<(), FabricError> {
+        let (outgoing, attaching) = {
+            let m = mesh_mut(conn);
+            (m.outgoing, matches!(m.phase, Phase::Attaching))
+        };
+        if !attaching || !conn.authenticated {
+            return Err(protocol(conn, "an attach record before the handshake completed".into()));
+        }
+        let key = conn.key.to_u64();
+        let Transport::Verbs(v) = &mut conn.transport else {
+            return Err(protocol(conn, "an attach record on a connection without a data plane".into()));
+        };
+        if outgoing {
+            v.complete_attach(&mut self.net, data)
+        } else {
+            v.accept_attach(&mut self.net, &self.shared.stats, key, data)
+        }
+    }
+
+    /// The link is up: messages may flow.
+    fn mesh_up(&mut self, conn: &mut Conn) {
+        let key = conn.key;
+        let name = conn.peer.clone();
+        let m = mesh_mut(conn);
+        let Some(peer) = m.peer else { return };
+        m.phase = Phase::Up;
+        m.limits = m.shared.limits;
+        let ep = m.ep;
+        let fresh = m.shared.peer_up(peer, key, name);
+        if let Some(ep) = self.meshes.get_mut(&ep) {
+            ep.pending.retain(|k| *k != key);
+        }
+        if !fresh {
+            tracing::warn!(rank = mesh_mut(conn).shared.rank, peer, "second connection from the same rank; dropping it");
+            mesh_mut(conn).phase = Phase::Attaching;
+            self.close(conn, "a second link to the same rank".into(), false);
+        }
+    }
+
+    /// A one-sided rendezvous request: its slot keeps its place; the READ starts when memory
+    /// and the read caps allow.
+    fn mesh_rts(&mut self, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(), FabricError> {
+        let mut r = Reader(body);
+        let parsed = (|| Ok::<_, String>((r.u64()?, r.u32()?, r.u64()?, r.u64()?)))();
+        let (addr, rkey, len, token) = parsed.map_err(|e| protocol(conn, format!("bad rendezvous request: {e}")))?;
+        let max = mesh_mut(conn).shared.max_message;
+        if len > max as u64 {
+            return Err(protocol(conn, format!("a rendezvous message of {len} bytes above the limit {max}")));
+        }
+        let m = mesh_mut(conn);
+        let peer = m.peer.unwrap_or(0);
+        let slot = m.shared.open_slot(peer, tag);
+        if len == 0 {
+            bump(&m.shared.counters.rendezvous_received, 1);
+            m.shared.fill_slot(peer, tag, slot, Message { body: Body::Empty, proto: Proto::Rendezvous });
+            let (f, p) = control(KIND_DONE, token, Vec::new());
+            return conn.transport.send(&mut self.net, &f, p);
+        }
+        m.rts.push_back(RtsJob { tag, slot, token, desc: Descriptor { region: token, addr, len, rkey } });
+        self.mesh_pump_reads(conn)
+    }
+
+    /// Starts the READs of waiting rendezvous requests, in order, while memory and the
+    /// provider's read caps allow.
+    pub(crate) fn mesh_pump_reads(&mut self, conn: &mut Conn) -> Result<(), FabricError> {
+        loop {
+            if !conn.transport.can_read(&self.net) {
+                return Ok(());
+            }
+            let m = mesh_mut(conn);
+            let Some(job) = m.rts.front() else { return Ok(()) };
+            let peer = m.peer.unwrap_or(0);
+            let len = job.desc.len;
+            let lease = match m.shared.pool.try_acquire(len as usize) {
+                Ok(Some(l)) => l,
+                Ok(None) => {
+                    m.shared.memory_wait(peer, Some(len));
+                    self.mesh_want_memory(conn.key);
+                    return Ok(());
+                }
+                Err(e) => return Err(FabricError::Unsupported(memory_advice(&e))),
+            };
+            m.shared.memory_wait(peer, None);
+            let Some(job) = m.rts.pop_front() else { return Ok(()) };
+            let read_tag = m.next_read;
+            m.next_read += 1;
+            m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: job.slot, token: job.token, len });
+            if let Err(failed) = conn.transport.start_read(&mut self.net, read_tag, &job.desc, lease) {
+                let (_lease, e) = *failed;
+                return Err(e);
+            }
+            self.shared.stats.note_reads(1);
+        }
+    }
+
+    fn mesh_read_done(
+        &mut self,
+        conn: &mut Conn,
+        read_tag: u64,
+        lease: Lease,
+        result: Result<(), FabricError>,
+    ) -> Result<(), FabricError> {
+        self.shared.stats.note_reads(-1);
+        let m: &mut MeshConn = mesh_mut(conn);
+        let Some(job) = m.reads.remove(&read_tag) else { return Ok(()) };
+        result?;
+        let peer = m.peer.unwrap_or(0);
+        let c = &m.shared.counters;
+        bump(&c.reads, 1);
+        bump(&c.rendezvous_received, 1);
+        bump(&c.rendezvous_received_bytes, job.len);
+        bump(&c.staged, 1);
+        bump(&c.staged_bytes, job.len);
+        m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
+        let (f, p) = control(KIND_DONE, job.token, Vec::new());
+        conn.transport.send(&mut self.net, &f, p)?;
+        self.mesh_pump_reads(conn)
+    }
+
+    // ------------------------------------------------------------------ memory
+
+    fn mesh_want_memory(&mut self, key: ConnKey) {
+        if !self.mesh_mem.contains(&key) {
+            self.mesh_mem.push_back(key);
+        }
+        self.want_memory();
+    }
+
+    /// Memory came back: links parked for it go on, in order. Returns whether some still wait.
+    pub(crate) fn service_mesh_memory(&mut self) -> bool {
+        let waiting: Vec<ConnKey> = self.mesh_mem.drain(..).collect();
+        for key in waiting {
+            let Some(mut conn) = self.take(key) else { continue };
+            if conn.closing.is_none() {
+                let mut r = Ok(());
+                if let Some(rx) = mesh_mut(&mut conn).starved.take() {
+                    r = self.mesh_place(&mut conn, rx);
+                }
+                if r.is_ok() && mesh_mut(&mut conn).starved.is_none() {
+                    r = self.mesh_pump_reads(&mut conn);
+                }
+                if let Err(e) = r {
+                    self.fail(&mut conn, e);
+                }
+            }
+            self.put(conn);
+            self.drive_again(key);
+        }
+        !self.mesh_mem.is_empty()
+    }
+}

@@ -1,0 +1,500 @@
+//! Mesh links inside the loop: the connection kind behind [`crate::mesh`].
+//!
+//! A mesh endpoint ([`MeshEp`]) is one rank's listener and the links of its group. Each link
+//! is a connection with the [`MeshConn`] role, driven like every other connection: the loop
+//! runs its handshake (a sans-IO exchange, [`crate::mesh::handshake`]), attaches the verbs
+//! data plane after the peer authenticated, then files every message that arrives into the
+//! mesh's shared inboxes by `(peer, tag)` and performs the one-sided READs of rendezvous
+//! messages. Callers' sends arrive as commands ([`MeshCmd`]). No thread is made per peer:
+//! one loop runs every link, timers and backpressure included.
+//!
+//! Building: the caller's thread ([`Mesh::connect`](crate::mesh::Mesh::connect)) starts the
+//! endpoint, waits for the links to come up, retries connections a listener refused, and
+//! seals the endpoint (listener closed, stray connections dropped) once every link is up.
+
+mod incoming;
+
+use super::conn::{Conn, ConnKey, Role, Transport};
+use super::{ListenSocket, Loop};
+use crate::error::FabricError;
+use crate::memory::pool::ReleaseHook;
+use crate::mesh::handshake::{ClientHs, ServerHs};
+use crate::mesh::shared::MeshShared;
+use crate::mesh::{MeshError, Tag, UserMemory, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_HELLO, KIND_REFUSE, KIND_RTS};
+use crate::providers::tcp::OutPayload;
+use crate::providers::Source;
+use crossbeam_channel::Sender;
+use rdma_shuffle_wire::{Descriptor, Frame, Limits};
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// What follows a data frame: bytes the caller handed over (copied), or the caller's own
+/// memory (written from in place; the caller waits for the send to complete).
+pub(crate) enum OutBody {
+    Bytes(Vec<u8>),
+    User(Arc<UserMemory>),
+}
+
+/// How the peer will read a one-sided rendezvous message.
+pub(crate) enum RtsSource {
+    /// Expose this memory to the peer for the message (sim: a window per message).
+    Expose(Arc<UserMemory>),
+    /// The memory is registered already; the peer reads it with these keys (verbs).
+    Keys { addr: u64, rkey: u32 },
+}
+
+/// Work for the loop from a mesh's callers.
+pub(crate) enum MeshCmd {
+    Listen { id: u64, addr: SocketAddr, reply: Sender<Result<SocketAddr, FabricError>> },
+    Start { id: u64, shared: Arc<MeshShared>, addrs: Vec<SocketAddr> },
+    Connect { id: u64, peer: usize },
+    Seal { id: u64 },
+    Send { key: ConnKey, frame: Frame, body: OutBody, mark: Option<u64> },
+    Rts { key: ConnKey, tag: Tag, token: u64, len: u64, source: RtsSource },
+    Release { key: ConnKey, token: u64, reply: Sender<()> },
+    Abort { id: u64, reason: String },
+    Close { id: u64, bye: bool, reply: Sender<()> },
+}
+
+/// One rank's mesh inside the loop.
+pub(crate) struct MeshEp {
+    pub(crate) socket: Option<ListenSocket>,
+    addr: SocketAddr,
+    shared: Option<Arc<MeshShared>>,
+    addrs: Vec<SocketAddr>,
+    /// Every connection of this mesh: links, handshakes, strays.
+    conns: Vec<ConnKey>,
+    /// Accepted connections not yet authenticated, oldest first.
+    pending: VecDeque<ConnKey>,
+}
+
+impl MeshEp {
+    /// Whether accepted connections can be handled (the mesh was started).
+    pub(crate) fn started(&self) -> bool {
+        self.shared.is_some()
+    }
+}
+
+/// Where a link is in its life.
+pub(crate) enum Phase {
+    /// (connecting side) HELLO sent; waits for WELCOME.
+    Welcome(ClientHs),
+    /// (connecting side) PROOF sent; waits for READY.
+    Ready,
+    /// (accepting side) waits for HELLO.
+    Hello,
+    /// (accepting side) WELCOME sent; waits for PROOF.
+    Proof(ServerHs),
+    /// (verbs) authenticated; the data plane is being attached.
+    Attaching,
+    /// Messages flow.
+    Up,
+}
+
+/// A one-sided rendezvous message to read.
+pub(crate) struct RtsJob {
+    tag: Tag,
+    slot: u64,
+    token: u64,
+    desc: Descriptor,
+}
+
+/// A READ in flight.
+pub(crate) struct ReadJob {
+    tag: Tag,
+    slot: u64,
+    token: u64,
+    len: u64,
+}
+
+/// (stream) The frame whose payload is being read.
+pub(crate) enum Rx {
+    Control { kind: u32, req: u64 },
+    Data { tag: Tag, slot: u64, proto: crate::mesh::Proto, len: u64 },
+}
+
+/// A mesh link inside the loop.
+pub(crate) struct MeshConn {
+    ep: u64,
+    shared: Arc<MeshShared>,
+    pub(crate) limits: Limits,
+    /// The peer's rank: the target of an outgoing link; learnt from HELLO on an accepted one.
+    peer: Option<usize>,
+    outgoing: bool,
+    /// The transport connected (an outgoing connect can fail before: retried).
+    connected: bool,
+    phase: Phase,
+    rx: Option<Rx>,
+    /// (stream) A data frame whose payload waits for pool memory; the link reads nothing
+    /// more until it has some.
+    pub(crate) starved: Option<Rx>,
+    /// (tcp) Rendezvous sends written from the caller's memory: `(stream position after the
+    /// frame, token)`; complete once the socket took every byte up to the position.
+    marks: VecDeque<(u64, u64)>,
+    /// (sim) Exposures of the caller's memory by send token, revoked at `DONE`.
+    exposures: HashMap<u64, u32>,
+    /// One-sided rendezvous messages waiting to be read (memory, read caps), in order.
+    rts: VecDeque<RtsJob>,
+    reads: HashMap<u64, ReadJob>,
+    next_read: u64,
+}
+
+fn handshake_limits() -> Limits {
+    Limits { max_control: CONTROL_MAX as u32, max_eager: CONTROL_MAX as u32, max_pull: 0, max_blocks_per_fetch: 0 }
+}
+
+pub(crate) fn mesh_mut(conn: &mut Conn) -> &mut MeshConn {
+    match &mut conn.role {
+        Role::Mesh(m) => m,
+        _ => unreachable_role(),
+    }
+}
+
+#[cold]
+fn unreachable_role() -> ! {
+    // Only called from mesh handlers, which the loop dispatches on `Role::Mesh`.
+    panic!("mesh handler called on a connection of another role")
+}
+
+/// A control message on a link.
+pub(crate) fn control(kind: u32, req: u64, body: Vec<u8>) -> (Frame, OutPayload) {
+    (Frame::Eager { req, index: kind, len: body.len() as u32 }, OutPayload::Bytes(body))
+}
+
+impl Loop {
+    pub(crate) fn mesh_command(&mut self, c: MeshCmd) {
+        match c {
+            MeshCmd::Listen { id, addr, reply } => match self.listen(id, addr) {
+                Ok((local, socket)) => {
+                    let ep = MeshEp {
+                        socket: Some(socket),
+                        addr: local,
+                        shared: None,
+                        addrs: Vec::new(),
+                        conns: Vec::new(),
+                        pending: VecDeque::new(),
+                    };
+                    self.meshes.insert(id, ep);
+                    let _ = reply.send(Ok(local));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            MeshCmd::Start { id, shared, addrs } => {
+                let Some(ep) = self.meshes.get_mut(&id) else { return };
+                let hook: Arc<dyn ReleaseHook> = self.shared.clone();
+                shared.pool.add_release_hook(Arc::downgrade(&hook));
+                let rank = shared.rank;
+                ep.shared = Some(shared);
+                ep.addrs = addrs;
+                for peer in 0..rank {
+                    self.mesh_connect(id, peer);
+                }
+                // Peers may have connected before the mesh started: their connections wait in
+                // the listener's backlog.
+                self.accept(id);
+            }
+            MeshCmd::Connect { id, peer } => self.mesh_connect(id, peer),
+            MeshCmd::Seal { id } => {
+                let Some(ep) = self.meshes.get_mut(&id) else { return };
+                let socket = ep.socket.take();
+                let addr = ep.addr;
+                let links: Vec<ConnKey> = ep.conns.clone();
+                ep.pending.clear();
+                if let Some(mut s) = socket {
+                    self.unlisten(addr, &mut s);
+                }
+                for key in links {
+                    self.with_mesh(key, |lp, conn| {
+                        if !matches!(mesh_mut(conn).phase, Phase::Up) {
+                            lp.close(conn, "a connection that is not a mesh link (the mesh is complete)".into(), false);
+                        }
+                    });
+                }
+            }
+            MeshCmd::Send { key, frame, body, mark } => self.with_mesh(key, |lp, conn| {
+                if conn.closing.is_some() {
+                    return;
+                }
+                let payload = match body {
+                    OutBody::Bytes(b) => OutPayload::Bytes(b),
+                    OutBody::User(m) => {
+                        let len = m.len as u64;
+                        OutPayload::Source { source: m as Arc<dyn Source>, offset: 0, len }
+                    }
+                };
+                if let Err(e) = conn.transport.send(&mut lp.net, &frame, payload) {
+                    lp.fail(conn, e);
+                    return;
+                }
+                if let Some(token) = mark {
+                    let written_at = match &conn.transport {
+                        // The socket writes from the caller's memory until the frame is out.
+                        Transport::Tcp(t) => Some(t.queued_total()),
+                        // Message transports copied the bytes.
+                        _ => None,
+                    };
+                    let m = mesh_mut(conn);
+                    match (written_at, m.peer) {
+                        (Some(pos), _) => m.marks.push_back((pos, token)),
+                        (None, Some(peer)) => m.shared.send_done(peer, token),
+                        (None, None) => {}
+                    }
+                }
+            }),
+            MeshCmd::Rts { key, tag, token, len, source } => self.with_mesh(key, |lp, conn| {
+                if conn.closing.is_some() {
+                    return;
+                }
+                let (addr, rkey) = match source {
+                    RtsSource::Keys { addr, rkey } => (addr, rkey),
+                    RtsSource::Expose(m) => match conn.transport.expose(&mut lp.net, m as Arc<dyn Source>, 0, len) {
+                        Ok((addr, rkey)) => {
+                            mesh_mut(conn).exposures.insert(token, rkey);
+                            (addr, rkey)
+                        }
+                        Err(e) => {
+                            lp.fail(conn, e);
+                            return;
+                        }
+                    },
+                };
+                let mut body = Vec::with_capacity(28);
+                body.extend_from_slice(&addr.to_be_bytes());
+                body.extend_from_slice(&rkey.to_be_bytes());
+                body.extend_from_slice(&len.to_be_bytes());
+                body.extend_from_slice(&token.to_be_bytes());
+                let (f, p) = control(KIND_RTS, tag, body);
+                if let Err(e) = conn.transport.send(&mut lp.net, &f, p) {
+                    lp.fail(conn, e);
+                }
+            }),
+            MeshCmd::Release { key, token, reply } => {
+                self.with_mesh(key, |lp, conn| {
+                    let m = mesh_mut(conn);
+                    if let Some(rkey) = m.exposures.remove(&token) {
+                        conn.transport.revoke(&mut lp.net, rkey);
+                    }
+                    if mesh_mut(conn).marks.iter().any(|(_, t)| *t == token) {
+                        // Its bytes are not all written and its memory is about to go: the
+                        // stream cannot be cut in the middle of a frame, so the link goes.
+                        lp.fail(conn, FabricError::Unsupported("a rendezvous send was abandoned before it was written".into()));
+                    }
+                });
+                let _ = reply.send(());
+            }
+            MeshCmd::Abort { id, reason } => {
+                let Some(ep) = self.meshes.get(&id) else { return };
+                for key in ep.conns.clone() {
+                    self.with_mesh(key, |lp, conn| {
+                        if conn.closing.is_none() && matches!(mesh_mut(conn).phase, Phase::Up) {
+                            let (f, p) = control(KIND_ABORT, 0, reason.as_bytes().to_vec());
+                            let _ = conn.transport.send(&mut lp.net, &f, p);
+                        }
+                    });
+                }
+            }
+            MeshCmd::Close { id, bye, reply } => {
+                self.remove_mesh(id, bye);
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    /// Closes a mesh endpoint: its listener, and every connection (links say `BYE` first
+    /// when `bye`, unless a send from caller memory is still unwritten on them).
+    pub(crate) fn remove_mesh(&mut self, id: u64, bye: bool) {
+        let Some(mut ep) = self.meshes.remove(&id) else { return };
+        if let Some(mut s) = ep.socket.take() {
+            self.unlisten(ep.addr, &mut s);
+        }
+        for key in ep.conns {
+            let Some(mut conn) = self.take(key) else { continue };
+            if conn.closing.is_none() {
+                let m = mesh_mut(&mut conn);
+                let clean = bye && matches!(m.phase, Phase::Up) && m.marks.is_empty();
+                m.marks.clear();
+                if clean {
+                    let (f, p) = control(KIND_BYE, 0, Vec::new());
+                    let _ = conn.transport.send(&mut self.net, &f, p);
+                }
+                self.close(&mut conn, "the mesh was closed".into(), clean);
+            }
+            self.put(conn);
+        }
+    }
+
+    pub(crate) fn with_mesh(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
+        let Some(mut conn) = self.take(key) else { return };
+        if matches!(conn.role, Role::Mesh(_)) {
+            f(self, &mut conn);
+        }
+        let k = conn.key;
+        self.put(conn);
+        // Whatever the command started (a sim read) may have completed already.
+        self.drive_again(k);
+    }
+
+    /// Opens (or reopens, after a refusal) the link to the lower rank `peer`.
+    fn mesh_connect(&mut self, id: u64, peer: usize) {
+        let Some(ep) = self.meshes.get(&id) else { return };
+        let Some(shared) = ep.shared.clone() else { return };
+        let Some(&addr) = ep.addrs.get(peer) else { return };
+        let transport = match super::connect(self, addr) {
+            Ok(t) => t,
+            Err(e) => {
+                shared.build_problem(format!("connecting to rank {peer} at {addr}: {e}"), None, Some(peer));
+                return;
+            }
+        };
+        let connected = match &transport {
+            Transport::Tcp(t) => t.is_connected(),
+            #[cfg(feature = "verbs")]
+            Transport::Verbs(v) => v.control_connected(),
+            Transport::Sim(_) => true,
+        };
+        let (hs, hello) = shared.hs.client_hello(peer);
+        let role = Role::Mesh(Box::new(MeshConn {
+            ep: id,
+            shared,
+            limits: handshake_limits(),
+            peer: Some(peer),
+            outgoing: true,
+            connected,
+            phase: Phase::Welcome(hs),
+            rx: None,
+            starved: None,
+            marks: VecDeque::new(),
+            exposures: HashMap::new(),
+            rts: VecDeque::new(),
+            reads: HashMap::new(),
+            next_read: 1,
+        }));
+        let key = self.insert(addr.to_string(), transport, role);
+        if let Some(ep) = self.meshes.get_mut(&id) {
+            ep.conns.push(key);
+        }
+        if let Some(mut conn) = self.take(key) {
+            let (f, p) = control(KIND_HELLO, 0, hello);
+            if let Err(e) = conn.transport.send(&mut self.net, &f, p) {
+                self.fail(&mut conn, e);
+            }
+            self.put(conn);
+        }
+        self.activate(key);
+    }
+
+    /// A connection accepted on mesh listener `id`.
+    pub(crate) fn mesh_accepted(&mut self, id: u64, peer: String, transport: Transport) {
+        let Some(ep) = self.meshes.get(&id) else { return };
+        let Some(shared) = ep.shared.clone() else { return };
+        let cap = 2 * shared.world + 16;
+        let role = Role::Mesh(Box::new(MeshConn {
+            ep: id,
+            shared,
+            limits: handshake_limits(),
+            peer: None,
+            outgoing: false,
+            connected: true,
+            phase: Phase::Hello,
+            rx: None,
+            starved: None,
+            marks: VecDeque::new(),
+            exposures: HashMap::new(),
+            rts: VecDeque::new(),
+            reads: HashMap::new(),
+            next_read: 1,
+        }));
+        let key = self.insert(peer, transport, role);
+        let mut evict = None;
+        if let Some(ep) = self.meshes.get_mut(&id) {
+            ep.conns.push(key);
+            ep.pending.push_back(key);
+            // Work before authentication is bounded: the oldest unauthenticated connection
+            // makes room for a new one.
+            if ep.pending.len() > cap {
+                evict = ep.pending.pop_front();
+            }
+        }
+        if let Some(old) = evict {
+            self.shared.stats.handshake_evictions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.with_mesh(old, |lp, conn| lp.close(conn, "evicted: too many unauthenticated mesh connections".into(), false));
+        }
+        self.activate(key);
+    }
+
+    /// An outgoing connect completed.
+    pub(crate) fn mesh_connected(&mut self, conn: &mut Conn) {
+        mesh_mut(conn).connected = true;
+    }
+
+    /// After a mesh connection was handled: completes tcp sends whose bytes are all written.
+    pub(crate) fn mesh_after(&mut self, conn: &mut Conn) {
+        let Transport::Tcp(t) = &conn.transport else { return };
+        let sent = t.sent_total();
+        let m = mesh_mut(conn);
+        if m.marks.is_empty() {
+            return;
+        }
+        while let Some(&(end, token)) = m.marks.front() {
+            if end > sent {
+                break;
+            }
+            m.marks.pop_front();
+            if let Some(peer) = m.peer {
+                m.shared.send_done(peer, token);
+            }
+        }
+    }
+
+    /// The connection failed: a link's peer is marked failed; while building, the failure
+    /// is reported (a refused connect is retried; a lower rank refusing is final).
+    pub(crate) fn mesh_failed(&mut self, conn: &mut Conn, error: &FabricError) {
+        let key = conn.key;
+        let name = conn.peer.clone();
+        let m = mesh_mut(conn);
+        let why = match error {
+            FabricError::Closed { .. } => {
+                "the connection closed without a goodbye (the process exited or was killed)".to_string()
+            }
+            other => other.to_string(),
+        };
+        match (&m.phase, m.peer) {
+            (Phase::Up, Some(peer)) => m.shared.peer_failed(peer, key, why),
+            (_, Some(peer)) if m.outgoing && !m.connected => {
+                m.shared.build_problem(format!("connecting to rank {peer} at {name}: {why}"), None, Some(peer))
+            }
+            (_, Some(peer)) if m.outgoing => {
+                let e = MeshError::Handshake { rank: m.shared.rank, peer, addr: name, reason: why };
+                m.shared.build_problem(String::new(), Some(e), None);
+            }
+            _ => m.shared.build_problem(format!("connection from {name}: {why}"), None, None),
+        }
+        m.marks.clear();
+    }
+
+    /// A mesh connection is gone: it leaves its endpoint's lists, and a link's peer is
+    /// failed if nothing said why before.
+    pub(crate) fn mesh_removed(&mut self, conn: &mut Conn) {
+        let key = conn.key;
+        let m = mesh_mut(conn);
+        if let (Phase::Up, Some(peer)) = (&m.phase, m.peer) {
+            m.shared.peer_failed(peer, key, "the connection closed".into());
+        }
+        let ep = m.ep;
+        if let Some(ep) = self.meshes.get_mut(&ep) {
+            ep.conns.retain(|k| *k != key);
+            ep.pending.retain(|k| *k != key);
+        }
+        self.mesh_mem.retain(|k| *k != key);
+    }
+
+    /// Refuses a handshake: tells the peer why, then closes once that is written.
+    fn mesh_refuse(&mut self, conn: &mut Conn, why: &str) {
+        let (f, p) = control(KIND_REFUSE, 0, why.as_bytes().to_vec());
+        let _ = conn.transport.send(&mut self.net, &f, p);
+        self.close(conn, format!("mesh handshake refused: {why}"), true);
+    }
+}

@@ -1,0 +1,894 @@
+//! Mesh: persistent all-to-all links among the N ranks of a collective group.
+//!
+//! A collective (allreduce, allgather, ...) is a different shape from a shuffle fetch: every
+//! rank talks to a fixed set of peers for the life of the group, messages are matched by a
+//! tag rather than requested, and a ring step sends and receives at the same time. This
+//! module gives collectives that shape as a connection kind of the [driver](crate::driver):
+//! the links of a mesh are connections of one driver loop like any other (tcp, sim or verbs),
+//! with no thread per peer. It is the only place where the collective library touches
+//! providers:
+//!
+//! * [`MeshListener::bind`] starts the rank's driver and listener; its address is published
+//!   to the other ranks (through a store, which is the caller's business);
+//! * [`Mesh::connect`] builds one link per pair of ranks (the higher rank connects to the lower
+//!   one). The loop runs each link's handshake — job name, world size and ranks, and with a
+//!   shared secret mutual authentication by HMAC-SHA256 over the handshake transcript — and
+//!   then, on verbs, attaches the queue pairs. Nothing is registered or exposed for a peer
+//!   before it authenticated;
+//! * [`Mesh::send`] / [`Mesh::recv`] move tagged messages. The loop reads every link as soon
+//!   as bytes arrive and files messages by `(peer, tag)`, so sends never wait for the receiving
+//!   *collective* to reach the matching `recv`: links are full duplex and several messages may
+//!   be in flight per peer (pipelined segments).
+//!
+//! # Protocols
+//!
+//! * **Eager** ([`Proto::Eager`], up to [`MeshConfig::eager_limit`] bytes): the bytes travel
+//!   inline in one message. The caller's bytes are copied once when the send is posted, so an
+//!   eager send is complete at once.
+//! * **Rendezvous** ([`Proto::Rendezvous`], up to [`MeshConfig::max_message`] bytes), never
+//!   copied on the sending side:
+//!   - on providers with one-sided reads (verbs, sim): the sender makes its *own* buffer
+//!     readable (verbs: a registration through the [registration cache](Mesh::register); sim:
+//!     an exposure per message) and sends a small request-to-send with `{addr, rkey, len}`;
+//!     the receiver READs the bytes and answers `DONE`, after which the sender may reuse its
+//!     buffer ([`Mesh::wait`]).
+//!   - on stream providers (tcp): the loop writes the caller's buffer to the socket
+//!     (`writev`, no copy) and the send completes once the last byte is written.
+//!
+//! # Failures
+//!
+//! Nothing waits without a deadline. A link that fails (peer process died, connection reset)
+//! marks its peer failed at once and wakes every waiter on it with an error naming the rank;
+//! [`Mesh::abort`] tells every peer that this rank gave up (so ranks blocked on a third rank
+//! fail fast instead of waiting out their timeout); a rank that closes its mesh cleanly sends
+//! `BYE` first, so its peers can tell a departure from a crash.
+//!
+//! # Wire format
+//!
+//! Mesh messages are `wire` frames, so every provider carries them unchanged: eager data and
+//! control messages travel as [`Frame::Eager`] (`req` = tag, `index` = message kind), tcp
+//! rendezvous payloads as [`Frame::PullData`] (`region` = tag).
+
+mod config;
+pub(crate) mod handshake;
+pub(crate) mod regcache;
+pub(crate) mod shared;
+#[cfg(test)]
+mod tests;
+
+pub use config::{MeshConfig, MeshError, MAX_JOB_LEN};
+
+use crate::driver::conn::ConnKey;
+use crate::driver::mesh::{MeshCmd, OutBody, RtsSource};
+use crate::driver::{Command, Driver, DriverConfig};
+use crate::error::FabricError;
+use crate::memory::pool::{Lease, PoolError, TieredPool};
+use crate::providers::{Provider, ProviderKind, Source};
+use handshake::Handshaker;
+use parking_lot::Mutex;
+use rdma_shuffle_wire::{Frame, Limits};
+use regcache::RegCache;
+use shared::{bump, MeshShared, PeerStatus};
+use std::fmt;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+use tracing::debug;
+
+/// A message tag. Its meaning belongs to the caller (collectives pack a call sequence
+/// number, a step and a segment into it); the mesh only matches it.
+pub type Tag = u64;
+
+/// Upper 16 bits of the `index` of every mesh frame; lets a link reject stray traffic.
+pub(crate) const KIND_MARK: u32 = 0x4d42_0000;
+pub(crate) const KIND_HELLO: u32 = KIND_MARK | 1;
+pub(crate) const KIND_WELCOME: u32 = KIND_MARK | 2;
+pub(crate) const KIND_PROOF: u32 = KIND_MARK | 3;
+pub(crate) const KIND_READY: u32 = KIND_MARK | 4;
+pub(crate) const KIND_REFUSE: u32 = KIND_MARK | 5;
+pub(crate) const KIND_DATA: u32 = KIND_MARK | 16;
+pub(crate) const KIND_RTS: u32 = KIND_MARK | 17;
+pub(crate) const KIND_DONE: u32 = KIND_MARK | 18;
+pub(crate) const KIND_ABORT: u32 = KIND_MARK | 19;
+pub(crate) const KIND_BYE: u32 = KIND_MARK | 20;
+/// Largest handshake or control message (hello with a job name, abort reasons).
+pub(crate) const CONTROL_MAX: usize = 4096;
+/// Pause between connection attempts to a peer whose listener refused.
+const CONNECT_RETRY: Duration = Duration::from_millis(50);
+/// How long a caller waits for the loop to let go of a buffer it gave up on.
+const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// How [`Mesh::send`] moves a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Proto {
+    /// Inline copy; at most [`MeshConfig::eager_limit`] bytes.
+    Eager,
+    /// Zero-copy from the sender's buffer (one-sided READ on verbs/sim, streamed on tcp).
+    Rendezvous,
+}
+
+impl fmt::Display for Proto {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Proto::Eager => "eager",
+            Proto::Rendezvous => "rendezvous",
+        })
+    }
+}
+
+/// A listening endpoint of one rank, bound before the mesh is built so its address can be
+/// published to the other ranks first. It owns the rank's driver loop.
+pub struct MeshListener {
+    driver: Driver,
+    id: u64,
+    addr: SocketAddr,
+    rank: usize,
+}
+
+impl MeshListener {
+    /// Starts a driver loop over `provider` and listens on `addr` (port 0 picks a free port).
+    pub fn bind(provider: Arc<dyn Provider>, addr: SocketAddr, rank: usize) -> Result<Self, MeshError> {
+        let listen = |source| MeshError::Listen { rank, addr, source };
+        let config = DriverConfig { name: format!("mobius-{rank}"), ..DriverConfig::default() };
+        let driver = Driver::new(provider, config).map_err(listen)?;
+        let id = driver.shared().next_id();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        driver.shared().command(Command::Mesh(MeshCmd::Listen { id, addr, reply: tx })).map_err(listen)?;
+        let addr = rx.recv().map_err(|_| listen(FabricError::Shutdown))?.map_err(listen)?;
+        Ok(MeshListener { driver, id, addr, rank })
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MeshListener {
+    fn drop(&mut self) {
+        // Consumed by `Mesh::connect` (id 0); otherwise never used: stop listening.
+        if self.id != 0 {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            if self.driver.shared().command(Command::Mesh(MeshCmd::Close { id: self.id, bye: false, reply: tx })).is_ok() {
+                let _ = rx.recv_timeout(RELEASE_WAIT);
+            }
+        }
+    }
+}
+
+/// Where a received message's bytes are.
+pub(crate) enum Body {
+    Empty,
+    Lease(Lease),
+    /// A whole received message (sim, verbs) and where its payload starts.
+    Bytes(Vec<u8>, usize),
+}
+
+/// One received message. Dropping it returns its buffer.
+pub struct Message {
+    pub(crate) body: Body,
+    pub(crate) proto: Proto,
+}
+
+impl Message {
+    /// How the message came.
+    pub fn proto(&self) -> Proto {
+        self.proto
+    }
+}
+
+impl Deref for Message {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.body {
+            Body::Empty => &[],
+            Body::Lease(l) => l,
+            Body::Bytes(b, at) => &b[*at..],
+        }
+    }
+}
+
+impl AsRef<[u8]> for Message {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Message({} bytes, {})", self.len(), self.proto)
+    }
+}
+
+/// What a posted rendezvous send waits for, and how to take it back.
+struct PendingSend {
+    token: u64,
+    conn: ConnKey,
+    shared: Arc<MeshShared>,
+    driver: Driver,
+}
+
+impl PendingSend {
+    /// Waits until the send no longer needs its buffer; on an error, makes sure the loop
+    /// lets go of the buffer before returning.
+    fn wait(self, peer: usize, deadline: Instant) -> Result<(), MeshError> {
+        let started = Instant::now();
+        let s = &*self.shared;
+        let mut st = s.lock();
+        let r = loop {
+            if st.done.remove(&(peer, self.token)) {
+                return Ok(());
+            }
+            if let Err(e) = s.check(&st, peer) {
+                break e;
+            }
+            if Instant::now() >= deadline {
+                break s.timed_out(&st, peer, "the read of a rendezvous buffer", started);
+            }
+            s.wait_until(&mut st, deadline);
+        };
+        drop(st);
+        self.release(peer);
+        Err(r)
+    }
+
+    /// Tells the loop to let go of the buffer (revoke its exposure, drop its unwritten bytes
+    /// — failing the link, whose stream would be cut) and waits until it has.
+    fn release(&self, peer: usize) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let cmd = Command::Mesh(MeshCmd::Release { key: self.conn, token: self.token, reply: tx });
+        if self.driver.shared().command(cmd).is_ok() {
+            let _ = rx.recv_timeout(RELEASE_WAIT);
+        }
+        // It may have completed meanwhile.
+        self.shared.lock().done.remove(&(peer, self.token));
+    }
+}
+
+/// A posted send. It borrows the sent bytes until the send completes: [`Mesh::wait`] it to
+/// learn the outcome; dropping it unwaited also waits (up to the mesh's memory timeout), so
+/// the bytes are never released while a peer may still read them.
+#[must_use = "wait for a send to learn whether it completed"]
+pub struct SendTicket<'a> {
+    peer: usize,
+    pending: Option<PendingSend>,
+    drop_wait: Duration,
+    /// A registration made for this send alone, released once it completes.
+    _temporary: Option<Registration>,
+    _data: PhantomData<&'a [u8]>,
+}
+
+impl SendTicket<'_> {
+    fn done(peer: usize) -> Self {
+        SendTicket { peer, pending: None, drop_wait: Duration::ZERO, _temporary: None, _data: PhantomData }
+    }
+
+    /// Whether the send already completed when it was posted (eager).
+    pub fn is_complete(&self) -> bool {
+        self.pending.is_none()
+    }
+}
+
+impl Drop for SendTicket<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            if let Err(e) = p.wait(self.peer, Instant::now() + self.drop_wait) {
+                debug!(error = %e, "an unwaited rendezvous send did not complete");
+            }
+        }
+    }
+}
+
+impl fmt::Debug for SendTicket<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SendTicket(peer {}, {:?})", self.peer, self.pending.as_ref().map(|p| p.token))
+    }
+}
+
+/// Counters of one mesh (monotonic since it was built).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MeshStats {
+    /// Eager messages sent.
+    pub eager_sent: u64,
+    /// Payload bytes of eager messages sent.
+    pub eager_sent_bytes: u64,
+    /// Rendezvous messages sent.
+    pub rendezvous_sent: u64,
+    /// Payload bytes of rendezvous messages sent.
+    pub rendezvous_sent_bytes: u64,
+    /// Eager messages received.
+    pub eager_received: u64,
+    /// Payload bytes of eager messages received.
+    pub eager_received_bytes: u64,
+    /// Rendezvous messages received (READ or streamed).
+    pub rendezvous_received: u64,
+    /// Payload bytes of rendezvous messages received.
+    pub rendezvous_received_bytes: u64,
+    /// One-sided READs this rank performed for rendezvous receives.
+    pub reads: u64,
+    /// Registration cache hits.
+    pub registration_hits: u64,
+    /// User-buffer registrations made (cache misses).
+    pub registrations: u64,
+    /// Messages received straight into the caller's buffer (no intermediate buffer).
+    pub placed: u64,
+    /// Bytes of those.
+    pub placed_bytes: u64,
+    /// Messages received into a pool buffer first (they arrived before their receive was
+    /// posted, or a reduction consumes them from there).
+    pub staged: u64,
+    /// Bytes of those.
+    pub staged_bytes: u64,
+}
+
+/// A registration of user memory with the provider.
+#[derive(Clone)]
+pub(crate) enum UserReg {
+    /// Nothing to register (sim exposes each message; tcp streams).
+    Plain,
+    /// A verbs memory region over the user's pages.
+    #[cfg(feature = "verbs")]
+    Verbs(Arc<crate::providers::verbs::UserRegion>),
+}
+
+struct Regs {
+    cache: Mutex<RegCache<UserReg>>,
+}
+
+/// Persistent links to every other rank of a group, with tagged send and receive.
+///
+/// `send`, `recv` and `wait` may be called from several threads; messages between one pair of
+/// ranks under one tag are delivered in the order they were sent.
+pub struct Mesh {
+    shared: Arc<MeshShared>,
+    driver: Driver,
+    id: u64,
+    one_sided: bool,
+    memory_timeout: Duration,
+    regs: Arc<Regs>,
+    next_token: AtomicU64,
+    closed: bool,
+}
+
+impl fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Mesh(rank {} of {}, {})", self.shared.rank, self.shared.world, self.driver.provider_name())
+    }
+}
+
+/// Whether the provider reads rendezvous messages one-sidedly, and its largest eager
+/// payload (verbs: what its message buffers hold).
+fn provider_shape(p: &dyn Provider) -> (bool, Option<usize>) {
+    match p.kind() {
+        ProviderKind::Tcp(_) => (false, None),
+        ProviderKind::Sim(s) => (s.one_sided(), None),
+        #[cfg(feature = "verbs")]
+        ProviderKind::Verbs(v) => {
+            // The message buffer holds the frame header, the eager fixed part and the payload.
+            let max = v.config().max_message as usize - rdma_shuffle_wire::frame::HEADER_LEN - 64;
+            (true, Some(max))
+        }
+    }
+}
+
+impl Mesh {
+    /// Builds the mesh: connects to every lower rank at `addrs[r]`, accepts every higher rank
+    /// on `listener`, and authenticates each link. `addrs[config.rank]` is ignored (it is this
+    /// rank's own listener). Fails with [`MeshError::ConnectTimeout`] naming the ranks that did
+    /// not join within `config.connect_timeout`.
+    pub fn connect(mut listener: MeshListener, addrs: &[SocketAddr], config: MeshConfig) -> Result<Mesh, MeshError> {
+        config.validate()?;
+        let (rank, world) = (config.rank, config.world);
+        if addrs.len() != world {
+            return Err(MeshError::Config(format!("{} peer addresses for a world of {world}", addrs.len())));
+        }
+        if listener.rank != rank {
+            return Err(MeshError::Config(format!(
+                "the listener was bound for rank {}, the config is rank {rank}",
+                listener.rank
+            )));
+        }
+        let driver = listener.driver.clone();
+        let id = std::mem::replace(&mut listener.id, 0);
+        let provider = driver.provider().clone();
+        let (one_sided, verbs_max) = provider_shape(&*provider);
+        if let Some(max) = verbs_max {
+            if config.eager_limit > max {
+                return Err(MeshError::Config(format!(
+                    "eager limit {} exceeds the {max} bytes a verbs message buffer holds; lower MOBIUS_EAGER_LIMIT",
+                    config.eager_limit
+                )));
+            }
+        }
+        let pool = TieredPool::new(config.pool.clone(), provider.registrar())
+            .map_err(|e| MeshError::Memory { rank, message: format!("receive pool: {e}") })?;
+        let hs = Handshaker { rank, world, job: config.job.clone(), secret: config.secret.clone() };
+        let limits = Limits {
+            max_control: CONTROL_MAX as u32,
+            max_eager: config.eager_limit.max(CONTROL_MAX) as u32,
+            max_pull: config.max_message as u64,
+            max_blocks_per_fetch: 0,
+        };
+        let names = addrs.iter().map(|a| a.to_string()).collect();
+        let shared = Arc::new(MeshShared::new(hs, limits, config.eager_limit, config.max_message, pool, names));
+        let mesh = Mesh {
+            shared: shared.clone(),
+            driver: driver.clone(),
+            id,
+            one_sided,
+            memory_timeout: config.memory_timeout,
+            regs: Arc::new(Regs { cache: Mutex::new(RegCache::new(config.cache_registrations, config.cache_bytes)) }),
+            next_token: AtomicU64::new(1),
+            closed: false,
+        };
+        let cmd = |c| driver.shared().command(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank });
+        cmd(MeshCmd::Start { id, shared: shared.clone(), addrs: addrs.to_vec() })?;
+        let deadline = Instant::now() + config.connect_timeout;
+        let mut retries: Vec<(Instant, usize)> = Vec::new();
+        let outcome = loop {
+            let mut st = shared.lock();
+            if let Some(f) = st.build.fatal.take() {
+                break Err(f);
+            }
+            if st.peers.iter().all(|p| matches!(p.status, PeerStatus::Up)) {
+                break Ok(());
+            }
+            let now = Instant::now();
+            for p in st.build.retry.drain(..) {
+                retries.push((now + CONNECT_RETRY, p));
+            }
+            if now >= deadline {
+                let missing = (0..world).filter(|&p| !matches!(st.peers[p].status, PeerStatus::Up)).collect();
+                let details =
+                    if st.build.problems.is_empty() { String::new() } else { format!(" ({})", st.build.problems.join("; ")) };
+                break Err(MeshError::ConnectTimeout {
+                    rank,
+                    missing,
+                    waited_ms: config.connect_timeout.as_millis() as u64,
+                    details,
+                });
+            }
+            let wake = retries.iter().map(|r| r.0).min().unwrap_or(deadline).min(deadline);
+            shared.wait_until(&mut st, wake);
+            drop(st);
+            let now = Instant::now();
+            let (due, later): (Vec<_>, Vec<_>) = retries.into_iter().partition(|r| r.0 <= now);
+            retries = later;
+            for (_, peer) in due {
+                if now + CONNECT_RETRY < deadline {
+                    cmd(MeshCmd::Connect { id, peer })?;
+                }
+            }
+        };
+        match outcome {
+            Ok(()) => {
+                cmd(MeshCmd::Seal { id })?;
+                debug!(rank, world, provider = provider.name(), one_sided, "mesh connected");
+                Ok(mesh)
+            }
+            Err(e) => {
+                // Dropping the mesh closes every connection made so far.
+                drop(mesh);
+                Err(e)
+            }
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    /// The provider's name (`tcp`, `sim`, `verbs`).
+    pub fn provider_name(&self) -> &'static str {
+        self.driver.provider_name()
+    }
+
+    /// Whether rendezvous uses one-sided READ (verbs, sim) rather than a stream (tcp).
+    pub fn one_sided(&self) -> bool {
+        self.one_sided
+    }
+
+    /// Largest eager message.
+    pub fn eager_limit(&self) -> usize {
+        self.shared.eager_limit
+    }
+
+    /// Largest message of either protocol.
+    pub fn max_message(&self) -> usize {
+        self.shared.max_message
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> MeshStats {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        MeshStats {
+            eager_sent: l(&c.eager_sent),
+            eager_sent_bytes: l(&c.eager_sent_bytes),
+            rendezvous_sent: l(&c.rendezvous_sent),
+            rendezvous_sent_bytes: l(&c.rendezvous_sent_bytes),
+            eager_received: l(&c.eager_received),
+            eager_received_bytes: l(&c.eager_received_bytes),
+            rendezvous_received: l(&c.rendezvous_received),
+            rendezvous_received_bytes: l(&c.rendezvous_received_bytes),
+            reads: l(&c.reads),
+            registration_hits: l(&c.registration_hits),
+            registrations: l(&c.registrations),
+            placed: l(&c.placed),
+            placed_bytes: l(&c.placed_bytes),
+            staged: l(&c.staged),
+            staged_bytes: l(&c.staged_bytes),
+        }
+    }
+
+    /// Provider counters (`rdma_reads`, `verbs_sends`, ...), for tests that check which path
+    /// ran.
+    pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
+        self.driver.provider_counters()
+    }
+
+    /// Makes `len` bytes at `ptr` readable by peers for rendezvous sends out of them (and, on
+    /// verbs, writable by READs this rank posts into them). A no-op handle on tcp.
+    /// Registrations are cached by `(ptr, len)` while in use: a buffer sent from many times
+    /// (every step of a ring) is registered once per call; with
+    /// [`MeshConfig::cache_registrations`] also across calls (see `regcache` for why that is
+    /// opt-in).
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay valid (mapped, not freed) while the returned [`Registration`]
+    /// lives. With `cache_registrations`, a cached registration outlives the handle: the
+    /// caller must call [`invalidate`](Mesh::invalidate) before the memory is freed, or a
+    /// later registration of new memory at the same address would reuse a stale one.
+    pub unsafe fn register(&self, ptr: *const u8, len: usize) -> Result<Registration, MeshError> {
+        if !self.one_sided || len == 0 {
+            return Ok(Registration { ptr: ptr as usize, len, reg: UserReg::Plain, owner: None });
+        }
+        let key = (ptr as usize, len);
+        if let Some((id, reg)) = self.regs.cache.lock().hit(key) {
+            bump(&self.shared.counters.registration_hits, 1);
+            return Ok(Registration { ptr: key.0, len, reg, owner: Some((Arc::downgrade(&self.regs), id)) });
+        }
+        let reg = self.provider_register(ptr, len)?;
+        bump(&self.shared.counters.registrations, 1);
+        let (id, evicted) = self.regs.cache.lock().insert(key, reg.clone());
+        drop(evicted);
+        Ok(Registration { ptr: key.0, len, reg, owner: Some((Arc::downgrade(&self.regs), id)) })
+    }
+
+    #[allow(unused_variables)]
+    fn provider_register(&self, ptr: *const u8, len: usize) -> Result<UserReg, MeshError> {
+        match self.driver.provider().kind() {
+            #[cfg(feature = "verbs")]
+            ProviderKind::Verbs(v) => {
+                // SAFETY: forwarded contract of `register`: the memory stays mapped while the
+                // registration lives.
+                let r = unsafe { v.register_user(ptr, len) }.map_err(|e| MeshError::Memory {
+                    rank: self.shared.rank,
+                    message: format!("registering a {len}-byte user buffer: {e}"),
+                })?;
+                Ok(UserReg::Verbs(Arc::new(r)))
+            }
+            _ => Ok(UserReg::Plain),
+        }
+    }
+
+    /// Drops cached registrations overlapping `[ptr, ptr + len)` (the memory is about to be
+    /// freed). Registrations still in use are dropped when their last handle goes.
+    pub fn invalidate(&self, ptr: *const u8, len: usize) {
+        let dropped = self.regs.cache.lock().invalidate(ptr as usize, len);
+        drop(dropped);
+    }
+
+    fn peer_ok(&self, peer: usize) -> Result<(), MeshError> {
+        let s = &*self.shared;
+        if peer >= s.world || peer == s.rank {
+            return Err(MeshError::BadPeer { rank: s.rank, peer, world: s.world });
+        }
+        Ok(())
+    }
+
+    /// The link to `peer` for a send (the peer must still be there).
+    fn link(&self, peer: usize) -> Result<ConnKey, MeshError> {
+        let s = &*self.shared;
+        self.peer_ok(peer)?;
+        let st = s.lock();
+        s.check(&st, peer)?;
+        st.peers[peer].conn.ok_or(MeshError::Closed { rank: s.rank })
+    }
+
+    fn command(&self, c: MeshCmd) -> Result<(), MeshError> {
+        self.driver.shared().command(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank: self.shared.rank })
+    }
+
+    /// Sends `data` to `peer` under `tag`. Eager messages are complete on return; a
+    /// rendezvous completes when the peer has read it (one-sided) or the last byte is written
+    /// (tcp), so [`wait`](Mesh::wait) on the ticket before changing `data`. `reg`, when given,
+    /// must cover `data` (see [`register`](Mesh::register)); without it a one-sided rendezvous
+    /// send registers `data` for its own duration.
+    pub fn send<'a>(
+        &self,
+        peer: usize,
+        tag: Tag,
+        data: &'a [u8],
+        proto: Proto,
+        reg: Option<&Registration>,
+    ) -> Result<SendTicket<'a>, MeshError> {
+        let s = &*self.shared;
+        let key = self.link(peer)?;
+        let len = data.len();
+        match proto {
+            Proto::Eager => {
+                if len > s.eager_limit {
+                    return Err(MeshError::TooLarge {
+                        rank: s.rank,
+                        peer,
+                        proto,
+                        len,
+                        limit: s.eager_limit,
+                        setting: "MOBIUS_EAGER_LIMIT",
+                    });
+                }
+                let frame = Frame::Eager { req: tag, index: KIND_DATA, len: len as u32 };
+                self.command(MeshCmd::Send { key, frame, body: OutBody::Bytes(data.to_vec()), mark: None })?;
+                bump(&s.counters.eager_sent, 1);
+                bump(&s.counters.eager_sent_bytes, len as u64);
+                Ok(SendTicket::done(peer))
+            }
+            Proto::Rendezvous => {
+                if len > s.max_message {
+                    return Err(MeshError::TooLarge {
+                        rank: s.rank,
+                        peer,
+                        proto,
+                        len,
+                        limit: s.max_message,
+                        setting: "MOBIUS_MAX_MESSAGE",
+                    });
+                }
+                bump(&s.counters.rendezvous_sent, 1);
+                bump(&s.counters.rendezvous_sent_bytes, len as u64);
+                let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+                let memory = Arc::new(UserMemory { ptr: data.as_ptr() as usize, len });
+                let mut temporary = None;
+                if !self.one_sided {
+                    let frame = Frame::PullData { region: tag, offset: 0, len: len as u64 };
+                    self.command(MeshCmd::Send { key, frame, body: OutBody::User(memory), mark: Some(token) })?;
+                } else {
+                    let r = match reg {
+                        Some(r) if r.covers(data) => r,
+                        Some(_) => {
+                            return Err(MeshError::Config(format!(
+                                "rank {}: a rendezvous send to rank {peer} is outside the registration passed with it",
+                                s.rank
+                            )))
+                        }
+                        None => {
+                            // The temporary registration lives in the ticket, which borrows
+                            // `data` and does not let go before the peer read it.
+                            // SAFETY: `data` outlives the ticket (its lifetime `'a`).
+                            let r = unsafe { self.register(data.as_ptr(), len) }?;
+                            temporary.insert(r)
+                        }
+                    };
+                    let source = match &r.reg {
+                        // Nothing to read.
+                        _ if len == 0 => RtsSource::Keys { addr: 0, rkey: 0 },
+                        // Sim exposes a window per message, as the shuffle server does.
+                        UserReg::Plain => RtsSource::Expose(memory),
+                        #[cfg(feature = "verbs")]
+                        UserReg::Verbs(v) => RtsSource::Keys { addr: data.as_ptr() as u64, rkey: v.rkey() },
+                    };
+                    self.command(MeshCmd::Rts { key, tag, token, len: len as u64, source })?;
+                }
+                Ok(SendTicket {
+                    peer,
+                    pending: Some(PendingSend { token, conn: key, shared: self.shared.clone(), driver: self.driver.clone() }),
+                    drop_wait: self.memory_timeout,
+                    _temporary: temporary,
+                    _data: PhantomData,
+                })
+            }
+        }
+    }
+
+    /// Waits until the send of `ticket` completed (the peer has read a rendezvous buffer, or
+    /// it is written). On an error the buffer is let go of before this returns.
+    pub fn wait(&self, mut ticket: SendTicket<'_>, deadline: Instant) -> Result<(), MeshError> {
+        match ticket.pending.take() {
+            None => Ok(()),
+            Some(p) => p.wait(ticket.peer, deadline),
+        }
+    }
+
+    /// Receives the next message from `peer` under `tag`, waiting until `deadline`.
+    pub fn recv(&self, peer: usize, tag: Tag, deadline: Instant) -> Result<Message, MeshError> {
+        self.recv_either((peer, tag), None, deadline).map(|(_, m)| m)
+    }
+
+    /// Receives whichever of two expected messages arrives first: `(0, m)` for `first`,
+    /// `(1, m)` for `second` (which wins when both are there). Collectives use it to watch
+    /// for a check message from one peer while waiting for data from another.
+    pub fn recv_either(
+        &self,
+        first: (usize, Tag),
+        second: Option<(usize, Tag)>,
+        deadline: Instant,
+    ) -> Result<(usize, Message), MeshError> {
+        let s = &*self.shared;
+        // Messages that arrived before a peer left (or failed) are still delivered.
+        self.peer_ok(first.0)?;
+        if let Some((p, _)) = second {
+            self.peer_ok(p)?;
+        }
+        let started = Instant::now();
+        let mut st = s.lock();
+        loop {
+            // The watched message first: when both are there, the check it carries must run
+            // before the data is used.
+            if let Some((p, t)) = second {
+                if let Some(m) = MeshShared::take(&mut st, p, t) {
+                    return Ok((1, m));
+                }
+            }
+            if let Some(m) = MeshShared::take(&mut st, first.0, first.1) {
+                return Ok((0, m));
+            }
+            s.check(&st, first.0)?;
+            if let Some((p, _)) = second {
+                s.check(&st, p)?;
+            }
+            if Instant::now() >= deadline {
+                return Err(s.timed_out(&st, first.0, "a message", started));
+            }
+            s.wait_until(&mut st, deadline);
+        }
+    }
+
+    /// Takes a message that has already arrived, without waiting.
+    pub fn try_recv(&self, peer: usize, tag: Tag) -> Result<Option<Message>, MeshError> {
+        let s = &*self.shared;
+        self.peer_ok(peer)?;
+        let mut st = s.lock();
+        if let Some(m) = MeshShared::take(&mut st, peer, tag) {
+            return Ok(Some(m));
+        }
+        s.check(&st, peer)?;
+        Ok(None)
+    }
+
+    /// Tells every peer that this rank gives up, with `reason`; their waits fail with
+    /// [`MeshError::Aborted`] naming this rank. Best effort: dead links are skipped.
+    pub fn abort(&self, reason: &str) {
+        let s = &*self.shared;
+        let mut reason = reason.to_string();
+        reason.truncate(CONTROL_MAX - 64);
+        while !reason.is_char_boundary(reason.len()) {
+            reason.pop();
+        }
+        s.aborted(s.rank, reason.clone());
+        let _ = self.command(MeshCmd::Abort { id: self.id, reason });
+    }
+
+    /// Closes every link at once without a goodbye, as a crashed process would: peers see
+    /// the links fail. For fault-injection tests; [`close`](Mesh::close) is the clean way out.
+    pub fn sever(&self) {
+        self.shared.lock().closed = true;
+        self.shared.cond.notify_all();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.command(MeshCmd::Close { id: self.id, bye: false, reply: tx }).is_ok() {
+            let _ = rx.recv_timeout(RELEASE_WAIT);
+        }
+    }
+
+    /// The abort this mesh saw, if any: `(rank that aborted, reason)`.
+    pub fn aborted(&self) -> Option<(usize, String)> {
+        self.shared.lock().abort.clone()
+    }
+
+    /// Closes the mesh: says `BYE` to every peer, closes the links and stops the driver loop.
+    /// Also done on drop.
+    pub fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let was_closed = {
+            let mut st = self.shared.lock();
+            std::mem::replace(&mut st.closed, true)
+        };
+        self.shared.cond.notify_all();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self.command(MeshCmd::Close { id: self.id, bye: !was_closed, reply: tx }).is_ok() {
+            let _ = rx.recv_timeout(RELEASE_WAIT);
+        }
+        drop(self.regs.cache.lock().clear());
+        self.driver.shutdown();
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Registrations of user memory
+// ---------------------------------------------------------------------------------------
+
+/// User memory handed to the loop (written to a socket, exposed to sim reads). The mesh
+/// only hands it over while a ticket or registration promises the bytes are alive, and
+/// takes it back ([`PendingSend::release`]) before such a promise ends early.
+#[derive(Debug)]
+pub(crate) struct UserMemory {
+    pub(crate) ptr: usize,
+    pub(crate) len: usize,
+}
+
+impl Source for UserMemory {
+    fn as_bytes(&self) -> &[u8] {
+        // SAFETY: the holder's promise above: the memory is valid while the loop has it.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+/// A user buffer registered for rendezvous (see [`Mesh::register`]). Dropping it releases
+/// the registration, or leaves it in the cache.
+pub struct Registration {
+    ptr: usize,
+    len: usize,
+    reg: UserReg,
+    /// The cache entry it came from; `None` when nothing was registered.
+    owner: Option<(Weak<Regs>, u64)>,
+}
+
+impl Registration {
+    fn covers(&self, data: &[u8]) -> bool {
+        let (a, n) = (data.as_ptr() as usize, data.len());
+        a >= self.ptr && a + n <= self.ptr + self.len
+    }
+
+    fn rkey(&self) -> u32 {
+        match &self.reg {
+            UserReg::Plain => 0,
+            #[cfg(feature = "verbs")]
+            UserReg::Verbs(r) => r.rkey(),
+        }
+    }
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Registration({:#x}+{}, rkey {})", self.ptr, self.len, self.rkey())
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let Some((owner, id)) = self.owner.take() else { return };
+        // A mesh already closed has released everything.
+        let Some(regs) = owner.upgrade() else { return };
+        let released = regs.cache.lock().release(id);
+        drop(released);
+    }
+}
+
+pub(crate) fn memory_advice(e: &PoolError) -> String {
+    match e {
+        PoolError::ExceedsCap { requested, cap } => {
+            format!("a message of {requested} bytes exceeds the receive pool cap of {cap} bytes; raise MOBIUS_POOL_BYTES")
+        }
+        other => format!("receive buffer: {other}"),
+    }
+}

@@ -1,0 +1,324 @@
+//! What a mesh's callers and its connections in the driver loop share: the state of every
+//! peer, the inboxes of messages by tag, completed sends, and the counters.
+//!
+//! The loop fills it (messages arrive, sends complete, links fail) and notifies; callers
+//! wait on it with deadlines. The lock is never held across I/O or a copy of a payload.
+
+use super::handshake::Handshaker;
+use super::{MeshError, Message, Tag};
+use crate::driver::conn::ConnKey;
+use crate::memory::pool::TieredPool;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use rdma_shuffle_wire::Limits;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Where a peer stands.
+#[derive(Clone, Debug)]
+pub(crate) enum PeerStatus {
+    /// The mesh is being built and this link is not up yet.
+    Joining,
+    /// The link is up.
+    Up,
+    /// The peer closed its mesh.
+    Left,
+    /// The link failed; why.
+    Failed(String),
+}
+
+pub(crate) struct Peer {
+    pub(crate) status: PeerStatus,
+    /// The link, once up.
+    pub(crate) conn: Option<ConnKey>,
+    /// Its address, for errors.
+    pub(crate) name: String,
+    /// Bytes a message from this peer waits for in the receive pool (the link stopped
+    /// reading), for the error a caller's timeout reports.
+    pub(crate) memory_wait: Option<u64>,
+}
+
+/// One message of an inbox: still arriving (a payload being read, an RDMA READ in flight),
+/// or complete. Slots are created when a message starts to arrive, so messages under one
+/// tag are taken in the order they were sent even when a later one completes first.
+pub(crate) enum Slot {
+    Pending(u64),
+    Ready(Message),
+}
+
+/// What building the mesh saw.
+#[derive(Default)]
+pub(crate) struct Build {
+    /// Refusals and failures of connections that may yet be replaced.
+    pub(crate) problems: Vec<String>,
+    /// A lower rank refused this one: building stops.
+    pub(crate) fatal: Option<MeshError>,
+    /// Lower ranks whose listener refused the connection: try again shortly.
+    pub(crate) retry: Vec<usize>,
+}
+
+pub(crate) struct State {
+    pub(crate) peers: Vec<Peer>,
+    pub(crate) inbox: Vec<HashMap<Tag, VecDeque<Slot>>>,
+    /// Sends `(peer, token)` whose buffer is no longer needed.
+    pub(crate) done: HashSet<(usize, u64)>,
+    pub(crate) abort: Option<(usize, String)>,
+    pub(crate) closed: bool,
+    pub(crate) build: Build,
+    next_slot: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) eager_sent: AtomicU64,
+    pub(crate) eager_sent_bytes: AtomicU64,
+    pub(crate) rendezvous_sent: AtomicU64,
+    pub(crate) rendezvous_sent_bytes: AtomicU64,
+    pub(crate) eager_received: AtomicU64,
+    pub(crate) eager_received_bytes: AtomicU64,
+    pub(crate) rendezvous_received: AtomicU64,
+    pub(crate) rendezvous_received_bytes: AtomicU64,
+    pub(crate) reads: AtomicU64,
+    pub(crate) registration_hits: AtomicU64,
+    pub(crate) registrations: AtomicU64,
+    pub(crate) placed: AtomicU64,
+    pub(crate) placed_bytes: AtomicU64,
+    pub(crate) staged: AtomicU64,
+    pub(crate) staged_bytes: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A mesh's shared part.
+pub(crate) struct MeshShared {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) hs: Handshaker,
+    /// Frame limits of a link once it is up.
+    pub(crate) limits: Limits,
+    pub(crate) eager_limit: usize,
+    pub(crate) max_message: usize,
+    /// Buffers for messages that arrive before a receive names their destination.
+    pub(crate) pool: TieredPool,
+    state: Mutex<State>,
+    pub(crate) cond: Condvar,
+    pub(crate) counters: Counters,
+}
+
+impl MeshShared {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        hs: Handshaker,
+        limits: Limits,
+        eager_limit: usize,
+        max_message: usize,
+        pool: TieredPool,
+        names: Vec<String>,
+    ) -> Self {
+        let (rank, world) = (hs.rank, hs.world);
+        let peers = names
+            .into_iter()
+            .enumerate()
+            .map(|(p, name)| Peer {
+                status: if p == rank { PeerStatus::Up } else { PeerStatus::Joining },
+                conn: None,
+                name,
+                memory_wait: None,
+            })
+            .collect();
+        MeshShared {
+            rank,
+            world,
+            hs,
+            limits,
+            eager_limit,
+            max_message,
+            pool,
+            state: Mutex::new(State {
+                peers,
+                inbox: (0..world).map(|_| HashMap::new()).collect(),
+                done: HashSet::new(),
+                abort: None,
+                closed: false,
+                build: Build::default(),
+                next_slot: 1,
+            }),
+            cond: Condvar::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock()
+    }
+
+    /// Waits on the state until `deadline`; `true` when the deadline passed.
+    pub(crate) fn wait_until(&self, st: &mut MutexGuard<'_, State>, deadline: Instant) -> bool {
+        self.cond.wait_until(st, deadline).timed_out()
+    }
+
+    fn notify(&self) {
+        self.cond.notify_all();
+    }
+
+    // ---------------------------------------------------------------- used by the loop
+
+    /// A message from `peer` under `tag` starts to arrive; its slot keeps its place.
+    pub(crate) fn open_slot(&self, peer: usize, tag: Tag) -> u64 {
+        let mut st = self.state.lock();
+        let id = st.next_slot;
+        st.next_slot += 1;
+        st.inbox[peer].entry(tag).or_default().push_back(Slot::Pending(id));
+        id
+    }
+
+    /// The message of slot `id` is complete.
+    pub(crate) fn fill_slot(&self, peer: usize, tag: Tag, id: u64, m: Message) {
+        let mut st = self.state.lock();
+        if let Some(q) = st.inbox[peer].get_mut(&tag) {
+            if let Some(s) = q.iter_mut().find(|s| matches!(s, Slot::Pending(x) if *x == id)) {
+                *s = Slot::Ready(m);
+            }
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// A whole message arrived.
+    pub(crate) fn push_ready(&self, peer: usize, tag: Tag, m: Message) {
+        self.state.lock().inbox[peer].entry(tag).or_default().push_back(Slot::Ready(m));
+        self.notify();
+    }
+
+    /// The send `(peer, token)` no longer needs its buffer.
+    pub(crate) fn send_done(&self, peer: usize, token: u64) {
+        self.state.lock().done.insert((peer, token));
+        self.notify();
+    }
+
+    /// The link to `peer` is up on `conn`; `false` if it already was (a duplicate).
+    pub(crate) fn peer_up(&self, peer: usize, conn: ConnKey, name: String) -> bool {
+        let mut st = self.state.lock();
+        let p = &mut st.peers[peer];
+        if !matches!(p.status, PeerStatus::Joining) {
+            return false;
+        }
+        p.status = PeerStatus::Up;
+        p.conn = Some(conn);
+        p.name = name;
+        drop(st);
+        self.notify();
+        true
+    }
+
+    /// The link `conn` to `peer` failed (ignored if it is not the peer's link, or the mesh
+    /// is closed, or the peer had left).
+    pub(crate) fn peer_failed(&self, peer: usize, conn: ConnKey, why: String) {
+        let mut st = self.state.lock();
+        let closed = st.closed;
+        let p = &mut st.peers[peer];
+        if p.conn == Some(conn) && matches!(p.status, PeerStatus::Up) && !closed {
+            tracing::debug!(rank = self.rank, peer, why = %why, "mesh link failed");
+            p.status = PeerStatus::Failed(why);
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// `peer` said goodbye.
+    pub(crate) fn peer_left(&self, peer: usize) {
+        let mut st = self.state.lock();
+        if matches!(st.peers[peer].status, PeerStatus::Up) {
+            st.peers[peer].status = PeerStatus::Left;
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// A message from `peer` waits for `bytes` of receive memory (`None`: no longer).
+    pub(crate) fn memory_wait(&self, peer: usize, bytes: Option<u64>) {
+        self.state.lock().peers[peer].memory_wait = bytes;
+    }
+
+    /// Rank `by` aborted.
+    pub(crate) fn aborted(&self, by: usize, reason: String) {
+        let mut st = self.state.lock();
+        if st.abort.is_none() {
+            st.abort = Some((by, reason));
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// A connection made while building failed or was refused.
+    pub(crate) fn build_problem(&self, problem: String, fatal: Option<MeshError>, retry: Option<usize>) {
+        let mut st = self.state.lock();
+        if let Some(f) = fatal {
+            st.build.fatal.get_or_insert(f);
+        }
+        if let Some(r) = retry {
+            st.build.retry.push(r);
+        }
+        if !problem.is_empty() {
+            st.build.problems.push(problem);
+        }
+        drop(st);
+        self.notify();
+    }
+
+    // ---------------------------------------------------------------- used by callers
+
+    /// The error for `peer`, if waiting on it cannot succeed.
+    pub(crate) fn check(&self, st: &State, peer: usize) -> Result<(), MeshError> {
+        if st.closed {
+            return Err(MeshError::Closed { rank: self.rank });
+        }
+        if let Some((by, reason)) = &st.abort {
+            return Err(MeshError::Aborted { rank: self.rank, by: *by, reason: reason.clone() });
+        }
+        match &st.peers[peer].status {
+            PeerStatus::Up | PeerStatus::Joining => Ok(()),
+            PeerStatus::Left => Err(MeshError::PeerLeft { rank: self.rank, peer }),
+            PeerStatus::Failed(reason) => {
+                Err(MeshError::PeerFailed { rank: self.rank, peer, addr: st.peers[peer].name.clone(), reason: reason.clone() })
+            }
+        }
+    }
+
+    /// The error for a wait on `peer` that reached its deadline: a timeout, or the memory
+    /// shortage that held its message back.
+    pub(crate) fn timed_out(&self, st: &State, peer: usize, what: &'static str, started: Instant) -> MeshError {
+        let waited_ms = started.elapsed().as_millis() as u64;
+        if let Some(bytes) = st.peers[peer].memory_wait {
+            let p = self.pool.stats();
+            return MeshError::Memory {
+                rank: self.rank,
+                message: format!(
+                    "timed out after {waited_ms} ms waiting for {what} from rank {peer}: its next message needs {bytes} bytes of \
+                     receive memory and {} of {} bytes are held by messages not yet consumed; raise MOBIUS_POOL_BYTES",
+                    p.bytes_in_use,
+                    self.pool.config().cap_bytes
+                ),
+            };
+        }
+        MeshError::Timeout { rank: self.rank, peer, what, waited_ms }
+    }
+
+    /// Takes the first message of `(peer, tag)` if it is complete.
+    pub(crate) fn take(st: &mut State, peer: usize, tag: Tag) -> Option<Message> {
+        let q = st.inbox[peer].get_mut(&tag)?;
+        if !matches!(q.front(), Some(Slot::Ready(_))) {
+            return None;
+        }
+        let m = match q.pop_front() {
+            Some(Slot::Ready(m)) => Some(m),
+            _ => None,
+        };
+        if q.is_empty() {
+            st.inbox[peer].remove(&tag);
+        }
+        m
+    }
+}

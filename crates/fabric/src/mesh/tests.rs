@@ -1,0 +1,232 @@
+//! The mesh over tcp and sim (both one-sided and streamed rendezvous): ordering, both
+//! protocols, authentication, refusals, dead and departing peers, abort, the registration
+//! cache.
+
+use super::*;
+use crate::providers::{SimProvider, TcpProvider};
+use rdma_shuffle_wire::Secret;
+use std::net::{IpAddr, Ipv4Addr};
+
+fn localhost() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)
+}
+
+/// Builds a mesh of `world` ranks in threads; `tweak` adjusts each rank's config.
+fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConfig)) -> Vec<Result<Mesh, MeshError>> {
+    let listeners: Vec<MeshListener> =
+        (0..world).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let addrs = addrs.clone();
+            let mut c = MeshConfig::new(r, world);
+            c.connect_timeout = Duration::from_secs(20);
+            c.pool.cap_bytes = 64 << 20;
+            c.max_message = 16 << 20;
+            tweak(&mut c);
+            std::thread::spawn(move || Mesh::connect(l, &addrs, c))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn providers() -> Vec<Arc<dyn Provider>> {
+    vec![Arc::new(TcpProvider::new()), Arc::new(SimProvider::new(true)), Arc::new(SimProvider::new(false))]
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(20)
+}
+
+#[test]
+fn every_pair_exchanges_eager_and_rendezvous_messages_in_order() {
+    for provider in providers() {
+        let meshes: Vec<Mesh> = build(provider.clone(), 3, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+        let big: Vec<u8> = (0..3_000_001u32).map(|i| (i % 251) as u8).collect();
+        std::thread::scope(|sc| {
+            for m in &meshes {
+                let big = &big;
+                sc.spawn(move || {
+                    let me = m.rank();
+                    for peer in (0..3).filter(|p| *p != me) {
+                        let small = [me as u8, peer as u8, 7];
+                        m.wait(m.send(peer, 1, &small, Proto::Eager, None).unwrap(), soon()).unwrap();
+                        m.wait(m.send(peer, 1, &small[..1], Proto::Eager, None).unwrap(), soon()).unwrap();
+                        let t = m.send(peer, 2, big, Proto::Rendezvous, None).unwrap();
+                        m.wait(t, soon()).unwrap();
+                        m.wait(m.send(peer, 3, &[], Proto::Rendezvous, None).unwrap(), soon()).unwrap();
+                    }
+                    for peer in (0..3).filter(|p| *p != me) {
+                        let first = m.recv(peer, 1, soon()).unwrap();
+                        assert_eq!(&*first, &[peer as u8, me as u8, 7]);
+                        assert_eq!(first.proto(), Proto::Eager);
+                        assert_eq!(&*m.recv(peer, 1, soon()).unwrap(), &[peer as u8]);
+                        let got = m.recv(peer, 2, soon()).unwrap();
+                        assert_eq!(got.proto(), Proto::Rendezvous);
+                        assert!(*got == big[..], "rendezvous bytes differ from rank {peer}");
+                        assert!(m.recv(peer, 3, soon()).unwrap().is_empty());
+                    }
+                });
+            }
+        });
+        let st = meshes[0].stats();
+        assert_eq!((st.eager_sent, st.rendezvous_sent, st.eager_received, st.rendezvous_received), (4, 4, 4, 4));
+        assert_eq!(st.rendezvous_received_bytes, 2 * big.len() as u64);
+        if meshes[0].one_sided() {
+            assert_eq!(st.reads, 2, "{}: rendezvous must be one-sided reads", provider.name());
+            assert!(st.registrations >= 2);
+        } else {
+            assert_eq!(st.reads, 0);
+        }
+    }
+}
+
+#[test]
+fn eager_messages_above_the_limit_are_refused_with_the_setting() {
+    let meshes: Vec<Mesh> =
+        build(Arc::new(SimProvider::new(true)), 2, |c| c.eager_limit = 1024).into_iter().map(|m| m.unwrap()).collect();
+    let e = meshes[0].send(1, 0, &[0u8; 1025], Proto::Eager, None).unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("1025") && text.contains("MOBIUS_EAGER_LIMIT") && text.contains("rank 1"), "{text}");
+    assert!(matches!(meshes[0].send(0, 0, &[1], Proto::Eager, None), Err(MeshError::BadPeer { .. })));
+}
+
+#[test]
+fn a_rank_that_never_joins_is_named_after_the_timeout() {
+    let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+    let listeners: Vec<MeshListener> = (0..3).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    let mut it = listeners.into_iter();
+    let (l0, l1, _l2_never_runs) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+    let a2 = addrs.clone();
+    let t = std::thread::spawn(move || {
+        let mut c = MeshConfig::new(1, 3);
+        c.connect_timeout = Duration::from_millis(1500);
+        Mesh::connect(l1, &a2, c)
+    });
+    let mut c = MeshConfig::new(0, 3);
+    c.connect_timeout = Duration::from_millis(1500);
+    let started = Instant::now();
+    let e = Mesh::connect(l0, &addrs, c).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    match &e {
+        MeshError::ConnectTimeout { missing, .. } => assert_eq!(missing, &vec![2]),
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains("rank(s) [2]"), "{e}");
+    assert!(matches!(t.join().unwrap(), Err(MeshError::ConnectTimeout { .. })));
+}
+
+#[test]
+fn secrets_authenticate_every_link_and_a_wrong_secret_is_refused() {
+    let ok = build(Arc::new(TcpProvider::new()), 3, |c| c.secret = Some(Secret::new("s3cret")));
+    assert!(ok.iter().all(|m| m.is_ok()));
+    drop(ok);
+    let bad = build(Arc::new(TcpProvider::new()), 2, |c| {
+        c.connect_timeout = Duration::from_secs(3);
+        c.secret = Some(Secret::new(if c.rank == 1 { "wrong" } else { "s3cret" }));
+    });
+    let e1 = bad[1].as_ref().unwrap_err().to_string();
+    assert!(e1.contains("rank 0") && e1.contains("MOBIUS_SECRET"), "{e1}");
+    let e0 = bad[0].as_ref().unwrap_err().to_string();
+    assert!(e0.contains("[1]") && e0.contains("MOBIUS_SECRET"), "{e0}");
+    let half = build(Arc::new(TcpProvider::new()), 2, |c| {
+        c.connect_timeout = Duration::from_secs(3);
+        c.secret = (c.rank == 0).then(|| Secret::new("s3cret"));
+    });
+    assert!(half.iter().all(|m| m.as_ref().is_err_and(|e| e.to_string().contains("secret"))));
+}
+
+#[test]
+fn a_stray_connection_sending_junk_does_not_stop_the_mesh() {
+    use std::io::Write;
+    let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+    let listeners: Vec<MeshListener> = (0..2).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    let mut stray = std::net::TcpStream::connect(addrs[0]).unwrap();
+    stray.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let addrs = addrs.clone();
+            std::thread::spawn(move || {
+                let mut c = MeshConfig::new(r, 2);
+                c.connect_timeout = Duration::from_secs(20);
+                Mesh::connect(l, &addrs, c)
+            })
+        })
+        .collect();
+    let meshes: Vec<Mesh> = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    meshes[1].wait(meshes[1].send(0, 3, b"ok", Proto::Eager, None).unwrap(), soon()).unwrap();
+    assert_eq!(&*meshes[0].recv(1, 3, soon()).unwrap(), b"ok");
+}
+
+#[test]
+fn mismatched_world_or_job_is_refused_with_what_differs() {
+    let res = build(Arc::new(TcpProvider::new()), 2, |c| {
+        c.connect_timeout = Duration::from_secs(3);
+        if c.rank == 1 {
+            c.job = "other".into();
+        }
+    });
+    let e1 = res[1].as_ref().unwrap_err().to_string();
+    assert!(e1.contains("\"other\"") && e1.contains("\"mobius\""), "{e1}");
+}
+
+#[test]
+fn a_peer_that_dies_fails_waits_on_it_at_once_and_a_clean_close_is_a_departure() {
+    for provider in providers() {
+        let mut meshes: Vec<Mesh> = build(provider.clone(), 3, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+        let m2 = meshes.pop().unwrap();
+        // Simulate a crash: links go down without a goodbye.
+        m2.sever();
+        let started = Instant::now();
+        let e = meshes[0].recv(2, 9, Instant::now() + Duration::from_secs(30)).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "{}: waited {:?}", provider.name(), started.elapsed());
+        assert!(matches!(e, MeshError::PeerFailed { peer: 2, .. }), "{e}");
+        assert!(e.to_string().contains("rank 2"), "{e}");
+        // A wait on a healthy peer times out after its deadline, naming it.
+        let e = meshes[0].recv(1, 9, Instant::now() + Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(e, MeshError::Timeout { peer: 1, .. }), "{e}");
+        // A clean close is reported as a departure, not a failure.
+        let mut m1 = meshes.pop().unwrap();
+        m1.close();
+        let e = meshes[0].recv(1, 9, soon()).unwrap_err();
+        assert!(matches!(e, MeshError::PeerLeft { peer: 1, .. }), "{}: {e}", provider.name());
+        drop(m2);
+    }
+}
+
+#[test]
+fn abort_reaches_every_peer_with_the_reason() {
+    let meshes: Vec<Mesh> = build(Arc::new(TcpProvider::new()), 3, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+    meshes[1].abort("count differs");
+    for m in [&meshes[0], &meshes[2]] {
+        let e = m.recv(if m.rank() == 0 { 2 } else { 0 }, 5, soon()).unwrap_err();
+        assert!(matches!(&e, MeshError::Aborted { by: 1, reason, .. } if reason == "count differs"), "{e}");
+    }
+}
+
+#[test]
+fn registrations_are_cached_per_buffer_while_in_use() {
+    let meshes: Vec<Mesh> =
+        build(Arc::new(SimProvider::new(true)), 2, |c| c.cache_registrations = true).into_iter().map(|m| m.unwrap()).collect();
+    let buf = vec![5u8; 1 << 20];
+    for round in 0..3 {
+        // SAFETY: `buf` outlives the registration and is invalidated before it is freed.
+        let reg = unsafe { meshes[0].register(buf.as_ptr(), buf.len()) }.unwrap();
+        for half in buf.chunks(buf.len() / 2) {
+            meshes[0].wait(meshes[0].send(1, round, half, Proto::Rendezvous, Some(&reg)).unwrap(), soon()).unwrap();
+            assert!(*meshes[1].recv(0, round, soon()).unwrap() == *half);
+        }
+    }
+    let st = meshes[0].stats();
+    assert_eq!((st.registrations, st.registration_hits), (1, 2));
+    meshes[0].invalidate(buf.as_ptr(), 1);
+    // SAFETY: as above.
+    let _reg = unsafe { meshes[0].register(buf.as_ptr(), buf.len()) }.unwrap();
+    assert_eq!(meshes[0].stats().registrations, 2, "an invalidated registration is not reused");
+}
