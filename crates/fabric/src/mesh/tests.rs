@@ -103,7 +103,9 @@ fn a_rank_that_never_joins_is_named_after_the_timeout() {
     let a2 = addrs.clone();
     let t = std::thread::spawn(move || {
         let mut c = MeshConfig::new(1, 3);
-        c.connect_timeout = Duration::from_millis(1500);
+        // Longer than rank 0's: rank 0 must reach its own deadline while rank 1 is still
+        // connected to it, or it would rightly name rank 1 as gone too.
+        c.connect_timeout = Duration::from_millis(4000);
         Mesh::connect(l1, &a2, c)
     });
     let mut c = MeshConfig::new(0, 3);
