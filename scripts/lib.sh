@@ -12,9 +12,9 @@ apt_install() {
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
   if [ ! -f /tmp/.rdma-shuffle-apt-updated ]; then
-    $sudo apt-get update -qq && touch /tmp/.rdma-shuffle-apt-updated
+    $sudo apt-get -o DPkg::Lock::Timeout=900 update -qq && touch /tmp/.rdma-shuffle-apt-updated
   fi
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
 # ensure_rust: a stable Rust toolchain with cargo on PATH.
