@@ -190,9 +190,19 @@ fn all_blocks(outs: &[GeneratedOutput]) -> (Vec<ShuffleBlock>, Vec<Vec<u8>>) {
 }
 
 pub fn fetch_all(c: &BlockClient, addr: SocketAddr, blocks: &[ShuffleBlock]) -> HashMap<usize, Result<Vec<u8>, BlockFailure>> {
+    fetch_all_within(c, addr, blocks, Duration::from_secs(60))
+}
+
+/// [`fetch_all`] with the test's own deadline for the whole batch.
+pub fn fetch_all_within(
+    c: &BlockClient,
+    addr: SocketAddr,
+    blocks: &[ShuffleBlock],
+    limit: Duration,
+) -> HashMap<usize, Result<Vec<u8>, BlockFailure>> {
     let sink = Collect::new(blocks.len());
     c.fetch(addr, blocks, sink.clone());
-    sink.wait(Duration::from_secs(60))
+    sink.wait(limit)
 }
 
 // ---------------------------------------------------------------------------------- tests
@@ -558,6 +568,10 @@ pub fn many_fetchers_through_a_small_pool(f: Factory) {
     // Emulated RDMA (SoftRoCE under TCG) moves tens of MB/s: scale the volume, not the shape.
     let emulated = provider.name() == "verbs";
     let (step, rounds, cap): (usize, u64, u64) = if emulated { (4_000, 1, 1 << 20) } else { (40_000, 3, 8 << 20) };
+    // 64 fetchers queue for one 1 MiB pool: under TCG on a loaded host the last of them wait
+    // behind ~45 MB of emulated transfers (the whole test took 155 s at load 20), so the
+    // batch deadline is the test's, not a statement about latency.
+    let batch_limit = Duration::from_secs(if emulated { 300 } else { 60 });
     let dir = tempfile::tempdir().unwrap();
     let server = BlockServer::bind(provider, listen_addr(), server_cfg(None)).unwrap();
     let sizes: Vec<usize> = (0..16).map(|i| 16 * 1024 + i * step).collect();
@@ -583,7 +597,7 @@ pub fn many_fetchers_through_a_small_pool(f: Factory) {
                 for round in 0..rounds {
                     let o = &outs[((t + round) % 8) as usize];
                     let blocks: Vec<_> = (0..16).map(|r| ShuffleBlock::single(9, o.map_id, r)).collect();
-                    let got = fetch_all(&c, addr, &blocks);
+                    let got = fetch_all_within(&c, addr, &blocks, batch_limit);
                     for r in 0..16u32 {
                         let b = got[&(r as usize)].as_ref().unwrap_or_else(|e| panic!("fetcher {t}: {e}"));
                         assert!(b == &o.range_bytes(r, r + 1));
