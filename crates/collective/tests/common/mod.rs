@@ -130,12 +130,17 @@ pub const SIZES: [usize; 5] = [0, 1, 7, 1000, 20_003];
 
 /// Every op, dtype, reduce op and size on one group; returns the failures of every rank.
 pub fn run_matrix(comms: &[Comm], label: &str) -> Vec<String> {
+    run_matrix_sizes(comms, label, &SIZES)
+}
+
+/// [`run_matrix`] over the given element counts.
+pub fn run_matrix_sizes(comms: &[Comm], label: &str, sizes: &[usize]) -> Vec<String> {
     let world = comms.len();
     let root = world - 1;
     on_all(comms, |rank, c| {
         let mut fails = Vec::new();
         for dtype in DType::ALL {
-            for &n in &SIZES {
+            for &n in sizes {
                 for op in ReduceOp::ALL {
                     let tag = format!("{label} rank {rank} {dtype} {op} n={n}");
                     let mut buf = input(rank, n, op, dtype);
