@@ -22,9 +22,9 @@ cargo fmt --all --check
 step "lint: clippy over the workspace, warnings are errors"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "lint: clippy over fabric and shuffle with the verbs provider built in"
+step "lint: clippy over fabric, shuffle and mobius-collective with the verbs provider built in"
 apt_install libibverbs-dev librdmacm-dev libclang-dev clang pkg-config   # build deps of rdma-sys
-cargo clippy --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle --all-targets --features verbs -- -D warnings
+cargo clippy --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle -p mobius-collective --all-targets --features verbs -- -D warnings
 
 step "lint: Scala formatting (scalafmt through spotless; 'mvn spotless:apply' fixes it)"
 (cd jvm-plugin && mvn -B -q spotless:check)
@@ -45,7 +45,7 @@ run_script scripts/softroce-prepare.sh   # host build deps of rdma-sys (libibver
 cargo test --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle --features verbs --lib 2>&1 | tee target/test-verbs-host.log
 summarize_cargo target/test-verbs-host.log
 
-step "verbs: conformance suite + cross-device test on real kernel RDMA (SoftRoCE VM)"
+step "verbs: conformance suite, cross-device test and Mobius collectives on real kernel RDMA (SoftRoCE VM)"
 run_script scripts/verbs-test.sh
 
 step "rust: criterion micro-benchmarks compile and run once"

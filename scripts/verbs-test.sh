@@ -10,22 +10,29 @@ cd "$(dirname "$0")/.."
 ensure_rust >/dev/null
 scripts/softroce-prepare.sh   # also installs libibverbs-dev, clang (rdma-sys build deps)
 step "build verbs test binaries"
-mapfile -t EXES < <(cargo test -p rdma-shuffle-shuffle --features verbs --test suite_verbs --test verbs_cross_device --test verbs_engine \
-  --no-run --message-format=json 2>/dev/null | python3 -c '
+executables() { # the test executables a `cargo test --no-run` builds
+  cargo test "$@" --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])'
+}
+mapfile -t EXES < <(executables -p rdma-shuffle-shuffle --features verbs --test suite_verbs --test verbs_cross_device --test verbs_engine)
 [ ${#EXES[@]} -eq 3 ] || { echo "expected 3 test binaries, got: ${EXES[*]}" >&2; exit 1; }
+mapfile -t MOBIUS < <(executables -p mobius-collective --features verbs --test verbs)
+[ ${#MOBIUS[@]} -eq 1 ] || { echo "expected the mobius verbs test binary, got: ${MOBIUS[*]}" >&2; exit 1; }
 ARGS=()
 for e in "${EXES[@]}"; do
   name=$(basename "$e" | sed 's/-[0-9a-f]*$//')
   cp "$e" "target/$name"
   ARGS+=(--include "target/$name")
 done
+cp "${MOBIUS[0]}" target/mobius_verbs
+ARGS+=(--include target/mobius_verbs)
 step "run them in the SoftRoCE VM"
 exec scripts/softroce-test.sh --veth --quiet --timeout 600 --env RUST_BACKTRACE=1 "${ARGS[@]}" \
   --run-as verbs_suite '/opt/bin/suite_verbs --test-threads=2' \
   --run-as verbs_cross_device '/opt/bin/verbs_cross_device --test-threads=1' \
-  --run-as verbs_engine '/opt/bin/verbs_engine --test-threads=1 --nocapture' "$@"
+  --run-as verbs_engine '/opt/bin/verbs_engine --test-threads=1 --nocapture' \
+  --run-as mobius_verbs '/opt/bin/mobius_verbs --test-threads=1 --nocapture' "$@"

@@ -37,8 +37,16 @@ pub(crate) fn allgather_rd<T: Transport>(ctx: &mut Ctx<'_, T>, buf: *mut u8, cou
             let mine = (r / mask) * mask;
             let theirs = (partner / mask) * mask;
             // SAFETY: groups of `mask` blocks inside the `p`-block buffer.
-            ctx.send_all(partner, step, unsafe { buf.add(mine * cb) }, mask * cb)?;
-            ctx.recv_copy_all(partner, step, unsafe { buf.add(theirs * cb) }, mask * cb)?;
+            ctx.exchange(
+                partner,
+                partner,
+                step,
+                unsafe { buf.add(mine * cb) },
+                mask * cb,
+                unsafe { buf.add(theirs * cb) },
+                mask * cb,
+                false,
+            )?;
             mask <<= 1;
             step += 1;
         }
@@ -54,8 +62,7 @@ pub(crate) fn allgather_rd<T: Transport>(ctx: &mut Ctx<'_, T>, buf: *mut u8, cou
         let n = d.min(p - d);
         let (to, from) = ((r + p - d) % p, (r + d) % p);
         // SAFETY: the first `n ≤ d` blocks are sent, blocks `d..d+n` received: disjoint.
-        ctx.send_all(to, step, tmp, n * cb)?;
-        ctx.recv_copy_all(from, step, unsafe { tmp.add(d * cb) }, n * cb)?;
+        ctx.exchange(to, from, step, tmp, n * cb, unsafe { tmp.add(d * cb) }, n * cb, false)?;
         d <<= 1;
         step += 1;
     }
@@ -85,8 +92,7 @@ pub(crate) fn alltoall<T: Transport>(
     if pairwise {
         for k in 1..p {
             let (to, from) = ((r + k) % p, (r + p - k) % p);
-            ctx.send_all(to, k as u32, unsafe { send.add(to * cb) }, cb)?;
-            ctx.recv_copy_all(from, k as u32, unsafe { recv.add(from * cb) }, cb)?;
+            ctx.exchange(to, from, k as u32, unsafe { send.add(to * cb) }, cb, unsafe { recv.add(from * cb) }, cb, false)?;
         }
     } else {
         for k in 1..p {

@@ -299,6 +299,54 @@ impl<'t, T: Transport> Ctx<'t, T> {
         Ok(())
     }
 
+    /// Sends `[src, src + slen)` to `to` while receiving `rlen` bytes from `from` into `dst`
+    /// (reducing them into it when `reduce`), segment by segment: a window of segments goes
+    /// out first, then one more after each segment received. Peers in flight to this rank
+    /// hold at most a window of its receive pool, and a received segment is reduced while the
+    /// next ones travel, instead of every segment of a half-buffer being staged in pool
+    /// memory before the first is touched.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn exchange(
+        &mut self,
+        to: usize,
+        from: usize,
+        step: u32,
+        src: *const u8,
+        slen: usize,
+        dst: *mut u8,
+        rlen: usize,
+        reduce: bool,
+    ) -> Result<(), CollectiveError> {
+        let window = (RING_WINDOW / self.seg).max(1);
+        let sends: Vec<_> = self.segs(slen).collect();
+        let recvs: Vec<_> = self.segs(rlen).collect();
+        let mut sent = 0;
+        // SAFETY (every `add`): segment offsets lie inside their ranges.
+        while sent < sends.len() && sent < window {
+            let (j, off, l) = sends[sent];
+            self.send(to, step, j, unsafe { src.add(off) }, l)?;
+            sent += 1;
+        }
+        for (j, off, l) in recvs {
+            if reduce {
+                self.recv_reduce(from, step, j, unsafe { dst.add(off) }, l)?;
+            } else {
+                self.recv_copy(from, step, j, unsafe { dst.add(off) }, l)?;
+            }
+            if sent < sends.len() {
+                let (j, off, l) = sends[sent];
+                self.send(to, step, j, unsafe { src.add(off) }, l)?;
+                sent += 1;
+            }
+        }
+        while sent < sends.len() {
+            let (j, off, l) = sends[sent];
+            self.send(to, step, j, unsafe { src.add(off) }, l)?;
+            sent += 1;
+        }
+        Ok(())
+    }
+
     /// Ends the call: waits for every send and checks the left neighbour's header if no
     /// receive has done so yet.
     pub(crate) fn finish(&mut self) -> Result<(), CollectiveError> {

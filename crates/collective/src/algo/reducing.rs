@@ -74,8 +74,7 @@ pub(crate) fn allreduce_rd<T: Transport>(ctx: &mut Ctx<'_, T>, buf: *mut u8, cou
         let mut mask = 1;
         while mask < p2 {
             let partner = real_rank(vr ^ mask, rem);
-            ctx.send_all(partner, step, buf, len)?;
-            ctx.recv_reduce_all(partner, step, buf, len)?;
+            ctx.exchange(partner, partner, step, buf, len, buf, len, true)?;
             mask <<= 1;
             step += 1;
         }
@@ -112,8 +111,7 @@ fn halving<T: Transport>(
         let (g_off, g_len) = span(vb, give);
         let (k_off, k_len) = span(vb, keep);
         // SAFETY: spans of blocks that partition `buf`.
-        ctx.send_all(partner, *step, unsafe { buf.add(g_off) }, g_len)?;
-        ctx.recv_reduce_all(partner, *step, unsafe { buf.add(k_off) }, k_len)?;
+        ctx.exchange(partner, partner, *step, unsafe { buf.add(g_off) }, g_len, unsafe { buf.add(k_off) }, k_len, true)?;
         (lo, hi) = keep;
         mask >>= 1;
         *step += 1;
@@ -143,8 +141,7 @@ pub(crate) fn allreduce_rhd<T: Transport>(ctx: &mut Ctx<'_, T>, buf: *mut u8, co
             let (m_off, m_len) = span(&vb, (lo, hi));
             let (o_off, o_len) = span(&vb, other);
             // SAFETY: spans of blocks that partition `buf`.
-            ctx.send_all(partner, step, unsafe { buf.add(m_off) }, m_len)?;
-            ctx.recv_copy_all(partner, step, unsafe { buf.add(o_off) }, o_len)?;
+            ctx.exchange(partner, partner, step, unsafe { buf.add(m_off) }, m_len, unsafe { buf.add(o_off) }, o_len, false)?;
             lo = lo.min(other.0);
             hi = hi.max(other.1);
             mask <<= 1;
