@@ -3,7 +3,7 @@
 use crate::errors::{guard, BridgeError};
 use crate::leases::LeaseTable;
 use jni::objects::{GlobalRef, JClass, JIntArray, JLongArray, JObject, JString, JValue};
-use jni::sys::{jint, jlong, jstring};
+use jni::sys::{jboolean, jint, jlong, jstring, JNI_FALSE, JNI_TRUE};
 use jni::{JNIEnv, JavaVM};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::{BlockFailure, BlockSink, Engine, EngineConfig, FetchedBlock, Lease, ShuffleBlock};
@@ -221,19 +221,26 @@ impl BlockSink for JvmSink {
 /// after its engine closed still goes back safely.
 static LEASES: LeaseTable<Lease> = LeaseTable::new();
 
-/// Gives back the lease of `handle`. 0 (an empty block) is a no-op; a handle released already
-/// or never handed out is a no-op with one warning naming it, never a second free.
-fn release(handle: jlong) {
+/// Gives back the lease of `handle`; true when this call released one. 0 (an empty block) is
+/// a no-op; a handle released already or never handed out is a no-op with one warning naming
+/// it, never a second free.
+fn release(handle: jlong) -> bool {
     if handle == 0 {
-        return;
+        return false;
     }
     match LEASES.take(handle) {
-        Some(lease) => drop(lease),
-        None => tracing::warn!(
-            handle,
-            live = LEASES.live(),
-            "releaseLease: lease handle {handle} is unknown or was released already; ignored"
-        ),
+        Some(lease) => {
+            drop(lease);
+            true
+        }
+        None => {
+            tracing::warn!(
+                handle,
+                live = LEASES.live(),
+                "releaseLease: lease handle {handle} is unknown or was released already; ignored"
+            );
+            false
+        }
     }
 }
 
@@ -303,11 +310,12 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
 }
 
 #[no_mangle]
-pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_releaseLease(mut env: JNIEnv, _c: JClass, handle: jlong) {
-    guard(&mut env, (), |_| {
-        release(handle);
-        Ok(())
-    })
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_releaseLease(
+    mut env: JNIEnv,
+    _c: JClass,
+    handle: jlong,
+) -> jboolean {
+    guard(&mut env, JNI_FALSE, |_| Ok(if release(handle) { JNI_TRUE } else { JNI_FALSE }))
 }
 
 #[no_mangle]
