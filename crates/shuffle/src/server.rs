@@ -16,20 +16,23 @@ use rdma_shuffle_fabric::{
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, FailureCode, Resolved};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use thiserror::Error;
 
-/// A registered map output seen as a fabric [`Source`]: its mapped data file and descriptor.
+/// A registered map output seen as a fabric [`Source`]: its data file, read with `pread` or
+/// sent with `sendfile`, never through a CPU mapping (see the store's module docs).
 #[derive(Debug)]
-struct MappedOutput(Arc<MapOutput>);
+struct FileOutput(Arc<MapOutput>);
 
-impl Source for MappedOutput {
-    fn as_bytes(&self) -> &[u8] {
-        self.0.mapped()
+impl Source for FileOutput {
+    fn len(&self) -> u64 {
+        self.0.data_len()
     }
-    fn raw_fd(&self) -> Option<RawFd> {
-        self.0.file().map(|f| f.as_raw_fd())
+    fn read_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        self.0.read_at(offset, dst).map_err(std::io::Error::other)
+    }
+    fn file(&self) -> std::io::Result<Option<Arc<std::fs::File>>> {
+        Ok(self.0.file().cloned())
     }
 }
 
@@ -123,7 +126,7 @@ impl BlockServer {
     pub fn register(&self, files: MapOutputFiles) -> Result<(), ServerError> {
         let (shuffle_id, map_id) = (files.shuffle_id, files.map_id);
         let output = self.catalog.store.register(files)?;
-        let source: Arc<dyn Source> = Arc::new(MappedOutput(output.clone()));
+        let source: Arc<dyn Source> = Arc::new(FileOutput(output.clone()));
         self.catalog.exposed.write().insert((shuffle_id, map_id), Exposed { id: output.id(), source });
         tracing::debug!(shuffle_id, map_id, bytes = output.data_len(), "map output registered");
         Ok(())
