@@ -32,7 +32,7 @@ impl Source for FileOutput {
         self.0.read_at(offset, dst).map_err(std::io::Error::other)
     }
     fn file(&self) -> std::io::Result<Option<Arc<std::fs::File>>> {
-        Ok(self.0.file().cloned())
+        self.0.file().map_err(std::io::Error::other)
     }
 }
 
@@ -101,12 +101,24 @@ impl BlockServer {
 
     /// Starts serving on `addr` on `driver` (an engine's loop, shared with its client).
     pub fn bind_on(driver: &Driver, addr: SocketAddr, config: ServerEndpointConfig) -> Result<Self, ServerError> {
+        Self::bind_on_with_files(driver, addr, config, crate::store::DEFAULT_MAX_OPEN_FILES)
+    }
+
+    /// [`bind_on`](Self::bind_on), keeping at most `max_open_files` data files open
+    /// ([`StoreConfig::max_open_files`]).
+    pub fn bind_on_with_files(
+        driver: &Driver,
+        addr: SocketAddr,
+        config: ServerEndpointConfig,
+        max_open_files: usize,
+    ) -> Result<Self, ServerError> {
         let catalog = Arc::new(Catalog {
             // A corrupt index is kept and every fetch from it fails with the exact reason, so
             // the reducer's FetchFailedException says what is wrong (and Spark recomputes the
             // map task) instead of a bare "unknown map output".
             store: MapOutputStore::with_config(StoreConfig {
                 corrupt_index: CorruptIndexPolicy::FailResolves,
+                max_open_files,
                 ..StoreConfig::default()
             }),
             name: config.name.clone(),

@@ -64,6 +64,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::open_files::{FileIdentity, OpenFiles, ReopenError};
 use parking_lot::RwLock;
 
 /// A Spark shuffle id (a JVM `Int`, checked non-negative at the edge).
@@ -104,11 +105,21 @@ pub struct StoreConfig {
     pub max_index_entries: u64,
     /// What to do with an index whose offsets fail the registration scan.
     pub corrupt_index: CorruptIndexPolicy,
+    /// Data files the store keeps open at most (least recently used closed first, reopened
+    /// on demand); `spark.shuffle.rdma.store.maxOpenFiles`.
+    pub max_open_files: usize,
 }
+
+/// Default for [`StoreConfig::max_open_files`].
+pub const DEFAULT_MAX_OPEN_FILES: usize = 1024;
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { max_index_entries: DEFAULT_MAX_INDEX_ENTRIES, corrupt_index: CorruptIndexPolicy::default() }
+        Self {
+            max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
+            corrupt_index: CorruptIndexPolicy::default(),
+            max_open_files: DEFAULT_MAX_OPEN_FILES,
+        }
     }
 }
 
@@ -319,9 +330,9 @@ pub enum StoreError {
         /// The file's length now.
         actual: u64,
     },
-    /// The data file was deleted after it was registered.
+    /// The data file was deleted (or another file put at its path) after it was registered.
     #[error(
-        "shuffle {shuffle_id} map {map_id}: data file missing: {path} was deleted after the map output was registered ({what})"
+        "shuffle {shuffle_id} map {map_id}: data file missing: {path} was deleted or replaced after the map output was registered ({what})"
     )]
     DataFileMissing {
         /// The shuffle of the map output.
@@ -551,8 +562,11 @@ pub struct MapOutput {
     data_len: u64,
     data_path: PathBuf,
     index_path: PathBuf,
-    /// `None` only when Spark wrote no data file because every partition is empty.
-    file: Option<Arc<File>>,
+    /// The data file's identity; `None` only when Spark wrote no data file because every
+    /// partition is empty.
+    data_file: Option<FileIdentity>,
+    /// Where the open data file is kept (and reopened from after an eviction).
+    open_files: Arc<OpenFiles>,
     /// First fault of the registration scan, kept under [`CorruptIndexPolicy::FailResolves`].
     fault: Option<Fault>,
 }
@@ -568,6 +582,13 @@ impl fmt::Debug for MapOutput {
             .field("data_path", &self.data_path)
             .field("index_valid", &self.fault.is_none())
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for MapOutput {
+    fn drop(&mut self) {
+        // The last holder is gone (unregistered, replaced, and no transfer left): close it.
+        self.open_files.remove(self.id.0);
     }
 }
 
@@ -608,20 +629,35 @@ impl MapOutput {
     }
 
     /// The open data file (read-only), for `sendfile` and `pread` from its descriptor and for
-    /// private mappings of one region (RDMA exposure, after [`MapOutput::check_data`]).
-    /// `None` only when Spark wrote no data file because every partition is empty.
-    pub fn file(&self) -> Option<&Arc<File>> {
-        self.file.as_ref()
+    /// private mappings of one region (RDMA exposure, after [`MapOutput::check_data`]); opened
+    /// again if the store closed it to stay under [`StoreConfig::max_open_files`], and only if
+    /// it is still the registered file. `None` only when Spark wrote no data file because
+    /// every partition is empty.
+    pub fn file(&self) -> Result<Option<Arc<File>>, StoreError> {
+        let Some(identity) = self.data_file else {
+            return Ok(None);
+        };
+        let (shuffle_id, map_id) = (self.shuffle_id, self.map_id);
+        let missing =
+            |what: &str| StoreError::DataFileMissing { shuffle_id, map_id, what: what.into(), path: self.data_path.clone() };
+        match self.open_files.get(self.id.0, &self.data_path, identity) {
+            Ok(f) => Ok(Some(f)),
+            Err(ReopenError::Missing) => Err(missing("found when reopening it")),
+            Err(ReopenError::Replaced) => Err(missing("another file is at its path now")),
+            Err(ReopenError::Io(source)) => {
+                Err(StoreError::Io { shuffle_id, map_id, action: "reopen", path: self.data_path.clone(), source })
+            }
+        }
     }
 
     /// Checks that the data file still exists and holds the first `needed` bytes: a file
     /// deleted or truncated after commit gives a typed error instead of a short read (or, with
     /// a mapping, SIGBUS). `what` names the request in the error.
     pub fn check_data(&self, needed: u64, what: &dyn Fn() -> String) -> Result<(), StoreError> {
-        let Some(file) = &self.file else {
+        if self.data_file.is_none() {
             // No data file: every partition is empty, so nothing is ever read.
             return Ok(());
-        };
+        }
         let (shuffle_id, map_id) = (self.shuffle_id, self.map_id);
         match std::fs::metadata(&self.data_path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -631,6 +667,7 @@ impl MapOutput {
             // re-registers the output when it replaces it; until then the open file serves.
             _ => {}
         }
+        let Some(file) = self.file()? else { return Ok(()) };
         let actual = file
             .metadata()
             .map_err(|source| StoreError::Io { shuffle_id, map_id, action: "stat", path: self.data_path.clone(), source })?
@@ -658,7 +695,7 @@ impl MapOutput {
         let what = || format!("a read of {} bytes at offset {offset}", dst.len());
         let needed = offset.saturating_add(dst.len() as u64);
         let (shuffle_id, map_id) = (self.shuffle_id, self.map_id);
-        let Some(file) = &self.file else {
+        let Some(file) = self.file()? else {
             return Err(StoreError::DataTruncated {
                 shuffle_id,
                 map_id,
@@ -779,8 +816,9 @@ impl BlockSlice {
     }
 
     /// The open data file, for `sendfile` of `[offset, offset + len)` from its descriptor;
-    /// `None` only when Spark wrote no data file (then the block is empty).
-    pub fn file(&self) -> Option<&Arc<File>> {
+    /// `None` only when Spark wrote no data file (then the block is empty). See
+    /// [`MapOutput::file`].
+    pub fn file(&self) -> Result<Option<Arc<File>>, StoreError> {
         self.output.file()
     }
 }
@@ -827,6 +865,12 @@ pub struct StoreStats {
     pub resolves: u64,
     /// Failed resolves since creation.
     pub failed_resolves: u64,
+    /// Data files the store holds open now (at most [`StoreConfig::max_open_files`]).
+    pub open_files: usize,
+    /// Data files opened since creation (at registration and again after an eviction).
+    pub file_opens: u64,
+    /// Data files closed to stay under [`StoreConfig::max_open_files`].
+    pub file_evictions: u64,
 }
 
 #[derive(Default)]
@@ -843,6 +887,7 @@ struct Counters {
 /// and all file I/O of a registration happens outside the lock.
 pub struct MapOutputStore {
     config: StoreConfig,
+    open_files: Arc<OpenFiles>,
     shuffles: RwLock<HashMap<ShuffleId, HashMap<MapId, Arc<MapOutput>>>>,
     counters: Counters,
 }
@@ -867,7 +912,8 @@ impl MapOutputStore {
 
     /// An empty store with the given settings.
     pub fn with_config(config: StoreConfig) -> Self {
-        Self { config, shuffles: RwLock::new(HashMap::new()), counters: Counters::default() }
+        let open_files = Arc::new(OpenFiles::new(config.max_open_files));
+        Self { config, open_files, shuffles: RwLock::new(HashMap::new()), counters: Counters::default() }
     }
 
     /// The store's settings.
@@ -971,7 +1017,7 @@ impl MapOutputStore {
         let (file, data_len) = match File::open(&data_path) {
             Ok(file) => {
                 let len = file.metadata().map_err(|e| io_err("stat", &data_path, e))?.len();
-                (Some(Arc::new(file)), len)
+                (Some(file), len)
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound && offsets[offsets.len() - 1] == 0 => (None, 0),
             Err(e) => return Err(io_err("open", &data_path, e)),
@@ -991,8 +1037,17 @@ impl MapOutputStore {
             }
         }
 
+        let id = MapOutputId::next();
+        let data_file = match file {
+            Some(file) => {
+                let identity = FileIdentity::of(&file).map_err(|e| io_err("stat", &data_path, e))?;
+                self.open_files.insert(id.0, Arc::new(file));
+                Some(identity)
+            }
+            None => None,
+        };
         Ok(MapOutput {
-            id: MapOutputId::next(),
+            id,
             shuffle_id,
             map_id,
             num_partitions,
@@ -1000,7 +1055,8 @@ impl MapOutputStore {
             data_len,
             data_path,
             index_path,
-            file,
+            data_file,
+            open_files: self.open_files.clone(),
             fault,
         })
     }
@@ -1121,6 +1177,9 @@ impl MapOutputStore {
         stats.rejected_registrations = c.rejected_registrations.load(Ordering::Relaxed);
         stats.resolves = c.resolves.load(Ordering::Relaxed);
         stats.failed_resolves = c.failed_resolves.load(Ordering::Relaxed);
+        stats.open_files = self.open_files.len();
+        stats.file_opens = self.open_files.opens();
+        stats.file_evictions = self.open_files.evictions();
         stats
     }
 }

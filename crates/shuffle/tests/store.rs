@@ -30,7 +30,7 @@ fn check_all_ranges(store: &MapOutputStore, gen: &GeneratedOutput) {
             assert!(slice.read().unwrap() == expected.as_slice(), "bytes of [{start},{end}) differ");
             // What the TCP provider would sendfile from.
             let mut via_fd = vec![0u8; expected.len()];
-            slice.file().expect("data file open").read_exact_at(&mut via_fd, slice.offset()).unwrap();
+            slice.file().unwrap().expect("data file open").read_exact_at(&mut via_fd, slice.offset()).unwrap();
             assert_eq!(via_fd, expected);
         }
     }
@@ -86,7 +86,7 @@ fn zero_length_data_file_is_served() {
     let gen = write_map_output(dir.path(), 4, 8, &[0, 0, 0], 1).unwrap();
     assert_eq!(fs::metadata(&gen.data_path).unwrap().len(), 0);
     let output = store.register(gen.map_output_files()).unwrap();
-    assert!(output.file().is_some());
+    assert!(output.file().unwrap().is_some());
     for (start, end) in [(0, 1), (1, 3), (0, 3)] {
         let slice = store.resolve(4, 8, start, end).unwrap();
         assert!(slice.is_empty());
@@ -102,9 +102,9 @@ fn missing_data_file_is_accepted_only_for_an_empty_output() {
     let empty = write_map_output(dir.path(), 4, 9, &[0, 0], 1).unwrap();
     fs::remove_file(&empty.data_path).unwrap();
     let output = store.register(empty.map_output_files()).unwrap();
-    assert!(output.file().is_none());
+    assert!(output.file().unwrap().is_none());
     let slice = store.resolve(4, 9, 0, 2).unwrap();
-    assert!(slice.is_empty() && slice.file().is_none());
+    assert!(slice.is_empty() && slice.file().unwrap().is_none());
 
     let full = write_map_output(dir.path(), 4, 10, &[0, 7], 1).unwrap();
     fs::remove_file(&full.data_path).unwrap();
@@ -395,7 +395,7 @@ fn unregister_stops_new_resolves_but_outstanding_slices_stay_readable() {
     assert!(matches!(store.resolve(3, 1, 0, 1), Err(StoreError::UnknownShuffle { shuffle_id: 3 })));
     assert!(held.read().unwrap() == a.range_bytes(0, 3).as_slice());
     let mut via_fd = vec![0u8; 10];
-    held.file().unwrap().read_exact_at(&mut via_fd, 4096).unwrap();
+    held.file().unwrap().unwrap().read_exact_at(&mut via_fd, 4096).unwrap();
     assert_eq!(via_fd, a.partitions[2]);
 
     assert_eq!(store.shuffle_ids(), vec![4]);
