@@ -1,8 +1,9 @@
 //! The exported functions of `org.apache.spark.shuffle.rdma.NativeBridge`.
 
 use crate::errors::{guard, BridgeError};
+use crate::leases::LeaseTable;
 use jni::objects::{GlobalRef, JClass, JIntArray, JLongArray, JObject, JString, JValue};
-use jni::sys::{jint, jlong, jstring};
+use jni::sys::{jboolean, jint, jlong, jstring, JNI_FALSE, JNI_TRUE};
 use jni::{JNIEnv, JavaVM};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::{BlockFailure, BlockSink, Engine, EngineConfig, FetchedBlock, Lease, ShuffleBlock};
@@ -158,7 +159,7 @@ impl JvmSink {
                 // SAFETY: the memory stays valid until Java calls releaseLease with the handle
                 // below; the ByteBuffer's documented lifetime ends there (FetchCallback docs).
                 let buf = unsafe { env.new_direct_byte_buffer(ptr, len)? };
-                let handle = lease.map(|l| Lease::into_raw(l) as jlong).unwrap_or(0);
+                let handle = lease.map(|l| LEASES.insert(l)).unwrap_or(0);
                 let r = env.call_method(
                     callback,
                     "onBlock",
@@ -166,11 +167,21 @@ impl JvmSink {
                     &[JValue::Int(index as jint), (&buf).into(), JValue::Long(handle)],
                 );
                 if r.is_err() || env.exception_check()? {
-                    // Java never took ownership: give the memory back here.
                     let _ = env.exception_describe();
                     let _ = env.exception_clear();
-                    release(handle);
-                    tracing::warn!(index, "FetchCallback.onBlock threw; block buffer released");
+                    // Java may or may not have released the handle before it threw: taking it
+                    // out of the table is what decides, so the buffer goes back exactly once.
+                    match LEASES.take(handle) {
+                        Some(lease) => {
+                            drop(lease);
+                            tracing::warn!(index, handle, "FetchCallback.onBlock threw; block buffer released");
+                        }
+                        None => tracing::warn!(
+                            index,
+                            handle,
+                            "FetchCallback.onBlock threw after releasing its block buffer; nothing left to release"
+                        ),
+                    }
                 }
             }
             Err(f) => {
@@ -205,10 +216,31 @@ impl BlockSink for JvmSink {
     }
 }
 
-fn release(handle: jlong) {
-    if handle != 0 {
-        // SAFETY: `handle` came from Lease::into_raw in JvmSink::call and is released once.
-        drop(unsafe { Lease::from_raw(handle as *mut Lease) });
+/// Every lease Java holds, by handle (see [`crate::leases`]): one table for the process, as
+/// `releaseLease` carries no engine handle. A lease keeps its pool alive, so a lease released
+/// after its engine closed still goes back safely.
+static LEASES: LeaseTable<Lease> = LeaseTable::new();
+
+/// Gives back the lease of `handle`; true when this call released one. 0 (an empty block) is
+/// a no-op; a handle released already or never handed out is a no-op with one warning naming
+/// it, never a second free.
+fn release(handle: jlong) -> bool {
+    if handle == 0 {
+        return false;
+    }
+    match LEASES.take(handle) {
+        Some(lease) => {
+            drop(lease);
+            true
+        }
+        None => {
+            tracing::warn!(
+                handle,
+                live = LEASES.live(),
+                "releaseLease: lease handle {handle} is unknown or was released already; ignored"
+            );
+            false
+        }
     }
 }
 
@@ -278,11 +310,12 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
 }
 
 #[no_mangle]
-pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_releaseLease(mut env: JNIEnv, _c: JClass, handle: jlong) {
-    guard(&mut env, (), |_| {
-        release(handle);
-        Ok(())
-    })
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_releaseLease(
+    mut env: JNIEnv,
+    _c: JClass,
+    handle: jlong,
+) -> jboolean {
+    guard(&mut env, JNI_FALSE, |_| Ok(if release(handle) { JNI_TRUE } else { JNI_FALSE }))
 }
 
 #[no_mangle]

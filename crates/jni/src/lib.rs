@@ -11,5 +11,6 @@
 
 mod bridge;
 pub mod errors;
+pub mod leases;
 
 pub use errors::{guard, BridgeError};

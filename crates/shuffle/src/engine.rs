@@ -85,6 +85,8 @@ pub struct EngineConfig {
     /// `spark.shuffle.rdma.recvBuffers`: verbs receive buffers in the engine's shared receive
     /// queue.
     pub recv_buffers: u32,
+    /// `spark.shuffle.rdma.store.maxOpenFiles`: data files the block server keeps open.
+    pub max_open_files: usize,
     /// `spark.authenticate.secret` when `spark.authenticate=true`.
     pub secret: Option<Secret>,
     /// `spark.executor.id`, for logs and errors.
@@ -177,7 +179,12 @@ impl Engine {
             handshake_timeout,
             name: config.executor_id.clone(),
         };
-        let server = BlockServer::bind_on(&driver, SocketAddr::new(config.bind_host, config.port), server_cfg)?;
+        let server = BlockServer::bind_on_with_files(
+            &driver,
+            SocketAddr::new(config.bind_host, config.port),
+            server_cfg,
+            config.max_open_files,
+        )?;
         let client_cfg = ClientEndpointConfig {
             secret: config.secret.clone(),
             app_id: config.app_id.clone(),
@@ -274,6 +281,10 @@ impl Engine {
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);
         kv("pool_waits", p.waits);
         kv("map_outputs_registered", self.server.store().len() as u64);
+        let st = self.server.store().stats();
+        kv("open_data_files", st.open_files as u64);
+        kv("data_file_opens", st.file_opens);
+        kv("data_file_evictions", st.file_evictions);
         for (k, v) in self.driver.provider_counters() {
             kv(k, v);
         }

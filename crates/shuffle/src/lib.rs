@@ -17,6 +17,7 @@
 pub mod client;
 pub mod engine;
 pub mod knobs;
+pub mod open_files;
 pub mod server;
 pub mod settings;
 pub mod store;

@@ -16,20 +16,23 @@ use rdma_shuffle_fabric::{
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, FailureCode, Resolved};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use thiserror::Error;
 
-/// A registered map output seen as a fabric [`Source`]: its mapped data file and descriptor.
+/// A registered map output seen as a fabric [`Source`]: its data file, read with `pread` or
+/// sent with `sendfile`, never through a CPU mapping (see the store's module docs).
 #[derive(Debug)]
-struct MappedOutput(Arc<MapOutput>);
+struct FileOutput(Arc<MapOutput>);
 
-impl Source for MappedOutput {
-    fn as_bytes(&self) -> &[u8] {
-        self.0.mapped()
+impl Source for FileOutput {
+    fn len(&self) -> u64 {
+        self.0.data_len()
     }
-    fn raw_fd(&self) -> Option<RawFd> {
-        self.0.file().map(|f| f.as_raw_fd())
+    fn read_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        self.0.read_at(offset, dst).map_err(std::io::Error::other)
+    }
+    fn file(&self) -> std::io::Result<Option<Arc<std::fs::File>>> {
+        self.0.file().map_err(std::io::Error::other)
     }
 }
 
@@ -98,12 +101,24 @@ impl BlockServer {
 
     /// Starts serving on `addr` on `driver` (an engine's loop, shared with its client).
     pub fn bind_on(driver: &Driver, addr: SocketAddr, config: ServerEndpointConfig) -> Result<Self, ServerError> {
+        Self::bind_on_with_files(driver, addr, config, crate::store::DEFAULT_MAX_OPEN_FILES)
+    }
+
+    /// [`bind_on`](Self::bind_on), keeping at most `max_open_files` data files open
+    /// ([`StoreConfig::max_open_files`]).
+    pub fn bind_on_with_files(
+        driver: &Driver,
+        addr: SocketAddr,
+        config: ServerEndpointConfig,
+        max_open_files: usize,
+    ) -> Result<Self, ServerError> {
         let catalog = Arc::new(Catalog {
             // A corrupt index is kept and every fetch from it fails with the exact reason, so
             // the reducer's FetchFailedException says what is wrong (and Spark recomputes the
             // map task) instead of a bare "unknown map output".
             store: MapOutputStore::with_config(StoreConfig {
                 corrupt_index: CorruptIndexPolicy::FailResolves,
+                max_open_files,
                 ..StoreConfig::default()
             }),
             name: config.name.clone(),
@@ -123,7 +138,7 @@ impl BlockServer {
     pub fn register(&self, files: MapOutputFiles) -> Result<(), ServerError> {
         let (shuffle_id, map_id) = (files.shuffle_id, files.map_id);
         let output = self.catalog.store.register(files)?;
-        let source: Arc<dyn Source> = Arc::new(MappedOutput(output.clone()));
+        let source: Arc<dyn Source> = Arc::new(FileOutput(output.clone()));
         self.catalog.exposed.write().insert((shuffle_id, map_id), Exposed { id: output.id(), source });
         tracing::debug!(shuffle_id, map_id, bytes = output.data_len(), "map output registered");
         Ok(())

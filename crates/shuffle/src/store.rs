@@ -1,5 +1,13 @@
-//! The map-output store: Spark's own sort-shuffle files, indexed in memory and served from a
-//! read-only memory map.
+//! The map-output store: Spark's own sort-shuffle files, indexed in memory and read with
+//! `pread` (or sent with `sendfile`) from the open data file.
+//!
+//! The data file is never memory-mapped for the CPU: a file truncated after commit would make
+//! the first read past its new end raise SIGBUS and kill the executor. `pread` sees the short
+//! file instead, and every resolve checks the file's current length against the index, so a
+//! truncated or deleted data file gives a typed [`StoreError::DataTruncated`] /
+//! [`StoreError::DataFileMissing`], which the reducer receives as a fetch failure (Spark then
+//! recomputes the map output). RDMA exposure maps a region privately per request from the
+//! descriptor (`rdma_shuffle_fabric` verbs), after the same length check.
 //!
 //! # The on-disk format (Spark's `IndexShuffleBlockResolver`)
 //!
@@ -27,7 +35,7 @@
 //! * **At registration** (once per map task, off the fetch path): everything that needs I/O —
 //!   both files open, the index's size is bounded by [`StoreConfig::max_index_entries`] before
 //!   it is read, is a whole number of 8-byte entries and has `numPartitions + 1` of them, and the
-//!   data file is mapped. Then the whole index is scanned once against the data file's length
+//!   data file's length is taken. Then the whole index is scanned once against the data file's length
 //!   (first offset 0, never decreasing, nothing past the end, last offset == data length). What
 //!   happens to an index that fails this scan is [`StoreConfig::corrupt_index`]: by default the
 //!   registration is refused; with [`CorruptIndexPolicy::FailResolves`] the output is kept and
@@ -35,27 +43,28 @@
 //!   fetch failure and Spark recomputes the map task).
 //! * **At every resolve**, independently of what registration concluded: the request range is
 //!   well-formed and inside the partition count, the index has the entries it needs, and the
-//!   offsets of *that range* are non-negative, non-decreasing and inside the mapped data.
-//!   This costs `O(end - start)` and is what makes slicing the map infallible: no index content
-//!   can make a resolve panic or read outside the mapping, and one corrupt map output only fails
-//!   the fetches that touch it.
+//!   offsets of *that range* are non-negative, non-decreasing and inside the registered data
+//!   length; then the data file still exists and is still that long (one `stat` and one
+//!   `fstat`). This costs `O(end - start)`: no index content can make a resolve panic or read
+//!   outside the file, and one corrupt map output only fails the fetches that touch it.
 //!
 //! # Lifetime
 //!
 //! Outputs are handed out as `Arc<MapOutput>` inside a [`BlockSlice`]. Unregistering a shuffle
 //! removes its outputs from the store at once (later resolves fail with
-//! [`StoreError::UnknownShuffle`]) while a transfer that already holds a slice keeps the mapping
-//! and the file descriptor alive until it drops the slice.
+//! [`StoreError::UnknownShuffle`]) while a transfer that already holds a slice keeps the file
+//! descriptor alive until it drops the slice.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
 use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use memmap2::{Mmap, MmapOptions};
+use crate::open_files::{FileIdentity, OpenFiles, ReopenError};
 use parking_lot::RwLock;
 
 /// A Spark shuffle id (a JVM `Int`, checked non-negative at the edge).
@@ -96,11 +105,21 @@ pub struct StoreConfig {
     pub max_index_entries: u64,
     /// What to do with an index whose offsets fail the registration scan.
     pub corrupt_index: CorruptIndexPolicy,
+    /// Data files the store keeps open at most (least recently used closed first, reopened
+    /// on demand); `spark.shuffle.rdma.store.maxOpenFiles`.
+    pub max_open_files: usize,
 }
+
+/// Default for [`StoreConfig::max_open_files`].
+pub const DEFAULT_MAX_OPEN_FILES: usize = 1024;
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { max_index_entries: DEFAULT_MAX_INDEX_ENTRIES, corrupt_index: CorruptIndexPolicy::default() }
+        Self {
+            max_index_entries: DEFAULT_MAX_INDEX_ENTRIES,
+            corrupt_index: CorruptIndexPolicy::default(),
+            max_open_files: DEFAULT_MAX_OPEN_FILES,
+        }
     }
 }
 
@@ -130,9 +149,10 @@ pub enum StoreErrorClass {
     NotFound,
     /// The request itself is malformed (empty or out-of-range reduce range).
     BadRequest,
-    /// The map output's files are inconsistent; recomputing the map task is the cure.
+    /// The map output's files are inconsistent, truncated or gone; recomputing the map task is
+    /// the cure.
     CorruptOutput,
-    /// A file could not be opened, read or mapped.
+    /// A file could not be opened or read.
     Io,
 }
 
@@ -294,7 +314,37 @@ pub enum StoreError {
         /// Length of the data file.
         data_len: u64,
     },
-    /// A file could not be opened, inspected, read or mapped.
+    /// The data file is shorter now than when it was registered (truncated after commit).
+    #[error("shuffle {shuffle_id} map {map_id}: data file truncated: {path} is {actual} bytes, {what} needs {expected} (index offsets)")]
+    DataTruncated {
+        /// The shuffle of the map output.
+        shuffle_id: ShuffleId,
+        /// The map output.
+        map_id: MapId,
+        /// What needed the bytes: `reduce [start, end)` or `a read at offset N`.
+        what: String,
+        /// The data file.
+        path: PathBuf,
+        /// Bytes the request needs (its end offset in the file).
+        expected: u64,
+        /// The file's length now.
+        actual: u64,
+    },
+    /// The data file was deleted (or another file put at its path) after it was registered.
+    #[error(
+        "shuffle {shuffle_id} map {map_id}: data file missing: {path} was deleted or replaced after the map output was registered ({what})"
+    )]
+    DataFileMissing {
+        /// The shuffle of the map output.
+        shuffle_id: ShuffleId,
+        /// The map output.
+        map_id: MapId,
+        /// What needed the bytes: `reduce [start, end)` or `a read at offset N`.
+        what: String,
+        /// The data file.
+        path: PathBuf,
+    },
+    /// A file could not be opened, inspected or read.
     #[error("shuffle {shuffle_id} map {map_id}: cannot {action} {path}: {source}")]
     Io {
         /// The shuffle of the map output.
@@ -328,6 +378,8 @@ impl StoreError {
             | Self::NegativeOffset { shuffle_id, .. }
             | Self::OffsetPastEnd { shuffle_id, .. }
             | Self::LastOffsetMismatch { shuffle_id, .. }
+            | Self::DataTruncated { shuffle_id, .. }
+            | Self::DataFileMissing { shuffle_id, .. }
             | Self::Io { shuffle_id, .. } => *shuffle_id,
         }
     }
@@ -348,6 +400,8 @@ impl StoreError {
             | Self::NegativeOffset { map_id, .. }
             | Self::OffsetPastEnd { map_id, .. }
             | Self::LastOffsetMismatch { map_id, .. }
+            | Self::DataTruncated { map_id, .. }
+            | Self::DataFileMissing { map_id, .. }
             | Self::Io { map_id, .. } => Some(*map_id),
         }
     }
@@ -365,7 +419,9 @@ impl StoreError {
             | Self::OffsetsDecreasing { .. }
             | Self::NegativeOffset { .. }
             | Self::OffsetPastEnd { .. }
-            | Self::LastOffsetMismatch { .. } => StoreErrorClass::CorruptOutput,
+            | Self::LastOffsetMismatch { .. }
+            | Self::DataTruncated { .. }
+            | Self::DataFileMissing { .. } => StoreErrorClass::CorruptOutput,
             Self::Io { .. } => StoreErrorClass::Io,
         }
     }
@@ -493,10 +549,10 @@ impl fmt::Display for MapOutputId {
     }
 }
 
-/// One registered map output: its index in memory, its data file open and mapped read-only.
+/// One registered map output: its index in memory, its data file open read-only.
 ///
-/// Shared as `Arc<MapOutput>`; the mapping and the file descriptor live until the last holder
-/// (the store or an in-flight transfer) drops it.
+/// Shared as `Arc<MapOutput>`; the file descriptor lives until the last holder (the store or
+/// an in-flight transfer) drops it.
 pub struct MapOutput {
     id: MapOutputId,
     shuffle_id: ShuffleId,
@@ -506,10 +562,11 @@ pub struct MapOutput {
     data_len: u64,
     data_path: PathBuf,
     index_path: PathBuf,
-    /// `None` only when Spark wrote no data file because every partition is empty.
-    file: Option<File>,
-    /// `None` when the data file is empty: zero-length mappings are not allowed by `mmap(2)`.
-    mmap: Option<Mmap>,
+    /// The data file's identity; `None` only when Spark wrote no data file because every
+    /// partition is empty.
+    data_file: Option<FileIdentity>,
+    /// Where the open data file is kept (and reopened from after an eviction).
+    open_files: Arc<OpenFiles>,
     /// First fault of the registration scan, kept under [`CorruptIndexPolicy::FailResolves`].
     fault: Option<Fault>,
 }
@@ -525,6 +582,13 @@ impl fmt::Debug for MapOutput {
             .field("data_path", &self.data_path)
             .field("index_valid", &self.fault.is_none())
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for MapOutput {
+    fn drop(&mut self) {
+        // The last holder is gone (unregistered, replaced, and no transfer left): close it.
+        self.open_files.remove(self.id.0);
     }
 }
 
@@ -564,16 +628,106 @@ impl MapOutput {
         &self.index_path
     }
 
-    /// The open data file (read-only), for `sendfile`-style transfers from its descriptor.
-    /// `None` only when Spark wrote no data file because every partition is empty.
-    pub fn file(&self) -> Option<&File> {
-        self.file.as_ref()
+    /// The open data file (read-only), for `sendfile` and `pread` from its descriptor and for
+    /// private mappings of one region (RDMA exposure, after [`MapOutput::check_data`]); opened
+    /// again if the store closed it to stay under [`StoreConfig::max_open_files`], and only if
+    /// it is still the registered file. `None` only when Spark wrote no data file because
+    /// every partition is empty.
+    pub fn file(&self) -> Result<Option<Arc<File>>, StoreError> {
+        let Some(identity) = self.data_file else {
+            return Ok(None);
+        };
+        let (shuffle_id, map_id) = (self.shuffle_id, self.map_id);
+        let missing =
+            |what: &str| StoreError::DataFileMissing { shuffle_id, map_id, what: what.into(), path: self.data_path.clone() };
+        match self.open_files.get(self.id.0, &self.data_path, identity) {
+            Ok(f) => Ok(Some(f)),
+            Err(ReopenError::Missing) => Err(missing("found when reopening it")),
+            Err(ReopenError::Replaced) => Err(missing("another file is at its path now")),
+            Err(ReopenError::Io(source)) => {
+                Err(StoreError::Io { shuffle_id, map_id, action: "reopen", path: self.data_path.clone(), source })
+            }
+        }
     }
 
-    /// The whole data file as mapped memory; empty (and not backed by a mapping) when the file
-    /// is empty or absent. Its pointer and length are what an RDMA provider registers.
-    pub fn mapped(&self) -> &[u8] {
-        self.mmap.as_deref().unwrap_or(&[])
+    /// Checks that the data file still exists and holds the first `needed` bytes: a file
+    /// deleted or truncated after commit gives a typed error instead of a short read (or, with
+    /// a mapping, SIGBUS). `what` names the request in the error.
+    pub fn check_data(&self, needed: u64, what: &dyn Fn() -> String) -> Result<(), StoreError> {
+        if self.data_file.is_none() {
+            // No data file: every partition is empty, so nothing is ever read.
+            return Ok(());
+        }
+        let (shuffle_id, map_id) = (self.shuffle_id, self.map_id);
+        match std::fs::metadata(&self.data_path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::DataFileMissing { shuffle_id, map_id, what: what(), path: self.data_path.clone() })
+            }
+            // A different file now at the path (a rename over it) is not ours to judge: Spark
+            // re-registers the output when it replaces it; until then the open file serves.
+            _ => {}
+        }
+        let Some(file) = self.file()? else { return Ok(()) };
+        let actual = file
+            .metadata()
+            .map_err(|source| StoreError::Io { shuffle_id, map_id, action: "stat", path: self.data_path.clone(), source })?
+            .len();
+        if actual < needed {
+            return Err(StoreError::DataTruncated {
+                shuffle_id,
+                map_id,
+                what: what(),
+                path: self.data_path.clone(),
+                expected: needed,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads `dst.len()` bytes of the data file from `offset` with `pread`. A file truncated
+    /// since registration gives [`StoreError::DataTruncated`]; nothing is ever read through a
+    /// memory mapping.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), StoreError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let what = || format!("a read of {} bytes at offset {offset}", dst.len());
+        let needed = offset.saturating_add(dst.len() as u64);
+        let (shuffle_id, map_id) = (self.shuffle_id, self.map_id);
+        let Some(file) = self.file()? else {
+            return Err(StoreError::DataTruncated {
+                shuffle_id,
+                map_id,
+                what: what(),
+                path: self.data_path.clone(),
+                expected: needed,
+                actual: 0,
+            });
+        };
+        let mut done = 0;
+        while done < dst.len() {
+            match file.read_at(&mut dst[done..], offset + done as u64) {
+                Ok(0) => {
+                    let actual = file.metadata().map(|m| m.len()).unwrap_or(offset + done as u64);
+                    let what = format!("a read of {} bytes at offset {offset}", dst.len());
+                    return Err(StoreError::DataTruncated {
+                        shuffle_id,
+                        map_id,
+                        what,
+                        path: self.data_path.clone(),
+                        expected: needed,
+                        actual,
+                    });
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(StoreError::Io { shuffle_id, map_id, action: "read", path: self.data_path.clone(), source })
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The index offsets as read from disk (`numPartitions + 1` of them), unvalidated when
@@ -620,7 +774,7 @@ impl MapOutput {
 }
 
 /// A resolved block: a validated byte range of one map output's data file. Holding it keeps
-/// the map output (mapping and file descriptor) alive, even after its shuffle is unregistered.
+/// the map output (and its file descriptor) alive, even after its shuffle is unregistered.
 #[derive(Debug, Clone)]
 pub struct BlockSlice {
     output: Arc<MapOutput>,
@@ -654,29 +808,18 @@ impl BlockSlice {
         self.len == 0
     }
 
-    /// The block's bytes, from the read-only mapping.
-    pub fn as_bytes(&self) -> &[u8] {
-        // In bounds by construction: `resolve` checked offset + len <= data_len, and the
-        // mapping covers exactly data_len bytes (lengths fit in usize since they were mapped).
-        let start = self.offset as usize;
-        &self.output.mapped()[start..start + self.len as usize]
+    /// The block's bytes, read with `pread` (a typed error if the file was truncated since).
+    pub fn read(&self) -> Result<Vec<u8>, StoreError> {
+        let mut v = vec![0u8; self.len as usize];
+        self.output.read_at(self.offset, &mut v)?;
+        Ok(v)
     }
 
     /// The open data file, for `sendfile` of `[offset, offset + len)` from its descriptor;
-    /// `None` only when Spark wrote no data file (then the block is empty).
-    pub fn file(&self) -> Option<&File> {
+    /// `None` only when Spark wrote no data file (then the block is empty). See
+    /// [`MapOutput::file`].
+    pub fn file(&self) -> Result<Option<Arc<File>>, StoreError> {
         self.output.file()
-    }
-
-    /// Base address of the mapping of the whole data file, for RDMA memory registration. Only
-    /// meaningful when [`BlockSlice::mmap_len`] is non-zero (an empty file is not mapped).
-    pub fn mmap_base(&self) -> *const u8 {
-        self.output.mapped().as_ptr()
-    }
-
-    /// Length of the mapping of the whole data file (0: nothing mapped, nothing to register).
-    pub fn mmap_len(&self) -> usize {
-        self.output.mapped().len()
     }
 }
 
@@ -708,7 +851,7 @@ pub struct StoreStats {
     pub shuffles: usize,
     /// Registered map outputs.
     pub map_outputs: usize,
-    /// Bytes of data files currently registered (mapped).
+    /// Bytes of data files currently registered.
     pub data_bytes: u64,
     /// Index entries held in memory (8 bytes each).
     pub index_entries: u64,
@@ -722,6 +865,12 @@ pub struct StoreStats {
     pub resolves: u64,
     /// Failed resolves since creation.
     pub failed_resolves: u64,
+    /// Data files the store holds open now (at most [`StoreConfig::max_open_files`]).
+    pub open_files: usize,
+    /// Data files opened since creation (at registration and again after an eviction).
+    pub file_opens: u64,
+    /// Data files closed to stay under [`StoreConfig::max_open_files`].
+    pub file_evictions: u64,
 }
 
 #[derive(Default)]
@@ -738,6 +887,7 @@ struct Counters {
 /// and all file I/O of a registration happens outside the lock.
 pub struct MapOutputStore {
     config: StoreConfig,
+    open_files: Arc<OpenFiles>,
     shuffles: RwLock<HashMap<ShuffleId, HashMap<MapId, Arc<MapOutput>>>>,
     counters: Counters,
 }
@@ -762,7 +912,8 @@ impl MapOutputStore {
 
     /// An empty store with the given settings.
     pub fn with_config(config: StoreConfig) -> Self {
-        Self { config, shuffles: RwLock::new(HashMap::new()), counters: Counters::default() }
+        let open_files = Arc::new(OpenFiles::new(config.max_open_files));
+        Self { config, open_files, shuffles: RwLock::new(HashMap::new()), counters: Counters::default() }
     }
 
     /// The store's settings.
@@ -770,8 +921,8 @@ impl MapOutputStore {
         &self.config
     }
 
-    /// Registers a committed map output: opens both files, reads the index into memory, maps
-    /// the data file read-only and scans the index (see the module docs for what is checked).
+    /// Registers a committed map output: opens both files, reads the index into memory, takes
+    /// the data file's length and scans the index (see the module docs for what is checked).
     /// Replaces an earlier registration of the same `(shuffle, map)` (task retries and
     /// speculation); in-flight readers of the old one keep it alive. On error the store is
     /// unchanged.
@@ -780,8 +931,9 @@ impl MapOutputStore {
     /// commits an all-zero index and no data file for a map task that wrote nothing.
     ///
     /// The data file must not be modified in place while registered (Spark never does: it
-    /// commits by renaming temporary files over the final names, which leaves an existing
-    /// mapping on the old inode). Truncating a mapped file would make reads fault.
+    /// commits by renaming temporary files over the final names, which leaves the open
+    /// descriptor on the old inode). A data file truncated or deleted anyway fails the
+    /// fetches that need it with [`StoreError::DataTruncated`] / [`StoreError::DataFileMissing`].
     pub fn register(&self, files: MapOutputFiles) -> Result<Arc<MapOutput>, StoreError> {
         let (shuffle_id, map_id) = (files.shuffle_id, files.map_id);
         let output = match self.load(files) {
@@ -870,25 +1022,6 @@ impl MapOutputStore {
             Err(e) if e.kind() == io::ErrorKind::NotFound && offsets[offsets.len() - 1] == 0 => (None, 0),
             Err(e) => return Err(io_err("open", &data_path, e)),
         };
-        let mmap = match &file {
-            Some(file) if data_len > 0 => {
-                let len = usize::try_from(data_len).map_err(|_| {
-                    io_err(
-                        "memory-map",
-                        &data_path,
-                        io::Error::new(io::ErrorKind::InvalidInput, "file larger than the address space"),
-                    )
-                })?;
-                // SAFETY: the mapping is read-only and covers exactly the length just stat'ed.
-                // Spark never modifies a committed shuffle file in place (it renames new files
-                // over old names and deletes whole files), so the mapped pages stay valid for
-                // the mapping's lifetime; see `register`'s docs for the one external hazard.
-                let map = unsafe { MmapOptions::new().len(len).map(file) }.map_err(|e| io_err("memory-map", &data_path, e))?;
-                Some(map)
-            }
-            _ => None,
-        };
-
         let fault = short_fault.or_else(|| scan_index(&offsets, data_len));
         if let Some(fault) = fault {
             let error = fault.into_error(shuffle_id, map_id);
@@ -904,8 +1037,17 @@ impl MapOutputStore {
             }
         }
 
+        let id = MapOutputId::next();
+        let data_file = match file {
+            Some(file) => {
+                let identity = FileIdentity::of(&file).map_err(|e| io_err("stat", &data_path, e))?;
+                self.open_files.insert(id.0, Arc::new(file));
+                Some(identity)
+            }
+            None => None,
+        };
         Ok(MapOutput {
-            id: MapOutputId::next(),
+            id,
             shuffle_id,
             map_id,
             num_partitions,
@@ -913,8 +1055,8 @@ impl MapOutputStore {
             data_len,
             data_path,
             index_path,
-            file,
-            mmap,
+            data_file,
+            open_files: self.open_files.clone(),
             fault,
         })
     }
@@ -963,6 +1105,9 @@ impl MapOutputStore {
     ) -> Result<BlockSlice, StoreError> {
         let result = self.get(shuffle_id, map_id).and_then(|output| {
             let (from, to) = output.byte_range(start_reduce, end_reduce)?;
+            if to > from {
+                output.check_data(to, &|| format!("reduce [{start_reduce}, {end_reduce})"))?;
+            }
             Ok(BlockSlice { output, offset: from, len: to - from })
         });
         match &result {
@@ -1032,6 +1177,9 @@ impl MapOutputStore {
         stats.rejected_registrations = c.rejected_registrations.load(Ordering::Relaxed);
         stats.resolves = c.resolves.load(Ordering::Relaxed);
         stats.failed_resolves = c.failed_resolves.load(Ordering::Relaxed);
+        stats.open_files = self.open_files.len();
+        stats.file_opens = self.open_files.opens();
+        stats.file_evictions = self.open_files.evictions();
         stats
     }
 }

@@ -27,16 +27,10 @@ fn check_all_ranges(store: &MapOutputStore, gen: &GeneratedOutput) {
             assert_eq!(slice.offset(), offsets[start as usize] as u64);
             assert_eq!(slice.len(), expected.len() as u64);
             assert_eq!(slice.is_empty(), expected.is_empty());
-            assert!(slice.as_bytes() == expected.as_slice(), "bytes of [{start},{end}) differ");
-            // What an RDMA provider would expose: base + offset is the block.
-            assert_eq!(slice.mmap_len() as u64, gen.data_len());
-            if !expected.is_empty() {
-                let at = unsafe { slice.mmap_base().add(slice.offset() as usize) };
-                assert_eq!(at, slice.as_bytes().as_ptr());
-            }
+            assert!(slice.read().unwrap() == expected.as_slice(), "bytes of [{start},{end}) differ");
             // What the TCP provider would sendfile from.
             let mut via_fd = vec![0u8; expected.len()];
-            slice.file().expect("data file open").read_exact_at(&mut via_fd, slice.offset()).unwrap();
+            slice.file().unwrap().expect("data file open").read_exact_at(&mut via_fd, slice.offset()).unwrap();
             assert_eq!(via_fd, expected);
         }
     }
@@ -86,19 +80,17 @@ fn partition_count_can_be_inferred_from_the_index() {
 }
 
 #[test]
-fn zero_length_data_file_is_served_without_a_mapping() {
+fn zero_length_data_file_is_served() {
     let dir = tempdir();
     let store = MapOutputStore::new();
     let gen = write_map_output(dir.path(), 4, 8, &[0, 0, 0], 1).unwrap();
     assert_eq!(fs::metadata(&gen.data_path).unwrap().len(), 0);
     let output = store.register(gen.map_output_files()).unwrap();
-    assert!(output.mapped().is_empty());
-    assert!(output.file().is_some());
+    assert!(output.file().unwrap().is_some());
     for (start, end) in [(0, 1), (1, 3), (0, 3)] {
         let slice = store.resolve(4, 8, start, end).unwrap();
         assert!(slice.is_empty());
-        assert_eq!(slice.as_bytes(), &[] as &[u8]);
-        assert_eq!(slice.mmap_len(), 0);
+        assert_eq!(slice.read().unwrap(), Vec::<u8>::new());
     }
 }
 
@@ -110,9 +102,9 @@ fn missing_data_file_is_accepted_only_for_an_empty_output() {
     let empty = write_map_output(dir.path(), 4, 9, &[0, 0], 1).unwrap();
     fs::remove_file(&empty.data_path).unwrap();
     let output = store.register(empty.map_output_files()).unwrap();
-    assert!(output.file().is_none());
+    assert!(output.file().unwrap().is_none());
     let slice = store.resolve(4, 9, 0, 2).unwrap();
-    assert!(slice.is_empty() && slice.file().is_none());
+    assert!(slice.is_empty() && slice.file().unwrap().is_none());
 
     let full = write_map_output(dir.path(), 4, 10, &[0, 7], 1).unwrap();
     fs::remove_file(&full.data_path).unwrap();
@@ -135,9 +127,9 @@ fn one_large_partition_among_small_ones() {
     let slice = store.resolve(7, 1, 2, 3).unwrap();
     assert_eq!(slice.offset(), 10);
     assert_eq!(slice.len(), big as u64);
-    assert!(slice.as_bytes() == gen.partitions[2].as_slice());
+    assert!(slice.read().unwrap() == gen.partitions[2].as_slice());
     let batch = store.resolve(7, 1, 1, 5).unwrap();
-    assert!(batch.as_bytes() == gen.range_bytes(1, 5).as_slice());
+    assert!(batch.read().unwrap() == gen.range_bytes(1, 5).as_slice());
     assert_eq!(store.stats().data_bytes, (big + 13) as u64);
 }
 
@@ -363,9 +355,9 @@ fn reregistration_replaces_and_old_slices_stay_valid() {
     assert_eq!(store.len(), 1);
     let new_slice = store.resolve(2, 5, 0, 3).unwrap();
     assert_eq!(new_slice.id(), second_out.id());
-    assert!(new_slice.as_bytes() == second.range_bytes(0, 3).as_slice());
+    assert!(new_slice.read().unwrap() == second.range_bytes(0, 3).as_slice());
     assert_eq!(old_slice.id(), first_out.id());
-    assert!(old_slice.as_bytes() == first.range_bytes(0, 2).as_slice());
+    assert!(old_slice.read().unwrap() == first.range_bytes(0, 2).as_slice());
     let stats = store.stats();
     assert_eq!((stats.registrations, stats.replacements), (2, 1));
 }
@@ -396,14 +388,14 @@ fn unregister_stops_new_resolves_but_outstanding_slices_stay_readable() {
 
     assert_eq!(store.unregister_shuffle(3), 2);
     assert_eq!(store.unregister_shuffle(3), 0);
-    // Spark deletes the files when it cleans the shuffle up; the mapping outlives that.
+    // Spark deletes the files when it cleans the shuffle up; a held slice's descriptor outlives that.
     fs::remove_file(&a.data_path).unwrap();
     fs::remove_file(&a.index_path).unwrap();
 
     assert!(matches!(store.resolve(3, 1, 0, 1), Err(StoreError::UnknownShuffle { shuffle_id: 3 })));
-    assert!(held.as_bytes() == a.range_bytes(0, 3).as_slice());
+    assert!(held.read().unwrap() == a.range_bytes(0, 3).as_slice());
     let mut via_fd = vec![0u8; 10];
-    held.file().unwrap().read_exact_at(&mut via_fd, 4096).unwrap();
+    held.file().unwrap().unwrap().read_exact_at(&mut via_fd, 4096).unwrap();
     assert_eq!(via_fd, a.partitions[2]);
 
     assert_eq!(store.shuffle_ids(), vec![4]);
@@ -458,8 +450,8 @@ fn raw_index_with_declared_partitions() {
     store
         .register(MapOutputFiles { shuffle_id: 0, map_id: 0, data_path: data, index_path: index, num_partitions: Some(3) })
         .unwrap();
-    assert_eq!(store.resolve(0, 0, 0, 1).unwrap().as_bytes(), b"hello");
-    assert_eq!(store.resolve(0, 0, 1, 3).unwrap().as_bytes(), b" world");
+    assert_eq!(store.resolve(0, 0, 0, 1).unwrap().read().unwrap(), b"hello");
+    assert_eq!(store.resolve(0, 0, 1, 3).unwrap().read().unwrap(), b" world");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -502,14 +494,14 @@ fn concurrent_resolves_during_registration_churn() {
                     let start = rng.below(5) as u32;
                     let end = start + 1 + rng.below(5 - u64::from(start)) as u32;
                     let slice = store.resolve(0, g.map_id, start, end).unwrap();
-                    assert!(slice.as_bytes() == g.range_bytes(start, end).as_slice());
+                    assert!(slice.read().unwrap() == g.range_bytes(start, end).as_slice());
 
                     let m = rng.below(3);
                     match store.resolve(1, m, 0, 2) {
                         Ok(slice) => {
                             let v = if slice.output().num_partitions() == 2 { 0 } else { 1 };
                             let expected = churn[v][m as usize].range_bytes(0, 2);
-                            assert!(slice.as_bytes() == expected.as_slice());
+                            assert!(slice.read().unwrap() == expected.as_slice());
                         }
                         Err(StoreError::UnknownShuffle { .. }) | Err(StoreError::UnknownMapOutput { .. }) => {}
                         Err(e) => panic!("unexpected error during churn: {e}"),
@@ -533,4 +525,35 @@ fn concurrent_resolves_during_registration_churn() {
     });
     assert_eq!(store.resolve(0, 3, 0, 5).unwrap().len(), 1581);
     assert_eq!(store.stats().rejected_registrations, 0);
+}
+
+/// Issue 14: a data file truncated or deleted after commit gives typed errors that name the
+/// output, the file and both lengths, on resolve and on a read of a slice resolved before.
+#[test]
+fn truncated_or_deleted_data_file_gives_typed_errors() {
+    let dir = tempdir();
+    let store = MapOutputStore::new();
+    let gen = write_map_output(dir.path(), 5, 11, &[4000, 9000, 20000], 3).unwrap();
+    store.register(gen.map_output_files()).unwrap();
+    let held = store.resolve(5, 11, 2, 3).unwrap();
+    fs::OpenOptions::new().write(true).open(&gen.data_path).unwrap().set_len(5000).unwrap();
+    assert!(store.resolve(5, 11, 0, 1).unwrap().read().unwrap() == gen.partitions[0]);
+    match store.resolve(5, 11, 1, 3) {
+        Err(e @ StoreError::DataTruncated { shuffle_id: 5, map_id: 11, expected: 33000, actual: 5000, .. }) => {
+            assert_eq!(e.class(), StoreErrorClass::CorruptOutput);
+            let msg = e.to_string();
+            assert!(msg.contains("data file truncated") && msg.contains("reduce [1, 3)"), "{msg}");
+            assert!(msg.contains(&gen.data_path.display().to_string()), "{msg}");
+        }
+        other => panic!("expected DataTruncated, got {other:?}"),
+    }
+    // Resolved before the cut, read after it: pread sees the short file.
+    assert!(matches!(held.read(), Err(StoreError::DataTruncated { actual: 5000, expected: 33000, .. })));
+    fs::remove_file(&gen.data_path).unwrap();
+    match store.resolve(5, 11, 0, 1) {
+        Err(e @ StoreError::DataFileMissing { shuffle_id: 5, map_id: 11, .. }) => {
+            assert!(e.to_string().contains("data file missing"), "{e}")
+        }
+        other => panic!("expected DataFileMissing, got {other:?}"),
+    }
 }

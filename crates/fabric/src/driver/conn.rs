@@ -304,12 +304,19 @@ pub(crate) fn encode_message(frame: &Frame, payload: OutPayload) -> Result<Vec<u
         OutPayload::None => {}
         OutPayload::Bytes(b) => msg.extend_from_slice(&b),
         OutPayload::Source { source, offset, len } => {
-            let b = source.as_bytes();
-            let slice = offset
-                .checked_add(len)
-                .and_then(|end| b.get(offset as usize..end as usize))
-                .ok_or_else(|| FabricError::Unsupported(format!("payload {offset}+{len} outside its {}-byte source", b.len())))?;
-            msg.extend_from_slice(slice);
+            let have = source.len();
+            if offset.checked_add(len).is_none_or(|end| end > have) {
+                return Err(FabricError::Unsupported(format!("payload {offset}+{len} outside its {have}-byte source")));
+            }
+            let at = msg.len();
+            msg.resize(at + len as usize, 0);
+            source.read_at(offset, &mut msg[at..]).map_err(|e| FabricError::io("local", "read the payload for", e))?;
+        }
+        OutPayload::File { file, offset, len } => {
+            let at = msg.len();
+            msg.resize(at + len as usize, 0);
+            std::os::unix::fs::FileExt::read_exact_at(&*file, &mut msg[at..], offset)
+                .map_err(|e| FabricError::io("local", "read the payload for", e))?;
         }
     }
     Ok(msg)
@@ -319,7 +326,7 @@ fn payload_len(p: &OutPayload) -> u64 {
     match p {
         OutPayload::None => 0,
         OutPayload::Bytes(b) => b.len() as u64,
-        OutPayload::Source { len, .. } => *len,
+        OutPayload::Source { len, .. } | OutPayload::File { len, .. } => *len,
     }
 }
 

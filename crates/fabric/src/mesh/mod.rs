@@ -837,9 +837,15 @@ pub(crate) struct UserMemory {
 }
 
 impl Source for UserMemory {
-    fn as_bytes(&self) -> &[u8] {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+    fn read_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        crate::providers::copy_from_memory(self.memory().unwrap_or(&[]), offset, dst)
+    }
+    fn memory(&self) -> Option<&[u8]> {
         // SAFETY: the holder's promise above: the memory is valid while the loop has it.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+        Some(unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) })
     }
 }
 

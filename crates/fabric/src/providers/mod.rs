@@ -20,21 +20,60 @@ pub mod verbs;
 
 use crate::memory::registration::Registrar;
 use std::fmt;
-use std::os::fd::RawFd;
+use std::fs::File;
+use std::io;
 use std::sync::Arc;
 
 pub use sim::SimProvider;
 pub use tcp::TcpProvider;
 
-/// Bytes a server can serve blocks from: typically one memory-mapped Spark data file.
+/// Bytes a server can serve blocks from: typically one Spark data file, or user memory (mesh).
+///
+/// The CPU reads a file-backed source only through [`read_at`](Source::read_at) (`pread`) or
+/// `sendfile` from [`file`](Source::file), never through a memory mapping: a file truncated
+/// under a mapping faults (SIGBUS) on the first touch past its new end, which would kill the
+/// executor; `pread` returns a short count that becomes a typed error instead.
 pub trait Source: Send + Sync + fmt::Debug {
-    /// All bytes of the source.
-    fn as_bytes(&self) -> &[u8];
-    /// A file descriptor with the same bytes at the same offsets, for `sendfile` and for
-    /// private mappings of a region (verbs).
-    fn raw_fd(&self) -> Option<RawFd> {
+    /// Length of the source in bytes, as registered.
+    fn len(&self) -> u64;
+    /// Whether the source has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `dst.len()` bytes from `offset` into `dst`. A file that is now shorter than
+    /// that fails with an error that names the file and both lengths.
+    fn read_at(&self, offset: u64, dst: &mut [u8]) -> io::Result<()>;
+    /// The bytes in memory, for sources that are memory (mesh user buffers): written and
+    /// exposed without a copy. `None` for files.
+    fn memory(&self) -> Option<&[u8]> {
         None
     }
+    /// An open file with the same bytes at the same offsets, for `sendfile` and for private
+    /// mappings of a region (verbs). The `Arc` keeps the descriptor open while it is used.
+    fn file(&self) -> io::Result<Option<Arc<File>>> {
+        Ok(None)
+    }
+}
+
+/// `src[offset..offset + dst.len()]` into `dst`, or the error a file-backed source would give.
+pub fn copy_from_memory(src: &[u8], offset: u64, dst: &mut [u8]) -> io::Result<()> {
+    let from = usize::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let bytes = from.checked_add(dst.len()).and_then(|to| src.get(from..to)).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} bytes at offset {offset} are outside the {}-byte source", dst.len(), src.len()),
+        )
+    })?;
+    dst.copy_from_slice(bytes);
+    Ok(())
+}
+
+/// Reads `len` bytes of `source` at `offset` into a new vector.
+pub fn read_vec(source: &dyn Source, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+    let n = usize::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "payload larger than memory"))?;
+    let mut v = vec![0u8; n];
+    source.read_at(offset, &mut v)?;
+    Ok(v)
 }
 
 /// Which provider a [`Provider`] is.

@@ -241,7 +241,16 @@ impl SimConn {
 
     /// Exposes `len` bytes of `source` at `offset` to the peer; answers `(addr, rkey)`.
     pub(crate) fn expose(&self, source: Arc<dyn Source>, offset: u64, len: u64) -> (u64, u32) {
-        let addr = source.as_bytes().as_ptr() as u64 + offset;
+        // Addresses only name the window: a memory source's own address, else a synthetic base
+        // per exposure (nothing reads through them; reads go through `Source::read_at`).
+        let base = match source.memory() {
+            Some(b) => b.as_ptr() as u64,
+            None => {
+                static NEXT_BASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                NEXT_BASE.fetch_add(1, Ordering::Relaxed) << 40
+            }
+        };
+        let addr = base + offset;
         let mut ex = self.me.exposures.lock();
         // Random keys, as a NIC's are not predictable either.
         let rkey = loop {
@@ -282,10 +291,14 @@ impl SimConn {
         let start = desc.addr.checked_sub(e.addr).ok_or_else(|| remote_err("address below the window".into()))?;
         let end =
             start.checked_add(desc.len).filter(|end| *end <= e.len).ok_or_else(|| remote_err("range past the window".into()))?;
-        let bytes = e.source.as_bytes();
-        let (from, to) = ((e.offset + start) as usize, (e.offset + end) as usize);
-        let src = bytes.get(from..to).ok_or_else(|| remote_err("window outside its source".into()))?;
-        dst[..desc.len as usize].copy_from_slice(src);
+        if e.offset + end > e.source.len() {
+            return Err(remote_err("window outside its source".into()));
+        }
+        // The source's own read (pread for files): a file truncated since it was exposed fails
+        // this read with an error naming the file, as a NIC reading unpinned pages would fail.
+        e.source
+            .read_at(e.offset + start, &mut dst[..desc.len as usize])
+            .map_err(|err| remote_err(format!("the exposed source cannot be read: {err}")))?;
         self.provider.net.reads.fetch_add(1, Ordering::Relaxed);
         self.provider.net.read_bytes.fetch_add(desc.len, Ordering::Relaxed);
         Ok(())

@@ -78,11 +78,22 @@ pub(crate) enum OutPayload {
     None,
     /// These bytes.
     Bytes(Vec<u8>),
-    /// `len` bytes of `source` from `offset`.
+    /// `len` bytes of `source` from `offset`. [`TcpConn::send`] turns a file-backed source
+    /// into [`OutPayload::File`] (sendfile) or [`OutPayload::Bytes`] (pread); only memory
+    /// sources are written from as they are.
     Source {
         /// Where the bytes are.
         source: Arc<dyn Source>,
         /// Offset in the source.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// `len` bytes of an open file from `offset`, sent with sendfile(2).
+    File {
+        /// The file (kept open until sent).
+        file: Arc<std::fs::File>,
+        /// Offset in the file.
         offset: u64,
         /// Length.
         len: u64,
@@ -94,7 +105,7 @@ impl OutPayload {
         match self {
             OutPayload::None => 0,
             OutPayload::Bytes(b) => b.len() as u64,
-            OutPayload::Source { len, .. } => *len,
+            OutPayload::Source { len, .. } | OutPayload::File { len, .. } => *len,
         }
     }
 }
@@ -267,15 +278,31 @@ impl TcpConn {
 
     /// Queues `frame` and its payload and writes as much as the socket takes.
     pub(crate) fn send(&mut self, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
-        if let OutPayload::Source { source, offset, len } = &payload {
-            let have = source.as_bytes().len() as u64;
-            if offset.checked_add(*len).is_none_or(|end| end > have) {
-                return Err(self.err(
-                    "write to",
-                    io::Error::new(io::ErrorKind::InvalidInput, format!("payload {offset}+{len} outside its {have}-byte source")),
-                ));
+        let payload = match payload {
+            OutPayload::Source { source, offset, len } => {
+                let have = source.len();
+                if offset.checked_add(len).is_none_or(|end| end > have) {
+                    return Err(self.err(
+                        "write to",
+                        io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            format!("payload {offset}+{len} outside its {have}-byte source"),
+                        ),
+                    ));
+                }
+                if source.memory().is_some() {
+                    OutPayload::Source { source, offset, len }
+                } else {
+                    match source.file().map_err(|e| self.err("read the payload for", e))? {
+                        Some(file) if len >= SENDFILE_MIN => OutPayload::File { file, offset, len },
+                        _ => OutPayload::Bytes(
+                            super::read_vec(&*source, offset, len).map_err(|e| self.err("read the payload for", e))?,
+                        ),
+                    }
+                }
             }
-        }
+            p => p,
+        };
         let mut head = Vec::with_capacity(64);
         frame.encode(&mut head);
         self.push(head, payload)
@@ -305,10 +332,7 @@ impl TcpConn {
                 let r = if f.pos >= head_len {
                     let at = f.pos - head_len;
                     match &f.payload {
-                        OutPayload::Source { source, offset, len } if *len >= SENDFILE_MIN && source.raw_fd().is_some() => {
-                            let fd = source.raw_fd().unwrap_or(-1);
-                            sendfile(&self.stream, fd, offset + at, len - at)
-                        }
+                        OutPayload::File { file, offset, len } => sendfile(&self.stream, file.as_raw_fd(), offset + at, len - at),
                         p => {
                             let rest = payload_slice(p, at);
                             (&self.stream).write(rest)
@@ -317,8 +341,7 @@ impl TcpConn {
                 } else {
                     let head = &f.head[f.pos as usize..];
                     let body = payload_slice(&f.payload, 0);
-                    let small = !matches!(&f.payload, OutPayload::Source { len, source, .. }
-                        if *len >= SENDFILE_MIN && source.raw_fd().is_some());
+                    let small = !matches!(&f.payload, OutPayload::File { .. });
                     if small && !body.is_empty() {
                         (&self.stream).write_vectored(&[IoSlice::new(head), IoSlice::new(body)])
                     } else {
@@ -541,12 +564,14 @@ fn payload_slice(p: &OutPayload, at: u64) -> &[u8] {
         OutPayload::None => &[],
         OutPayload::Bytes(b) => &b[at as usize..],
         OutPayload::Source { source, offset, len } => {
-            // Checked against the source's length when queued.
-            let bytes = source.as_bytes();
+            // Only memory sources stay `Source` (see `send`); checked against the length then.
+            let bytes = source.memory().unwrap_or(&[]);
             let start = (offset + at) as usize;
             let end = (offset + len) as usize;
             bytes.get(start..end).unwrap_or(&[])
         }
+        // Sent with sendfile, never sliced.
+        OutPayload::File { .. } => &[],
     }
 }
 

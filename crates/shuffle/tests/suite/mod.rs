@@ -3,8 +3,11 @@
 //! test file that instantiates the suite with `provider_suite!`.
 #![allow(dead_code)]
 
+pub mod disk;
 pub mod resources;
 pub mod security;
+#[allow(unused_imports)]
+pub use disk::*;
 #[allow(unused_imports)]
 pub use resources::*;
 #[allow(unused_imports)]
@@ -647,7 +650,8 @@ macro_rules! provider_suite {
             another_application_or_secret_is_refused_and_nothing_is_served,
             a_tampered_handshake_field_fails_authentication,
             local_backpressure_is_not_peer_silence,
-            idle_connections_close_and_reopen
+            idle_connections_close_and_reopen,
+            truncated_or_deleted_data_files_fail_typed
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {

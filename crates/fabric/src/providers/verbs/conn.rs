@@ -244,15 +244,30 @@ impl VerbsConn {
         if self.phase == Phase::Open && self.out.is_empty() && self.failed.is_none() {
             let mut head = Vec::with_capacity(64);
             frame.encode(&mut head);
+            // File bytes are read with pread (never through a mapping, see `Source`).
+            let read;
             let body: &[u8] = match &payload {
                 OutPayload::None => &[],
                 OutPayload::Bytes(b) => b,
                 OutPayload::Source { source, offset, len } => {
-                    let b = source.as_bytes();
-                    offset
-                        .checked_add(*len)
-                        .and_then(|end| b.get(*offset as usize..end as usize))
-                        .ok_or_else(|| dead(&format!("payload {offset}+{len} outside its {}-byte source", b.len())))?
+                    if offset.checked_add(*len).is_none_or(|end| end > source.len()) {
+                        return Err(dead(&format!("payload {offset}+{len} outside its {}-byte source", source.len())));
+                    }
+                    match source.memory() {
+                        Some(b) => &b[*offset as usize..(*offset + *len) as usize],
+                        None => {
+                            read = super::super::read_vec(&**source, *offset, *len)
+                                .map_err(|e| dead(&format!("cannot read the payload: {e}")))?;
+                            &read
+                        }
+                    }
+                }
+                OutPayload::File { file, offset, len } => {
+                    let mut v = vec![0u8; *len as usize];
+                    std::os::unix::fs::FileExt::read_exact_at(&**file, &mut v, *offset)
+                        .map_err(|e| dead(&format!("cannot read the payload: {e}")))?;
+                    read = v;
+                    &read
                 }
             };
             if self.post_parts(net, &[&head, body])? {
@@ -457,7 +472,7 @@ impl VerbsConn {
             return Err(dead("too many windows being bound at once"));
         }
         let qp = self.qp.as_mut().ok_or_else(|| dead("the data plane is not up"))?;
-        let exposure = Arc::new(Exposure::new(&e.dev, source.raw_fd(), source.as_bytes(), offset, len)?);
+        let exposure = Arc::new(Exposure::new(&e.dev, &*source, offset, len)?);
         let (addr, rkey) = qp.poster()?.bind(&exposure)?;
         e.binds += 1;
         e.shared.stats.provider.windows_bound.fetch_add(1, Ordering::Relaxed);

@@ -5,12 +5,13 @@ use super::{err, err_knob, os_err, Device, Pd};
 use crate::error::FabricError;
 use crate::memory::pool::{PoolError, RegionKeys, Registrar};
 use crate::providers::verbs::memlock::memlock_advice;
+use crate::providers::Source;
 use parking_lot::Mutex;
 use rdma_shuffle_wire::Knob;
 use rdma_sys::*;
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -195,26 +196,39 @@ pub(crate) struct Exposure {
 }
 
 impl Exposure {
-    /// Maps and registers `len` bytes at `offset` of the file `fd` (or copies `bytes` when
-    /// there is no file), and allocates the window. Nothing is readable until bound.
-    pub(crate) fn new(dev: &Device, fd: Option<RawFd>, bytes: &[u8], offset: u64, len: u64) -> Result<Exposure, FabricError> {
+    /// Maps and registers `len` bytes at `offset` of the source's file (or copies them with
+    /// [`Source::read_at`] when it has none), and allocates the window. Nothing is readable
+    /// until bound.
+    ///
+    /// A file region past the file's current end is refused before it is mapped: the kernel
+    /// could not pin those pages, and the CPU must never touch a mapping past EOF.
+    pub(crate) fn new(dev: &Device, source: &dyn Source, offset: u64, len: u64) -> Result<Exposure, FabricError> {
         const PAGE: u64 = 4096;
-        let (map, addr) = match fd {
-            Some(fd) => {
+        let end = offset
+            .checked_add(len)
+            .filter(|end| *end <= source.len())
+            .ok_or_else(|| err(format!("region {offset}+{len} outside its {}-byte source", source.len())))?;
+        let file = source.file().map_err(|e| err(format!("cannot open the source of a {len}-byte exposure: {e}")))?;
+        let (map, addr) = match file {
+            Some(file) => {
+                let now = file.metadata().map_err(|e| err(format!("cannot stat the source file: {e}")))?.len();
+                if now < end {
+                    return Err(err(format!(
+                        "data file truncated: it is {now} bytes now, the region {offset}+{len} needs {end}"
+                    )));
+                }
                 let start = offset - offset % PAGE;
                 let span = (offset - start + len) as usize;
-                let map = Mapping::file(fd, start, span).map_err(|e| err(format!("mapping {len} bytes for exposure: {e}")))?;
+                let map = Mapping::file(file.as_raw_fd(), start, span)
+                    .map_err(|e| err(format!("mapping {len} bytes for exposure: {e}")))?;
                 let addr = map.ptr as u64 + (offset - start);
                 (map, addr)
             }
             None => {
-                let src = offset
-                    .checked_add(len)
-                    .and_then(|end| bytes.get(offset as usize..end as usize))
-                    .ok_or_else(|| err(format!("region {offset}+{len} outside its {}-byte source", bytes.len())))?;
                 let map = Mapping::anon(len.max(1) as usize).map_err(|e| err(format!("mapping {len} bytes: {e}")))?;
                 // SAFETY: a fresh private mapping of at least `len` bytes, not yet shared.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), map.ptr, src.len()) };
+                let dst = unsafe { std::slice::from_raw_parts_mut(map.ptr, len as usize) };
+                source.read_at(offset, dst).map_err(|e| err(format!("cannot read the {len}-byte region: {e}")))?;
                 let addr = map.ptr as u64;
                 (map, addr)
             }

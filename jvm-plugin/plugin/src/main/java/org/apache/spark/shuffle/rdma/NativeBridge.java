@@ -91,12 +91,16 @@ public final class NativeBridge {
       long[] mapIds, int[] startReduceIds, int[] endReduceIds, FetchCallback cb);
 
   /**
-   * Returns a fetched block's memory to the pool. Must be called exactly once per lease handed
-   * to {@link FetchCallback#onBlock}; the direct ByteBuffer must not be touched afterwards.
+   * Returns a fetched block's memory to the pool. Call it once per lease handed to {@link
+   * FetchCallback#onBlock}; the direct ByteBuffer must not be touched afterwards. A handle is a
+   * key into the native lease table, not a pointer: releasing one twice, or one never handed
+   * out, is a no-op (logged with the handle), never a double free. Valid after the engine that
+   * fetched the block was closed.
    *
-   * @param leaseHandle the lease
+   * @param leaseHandle the lease (0, an empty block's, is a no-op)
+   * @return true when this call released a lease, false for 0 or a stale or unknown handle
    */
-  public static native void releaseLease(long leaseHandle);
+  public static native boolean releaseLease(long leaseHandle);
 
   /**
    * @param h engine handle

@@ -18,6 +18,7 @@ import java.util.concurrent.atomic.{AtomicInteger, AtomicIntegerArray, AtomicLon
 import scala.util.control.NonFatal
 
 import org.apache.spark.internal.Logging
+import org.apache.spark.network.buffer.ManagedBuffer
 import org.apache.spark.network.shuffle.{
   BlockFetchingListener,
   BlockStoreClient,
@@ -51,6 +52,12 @@ trait EngineDirectory {
  * `spark.shuffle.io.retryWait` apply exactly as with Netty; transient engine errors therefore
  * reach it as `IOException`s.
  *
+ * A block the remote engine does not have (`unknown_map_output`, `unknown_shuffle`: its map
+ * output's registration failed on that executor, or the output was migrated there by
+ * decommissioning) is fetched again through Spark's own client from the same executor, whose
+ * block manager serves every committed map output from Spark's files. Only if that fails too
+ * does Spark see a failure (and, after its retries, `FetchFailedException`).
+ *
  * Requests the fetcher wants on disk (larger than `spark.network.maxRemoteBlockSizeFetchToMem`)
  * are copied from the native buffer into the fetcher's temp file on a JVM thread, and the
  * native memory is released at once.
@@ -68,12 +75,16 @@ class NativeBlockStoreClient(
 
   private val nativeRequests = new AtomicLong()
   private val delegatedRequests = new AtomicLong()
+  private val unknownToEngine = new AtomicLong()
 
   /** Requests sent through the native engine so far. */
   def nativeRequestCount: Long = nativeRequests.get()
 
   /** Requests handed to Spark's own client so far. */
   def delegatedRequestCount: Long = delegatedRequests.get()
+
+  /** Blocks a remote engine did not have, fetched again through Spark's own client. */
+  def unknownToEngineCount: Long = unknownToEngine.get()
 
   override def fetchBlocks(
       host: String,
@@ -89,7 +100,7 @@ class NativeBlockStoreClient(
         nativeRequests.incrementAndGet()
         val starter = new RetryingBlockTransferor.BlockTransferStarter {
           override def createAndStart(ids: Array[String], l: BlockTransferListener): Unit =
-            startNative(addr, execId, ids, l, downloadFileManager)
+            startNative(addr, host, port, execId, ids, l, downloadFileManager)
         }
         if (transportConf.maxIORetries() > 0) {
           new RetryingBlockTransferor(transportConf, starter, blockIds, listener).start()
@@ -104,6 +115,8 @@ class NativeBlockStoreClient(
 
   private def startNative(
       addr: EngineAddress,
+      sparkHost: String,
+      sparkPort: Int,
       execId: String,
       ids: Array[String],
       listener: BlockTransferListener,
@@ -111,7 +124,8 @@ class NativeBlockStoreClient(
     // ids passed by a retry are a subset of the original request, all valid shuffle ids.
     val ranges = NativeBlockStoreClient.toRanges(ids).getOrElse(
       throw new IllegalArgumentException(s"not shuffle block ids: ${ids.mkString(",")}"))
-    val callback = new ListenerCallback(addr, execId, ids, listener, downloadFileManager)
+    val callback =
+      new ListenerCallback(addr, sparkHost, sparkPort, execId, ids, listener, downloadFileManager)
     try {
       engine.fetchBlocks(addr.host, addr.port, ranges, callback)
     } catch {
@@ -126,6 +140,8 @@ class NativeBlockStoreClient(
   /** Maps the engine's per-index callbacks onto Spark's listener, exactly once per index. */
   private final class ListenerCallback(
       addr: EngineAddress,
+      sparkHost: String,
+      sparkPort: Int,
       execId: String,
       ids: Array[String],
       listener: BlockTransferListener,
@@ -225,15 +241,45 @@ class NativeBlockStoreClient(
       }
     }
 
+    /** The block through Spark's own client; its outcome goes to the same listener. */
+    private def viaSpark(blockId: String, kind: String, message: String): Unit = {
+      if (unknownToEngine.incrementAndGet() == 1) {
+        logInfo(s"Executor $execId's engine does not have $blockId ([$kind] $message); " +
+          "fetching it, and any such block later, through Spark's block transfer service")
+      }
+      // Never Spark's retrying listener itself: Spark's client wraps what it gets in a
+      // retrying transferor of its own, whose calls (getTransferType, onBlockTransfer*) the
+      // outer retrying listener rejects. A plain fetching listener forwards the outcome.
+      val fetching = new BlockFetchingListener {
+        override def onBlockFetchSuccess(id: String, b: ManagedBuffer): Unit = deliver(id, b)
+        override def onBlockFetchFailure(id: String, e: Throwable): Unit = failure(id, e)
+      }
+      try {
+        sparkClient.fetchBlocks(
+          sparkHost,
+          sparkPort,
+          execId,
+          Array(blockId),
+          fetching,
+          downloadFileManager)
+      } catch {
+        case NonFatal(e) => failure(blockId, e)
+      }
+    }
+
     override def onFailure(index: Int, kind: String, message: String): Unit = {
       if (claim(index)) {
         val blockId = ids(index)
-        val cause = new RdmaShuffleException(
-          kind,
-          s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
-        val error: Throwable =
-          if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
-        failure(blockId, error)
+        if (NativeBlockStoreClient.UnknownToEngine.contains(kind)) {
+          viaSpark(blockId, kind, message)
+        } else {
+          val cause = new RdmaShuffleException(
+            kind,
+            s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
+          val error: Throwable =
+            if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
+          failure(blockId, error)
+        }
       } else {
         logWarning(s"Ignoring unexpected failure for index $index of ${ids.length} from " +
           s"executor $execId engine ${addr.host}:${addr.port}: [$kind] $message")
@@ -278,6 +324,12 @@ class NativeBlockStoreClient(
 
 /** Block-id mapping and the shared disk-writer pool. */
 object NativeBlockStoreClient {
+
+  /**
+   * Failure kinds meaning "this engine does not have the block": fetched again through Spark's
+   * own client (see the class docs).
+   */
+  val UnknownToEngine: Set[String] = Set("unknown_map_output", "unknown_shuffle")
 
   /**
    * Maps Spark block id strings to engine block ranges: `shuffle_S_M_R` -> [R, R+1),

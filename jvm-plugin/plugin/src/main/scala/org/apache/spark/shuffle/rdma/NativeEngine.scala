@@ -15,10 +15,16 @@ import org.apache.spark.internal.Logging
  * The native engine behind a `jlong` handle.
  *
  * The handle must never reach native code after `engineClose`: every call holds the read side
- * of a lock and checks `open`, `close()` takes the write side. Leases are counted so that
- * `close()` never frees pool memory a JVM buffer still points into; when leases are still out
- * after a grace period, the engine is deliberately left open (leaked until the JVM exits)
- * rather than risking a use-after-free.
+ * of a lock and checks `open`; `close()` takes the write side only to clear `open` (waiting for
+ * calls already inside native code), and calls `engineClose` after releasing it. It must not
+ * hold the lock while the engine shuts down: shutdown fails the fetches in flight and joins the
+ * delivery thread, whose callbacks may call back into this engine (a retry, a release); with the
+ * write lock held those callbacks waited for the read lock forever (issue 14, bug 3). Now they
+ * see a closed engine and get `RdmaShuffleException("closed")`.
+ *
+ * Leases need no lock: a lease handle is a key into the native lease table, and a lease keeps
+ * its pool memory alive after the engine closed, so a buffer Spark still holds stays valid and
+ * its release after close gives the memory back (a stale or repeated release is a no-op).
  */
 final class NativeEngine private (handle: Long) extends ShuffleEngine with Logging {
   private val lock = new ReentrantReadWriteLock()
@@ -92,16 +98,8 @@ final class NativeEngine private (handle: Long) extends ShuffleEngine with Loggi
   }
 
   override def releaseLease(lease: Long): Unit = {
-    lock.readLock().lock()
-    try {
-      // After close the pool is gone (or deliberately leaked); nothing to give back.
-      if (open) {
-        NativeBridge.releaseLease(lease)
-        outstandingLeases.decrementAndGet()
-      }
-    } finally {
-      lock.readLock().unlock()
-    }
+    // No lock and no `open` check: valid before and after close (see the class docs).
+    if (NativeBridge.releaseLease(lease)) outstandingLeases.decrementAndGet()
   }
 
   override def stats: Seq[(String, String)] = guarded("engineStats") {
@@ -114,25 +112,29 @@ final class NativeEngine private (handle: Long) extends ShuffleEngine with Loggi
   override def close(): Unit = {
     val deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(NativeEngine.CloseGraceSeconds)
     // Spark releases fetched buffers when a task completes; stop() comes after the last task,
-    // so this normally passes at once. Bounded: stop() must not hang executor shutdown.
+    // so this normally passes at once. Bounded: stop() must not hang executor shutdown, and a
+    // buffer still held after close stays valid (its lease keeps the memory).
     while (outstandingLeases.get() > 0 && System.nanoTime() < deadline) {
       Thread.sleep(10)
     }
     lock.writeLock().lock()
-    try {
-      if (open) {
+    val wasOpen =
+      try {
+        val w = open
         open = false
-        val left = outstandingLeases.get()
-        if (left > 0) {
-          logWarning(s"Not closing the native shuffle engine: $left fetched block buffer(s) " +
-            s"are still held after ${NativeEngine.CloseGraceSeconds}s; its memory is released " +
-            "when the JVM exits.")
-        } else {
-          NativeBridge.engineClose(handle)
-        }
+        w
+      } finally {
+        lock.writeLock().unlock()
       }
-    } finally {
-      lock.writeLock().unlock()
+    if (wasOpen) {
+      val left = outstandingLeases.get()
+      if (left > 0) {
+        logWarning(s"Closing the native shuffle engine with $left fetched block buffer(s) " +
+          s"still held after ${NativeEngine.CloseGraceSeconds}s; their memory is freed when " +
+          "they are released.")
+      }
+      // Outside the lock: callbacks run during shutdown may call this engine (see class docs).
+      NativeBridge.engineClose(handle)
     }
   }
 }

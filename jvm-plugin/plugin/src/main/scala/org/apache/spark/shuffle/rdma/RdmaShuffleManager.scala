@@ -79,6 +79,10 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** Shuffles with at least one map output registered with this JVM's engine. */
   private val engineShuffles = ConcurrentHashMap.newKeySet[Int]()
 
+  /** Map outputs whose registration failed, and the shuffles already warned about. */
+  private val registrationFailures = new java.util.concurrent.atomic.AtomicLong()
+  private val registrationWarned = ConcurrentHashMap.newKeySet[Int]()
+
   @volatile private var engineState: EngineState = EngineState.NotStarted
   @volatile private var registryRef: Option[RpcEndpointRef] = None
   @volatile private var registryEndpoint: Option[EngineRegistryEndpoint] = None
@@ -271,6 +275,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   override def unregisterShuffle(shuffleId: Int): Boolean = {
     handedOver.remove(shuffleId)
+    registrationWarned.remove(shuffleId)
     if (engineShuffles.remove(shuffleId)) {
       engineState match {
         case EngineState.Running(eng, _, _) =>
@@ -329,6 +334,12 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** Why a shuffle was handed to Spark's sort shuffle, if it was (driver side). */
   def handOverReason(shuffleId: Int): Option[String] = Option(handedOver.get(shuffleId))
 
+  /** The block store client of this JVM's engine, if one is running. */
+  private[rdma] def runningClient: Option[NativeBlockStoreClient] = engineState match {
+    case EngineState.Running(_, _, client) => Some(client)
+    case _ => None
+  }
+
   /** The engine of this JVM, if one is running. */
   def runningEngine: Option[ShuffleEngine] = engineState match {
     case EngineState.Running(eng, _, _) => Some(eng)
@@ -341,12 +352,35 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   // ---------------------------------------------------------------------------------------------
   // Internals
 
+  /**
+   * Registers each committed map output with the engine. A registration that fails (the
+   * engine refuses the files, cannot register memory, ...) never fails the map task: the files
+   * are Spark's own, so this executor's block manager serves them, and readers that get
+   * `unknown_map_output` from this engine fetch them through Spark's block transfer
+   * ([[NativeBlockStoreClient]]). One warning per shuffle says so.
+   */
   private def commitHook(eng: ShuffleEngine): MapOutputCommitHook = new MapOutputCommitHook {
     override def onMapOutputCommitted(c: MapOutputCommit): Unit = {
-      eng.registerMapOutput(c.shuffleId, c.mapId, c.dataFile, c.indexFile, c.numPartitions)
-      engineShuffles.add(c.shuffleId)
+      try {
+        eng.registerMapOutput(c.shuffleId, c.mapId, c.dataFile, c.indexFile, c.numPartitions)
+        engineShuffles.add(c.shuffleId)
+      } catch {
+        case NonFatal(e) =>
+          registrationFailures.incrementAndGet()
+          if (registrationWarned.add(c.shuffleId)) {
+            logWarning(s"RDMA shuffle: map output ${c.mapId} of shuffle ${c.shuffleId} could " +
+              s"not be registered with the native engine ($e); it (and any other map output " +
+              "of this shuffle whose registration fails) is served by Spark's own block " +
+              "transfer service instead. The map task is not failed.")
+          } else {
+            logDebug(s"Map output ${c.mapId} of shuffle ${c.shuffleId} not registered: $e")
+          }
+      }
     }
   }
+
+  /** Map outputs whose registration with the engine failed (served by Spark instead). */
+  def registrationFailureCount: Long = registrationFailures.get()
 
   /** The engine's counters plus this JVM's request routing counts. */
   private def statsOf(running: EngineState.Running): Seq[(String, String)] = {
@@ -358,7 +392,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     Seq(
       "transport" -> running.engine.transport,
       "native_requests" -> running.client.nativeRequestCount.toString,
-      "delegated_requests" -> running.client.delegatedRequestCount.toString
+      "delegated_requests" -> running.client.delegatedRequestCount.toString,
+      "blocks_unknown_to_engine" -> running.client.unknownToEngineCount.toString,
+      "registration_failures" -> registrationFailures.get().toString
     ) ++ native
   }
 

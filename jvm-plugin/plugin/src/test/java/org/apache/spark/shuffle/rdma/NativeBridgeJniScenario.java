@@ -466,6 +466,57 @@ public final class NativeBridgeJniScenario {
     blocks++;
     bytes += 4096;
 
+    step("onBlock releases its lease, then throws; leases released twice or never issued");
+    // Before lease handles were table keys, the bridge released the buffer a second time after
+    // the throw (a double free: the pool's free list then held one buffer twice).
+    final long[] releasedInside = new long[4];
+    Collector releaseThenThrow = new Collector(4) {
+      @Override
+      void afterCopy(int index, long lease) {
+        releasedInside[index] = lease;
+        NativeBridge.releaseLease(lease);
+        throw new IllegalStateException("test: onBlock released, then throws for " + index);
+      }
+    };
+    NativeBridge.fetchBlocks(b, "127.0.0.1", portA, fill(4, SHUFFLE), fill(4, 7L),
+        new int[] {0, 2, 3, 4}, new int[] {1, 3, 4, 5}, releaseThenThrow);
+    deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(WAIT_SECONDS);
+    while (stats(b).get("blocks_fetched") < blocks + 4) {
+      check(System.nanoTime() < deadline, "release-then-throw: B stats " + stats(b));
+      Thread.sleep(20);
+    }
+    Thread.sleep(100); // the bridge's handling of the throw runs after the counter moved
+    blocks += 4;
+    bytes += 17 + 4096 + 70000 + (1 << 20);
+    check(stats(b).get("pool_bytes_in_use") == 0, "release-then-throw: pool_bytes_in_use "
+        + stats(b).get("pool_bytes_in_use"));
+    for (long l : releasedInside) {
+      check(l != 0, "release-then-throw: a block came without a lease");
+      check(!NativeBridge.releaseLease(l), "a third release of " + l + " released something");
+    }
+    // Never issued: a no-op with a warning.
+    check(!NativeBridge.releaseLease(123456789L) && !NativeBridge.releaseLease(-5L),
+        "a never-issued handle released something");
+    check(stats(b).get("pool_bytes_in_use") == 0, "stale releases changed pool_bytes_in_use: "
+        + stats(b).get("pool_bytes_in_use"));
+    // Hold eight 4 KiB blocks at once: each must be its own buffer. With a buffer on the free
+    // list twice, two of them would share memory and the first copy would not survive.
+    Collector held = fetch(b, portA, new Collector(8), fill(8, SHUFFLE), fill(8, 7L),
+        fill(8, 2), fill(8, 3), "eight leases held at once");
+    for (int i = 0; i < 8; i++) {
+      check(held.get(i).ok() && Arrays.equals(mixed.range(2, 3), held.get(i).bytes),
+          "held block " + i);
+      blocks++;
+      bytes += 4096;
+    }
+    long inUse = stats(b).get("pool_bytes_in_use");
+    check(inUse >= 8 * 4096, "eight 4 KiB leases held, pool_bytes_in_use " + inUse);
+    for (int i = 0; i < 8; i++) {
+      check(NativeBridge.releaseLease(held.get(i).lease), "held lease " + i + " not released");
+    }
+    check(stats(b).get("pool_bytes_in_use") == 0, "after releasing the eight: "
+        + stats(b).get("pool_bytes_in_use"));
+
     step("remote failures reach onFailure with their kind");
     // An index too short for its partition count is registered anyway (the server keeps it so
     // that every fetch says exactly what is wrong, and Spark recomputes the map task).
@@ -539,6 +590,57 @@ public final class NativeBridgeJniScenario {
         oneMap, zero, oneEnd, unused));
     NativeBridge.releaseLease(0); // an empty block's lease: a no-op
     NativeBridge.engineClose(0); // closing "nothing": a no-op
+
+    step("NativeEngine.close() with a fetch in flight whose callback re-enters the engine");
+    // A peer that accepts and never answers keeps the fetch pending; close() fails it, and the
+    // failure reaches the callback on the engine's delivery thread, which close() joins. The
+    // callback retries (as Spark's RetryingBlockTransferor does) and releases a lease from yet
+    // another thread. Before the fix close() held the write lock while joining that thread,
+    // which waited for the read lock: a deadlock.
+    try (ServerSocket silent = new ServerSocket(0, 50,
+        java.net.InetAddress.getByName("127.0.0.1"))) {
+      final NativeEngine closing = NativeEngine$.MODULE$.open(config("E"));
+      final CountDownLatch failed = new CountDownLatch(1);
+      final java.util.concurrent.atomic.AtomicReference<String> retry =
+          new java.util.concurrent.atomic.AtomicReference<>("no retry");
+      closing.fetchBlocks("127.0.0.1", silent.getLocalPort(),
+          NativeEngineTestSupport.ranges(SHUFFLE, 7L, 0, 1), new FetchCallback() {
+            @Override
+            public void onBlock(int index, ByteBuffer buf, long lease) {
+              closing.releaseLease(lease);
+            }
+
+            @Override
+            public void onFailure(int index, String kind, String message) {
+              try {
+                closing.fetchBlocks("127.0.0.1", silent.getLocalPort(),
+                    NativeEngineTestSupport.ranges(SHUFFLE, 7L, 0, 1), this);
+                retry.set("retry accepted");
+              } catch (RdmaShuffleException e) {
+                retry.set("retry refused: " + e.kind());
+              }
+              Thread releaser = new Thread(() -> closing.releaseLease(987654321L));
+              releaser.start();
+              try {
+                releaser.join(5000);
+              } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+              }
+              failed.countDown();
+            }
+          });
+      Thread.sleep(200); // the fetch is connected and waiting for the peer's handshake
+      Thread closer = new Thread(closing::close, "closer");
+      long t0 = System.nanoTime();
+      closer.start();
+      closer.join(TimeUnit.SECONDS.toMillis(8));
+      long ms = TimeUnit.NANOSECONDS.toMillis(System.nanoTime() - t0);
+      check(!closer.isAlive(), "NativeEngine.close() still running after " + ms
+          + " ms with a fetch in flight (deadlock)");
+      check(failed.await(5, TimeUnit.SECONDS), "the in-flight fetch never failed");
+      check("retry refused: closed".equals(retry.get()), "retry during close: " + retry.get());
+      System.out.println("  close returned in " + ms + " ms; " + retry.get());
+    }
 
     step("a closed engine behind NativeEngine throws [closed] instead of reaching native code");
     // The companion's open(String): Scala emits no static forwarder for it because the class

@@ -107,6 +107,27 @@ class EndToEndTest {
     assertTrue(s"our message surfaced: $text", text.contains("injected missing block"))
   }
 
+  @Test def aRefusedRegistrationFallsBackToSparksTransfer(): Unit = {
+    // Issue 14: the engine refuses the map outputs with an even map id. Before, the refusal
+    // failed every attempt of those map tasks and the job aborted; now the writer logs one
+    // warning, and readers fetch those outputs through Spark's own block transfer service.
+    LoopbackShuffleManager.refuseRegistration = (_, mapId) => mapId % 2 == 0
+    LoopbackShuffleManager.realHost = true
+    start("spark.shuffle.readHostLocalDisk" -> "false", "spark.task.maxFailures" -> "1")
+    val data = (1 to 20000).map(i => (i % 101, i.toLong))
+    val expected = data.groupBy(_._1).map { case (k, vs) => (k, vs.map(_._2).sum) }
+    val got = sc.parallelize(data, 4).reduceByKey(_ + _, 5).collect().toMap
+    assertEquals(expected, got)
+    val engine = LoopbackShuffleManager.engine
+    val m = manager
+    assertEquals("2 of 4 map outputs refused", 2L, m.registrationFailureCount)
+    assertEquals(2, engine.registered.get())
+    val client = m.runningClient.get
+    assertEquals("blocks of the 2 refused outputs x 5 reducers", 10L, client.unknownToEngineCount)
+    assertTrue("the rest came through the engine", engine.blocksServed.get() > 0)
+    assertEquals(0, engine.outstanding)
+  }
+
   @Test def unregisterShuffleReachesTheEngine(): Unit = {
     start()
     val rdd = sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3)

@@ -16,9 +16,12 @@ import java.util.concurrent.atomic.{AtomicInteger, AtomicLong}
  *
  * @param failure decides, per block and attempt number (1-based, per block), whether to fail
  *                it and with which (kind, message)
+ * @param refuseRegistration decides, per (shuffle, map), whether `registerMapOutput` throws
+ *                           (as the native engine does when it cannot register the files)
  */
 class LoopbackEngine(
-    val failure: (BlockRange, Int) => Option[(String, String)] = (_, _) => None)
+    val failure: (BlockRange, Int) => Option[(String, String)] = (_, _) => None,
+    val refuseRegistration: (Int, Long) => Boolean = (_, _) => false)
   extends ShuffleEngine {
 
   private val outputs = new ConcurrentHashMap[(Int, Long), (File, File, Int)]()
@@ -51,6 +54,11 @@ class LoopbackEngine(
       dataFile: File,
       indexFile: File,
       numPartitions: Int): Unit = {
+    if (refuseRegistration(shuffleId, mapId)) {
+      throw new RdmaShuffleException(
+        "register",
+        s"injected: shuffle $shuffleId map $mapId cannot be registered")
+    }
     require(indexFile.exists(), s"index file $indexFile missing at commit")
     require(
       indexFile.length() == 8L * (numPartitions + 1),
@@ -86,7 +94,8 @@ class LoopbackEngine(
           case Some((kind, msg)) => callback.onFailure(i, kind, msg)
           case None =>
             Option(outputs.get((b.shuffleId, b.mapId))) match {
-              case None => callback.onFailure(i, "not_found", s"no map output $b")
+              // The native engine's kind for a map output it does not have.
+              case None => callback.onFailure(i, "unknown_map_output", s"no map output $b")
               case Some((data, index, _)) =>
                 val buf = read(data, index, b)
                 val lease = nextLease.getAndIncrement()

@@ -25,7 +25,9 @@ class LoopbackShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   override protected def openEngine(config: String): ShuffleEngine = {
     LoopbackShuffleManager.lastConfig = config
-    val e = new LoopbackEngine(LoopbackShuffleManager.failure)
+    val e = new LoopbackEngine(
+      LoopbackShuffleManager.failure,
+      LoopbackShuffleManager.refuseRegistration)
     LoopbackShuffleManager.engine = e
     e
   }
@@ -50,8 +52,11 @@ class LoopbackShuffleManager(conf: SparkConf, isDriver: Boolean)
         (
           BlockManagerId(
             LoopbackShuffleManager.RemotePrefix + bm.executorId,
-            "remote-host",
-            bm.port),
+            // The real host only where a test needs Spark's own transfer to reach the files
+            // (with spark.shuffle.readHostLocalDisk=false, else Spark reads them from disk).
+            if (LoopbackShuffleManager.realHost) bm.host else "remote-host",
+            bm.port
+          ),
           blocks)
       },
       batch)
@@ -64,10 +69,14 @@ object LoopbackShuffleManager {
   @volatile var engine: LoopbackEngine = _
   @volatile var lastConfig: String = _
   @volatile var failure: (BlockRange, Int) => Option[(String, String)] = (_, _) => None
+  @volatile var refuseRegistration: (Int, Long) => Boolean = (_, _) => false
+  @volatile var realHost = false
 
   def reset(): Unit = {
     engine = null
     lastConfig = null
     failure = (_, _) => None
+    refuseRegistration = (_, _) => false
+    realHost = false
   }
 }

@@ -12,7 +12,7 @@ import scala.collection.JavaConverters._
 import org.junit.Assert._
 import org.junit.Test
 
-import org.apache.spark.network.buffer.ManagedBuffer
+import org.apache.spark.network.buffer.{ManagedBuffer, NioManagedBuffer}
 import org.apache.spark.network.shuffle.{
   BlockFetchingListener,
   BlockStoreClient,
@@ -31,8 +31,8 @@ class NativeBlockStoreClientTest {
         "spark.shuffle.io.maxRetries" -> maxRetries.toString,
         "spark.shuffle.io.retryWait" -> "1ms").asJava))
 
-  /** Spark's client stand-in: records what was delegated. */
-  private class RecordingSparkClient extends BlockStoreClient {
+  /** Spark's client stand-in: records what was delegated; with `serve`, answers it. */
+  private class RecordingSparkClient(serve: Boolean = false) extends BlockStoreClient {
     val calls = new ConcurrentLinkedQueue[(String, Int, String, Seq[String])]()
     override def fetchBlocks(
         host: String,
@@ -40,8 +40,14 @@ class NativeBlockStoreClientTest {
         execId: String,
         blockIds: Array[String],
         listener: BlockFetchingListener,
-        dfm: DownloadFileManager): Unit =
+        dfm: DownloadFileManager): Unit = {
       calls.add((host, port, execId, blockIds.toSeq))
+      if (serve) {
+        blockIds.foreach { id =>
+          listener.onBlockFetchSuccess(id, new NioManagedBuffer(ByteBuffer.wrap(id.getBytes)))
+        }
+      }
+    }
     override def close(): Unit = ()
   }
 
@@ -172,7 +178,7 @@ class NativeBlockStoreClientTest {
       "pull_failed" -> true,
       "io" -> true,
       "auth_refused" -> false,
-      "unknown_shuffle" -> false,
+      "bad_range" -> false,
       "corrupt" -> false,
       "something_new" -> false
     )
@@ -198,6 +204,40 @@ class NativeBlockStoreClientTest {
       assertEquals(kind, cause.kind())
       assertTrue(e.getMessage.contains("exec-2"))
       assertTrue(e.getMessage.contains("10.1.2.3:4000"))
+    }
+  }
+
+  @Test def blocksTheEngineDoesNotHaveAreFetchedThroughSpark(): Unit = {
+    // Issue 14: a map output whose registration failed on the serving executor is unknown to
+    // its engine, but its block manager serves Spark's files: the block goes to Spark's client.
+    for (retries <- Seq(0, 2)) {
+      val engine = new ScriptedEngine((_, blocks, cb) => {
+        blocks.zipWithIndex.foreach { case (b, i) =>
+          b.mapId match {
+            case 1L => cb.onBlock(i, bytesOf(3, 1), 10L + i)
+            case 2L => cb.onFailure(i, "unknown_map_output", "map output not registered")
+            case _ => cb.onFailure(i, "unknown_shuffle", "no map outputs of shuffle 0")
+          }
+        }
+      })
+      val spark = new RecordingSparkClient(serve = true)
+      val client = new NativeBlockStoreClient(engine, remote, spark, transportConf(retries))
+      val l = new RecordingListener(false, 3)
+      val ids = Array("shuffle_0_1_0", "shuffle_0_2_0", "shuffle_0_3_1_4")
+      client.fetchBlocks("h2", 7338, "exec-2", ids, l, null)
+      l.await()
+      assertTrue(s"failures: ${l.failed.asScala}", l.failed.isEmpty)
+      val got = l.ok.asScala.map { case (id, b) => (id, b.toSeq) }.toMap
+      assertEquals(bytes(bytesOf(3, 1)).toSeq, got("shuffle_0_1_0"))
+      assertEquals("shuffle_0_2_0".getBytes.toSeq, got("shuffle_0_2_0"))
+      assertEquals("shuffle_0_3_1_4".getBytes.toSeq, got("shuffle_0_3_1_4"))
+      assertEquals(
+        Set(
+          ("h2", 7338, "exec-2", Seq("shuffle_0_2_0")),
+          ("h2", 7338, "exec-2", Seq("shuffle_0_3_1_4"))),
+        spark.calls.asScala.toSet)
+      assertEquals(2L, client.unknownToEngineCount)
+      assertEquals(Seq(10L), engine.released.asScala.toSeq)
     }
   }
 
