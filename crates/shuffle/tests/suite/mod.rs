@@ -633,7 +633,8 @@ macro_rules! provider_suite {
             another_application_or_secret_is_refused_and_nothing_is_served,
             a_tampered_handshake_field_fails_authentication,
             local_backpressure_is_not_peer_silence,
-            idle_connections_close_and_reopen
+            idle_connections_close_and_reopen,
+            exposed_regions_stay_within_the_engine_budget_with_many_clients
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {
