@@ -173,8 +173,11 @@ pub fn idle_connections_close_and_reopen(f: Factory) {
 /// expose nothing (tcp, streamed sim) the blocks must still all arrive and nothing is exposed.
 pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factory) {
     const BUDGET: u64 = 1 << 20;
-    const CLIENTS: usize = 24;
-    let sizes = vec![200_000usize; 12];
+    // Emulated RDMA (SoftRoCE under TCG) moves tens of MB/s and binds a window in
+    // milliseconds: fewer clients and blocks there, the demand still 8x the budget.
+    let emulated = f().name() == "verbs";
+    let (clients_n, blocks_n) = if emulated { (8, 6) } else { (24, 12) };
+    let sizes = vec![200_000usize; blocks_n];
     let dir = tempfile::tempdir().unwrap();
     let sd =
         Driver::new(f(), DriverConfig { name: "budget-server".into(), max_bytes_exposed: BUDGET, ..DriverConfig::default() })
@@ -184,13 +187,15 @@ pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factor
     server.register(out.map_output_files()).unwrap();
     let addr = server.local_addr();
     let cd = Driver::new(f(), DriverConfig { name: "budget-clients".into(), ..DriverConfig::default() }).unwrap();
-    let clients: Vec<BlockClient> = (0..CLIENTS)
+    let clients: Vec<BlockClient> = (0..clients_n)
         .map(|i| {
             let pool = pool_for(
                 cd.provider(),
                 PoolConfig { tiers: vec![4096, 64 << 10, 256 << 10], slab_bytes: 1 << 20, cap_bytes: 4 << 20, prealloc: false },
             );
-            BlockClient::on(&cd, pool, ClientEndpointConfig { name: format!("client-{i}"), ..client_cfg(None) }).unwrap()
+            let cfg =
+                ClientEndpointConfig { name: format!("client-{i}"), fetch_timeout: Duration::from_secs(120), ..client_cfg(None) };
+            BlockClient::on(&cd, pool, cfg).unwrap()
         })
         .collect();
     // An independent look at what the server holds: on sim, everything it registers is
@@ -219,7 +224,7 @@ pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factor
             })
             .collect();
         for (i, sink) in sinks.iter().enumerate() {
-            let got = sink.wait(Duration::from_secs(60));
+            let got = sink.wait(Duration::from_secs(300));
             for r in 0..sizes.len() {
                 let b = got[&r].as_ref().unwrap_or_else(|e| panic!("round {round}, client {i}, block {r}: {e}"));
                 assert!(b == &out.range_bytes(r as u32, r as u32 + 1), "round {round}, client {i}, block {r} differs");
@@ -239,7 +244,7 @@ pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factor
         assert!(sampled <= BUDGET, "the server registered {sampled} bytes, over the budget of {BUDGET}");
     }
     if peak > 0 {
-        // One-sided: the demand (24 clients x 12 regions of 200 kB) is far over the budget.
+        // One-sided: the demand (clients x regions of 200 kB) is far over the budget.
         assert!(waits > 0, "no region ever waited: the budget was never reached");
         assert!(peak > BUDGET / 2, "the budget is used, not starved: peak {peak}");
     }
