@@ -15,7 +15,8 @@
 #     writes target/bench/engine.json and draws target/bench/engine.png.
 #     RUN-ARGS go to `engine-bench run`: --mib N (default 1024) --sizes 64k,256k,1m,4m
 #     --rounds N (5) --warmup N (2 untimed rounds first: the JVMs' JIT) --small-reps N
-#     (20 x 1024 blocks) --lat-samples N (2000) --dir DIR.
+#     (20 x 1024 blocks) --lat-samples N (2000) --min-secs S (0.5: a bulk measurement repeats its
+#     transfer until it ran this long, so its CPU figure is never a few 10 ms ticks) --dir DIR.
 #     --tiny = --mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100:
 #     proves the harness works in half a minute; its numbers mean nothing.
 #   scripts/bench-engine.sh --provider verbs [-- SWEEP-ARGS...]

@@ -87,6 +87,9 @@ pub struct EngineConfig {
     pub recv_buffers: u32,
     /// `spark.shuffle.rdma.store.maxOpenFiles`: data files the block server keeps open.
     pub max_open_files: usize,
+    /// `spark.shuffle.rdma.maxBytesExposed`: bytes of rendezvous regions the block server
+    /// exposes at once, over all peers (verbs).
+    pub max_bytes_exposed: u64,
     /// `spark.authenticate.secret` when `spark.authenticate=true`.
     pub secret: Option<Secret>,
     /// `spark.executor.id`, for logs and errors.
@@ -164,7 +167,12 @@ impl Engine {
         tracing::info!(executor = %config.executor_id, transport = provider.name(), "{why}");
         let driver = Driver::new(
             provider.clone(),
-            DriverConfig { name: config.executor_id.clone(), idle_timeout: config.idle_timeout, ..DriverConfig::default() },
+            DriverConfig {
+                name: config.executor_id.clone(),
+                idle_timeout: config.idle_timeout,
+                max_bytes_exposed: config.max_bytes_exposed,
+                ..DriverConfig::default()
+            },
         )?;
         let pool_cfg = PoolConfig { tiers: config.pool_tiers.clone(), cap_bytes: config.pool_cap, ..PoolConfig::default() };
         let pool = TieredPool::new(pool_cfg, provider.registrar())?;
@@ -276,6 +284,9 @@ impl Engine {
         kv("reads_in_flight", r(&d.reads_in_flight));
         kv("peak_reads_in_flight", r(&d.peak_reads_in_flight));
         kv("unflushed_closes", r(&d.unflushed_closes));
+        kv("exposed_bytes", r(&d.exposed_bytes));
+        kv("peak_exposed_bytes", r(&d.peak_exposed_bytes));
+        kv("exposure_waits", r(&d.exposure_waits));
         kv("pool_bytes_allocated", p.bytes_allocated);
         kv("pool_bytes_in_use", p.bytes_in_use);
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);

@@ -342,6 +342,7 @@ impl EngineConfig {
             "spark.shuffle.rdma.maxBytesInFlight" => self.max_bytes_in_flight = number(v),
             "spark.shuffle.rdma.recvBuffers" => self.recv_buffers = number(v) as u32,
             "spark.shuffle.rdma.store.maxOpenFiles" => self.max_open_files = number(v) as usize,
+            "spark.shuffle.rdma.maxBytesExposed" => self.max_bytes_exposed = number(v),
             "spark.shuffle.rdma.device" => self.device = text().filter(|d| !d.is_empty()),
             "spark.shuffle.rdma.gidIndex" => self.gid_index = matches!(v, Value::Number(_)).then(|| number(v) as u8),
             _ => {
@@ -380,6 +381,7 @@ impl EngineConfig {
             "spark.shuffle.rdma.maxBytesInFlight" => self.max_bytes_in_flight.to_string(),
             "spark.shuffle.rdma.recvBuffers" => self.recv_buffers.to_string(),
             "spark.shuffle.rdma.store.maxOpenFiles" => self.max_open_files.to_string(),
+            "spark.shuffle.rdma.maxBytesExposed" => self.max_bytes_exposed.to_string(),
             "spark.shuffle.rdma.device" => self.device.clone().unwrap_or_default(),
             "spark.shuffle.rdma.gidIndex" => self.gid_index.map(|g| g.to_string()).unwrap_or_default(),
             _ => return None,
@@ -461,6 +463,7 @@ impl Default for EngineConfig {
             max_bytes_in_flight: 0,
             recv_buffers: 0,
             max_open_files: 0,
+            max_bytes_exposed: 0,
             secret: None,
             executor_id: "unknown".into(),
             device: None,

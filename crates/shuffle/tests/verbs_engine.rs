@@ -28,6 +28,11 @@ fn counter(d: &Driver, name: &str) -> u64 {
 }
 
 const MSG: u32 = 16 * 1024 + 8192;
+
+/// A server's driver that may expose `bytes` of rendezvous regions at once.
+fn exposing_driver(p: &Arc<dyn Provider>, bytes: u64) -> Driver {
+    Driver::new(p.clone(), DriverConfig { name: "server".into(), max_bytes_exposed: bytes, ..DriverConfig::default() }).unwrap()
+}
 /// Pool tiers for the small pools of these tests (the defaults go up to 16 MiB).
 const SMALL_TIERS: [usize; 4] = [4096, 64 << 10, 256 << 10, 1 << 20];
 
@@ -180,7 +185,8 @@ fn many_reads(small: usize) -> Fixture {
     sizes.push(64 * small);
     let out = write_map_output(dir.path(), 6, 1, &sizes, 21).unwrap();
     let scfg = ServerEndpointConfig { credits: 128, eager_threshold: 16 * 1024, ..ServerEndpointConfig::default() };
-    let server = BlockServer::bind(p.clone(), listen_addr(), scfg).unwrap();
+    // Every block exposed at once (the big one and the 64 small ones): a budget that holds them.
+    let server = BlockServer::bind_on(&exposing_driver(&p, 128 * small as u64), listen_addr(), scfg).unwrap();
     server.register(out.map_output_files()).unwrap();
     // Budget: half the pool = the big block, or the 64 small ones.
     let pool = pool_for(&p, PoolConfig { cap_bytes: 128 * small as u64, ..PoolConfig::default() });
@@ -241,7 +247,8 @@ fn a_failed_connection_flushes_its_reads_before_their_buffers_go_back() {
     let dir = tempfile::tempdir().unwrap();
     let out = write_map_output(dir.path(), 7, 1, &vec![1 << 20; 64], 5).unwrap();
     let scfg = ServerEndpointConfig { credits: 64, eager_threshold: 16 * 1024, ..ServerEndpointConfig::default() };
-    let server = BlockServer::bind(p.clone(), listen_addr(), scfg).unwrap();
+    // All 64 regions exposed before the first READ: a budget that holds them.
+    let server = BlockServer::bind_on(&exposing_driver(&p, 65 << 20), listen_addr(), scfg).unwrap();
     server.register(out.map_output_files()).unwrap();
     let addr = server.local_addr();
     let cd = Driver::new(p.clone(), DriverConfig { name: "reader".into(), ..DriverConfig::default() }).unwrap();

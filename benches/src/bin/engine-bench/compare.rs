@@ -54,7 +54,7 @@ const STALL: Duration = Duration::from_secs(120);
 
 pub const USAGE: &str = "engine-bench run --netty-cp CLASSPATH [--java JAVA] [--jvm-opt OPT]... [--iperf3 IPERF3]
     [--mib N] [--sizes 64k,256k,1m,4m] [--rounds N] [--warmup N] [--small-reps N] [--lat-samples N] [--dir DIR] [--out FILE]
-    [--spark-version V]";
+    [--spark-version V] [--min-secs S (0.5: each bulk measurement repeats its transfer until it ran this long)]";
 
 type R<T> = Result<T, String>;
 
@@ -87,6 +87,9 @@ pub struct Config {
     pub out: Option<PathBuf>,
     /// Spark version of the class path, for the report.
     pub spark_version: String,
+    /// A bulk measurement repeats its transfer until it has run this long, so that its CPU
+    /// figure (clock ticks of /proc/PID/stat, 10 ms each) is never a handful of ticks or 0.
+    pub min_secs: f64,
 }
 
 impl Config {
@@ -106,6 +109,7 @@ impl Config {
             dir: std::env::var_os("BENCH_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir),
             out: None,
             spark_version: "unknown".into(),
+            min_secs: 0.5,
         };
         let mut it = args.iter();
         while let Some(flag) = it.next() {
@@ -137,6 +141,11 @@ impl Config {
                 "--dir" => c.dir = PathBuf::from(value()?),
                 "--out" => c.out = Some(PathBuf::from(value()?)),
                 "--spark-version" => c.spark_version = value()?,
+                "--min-secs" => {
+                    let v = value()?;
+                    c.min_secs =
+                        v.parse().ok().filter(|x: &f64| x.is_finite() && *x >= 0.0).ok_or(format!("--min-secs: '{v}'"))?
+                }
                 other => return Err(format!("unknown argument '{other}'; usage: {USAGE}")),
             }
         }
@@ -507,13 +516,14 @@ fn run_round(
     let (g, cpu) = ip.run(cfg.total_bytes())?;
     round.iperf3_gbps = g;
     round.iperf3_cpu_per_gib = cpu / (cfg.total_bytes() as f64 / GIB);
+    let min = cfg.min_secs;
     for set in sets {
         let (et, nt) = if engine_first {
-            let et = e.bulk(set)?;
-            (et, n.bulk(set)?)
+            let et = repeat(min, || e.bulk(set))?;
+            (et, repeat(min, || n.bulk(set))?)
         } else {
-            let nt = n.bulk(set)?;
-            (e.bulk(set)?, nt)
+            let nt = repeat(min, || n.bulk(set))?;
+            (repeat(min, || e.bulk(set))?, nt)
         };
         round.bulk.push((et, nt));
     }
@@ -529,6 +539,18 @@ fn run_round(
         round.engine_lat = e.latency(small, cfg.lat_samples)?;
     }
     Ok(round)
+}
+
+/// Repeats a transfer until `min_secs` have passed in all, summing time, bytes and CPU.
+fn repeat(min_secs: f64, mut transfer: impl FnMut() -> R<Transfer>) -> R<Transfer> {
+    let mut all = transfer()?;
+    while all.secs < min_secs {
+        let t = transfer()?;
+        all.secs += t.secs;
+        all.bytes += t.bytes;
+        all.cpu += t.cpu;
+    }
+    Ok(all)
 }
 
 fn spread_json(s: Option<Spread>) -> Value {
@@ -836,6 +858,23 @@ mod tests {
         }
         let e = Config::from_args(&args("--mib 16")).unwrap_err();
         assert!(e.contains("--netty-cp"), "{e}");
+    }
+
+    /// `--tiny` used to exit 1: a 32 MiB transfer took less than one clock tick of CPU, the
+    /// CPU ratio was 0/0. A measurement now repeats until it ran `min_secs`.
+    #[test]
+    fn a_short_transfer_repeats_until_the_window_is_long_enough_for_cpu_ticks() {
+        let mut calls = 0;
+        let t = repeat(0.5, || {
+            calls += 1;
+            Ok(Transfer { secs: 0.12, bytes: 32 << 20, cpu: if calls % 2 == 0 { 0.01 } else { 0.0 } })
+        })
+        .unwrap();
+        assert_eq!(calls, 5, "0.12 s transfers until 0.5 s: five");
+        assert_eq!(t.bytes, 5 * (32 << 20));
+        assert!((t.secs - 0.6).abs() < 1e-9 && (t.cpu - 0.02).abs() < 1e-9 && t.cpu_per_gib() > 0.0, "{t:?}");
+        assert_eq!(Config::from_args(&args("--netty-cp x --min-secs 0")).unwrap().min_secs, 0.0);
+        assert!(Config::from_args(&args("--netty-cp x --min-secs -1")).is_err());
     }
 
     #[test]

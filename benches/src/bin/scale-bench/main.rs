@@ -379,6 +379,9 @@ fn measure(o: &Opts, hub: &mut Proc, peers: &mut [Peer]) -> R<Value> {
     let peer_before: Vec<u64> = peers.iter_mut().map(Peer::poll).collect::<R<_>>()?;
     let mut peak = procfs::Footprint::default();
     let mut registered: Option<u64> = None;
+    // What registered memory is made of (peaks over the samples): the server's exposed
+    // rendezvous regions and the fetch pool's slabs.
+    let (mut exposed, mut pool) = (0u64, 0u64);
     for i in 0..o.samples {
         if i > 0 {
             std::thread::sleep(Duration::from_millis(500));
@@ -388,9 +391,12 @@ fn measure(o: &Opts, hub: &mut Proc, peers: &mut [Peer]) -> R<Value> {
         peak.fds = peak.fds.max(f.fds);
         peak.rss_bytes = peak.rss_bytes.max(f.rss_bytes);
         peak.vm_pin_bytes = peak.vm_pin_bytes.max(f.vm_pin_bytes);
-        if let Some(r) = hub_stats(hub)?.counters.get("registered_bytes") {
+        let hs = hub_stats(hub)?;
+        if let Some(r) = hs.counters.get("registered_bytes") {
             registered = Some(registered.unwrap_or(0).max(*r));
         }
+        exposed = exposed.max(hs.counters.get("exposed_bytes").copied().unwrap_or(0));
+        pool = pool.max(hs.counters.get("pool_bytes_allocated").copied().unwrap_or(0));
     }
     // Every peer and the hub must complete another round over every connection.
     let t = Instant::now();
@@ -429,6 +435,9 @@ fn measure(o: &Opts, hub: &mut Proc, peers: &mut [Peer]) -> R<Value> {
         "fds": peak.fds,
         "vm_pin_bytes": peak.vm_pin_bytes,
         "registered_source": source,
+        "exposed_bytes": exposed,
+        "peak_exposed_bytes": c(&after, "peak_exposed_bytes"),
+        "pool_bytes_allocated": pool,
         "samples": o.samples,
         "connections_opened": c(&after, "connections_opened"),
         "connections_accepted": c(&after, "connections_accepted"),

@@ -47,6 +47,7 @@ pub(crate) mod client;
 mod commands;
 pub(crate) mod conn;
 mod delivery;
+mod exposure;
 pub(crate) mod mesh;
 pub(crate) mod server;
 mod sockets;
@@ -89,12 +90,21 @@ pub struct DriverConfig {
     /// limit, servers at twice it, so the client side normally goes first); the next fetch
     /// opens a new one.
     pub idle_timeout: Duration,
+    /// Most bytes of rendezvous regions exposed to peers at once, over all server
+    /// connections (one-sided transports: each exposed region is registered memory). Regions
+    /// beyond it wait for releases; see [`exposure`].
+    pub max_bytes_exposed: u64,
 }
 
 impl Default for DriverConfig {
-    /// 256 pending handshakes, 120 s idle timeout.
+    /// 256 pending handshakes, 120 s idle timeout, 4 MiB exposed.
     fn default() -> Self {
-        DriverConfig { name: "engine".into(), max_pending_handshakes: 256, idle_timeout: Duration::from_secs(120) }
+        DriverConfig {
+            name: "engine".into(),
+            max_pending_handshakes: 256,
+            idle_timeout: Duration::from_secs(120),
+            max_bytes_exposed: 4 << 20,
+        }
     }
 }
 
@@ -226,6 +236,7 @@ impl Driver {
             next_id: AtomicU64::new(1),
         });
         let net = Net::new(&shared, &poll)?;
+        let exposure = exposure::ExposureBudget::new(shared.config.max_bytes_exposed);
         let mut lp = Loop {
             shared: shared.clone(),
             poll,
@@ -241,6 +252,7 @@ impl Driver {
             pending: VecDeque::new(),
             again: Vec::new(),
             mem_dirty: false,
+            exposure,
             net,
             exiting: None,
         };
@@ -388,6 +400,8 @@ pub(crate) struct Loop {
     /// A block started waiting for memory since the queue was last served: serve it once
     /// (memory may be free already, and no release would then come to wake us).
     mem_dirty: bool,
+    /// Rendezvous regions exposed over all server connections, and those waiting for room.
+    pub(crate) exposure: exposure::ExposureBudget,
     pub(crate) net: Net,
     /// Set at shutdown: when the loop gives up waiting for connections to close.
     exiting: Option<Instant>,
@@ -402,7 +416,7 @@ impl Loop {
         loop {
             let now = Instant::now();
             let mut timeout = self.timers.next().map(|t| t.saturating_duration_since(now));
-            if !self.again.is_empty() || self.mem_dirty || self.shared.mem_wake.load(Ordering::Acquire) {
+            if !self.again.is_empty() || self.mem_dirty || self.exposure.dirty || self.shared.mem_wake.load(Ordering::Acquire) {
                 timeout = Some(Duration::ZERO);
             }
             if let Some(x) = self.exiting {
@@ -453,6 +467,9 @@ impl Loop {
             self.verbs_events();
             if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
                 self.service_memory();
+            }
+            if self.exposure.dirty {
+                self.service_exposures();
             }
             let again = std::mem::take(&mut self.again);
             for k in again {
@@ -541,6 +558,14 @@ impl Loop {
                 slot.conn = Some(conn);
             }
         }
+    }
+
+    pub(crate) fn conn_ref(&self, key: ConnKey) -> Option<&Conn> {
+        let slot = self.conns.get(key.index as usize)?;
+        if slot.gen != key.gen {
+            return None;
+        }
+        slot.conn.as_ref()
     }
 
     pub(crate) fn contains(&self, key: ConnKey) -> bool {

@@ -9,6 +9,7 @@
 //! new one evicts the oldest.
 
 use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::exposure;
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
 use crate::providers::tcp::OutPayload;
@@ -18,7 +19,7 @@ use rdma_shuffle_wire::{
     BlockFailure, BlockSpan, Descriptor, FailureCode, Frame, Limits, ProtocolError, RegionId, Resolved, Secret, ServerConfig,
     ServerHooks, ServerOutput, ServerSession,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -210,11 +211,25 @@ pub(crate) struct ServerConn {
     ep: u64,
     stats: Arc<ServerStats>,
     pub(crate) session: ServerSession<Arc<dyn Source>>,
-    /// Exposed regions and their keys.
-    exposures: HashMap<RegionId, u32>,
+    /// Exposed regions: their keys and the bytes they hold of the exposure budget.
+    exposures: HashMap<RegionId, (u32, u64)>,
+    /// Bytes of the exposure budget this connection holds.
+    exposed: u64,
+    /// Regions waiting for room in the exposure budget, in the session's order.
+    deferred: VecDeque<Deferred>,
     published: ServerCounters,
     /// Not yet authenticated (counted in the pending gauge).
     pending: bool,
+}
+
+/// A region the session offered that waits for room in the exposure budget.
+struct Deferred {
+    req: u64,
+    index: u32,
+    region: RegionId,
+    source: Arc<dyn Source>,
+    offset: u64,
+    len: u64,
 }
 
 fn server_mut(conn: &mut Conn) -> &mut ServerConn {
@@ -296,6 +311,8 @@ impl Loop {
             stats: ep.stats.clone(),
             session,
             exposures: HashMap::new(),
+            exposed: 0,
+            deferred: VecDeque::new(),
             published: ServerCounters::default(),
             pending: true,
         }));
@@ -422,25 +439,26 @@ impl Loop {
                         // counter would show it.
                         self.shared.stats.preauth_registered_bytes.fetch_add(len, Ordering::Relaxed);
                     }
-                    match conn.transport.expose(&mut self.net, source, offset, len) {
-                        Ok((addr, rkey)) => {
-                            server_mut(conn).exposures.insert(region, rkey);
-                            // Counted before the descriptor leaves.
-                            self.update_registered();
-                            let desc = Descriptor { region, addr, len, rkey };
-                            conn.transport.send(&mut self.net, &Frame::Rendezvous { req, index, desc }, OutPayload::None)
-                        }
-                        Err(e) => {
-                            tracing::warn!(peer = %conn.peer, error = %e, "cannot expose a rendezvous region; the block fails");
-                            let f = BlockFailure::new(FailureCode::Io, format!("cannot expose the block for reading: {e}"));
-                            server_mut(conn).session.abandon_region(req, index, region, f);
-                            Ok(())
-                        }
+                    let d = Deferred { req, index, region, source, offset, len };
+                    let one_sided = conn.transport.one_sided();
+                    let s = server_mut(conn);
+                    if !one_sided {
+                        // tcp exposes nothing (the region is streamed on request).
+                        self.expose_region(conn, d)
+                    } else if s.deferred.is_empty() && self.exposure.admits(exposure::charge(offset, len), s.exposed) {
+                        self.expose_region(conn, d)
+                    } else {
+                        s.deferred.push_back(d);
+                        self.shared.stats.exposure_waits.fetch_add(1, Ordering::Relaxed);
+                        self.exposure.wait(conn.key);
+                        Ok(())
                     }
                 }
                 ServerOutput::Revoke { region } => {
-                    if let Some(rkey) = server_mut(conn).exposures.remove(&region) {
+                    if let Some((rkey, charged)) = server_mut(conn).exposures.remove(&region) {
                         conn.transport.revoke(&mut self.net, rkey);
+                        server_mut(conn).exposed -= charged;
+                        self.exposure.give(charged, &self.shared.stats);
                     }
                     Ok(())
                 }
@@ -454,6 +472,92 @@ impl Loop {
         if let Some(ep) = self.servers.get(&ep_id) {
             let s = server_mut(conn);
             ep.stats.publish(&s.session.counters(), &mut s.published);
+        }
+    }
+
+    /// Exposes a region (within the budget: the caller checked) and sends its descriptor.
+    fn expose_region(&mut self, conn: &mut Conn, d: Deferred) -> Result<(), FabricError> {
+        let Deferred { req, index, region, source, offset, len } = d;
+        match conn.transport.expose(&mut self.net, source, offset, len) {
+            Ok((addr, rkey)) => {
+                let charged = if conn.transport.one_sided() { exposure::charge(offset, len) } else { 0 };
+                let s = server_mut(conn);
+                s.exposures.insert(region, (rkey, charged));
+                s.exposed += charged;
+                self.exposure.take(charged, &self.shared.stats);
+                // Counted before the descriptor leaves.
+                self.update_registered();
+                let desc = Descriptor { region, addr, len, rkey };
+                conn.transport.send(&mut self.net, &Frame::Rendezvous { req, index, desc }, OutPayload::None)
+            }
+            Err(e) => {
+                tracing::warn!(peer = %conn.peer, error = %e, "cannot expose a rendezvous region; the block fails");
+                let f = BlockFailure::new(FailureCode::Io, format!("cannot expose the block for reading: {e}"));
+                server_mut(conn).session.abandon_region(req, index, region, f);
+                Ok(())
+            }
+        }
+    }
+
+    /// Releases made room in the exposure budget: waiting connections get one region each in
+    /// turn (those with nothing exposed first) for as long as regions fit.
+    pub(crate) fn service_exposures(&mut self) {
+        self.exposure.dirty = false;
+        loop {
+            let mut keys = self.exposure.drain_waiters();
+            // A connection with nothing exposed goes first (stable: arrival order otherwise).
+            keys.sort_by_key(|k| self.server_exposed(*k).unwrap_or(0) > 0);
+            let mut progressed = false;
+            let mut i = 0;
+            while i < keys.len() {
+                let key = keys[i];
+                let Some(mut conn) = self.take(key) else {
+                    i += 1;
+                    continue;
+                };
+                if conn.closing.is_some() || !matches!(conn.role, Role::Server(_)) {
+                    self.put(conn);
+                    i += 1;
+                    continue;
+                }
+                let need = server_mut(&mut conn).deferred.front().map(|d| exposure::charge(d.offset, d.len));
+                let Some(need) = need else {
+                    self.put(conn);
+                    i += 1;
+                    continue;
+                };
+                if !self.exposure.fits(need) {
+                    self.put(conn);
+                    break;
+                }
+                let d = server_mut(&mut conn).deferred.pop_front().expect("checked above");
+                let r = self.expose_region(&mut conn, d);
+                progressed = true;
+                match r {
+                    Err(e) => self.fail(&mut conn, e),
+                    Ok(()) => {
+                        // Frames the exposure produced (a failure of an abandoned region) go
+                        // out with the rest.
+                        if !server_mut(&mut conn).deferred.is_empty() {
+                            self.exposure.wait(key);
+                        }
+                    }
+                }
+                self.put(conn);
+                i += 1;
+            }
+            // Those not reached keep their place at the head of the queue.
+            self.exposure.requeue_front(keys[i..].iter().copied());
+            if !progressed || i < keys.len() {
+                break;
+            }
+        }
+    }
+
+    fn server_exposed(&self, key: ConnKey) -> Option<u64> {
+        match &self.conn_ref(key)?.role {
+            Role::Server(s) => Some(s.exposed),
+            _ => None,
         }
     }
 
@@ -513,10 +617,13 @@ impl Loop {
         let s = server_mut(conn);
         let ep_id = s.ep;
         s.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
-        let regions: Vec<u32> = s.exposures.drain().map(|(_, k)| k).collect();
+        let regions: Vec<u32> = s.exposures.drain().map(|(_, (k, _))| k).collect();
+        s.deferred.clear();
+        let held = std::mem::take(&mut s.exposed);
         for rkey in regions {
             conn.transport.revoke(&mut self.net, rkey);
         }
+        self.exposure.give(held, &self.shared.stats);
         if let Some(ep) = self.servers.get_mut(&ep_id) {
             ep.conns.remove(&conn.key);
         }

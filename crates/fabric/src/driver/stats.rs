@@ -19,6 +19,13 @@ pub struct DriverStats {
     /// Memory ever registered for a peer before it authenticated. Stays 0: the counter is
     /// the proof.
     pub preauth_registered_bytes: AtomicU64,
+    /// Bytes of rendezvous regions exposed to peers now (one-sided transports), within the
+    /// engine's exposure budget.
+    pub exposed_bytes: AtomicU64,
+    /// The most bytes ever exposed at once.
+    pub peak_exposed_bytes: AtomicU64,
+    /// Regions that waited for room in the exposure budget before being exposed.
+    pub exposure_waits: AtomicU64,
     /// Connections closed after their idle timeout.
     pub idle_closes: AtomicU64,
     /// One-sided reads posted and not yet completed, now.

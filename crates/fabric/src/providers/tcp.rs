@@ -344,6 +344,12 @@ impl TcpConn {
                     let small = !matches!(&f.payload, OutPayload::File { .. });
                     if small && !body.is_empty() {
                         (&self.stream).write_vectored(&[IoSlice::new(head), IoSlice::new(body)])
+                    } else if !small {
+                        // The payload follows by sendfile: MSG_MORE keeps the header in the
+                        // socket until the payload joins it, so header and data leave in the
+                        // same segments (with TCP_NODELAY the header would otherwise go alone,
+                        // one more packet and one more wakeup of the reader per frame).
+                        send_more(&self.stream, head)
                     } else {
                         (&self.stream).write(head)
                     }
@@ -573,6 +579,16 @@ fn payload_slice(p: &OutPayload, at: u64) -> &[u8] {
         // Sent with sendfile, never sliced.
         OutPayload::File { .. } => &[],
     }
+}
+
+/// Writes `bytes` with MSG_MORE: more data follows at once.
+fn send_more(w: &mio::net::TcpStream, bytes: &[u8]) -> io::Result<usize> {
+    // SAFETY: a valid socket; `bytes` is live for the call.
+    let n = unsafe { libc::send(w.as_raw_fd(), bytes.as_ptr() as *const libc::c_void, bytes.len(), libc::MSG_MORE) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
 }
 
 /// Sends up to `len` bytes of file `fd` from `offset` with sendfile(2); one call.

@@ -651,7 +651,8 @@ macro_rules! provider_suite {
             a_tampered_handshake_field_fails_authentication,
             local_backpressure_is_not_peer_silence,
             idle_connections_close_and_reopen,
-            truncated_or_deleted_data_files_fail_typed
+            truncated_or_deleted_data_files_fail_typed,
+            exposed_regions_stay_within_the_engine_budget_with_many_clients
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {

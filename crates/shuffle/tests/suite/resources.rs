@@ -165,3 +165,88 @@ pub fn idle_connections_close_and_reopen(f: Factory) {
     assert!(d.stats().idle_closes.load(Ordering::Relaxed) >= 2);
     assert_eq!(c.stats().connections.load(Ordering::Relaxed), 2, "a new connection for each round");
 }
+
+/// Issue 13 (verbs scale): the bytes of rendezvous regions a server exposes at once stay
+/// within its engine-wide budget however many clients fetch, and every block of every client
+/// still arrives (no peer starves). Before the budget, each connection exposed up to its
+/// credits of regions: registered memory grew with the number of peers. On transports that
+/// expose nothing (tcp, streamed sim) the blocks must still all arrive and nothing is exposed.
+pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factory) {
+    const BUDGET: u64 = 1 << 20;
+    // Emulated RDMA (SoftRoCE under TCG) moves tens of MB/s and binds a window in
+    // milliseconds: fewer clients and blocks there, the demand still 8x the budget.
+    let emulated = f().name() == "verbs";
+    let (clients_n, blocks_n) = if emulated { (8, 6) } else { (24, 12) };
+    let sizes = vec![200_000usize; blocks_n];
+    let dir = tempfile::tempdir().unwrap();
+    let sd =
+        Driver::new(f(), DriverConfig { name: "budget-server".into(), max_bytes_exposed: BUDGET, ..DriverConfig::default() })
+            .unwrap();
+    let server = BlockServer::bind_on(&sd, listen_addr(), server_cfg(None)).unwrap();
+    let out = write_map_output(dir.path(), 9, 1, &sizes, 77).unwrap();
+    server.register(out.map_output_files()).unwrap();
+    let addr = server.local_addr();
+    let cd = Driver::new(f(), DriverConfig { name: "budget-clients".into(), ..DriverConfig::default() }).unwrap();
+    let clients: Vec<BlockClient> = (0..clients_n)
+        .map(|i| {
+            let pool = pool_for(
+                cd.provider(),
+                PoolConfig { tiers: vec![4096, 64 << 10, 256 << 10], slab_bytes: 1 << 20, cap_bytes: 4 << 20, prealloc: false },
+            );
+            let cfg =
+                ClientEndpointConfig { name: format!("client-{i}"), fetch_timeout: Duration::from_secs(120), ..client_cfg(None) };
+            BlockClient::on(&cd, pool, cfg).unwrap()
+        })
+        .collect();
+    // An independent look at what the server holds: on sim, everything it registers is
+    // exposed regions.
+    let sim = sd.provider_name() == "sim";
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (sd, stop) = (sd.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !stop.load(Ordering::Relaxed) {
+                most = most.max(sd.stats().registered_bytes.load(Ordering::Relaxed));
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            most
+        })
+    };
+    let blocks: Vec<ShuffleBlock> = (0..sizes.len() as u32).map(|r| ShuffleBlock::single(9, 1, r)).collect();
+    for round in 0..2 {
+        let sinks: Vec<_> = clients
+            .iter()
+            .map(|c| {
+                let sink = Collect::new(blocks.len());
+                c.fetch(addr, &blocks, sink.clone());
+                sink
+            })
+            .collect();
+        for (i, sink) in sinks.iter().enumerate() {
+            let got = sink.wait(Duration::from_secs(300));
+            for r in 0..sizes.len() {
+                let b = got[&r].as_ref().unwrap_or_else(|e| panic!("round {round}, client {i}, block {r}: {e}"));
+                assert!(b == &out.range_bytes(r as u32, r as u32 + 1), "round {round}, client {i}, block {r} differs");
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let sampled = sampler.join().unwrap();
+    let st = sd.stats();
+    let (peak, waits) = (st.peak_exposed_bytes.load(Ordering::Relaxed), st.exposure_waits.load(Ordering::Relaxed));
+    eprintln!(
+        "{}: peak exposed {peak} bytes (budget {BUDGET}), {waits} regions waited, sampled registered {sampled}",
+        sd.provider_name()
+    );
+    assert!(peak <= BUDGET, "{peak} bytes exposed at once, over the budget of {BUDGET}");
+    if sim {
+        assert!(sampled <= BUDGET, "the server registered {sampled} bytes, over the budget of {BUDGET}");
+    }
+    if peak > 0 {
+        // One-sided: the demand (clients x regions of 200 kB) is far over the budget.
+        assert!(waits > 0, "no region ever waited: the budget was never reached");
+        assert!(peak > BUDGET / 2, "the budget is used, not starved: peak {peak}");
+    }
+    wait_for(|| st.exposed_bytes.load(Ordering::Relaxed) == 0, "every region is released");
+}
