@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Spark-level benchmark: Spark's default shuffle vs the plugin on the workload of
-# notes/spark.md, both modes in every round (default first in odd rounds, plugin first in even).
+# Spark-level benchmark: Spark's default shuffle vs the plugin on the project's baseline workload
+# (13 M x 110-byte records, below), both modes in every round (default first in odd rounds,
+# plugin first in even).
 #
 #   scripts/bench-spark.sh [--records N] [--rounds R] [--jobs sortByKey,partitionBy,repartition]
 #                          [--no-build]
