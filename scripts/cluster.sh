@@ -109,7 +109,7 @@ ensure_jars() {
   if [ ! -f "$native" ]; then
     log "building the native engine (scripts/build-native.sh)"
     mkdir -p "$REPO/target"
-    "$HERE/build-native.sh" > "$REPO/target/build-native.log" 2>&1 \
+    bash "$HERE/build-native.sh" > "$REPO/target/build-native.log" 2>&1 \
       || { tail -n 30 "$REPO/target/build-native.log"; die "native build failed (log: target/build-native.log)"; }
   fi
   if [ ! -f "$PLUGIN_JAR" ] || [ ! -f "$JOBS_JAR" ]; then

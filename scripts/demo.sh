@@ -26,7 +26,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 mkdir -p "$REPO_ROOT/target"
 
 echo "== building the native engine (log: target/build-native.log)"
-"$here/build-native.sh" > "$REPO_ROOT/target/build-native.log" 2>&1 || { tail -30 "$REPO_ROOT/target/build-native.log"; exit 1; }
+bash "$here/build-native.sh" > "$REPO_ROOT/target/build-native.log" 2>&1 || { tail -30 "$REPO_ROOT/target/build-native.log"; exit 1; }
 echo "== building jvm-plugin (Spark $SPARK_VERSION, Scala $SCALA_BINARY; log: target/build-jvm-$SPARK_LINE.log)"
 (cd "$REPO_ROOT/jvm-plugin" && mvn -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE}) \
   > "$REPO_ROOT/target/build-jvm-$SPARK_LINE.log" 2>&1 || { tail -40 "$REPO_ROOT/target/build-jvm-$SPARK_LINE.log"; exit 1; }

@@ -113,10 +113,10 @@ done
 for i in "${INCS[@]}"; do [ -f "$i" ] || usage_error "--include: no such file: $i"; done
 if [ ${#TEST_NAMES[@]} -eq 0 ] && [ "$SELFTEST" = 0 ] && [ ${#INCS[@]} -eq 0 ]; then
   # No tests named: run the project's verbs suite and the cross-device test.
-  exec "$HERE/verbs-test.sh"
+  exec bash "$HERE/verbs-test.sh"
 fi
 
-"$HERE/softroce-prepare.sh" || { log "softroce-prepare.sh failed"; exit 3; }
+bash "$HERE/softroce-prepare.sh" || { log "softroce-prepare.sh failed"; exit 3; }
 KV=$(cat "$CACHE/kver")
 T_PREP=$(elapsed "$T0")
 T1=$(date +%s.%N)
