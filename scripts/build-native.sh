@@ -16,9 +16,11 @@ mkdir -p "$OUT"
 cargo build --release --locked -p rdma-shuffle-jni --features verbs
 # Debug info stays in target/ (for symbolizing); the jar gets stripped copies.
 objcopy --strip-debug target/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni.so"
-# A separate target dir keeps the two feature sets from rebuilding each other.
-CARGO_TARGET_DIR=target/tcp-only cargo build --release --locked -p rdma-shuffle-jni
-objcopy --strip-debug target/tcp-only/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni_tcp.so"
+# The same target dir: dependencies built with other features get other hashes and stay side
+# by side, so this rebuilds only the crates whose features differ (fabric, shuffle, jni), not
+# every dependency again; the cdylib it overwrites was copied out above.
+cargo build --release --locked -p rdma-shuffle-jni
+objcopy --strip-debug target/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni_tcp.so"
 if readelf -d "$OUT/librdma_shuffle_jni_tcp.so" | grep -q libibverbs; then
   echo "the tcp-only library must not depend on libibverbs" >&2; exit 1
 fi

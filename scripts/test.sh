@@ -64,7 +64,7 @@ for profile in "" spark-3.5; do
 done
 
 step "jni: the real bridge inside a JVM under -Xcheck:jni"
-run_script scripts/jni-test.sh
+run_script scripts/jni-test.sh --no-build   # the library built above
 
 # The Spark suites reuse the jars built above (--no-build) and fail, rather than skip, when the
 # plugin runs without its native engine.
