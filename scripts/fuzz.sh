@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Fuzz the wire protocol: each target of fuzz/ for N seconds (default 30).
+# Fuzz the wire protocol: each target of fuzz/ for N seconds (default 30), or for a number of
+# executions.
 #
-#   scripts/fuzz.sh [seconds-per-target]
+#   scripts/fuzz.sh [seconds-per-target]     what CI runs (30 s per target)
+#   scripts/fuzz.sh --long [RUNS]            each target until RUNS executions (default 10 M;
+#                                            hours on 2 cores), one worker per core; writes
+#                                            target/bench/fuzz.json (runs, seconds, execs/s,
+#                                            coverage per target)
 #
 # Exits non-zero if any target crashes (a panic, a failed invariant, an input slower than
 # FUZZ_INPUT_TIMEOUT seconds, or more than FUZZ_RSS_MB of memory); the input is saved under
@@ -25,6 +30,15 @@
 # about twice as many inputs; set "address" to check the dependencies' unsafe code too).
 set -euo pipefail
 
+LONG_RUNS=""
+if [ "${1:-}" = --long ]; then
+    LONG_RUNS="${2:-10000000}"
+    if ! [[ "$LONG_RUNS" =~ ^[0-9]+$ ]] || [ "$LONG_RUNS" -lt 1 ]; then
+        echo "usage: $0 --long [RUNS]   (got '$LONG_RUNS')" >&2
+        exit 2
+    fi
+    set -- 0
+fi
 SECONDS_PER_TARGET="${1:-30}"
 TARGETS="${FUZZ_TARGETS:-frame_decode handshake verbs_bootstrap}"
 SANITIZER="${FUZZ_SANITIZER:-none}"
@@ -33,7 +47,7 @@ RSS_MB="${FUZZ_RSS_MB:-2048}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-if ! [[ "$SECONDS_PER_TARGET" =~ ^[0-9]+$ ]] || [ "$SECONDS_PER_TARGET" -lt 1 ]; then
+if [ -z "$LONG_RUNS" ] && { ! [[ "$SECONDS_PER_TARGET" =~ ^[0-9]+$ ]] || [ "$SECONDS_PER_TARGET" -lt 1 ]; }; then
     echo "usage: $0 [seconds-per-target]   (got '$SECONDS_PER_TARGET')" >&2
     exit 2
 fi
@@ -79,7 +93,11 @@ pick_engine() {
 }
 
 ENGINE="$(pick_engine)"
-log "engine: $ENGINE, ${SECONDS_PER_TARGET} s per target, targets: $TARGETS"
+if [ -n "$LONG_RUNS" ]; then
+    log "engine: $ENGINE, $LONG_RUNS executions per target, targets: $TARGETS"
+else
+    log "engine: $ENGINE, ${SECONDS_PER_TARGET} s per target, targets: $TARGETS"
+fi
 
 # Seeds: valid frames of every kind and scripts that reach deep session states. They are
 # generated, not committed, and written into the corpus directories libFuzzer reads.
@@ -120,26 +138,58 @@ EXTRA_BUILD=("${EXTRA_BUILD[@]+"${EXTRA_BUILD[@]}"}")
 
 failed=()
 summary=()
+json_rows=()
 for target in $TARGETS; do
     out="$(mktemp)"
-    log "running $target for ${SECONDS_PER_TARGET} s"
+    if [ -n "$LONG_RUNS" ]; then
+        # One libFuzzer job per core (-jobs/-workers), each with an even share of the
+        # executions (-runs is per job) and all sharing the target's corpus directory.
+        workers="$(nproc)"
+        limit=(-runs="$(( (LONG_RUNS + workers - 1) / workers ))" -jobs="$workers" -workers="$workers")
+        log "running $target until $LONG_RUNS executions ($workers workers)"
+    else
+        limit=(-max_total_time="$SECONDS_PER_TARGET")
+        log "running $target for ${SECONDS_PER_TARGET} s"
+    fi
+    t0=$SECONDS
     set +e
     "${CARGO[@]}" run -s "$SANITIZER" "${EXTRA_BUILD[@]+"${EXTRA_BUILD[@]}"}" "$target" -- \
-        -max_total_time="$SECONDS_PER_TARGET" -timeout="$INPUT_TIMEOUT" -rss_limit_mb="$RSS_MB" \
+        "${limit[@]}" -timeout="$INPUT_TIMEOUT" -rss_limit_mb="$RSS_MB" \
         -print_final_stats=1 2>&1 | tee "$out" | grep -v -E '^#[0-9]+[[:space:]]+(NEW|REDUCE|pulse)'
     rc=${PIPESTATUS[0]}
     set -e
+    secs=$((SECONDS - t0))
+    # With -jobs, each job also leaves its log (fuzz-<n>.log) in the working directory; libFuzzer
+    # has printed it to the output read above when the job ended.
+    [ -z "$LONG_RUNS" ] || rm -f fuzz-[0-9]*.log fuzz/fuzz-[0-9]*.log
+    total_runs="$(grep -oE '^Done [0-9]+ runs' "$out" | grep -oE '[0-9]+' | awk '{ s += $1 } END { print s + 0 }')"
     runs="$(grep -oE '^Done [0-9]+ runs in [0-9]+ second' "$out" | tail -1 || true)"
-    execs="$(grep -oE 'stat::average_exec_per_sec:[[:space:]]+[0-9]+' "$out" | grep -oE '[0-9]+$' | tail -1 || true)"
-    cov="$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$out" | tail -1 || true)"
+    # Executions per second over the whole target (libFuzzer's own figure rounds short runs to 0).
+    execs="$(awk -v r="$total_runs" -v s="$secs" 'BEGIN { printf "%d", (s > 0 ? r / s : r) }')"
+    cov="$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$out" | sort -t' ' -k2 -n | tail -1 || true)"
     rm -f "$out"
     if [ "$rc" -ne 0 ]; then
         failed+=("$target")
         summary+=("$target: CRASH (exit $rc); see fuzz/artifacts/$target/")
+    elif [ -n "$LONG_RUNS" ] && [ "$total_runs" -lt "$LONG_RUNS" ]; then
+        failed+=("$target")
+        summary+=("$target: only $total_runs of $LONG_RUNS executions ran")
     else
-        summary+=("$target: ok; ${runs:-? runs}s, ${execs:-?} execs/s, ${cov:-}")
+        summary+=("$target: ok; ${total_runs} runs in ${secs} s (${runs:-?}), ${execs:-?} execs/s, ${cov:-}")
     fi
+    json_rows+=("{\"target\": \"$target\", \"ok\": $([ "$rc" -eq 0 ] && echo true || echo false), \"runs\": $total_runs, \"seconds\": $secs, \"execs_per_s\": ${execs:-0}, \"coverage\": \"${cov:-}\"}")
 done
+
+if [ -n "$LONG_RUNS" ]; then
+    mkdir -p target/bench
+    {
+        printf '{"engine": "%s", "runs_per_target": %s, "date": "%s", "commit": "%s", "targets": [\n' \
+            "$ENGINE" "$LONG_RUNS" "$(date -u +%FT%TZ)" "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+        (IFS=,; printf '  %s\n' "${json_rows[*]}" | sed 's/},{/},\n  {/g')
+        printf ']}\n'
+    } > target/bench/fuzz.json
+    log "report: target/bench/fuzz.json"
+fi
 
 log "summary ($ENGINE):"
 for line in "${summary[@]}"; do log "  $line"; done
