@@ -53,7 +53,22 @@ def test_every_op_dtype_and_reduce_op(world, algo, tmp_path):
         assert s["eager_messages"] > 0 and s["rendezvous_messages"] > 0, s
 
 
-@pytest.mark.parametrize("world,algo", [(2, "auto"), (4, "auto"), (4, "ring"), (3, "rhd")])
+# Between the matrix's 256 KiB and the 64 MiB test: ~1 MiB and ~16 MiB of f32 (odd counts), every
+# op, the policy's choice and the default segments, so the pipelined large-message paths of every
+# algorithm the policy picks there run with short last segments.
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_mid_sizes_every_op(world, tmp_path):
+    res = run("matrix", world, tmp_path, {
+        "algo": "auto", "ops": ALL_OPS, "dtypes": ["f32", "i32"], "reduce_ops": ["sum", "max"],
+        "sizes": [262_147, 4_194_305],
+    }, timeout=600)
+    failures = [f for r in res.values() for f in r["failures"]]
+    assert not failures, "\n".join(failures[:30])
+    assert all(r["cases"] > 0 for r in res.values())
+    assert res[0]["stats"]["rendezvous_bytes"] >= 4 << 20, res[0]["stats"]
+
+
+@pytest.mark.parametrize("world,algo", [(2, "auto"), (3, "auto"), (4, "auto"), (4, "ring"), (3, "rhd")])
 def test_64_mib_buffers(world, algo, tmp_path):
     res = run("large", world, tmp_path, {"bytes": 64 << 20, "algo": algo}, timeout=600)
     failures = [f for r in res.values() for f in r["failures"]]

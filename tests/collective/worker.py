@@ -132,7 +132,8 @@ def scenario_matrix(args):
 
 
 def scenario_large(args):
-    """A few 64 MiB collectives (f32 and u8), against numpy."""
+    """Every collective at 64 MiB (f32 and u8), against numpy; the reductions other than
+    allreduce and the alltoall at counts that do not divide by the world."""
     comm = comm_for(timeout=300, algo=args.get("algo", "auto"))
     n = args["bytes"] // 4
     fails = []
@@ -154,6 +155,28 @@ def scenario_large(args):
     comm.allgather(part, out)
     if not np.array_equal(out, np.repeat(np.arange(1, WORLD + 1, dtype=np.uint8), part.size)):
         fails.append(f"rank {RANK} allgather 64 MiB differs")
+    # The rooted and scattered reductions and alltoall at 64 MiB too, with element counts that
+    # do not divide by the world (3 elements over), so the last segments and chunks are short.
+    x = np.concatenate([base, base[:3]]) + np.float32(RANK)
+    src = x.copy()
+    root = WORLD - 1
+    comm.reduce(x, "max", root=root)
+    if RANK == root and not np.array_equal(x, src - np.float32(RANK) + np.float32(WORLD - 1)):
+        fails.append(f"rank {RANK} reduce max 64 MiB + 12 B: {np.count_nonzero(x != src - RANK + WORLD - 1)} elements differ")
+    per = n // WORLD + 3
+    full = np.arange(per * WORLD, dtype=np.float32) % 1021 + np.float32(RANK)
+    out = np.zeros(per, np.float32)
+    comm.reduce_scatter(full, out, "sum")
+    ref = (np.arange(per * WORLD, dtype=np.float32) % 1021) * np.float32(WORLD) + np.float32(WORLD * (WORLD - 1) / 2)
+    if not np.array_equal(out, ref[RANK * per:(RANK + 1) * per]):
+        fails.append(f"rank {RANK} reduce_scatter sum {per * WORLD * 4} B: {np.count_nonzero(out != ref[RANK * per:(RANK + 1) * per])} elements differ")
+    blk = args["bytes"] // WORLD + 5
+    send = np.concatenate([np.full(blk, (RANK * WORLD + j) % 251, np.uint8) for j in range(WORLD)])
+    recv = np.zeros(blk * WORLD, np.uint8)
+    comm.alltoall(send, recv)
+    want_a = np.concatenate([np.full(blk, (j * WORLD + RANK) % 251, np.uint8) for j in range(WORLD)])
+    if not np.array_equal(recv, want_a):
+        fails.append(f"rank {RANK} alltoall {blk * WORLD} B differs")
     report({"failures": fails, "stats": comm.stats()})
     comm.close()
 
