@@ -284,7 +284,7 @@ impl BlockSlice {
         self.output.id
     }
 
-    /// Offset of the block in the data file (and in [`BlockSlice::mmap_base`]).
+    /// Offset of the block in the data file.
     pub fn offset(&self) -> u64 {
         self.offset
     }
