@@ -16,9 +16,11 @@
 #
 # Checks, per executor (fails with exit 1 and a PROBLEMS list):
 #  - growth: the median of the 5 samples from shuffle 100 on ("@100") against the median of the
-#    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, rss_kb, and
-#    the engine's registered_bytes, pool_bytes_allocated, connections_open, open_data_files.
-#    The slack is 0 except for gauges that are legitimately 0 or tiny at @100 (see SLACK below);
+#    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, RSS outside
+#    the Java heap, the heap in use after a GC, and the engine's registered_bytes,
+#    pool_bytes_allocated, connections_open, open_data_files. The slack is 0 except for gauges
+#    that are legitimately 0 or tiny at @100 (see SLACK below). VmRSS is reported, not checked
+#    (see PROC below: heap pages touched by the collector make it swing without a leak);
 #  - between shuffles (every sample): leases_held, exposed_bytes, reads_in_flight and
 #    pool_bytes_in_use are 0, and shuffles_registered <= the shuffles still alive in the driver;
 #  - the same executor process (pid) answered every sample (a restart would hide a leak), the
@@ -87,7 +89,13 @@ RATIO = 1.05
 # idle-closed as reduce tasks come and go: 0..2 per direction) and data files the block server
 # keeps open (those of shuffles not yet cleaned up: up to every x 4 maps). All others: 0.
 SLACK = {"connections_open": 4, "open_data_files": 4 * every}
-PROC = ["fds", "maps", "threads", "rss_kb"]
+# RSS is checked in two parts: the resident pages outside the Java heap's address range
+# (native memory such as the engine's, metaspace, code, stacks) and the heap in use after a GC.
+# VmRSS itself is reported, not checked: it includes every heap page the collector touched
+# since its last shrink, which swings by 100+ MB from sample to sample with no leak (a 2000-
+# shuffle run had 340-495 MB on one executor with the heap in use at 42 MB throughout).
+PROC = ["fds", "maps", "threads", "non_heap_rss_kb", "heap_used_kb"]
+INFO = ["rss_kb"]
 GAUGES = ["registered_bytes", "pool_bytes_allocated", "connections_open", "open_data_files"]
 QUIET_ZERO = ["leases_held", "exposed_bytes", "reads_in_flight", "pool_bytes_in_use"]
 
@@ -154,7 +162,10 @@ for ex, ss in sorted(samples.items()):
                         "not run (or the JmxSink is off)")
     base = [s for s in ss if s["shuffle"] >= BASE_SHUFFLE][:WINDOW]
     last = ss[-WINDOW:]
-    keys = PROC + ([f"gauge.{g}" for g in GAUGES] if mode == "plugin" else [])
+    if any(s.get("heap_rss_kb", -1) < 0 for s in ss):
+        problems.append(f"executor {ex}: the Java heap's resident pages could not be measured "
+                        "(GC.heap_info / smaps), so its native RSS is unknown")
+    keys = PROC + ([f"gauge.{g}" for g in GAUGES] if mode == "plugin" else []) + INFO
     for key in keys:
         b = statistics.median(s.get(key, 0) for s in base)
         e = statistics.median(s.get(key, 0) for s in last)
@@ -162,10 +173,10 @@ for ex, ss in sorted(samples.items()):
         limit = max(RATIO * b, b + slack)
         row = {"executor": ex, "quantity": key, "at_100": b, "at_end": e,
                "ratio": round(e / b, 4) if b else None, "limit": round(limit, 1), "slack": slack,
-               "ok": e <= limit, "base_shuffles": [s["shuffle"] for s in base],
+               "ok": e <= limit or key in INFO, "checked": key not in INFO, "base_shuffles": [s["shuffle"] for s in base],
                "end_shuffles": [s["shuffle"] for s in last]}
         growth.append(row)
-        if not row["ok"]:
+        if e > limit and key not in INFO:
             problems.append(f"executor {ex}: {key} grew from {b} (median of shuffles "
                             f"{row['base_shuffles']}) to {e} (shuffles {row['end_shuffles']}), "
                             f"limit {limit:.1f}")
@@ -203,7 +214,7 @@ print(f"{'executor':8s} {'quantity':28s} {'@100':>12s} {'@end':>12s} {'ratio':>7
 for r in growth:
     ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
     print(f"{r['executor']:8s} {r['quantity']:28s} {r['at_100']:12g} {r['at_end']:12g} "
-          f"{ratio:>7s} {r['limit']:12g}  {'yes' if r['ok'] else 'NO'}")
+          f"{ratio:>7s} {r['limit']:12g}  {('yes' if r['ok'] else 'NO') if r['checked'] else '(not checked)'}")
 print(f"between-shuffle samples with something held: {len(quiet)}")
 print(f"report: {out}   logs: {logs}")
 if problems:

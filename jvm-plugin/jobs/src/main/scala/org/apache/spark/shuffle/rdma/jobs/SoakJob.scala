@@ -36,13 +36,14 @@ import org.apache.spark.sql.SparkSession
  *     gauge (if the metrics source exists) is at most the number of shuffle dependencies still
  *     alive, for at most `cleanup wait s` (the cleaner works asynchronously); the harness
  *     checks the last sample. A sample has: open fds (`/proc/self/fd`), memory maps (`/proc/self/maps` lines), threads
- *     (`/proc/self/task`), `VmRSS`, the heap in use, and every gauge of the metrics source
+ *     (`/proc/self/task`), `VmRSS` and the part of it outside the Java heap's address range,
+ *     the heap in use (after that GC), and every gauge of the metrics source
  *     `<source>` read through JMX (`spark.metrics.conf.executor.sink.jmx.class` must be
  *     `org.apache.spark.metrics.sink.JmxSink`; without it no gauges are reported).
  *
  * Output:
  * {{{
- *   SOAK_SAMPLE shuffle=<i> executor=<id> pid=.. fds=.. maps=.. threads=.. rss_kb=.. heap_used_kb=.. live_shuffles=.. cleanup_wait_ms=.. gauge.<key>=..
+ *   SOAK_SAMPLE shuffle=<i> executor=<id> pid=.. fds=.. maps=.. threads=.. rss_kb=.. heap_rss_kb=.. non_heap_rss_kb=.. heap_used_kb=.. live_shuffles=.. cleanup_wait_ms=.. gauge.<key>=..
  *   SOAK_THREADS shuffle=<i> executor=<id> <thread name with digits as #>=<count> ...
  *   SOAK_DONE shuffles=<n> checked=<n> wall_ms=.. checkpoints=..
  * }}}
@@ -188,7 +189,9 @@ object SoakJob {
     samples.sortBy(_.executor).foreach { s =>
       val gauges = s.gauges.toSeq.sorted.map { case (k, v) => s"gauge.$k=$v" }.mkString(" ")
       println(s"SOAK_SAMPLE shuffle=$shuffle executor=${s.executor} pid=${s.pid} fds=${s.fds} " +
-        s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} heap_used_kb=${s.heapUsedKb} " +
+        s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} heap_rss_kb=${s.heapRssKb} " +
+        s"non_heap_rss_kb=${if (s.heapRssKb >= 0) s.rssKb - s.heapRssKb else -1} " +
+        s"heap_used_kb=${s.heapUsedKb} " +
         s"live_shuffles=${deps.size} cleanup_wait_ms=$waitMs $gauges")
       println(s"SOAK_THREADS shuffle=$shuffle executor=${s.executor} " +
         s.threadGroups.toSeq.sorted.map { case (k, v) => s"$k=$v" }.mkString(" "))
@@ -240,6 +243,7 @@ final case class Sample(
     maps: Int,
     threads: Int,
     rssKb: Long,
+    heapRssKb: Long,
     heapUsedKb: Long,
     threadGroups: Map[String, Int],
     gauges: Map[String, Long])
@@ -260,6 +264,7 @@ object Sample {
     }.groupBy(identity).map { case (k, v) => k -> v.size }
     val rss = Files.readAllLines(Paths.get("/proc/self/status")).asScala
       .find(_.startsWith("VmRSS:")).map(_.split("\\s+")(1).toLong).getOrElse(-1L)
+    val heapRss = heapResidentKb()
     Sample(
       executor = SparkEnv.get.executorId,
       pid = new File("/proc/self").getCanonicalFile.getName.toLong, // Java 8 has no ProcessHandle
@@ -267,10 +272,47 @@ object Sample {
       maps = Files.readAllLines(Paths.get("/proc/self/maps")).size,
       threads = tasks.length,
       rssKb = rss,
+      heapRssKb = heapRss,
       heapUsedKb = (rt.totalMemory() - rt.freeMemory()) / 1024,
       threadGroups = groups,
       gauges = gauges(source)
     )
+  }
+
+  /**
+   * Resident kB of the Java heap's address range: how much of VmRSS is heap pages the
+   * collector touched (it varies by 100+ MB with where the young generation was when the
+   * sample was taken), so `rss - heap` is the memory that only a leak makes grow: native
+   * allocations (the engine's), metaspace, code, thread stacks. The range comes from HotSpot's
+   * `GC.heap_info` diagnostic command (`[0x..., 0x...)`), the pages from `/proc/self/smaps`.
+   * -1 when either is unavailable.
+   */
+  private def heapResidentKb(): Long = {
+    try {
+      val info = ManagementFactory.getPlatformMBeanServer.invoke(
+        new ObjectName("com.sun.management:type=DiagnosticCommand"),
+        "gcHeapInfo",
+        Array[AnyRef](Array.empty[String]),
+        Array(classOf[Array[String]].getName)).toString
+      val range = """\[0x([0-9a-f]+), 0x([0-9a-f]+)\)""".r
+      val (lo, hi) = range.findFirstMatchIn(info) match {
+        case Some(m) => (
+            java.lang.Long.parseUnsignedLong(m.group(1), 16),
+            java.lang.Long.parseUnsignedLong(m.group(2), 16))
+        case None => return -1L
+      }
+      val header = """^([0-9a-f]+)-([0-9a-f]+) .*""".r
+      var inHeap = false
+      var kb = 0L
+      Files.readAllLines(Paths.get("/proc/self/smaps")).asScala.foreach {
+        case header(a, b) =>
+          inHeap = java.lang.Long.parseUnsignedLong(a, 16) >= lo &&
+            java.lang.Long.parseUnsignedLong(b, 16) <= hi
+        case l if inHeap && l.startsWith("Rss:") => kb += l.split("\\s+")(1).toLong
+        case _ =>
+      }
+      kb
+    } catch { case _: Exception => -1L }
   }
 
   /** Every gauge `<anything>.<source>.<key>` of JMX domain `metrics` (Spark's JmxSink). */
