@@ -3,6 +3,7 @@
 # the number of shuffles (issue 14).
 #
 #   scripts/soak.sh [--shuffles N] [--every C] [--mode plugin|default] [--out PATH] [--no-build]
+#                   [--replay DIR]   (re-check the driver.stdout a run saved in DIR, no Spark)
 #
 # Runs jvm-plugin/jobs SoakJob on local-cluster[2,1,1024] with the plugin installed as
 # tests/spark/conftest.py installs it (and that file's CLUSTER_CONF, read from it), plus Spark's
@@ -36,6 +37,7 @@ every=
 mode=plugin
 out=target/bench/soak.json
 build=yes
+replay=
 while [ $# -gt 0 ]; do
   case "$1" in
     --shuffles) shuffles=$2; shift 2 ;;
@@ -43,7 +45,8 @@ while [ $# -gt 0 ]; do
     --mode) mode=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --no-build) build=no; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    --replay) replay=$2; build=no; shift 2 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "soak.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -70,7 +73,7 @@ mapfile -t plugin_args < <(rdma_plugin_submit_args "$RDMA_PLUGIN_JAR")
 mkdir -p "$(dirname "$out")"
 
 step "soak: $shuffles shuffles, a sample every $every, mode $mode"
-export SOAK_SHUFFLES=$shuffles SOAK_EVERY=$every SOAK_MODE=$mode SOAK_OUT=$out
+export SOAK_SHUFFLES=$shuffles SOAK_EVERY=$every SOAK_MODE=$mode SOAK_OUT=$out SOAK_REPLAY=$replay
 "$VENV_DIR/bin/python" - "${plugin_args[@]}" <<'PY'
 import ast, glob, json, os, re, statistics, subprocess, sys, time
 from pathlib import Path
@@ -95,7 +98,12 @@ SLACK = {"connections_open": 4, "open_data_files": 4 * every}
 # since its last shrink, which swings by 100+ MB from sample to sample with no leak (a 2000-
 # shuffle run had 340-495 MB on one executor with the heap in use at 42 MB throughout).
 PROC = ["fds", "maps", "threads", "non_heap_rss_kb", "heap_used_kb"]
-INFO = ["rss_kb"]
+# Reported, not checked: the JVM's native memory by category (NMT) and what is resident outside
+# both the heap and the JVM's own native memory (outside_jvm_kb = non_heap_rss_kb - (NMT total
+# - NMT java_heap), committed counted as resident: a lower bound, for its trend).
+INFO = ["rss_kb", "outside_jvm_kb", "nmt.total_kb", "nmt.code_kb", "nmt.compiler_kb",
+        "nmt.gc_kb", "nmt.class_kb", "nmt.thread_kb", "nmt.other_kb", "nmt.internal_kb",
+        "nmt.symbol_kb", "nmt.arena_chunk_kb", "nmt.metaspace_kb"]
 GAUGES = ["registered_bytes", "pool_bytes_allocated", "connections_open", "open_data_files"]
 QUIET_ZERO = ["leases_held", "exposed_bytes", "reads_in_flight", "pool_bytes_in_use"]
 
@@ -103,7 +111,10 @@ tree = ast.parse((repo / "tests/spark/conftest.py").read_text())
 cluster_conf = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                     and any(getattr(t, "id", None) == "CLUSTER_CONF" for t in n.targets))
 conf = {**cluster_conf,
-        "spark.metrics.conf.executor.sink.jmx.class": "org.apache.spark.metrics.sink.JmxSink"}
+        "spark.metrics.conf.executor.sink.jmx.class": "org.apache.spark.metrics.sink.JmxSink",
+        # The JVM's own native memory by category in every sample (nmt.*), to tell growth of
+        # JIT code, GC structures and metaspace from memory outside the JVM (the engine's).
+        "spark.executor.extraJavaOptions": "-XX:NativeMemoryTracking=summary"}
 cmd = [f"{spark_home}/bin/spark-submit", "--master", f"local-cluster[{EXECUTORS},1,1024]",
        "--driver-memory", "1g"]
 for k, v in conf.items():
@@ -113,15 +124,21 @@ if mode == "plugin":
 cmd += ["--class", "org.apache.spark.shuffle.rdma.jobs.SoakJob", os.environ["RDMA_JOBS_JAR"],
         str(shuffles), str(every), "30", "rdmaShuffle", str(EXECUTORS)]
 t0 = time.monotonic()
-p = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                   timeout=int(os.environ.get("SOAK_TIMEOUT_S", "7200")))
+replay = os.environ.get("SOAK_REPLAY")
+if replay:
+    logs = Path(replay)
+    p = subprocess.CompletedProcess(cmd, 0, (logs / "driver.stdout").read_text(),
+                                    (logs / "driver.stderr").read_text())
+else:
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                       timeout=int(os.environ.get("SOAK_TIMEOUT_S", "7200")))
+    logs = out.with_suffix("")
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "driver.stdout").write_text(p.stdout)
+    (logs / "driver.stderr").write_text(p.stderr)
 wall = time.monotonic() - t0
-logs = out.with_suffix("")
-logs.mkdir(parents=True, exist_ok=True)
-(logs / "driver.stdout").write_text(p.stdout)
-(logs / "driver.stderr").write_text(p.stderr)
 m = re.search(r"app ID (app-\d+-\d+)", p.stderr)
-if m:
+if m and not replay:
     for f in glob.glob(f"{spark_home}/work/{m.group(1)}/*/stderr"):
         (logs / f"executor{Path(f).parent.name}.stderr").write_text(Path(f).read_text(errors="replace"))
 
@@ -138,8 +155,10 @@ done = None
 for ln in p.stdout.splitlines():
     if ln.startswith("SOAK_SAMPLE "):
         d = kv(ln)
-        samples.setdefault(d["executor"], []).append(
-            {k: (int(v) if re.fullmatch(r"-?\d+", v) else v) for k, v in d.items()})
+        s = {k: (int(v) if re.fullmatch(r"-?\d+", v) else v) for k, v in d.items()}
+        if "nmt.total_kb" in s and s.get("non_heap_rss_kb", -1) >= 0:
+            s["outside_jvm_kb"] = s["non_heap_rss_kb"] - (s["nmt.total_kb"] - s.get("nmt.java_heap_kb", 0))
+        samples.setdefault(d["executor"], []).append(s)
     elif ln.startswith("SOAK_THREADS "):
         d = kv(ln)
         threads.setdefault(d.pop("executor"), {})[int(d.pop("shuffle"))] = {k: int(v) for k, v in d.items()}
@@ -167,6 +186,8 @@ for ex, ss in sorted(samples.items()):
                         "(GC.heap_info / smaps), so its native RSS is unknown")
     keys = PROC + ([f"gauge.{g}" for g in GAUGES] if mode == "plugin" else []) + INFO
     for key in keys:
+        if key in INFO and not all(key in s for s in ss):
+            continue
         b = statistics.median(s.get(key, 0) for s in base)
         e = statistics.median(s.get(key, 0) for s in last)
         slack = SLACK.get(key.removeprefix("gauge."), 0)

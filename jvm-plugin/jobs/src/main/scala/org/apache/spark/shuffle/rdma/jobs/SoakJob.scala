@@ -37,13 +37,15 @@ import org.apache.spark.sql.SparkSession
  *     alive, for at most `cleanup wait s` (the cleaner works asynchronously); the harness
  *     checks the last sample. A sample has: open fds (`/proc/self/fd`), memory maps (`/proc/self/maps` lines), threads
  *     (`/proc/self/task`), `VmRSS` and the part of it outside the Java heap's address range,
- *     the heap in use (after that GC), and every gauge of the metrics source
+ *     the heap in use (after that GC), the JVM's native memory by category when it runs with
+ *     `-XX:NativeMemoryTracking=summary` (`nmt.<category>_kb`), and every gauge of the metrics
+ *     source
  *     `<source>` read through JMX (`spark.metrics.conf.executor.sink.jmx.class` must be
  *     `org.apache.spark.metrics.sink.JmxSink`; without it no gauges are reported).
  *
  * Output:
  * {{{
- *   SOAK_SAMPLE shuffle=<i> executor=<id> pid=.. fds=.. maps=.. threads=.. rss_kb=.. heap_rss_kb=.. non_heap_rss_kb=.. heap_used_kb=.. live_shuffles=.. cleanup_wait_ms=.. gauge.<key>=..
+ *   SOAK_SAMPLE shuffle=<i> executor=<id> pid=.. fds=.. maps=.. threads=.. rss_kb=.. heap_rss_kb=.. non_heap_rss_kb=.. heap_used_kb=.. live_shuffles=.. cleanup_wait_ms=.. nmt.<category>_kb=.. gauge.<key>=..
  *   SOAK_THREADS shuffle=<i> executor=<id> <thread name with digits as #>=<count> ...
  *   SOAK_DONE shuffles=<n> checked=<n> wall_ms=.. checkpoints=..
  * }}}
@@ -187,7 +189,8 @@ object SoakJob {
     val waitMs = (System.nanoTime() - t0) / 1000000
     if (samples.exists(s => registered(s) > deps.size)) cleanupTimedOut = true
     samples.sortBy(_.executor).foreach { s =>
-      val gauges = s.gauges.toSeq.sorted.map { case (k, v) => s"gauge.$k=$v" }.mkString(" ")
+      val gauges = (s.nmtKb.toSeq.sorted.map { case (k, v) => s"nmt.${k}_kb=$v" } ++
+        s.gauges.toSeq.sorted.map { case (k, v) => s"gauge.$k=$v" }).mkString(" ")
       println(s"SOAK_SAMPLE shuffle=$shuffle executor=${s.executor} pid=${s.pid} fds=${s.fds} " +
         s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} heap_rss_kb=${s.heapRssKb} " +
         s"non_heap_rss_kb=${if (s.heapRssKb >= 0) s.rssKb - s.heapRssKb else -1} " +
@@ -246,6 +249,7 @@ final case class Sample(
     heapRssKb: Long,
     heapUsedKb: Long,
     threadGroups: Map[String, Int],
+    nmtKb: Map[String, Long],
     gauges: Map[String, Long])
 
 object Sample {
@@ -275,6 +279,7 @@ object Sample {
       heapRssKb = heapRss,
       heapUsedKb = (rt.totalMemory() - rt.freeMemory()) / 1024,
       threadGroups = groups,
+      nmtKb = nativeMemoryKb(),
       gauges = gauges(source)
     )
   }
@@ -313,6 +318,29 @@ object Sample {
       }
       kb
     } catch { case _: Exception => -1L }
+  }
+
+  /**
+   * The JVM's own native memory by category, committed kB (`total`, `java_heap`, `code`,
+   * `class`, `thread`, `gc`, `compiler`, ...), from HotSpot's `VM.native_memory summary`
+   * diagnostic command; empty unless the JVM runs with `-XX:NativeMemoryTracking=summary`.
+   * Memory the JVM does not allocate itself (the engine's, in its Rust library) is not in it,
+   * so RSS minus this says how much is outside the JVM.
+   */
+  private def nativeMemoryKb(): Map[String, Long] = {
+    try {
+      val text = ManagementFactory.getPlatformMBeanServer.invoke(
+        new ObjectName("com.sun.management:type=DiagnosticCommand"),
+        "vmNativeMemory",
+        Array[AnyRef](Array("summary")),
+        Array(classOf[Array[String]].getName)).toString
+      val total = """(?m)^Total: reserved=\d+KB, committed=(\d+)KB""".r
+      val category = """(?m)^-\s+(.+?) \(reserved=\d+KB, committed=(\d+)KB\)""".r
+      total.findFirstMatchIn(text).map(m => "total" -> m.group(1).toLong).toMap ++
+        category.findAllMatchIn(text).map { m =>
+          m.group(1).trim.toLowerCase.replaceAll("[^a-z0-9]+", "_") -> m.group(2).toLong
+        }
+    } catch { case _: Exception => Map.empty }
   }
 
   /** Every gauge `<anything>.<source>.<key>` of JMX domain `metrics` (Spark's JmxSink). */
