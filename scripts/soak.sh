@@ -26,8 +26,8 @@
 #    pool_bytes_in_use are 0, and shuffles_registered <= the shuffles still alive in the driver;
 #  - the same executor process (pid) answered every sample (a restart would hide a leak), the
 #    job checked all N outputs, and in plugin mode the engine's gauges were there.
-# Writes PATH (default target/bench/soak.json) and prints a table. The full 2000 takes ~15 min
-# on 2 busy cores; tests/spark/test_soak.py runs 200 (CI).
+# Writes PATH (default target/bench/soak.json) and prints a table. The full 2000 took 813 s on 2
+# cores at load average 20-40 (docs/benchmarks.md); tests/spark/test_soak.py runs 200 (CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
