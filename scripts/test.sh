@@ -72,7 +72,7 @@ run_script scripts/jni-test.sh --no-build   # the library built above
 # plugin runs without its native engine.
 export RDMA_SHUFFLE_REQUIRE_NATIVE=1
 
-step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests)"
+step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests, 200-shuffle soak)"
 run_script tests/spark/run.sh --no-build
 
 # Spark 3.5 differs from 4.x in how the plugin is installed (extraClassPath, not --jars) and in
@@ -80,11 +80,11 @@ run_script tests/spark/run.sh --no-build
 # (test_jobs.py: every job's output equal to the default shuffle's, the manager on every executor,
 # the engines' counters equal to Spark's remote reads, Spark's read metrics): its assertions share
 # one application per mode. Left out, to keep CI within its budget: the fault tests
-# (test_faults.py: three more applications with executor kills, and a broken native library),
-# whose code paths have nothing specific to 3.5; `RDMA_SPARK_PROFILE=spark-3.5 tests/spark/run.sh`
-# runs them too.
+# (test_faults.py: three more applications with executor kills, and a broken native library)
+# and the soak (test_soak.py: 200 shuffles in one more application), whose code paths have
+# nothing specific to 3.5; `RDMA_SPARK_PROFILE=spark-3.5 tests/spark/run.sh` runs them too.
 step "spark 3.5.9: the same jobs, the plugin installed on the JVMs' class path (lean run)"
-RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py
+RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py
 
 step "cluster: Spark standalone, master + 3 workers in network namespaces, default shuffle vs the plugin"
 run_script tests/cluster/run.sh

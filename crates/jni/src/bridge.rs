@@ -7,6 +7,7 @@ use jni::sys::{jboolean, jint, jlong, jstring, JNI_FALSE, JNI_TRUE};
 use jni::{JNIEnv, JavaVM};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::{BlockFailure, BlockSink, Engine, EngineConfig, FetchedBlock, Lease, ShuffleBlock};
+use std::fmt::Write as _;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::ptr::NonNull;
@@ -324,7 +325,13 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSta
     _c: JClass,
     h: jlong,
 ) -> jstring {
-    guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.stats_text())?.into_raw()))
+    guard(&mut env, std::ptr::null_mut(), |env| {
+        let mut text = engine(h)?.stats_text();
+        // Block buffers Java holds now, over every engine of the process (the table is one per
+        // process): 0 between shuffles, or a reader leaked a buffer (scripts/soak.sh checks).
+        let _ = writeln!(text, "leases_held={}", LEASES.live());
+        Ok(env.new_string(text)?.into_raw())
+    })
 }
 
 /// The engine's settings in force, as canonical `key=value` lines (one per engine setting of

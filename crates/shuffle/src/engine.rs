@@ -291,8 +291,13 @@ impl Engine {
         kv("pool_bytes_in_use", p.bytes_in_use);
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);
         kv("pool_waits", p.waits);
-        kv("map_outputs_registered", self.server.store().len() as u64);
         let st = self.server.store().stats();
+        kv("map_outputs_registered", st.map_outputs as u64);
+        // Shuffles (and their data bytes) the store holds now: Spark's ContextCleaner
+        // unregisters a shuffle once the driver drops it, so these stay bounded over an
+        // application's life (scripts/soak.sh checks it).
+        kv("shuffles_registered", st.shuffles as u64);
+        kv("registered_data_bytes", st.data_bytes);
         kv("open_data_files", st.open_files as u64);
         kv("data_file_opens", st.file_opens);
         kv("data_file_evictions", st.file_evictions);
@@ -358,6 +363,14 @@ mod tests {
         assert!(a.stats_text().contains("blocks_served=3"), "{}", a.stats_text());
         assert!(b.stats_text().contains("blocks_fetched=3"));
         assert!(b.stats_text().contains("bytes_fetched=100010"));
+        // What the store holds is visible, and goes once the shuffle is unregistered (the soak,
+        // scripts/soak.sh, relies on these gauges between shuffles).
+        let held = a.stats_text();
+        assert!(held.contains("\nshuffles_registered=1\n") && held.contains("\nmap_outputs_registered=1\n"), "{held}");
+        assert!(held.contains(&format!("\nregistered_data_bytes={}\n", 100_010)), "{held}");
+        assert_eq!(a.server().store().unregister_shuffle(0), 1);
+        let after = a.stats_text();
+        assert!(after.contains("\nshuffles_registered=0\n") && after.contains("\nregistered_data_bytes=0\n"), "{after}");
         a.shutdown();
         b.shutdown();
     }
