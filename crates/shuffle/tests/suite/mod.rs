@@ -4,10 +4,13 @@
 #![allow(dead_code)]
 
 pub mod disk;
+pub mod large;
 pub mod resources;
 pub mod security;
 #[allow(unused_imports)]
 pub use disk::*;
+#[allow(unused_imports)]
+pub use large::*;
 #[allow(unused_imports)]
 pub use resources::*;
 #[allow(unused_imports)]
@@ -652,7 +655,9 @@ macro_rules! provider_suite {
             local_backpressure_is_not_peer_silence,
             idle_connections_close_and_reopen,
             truncated_or_deleted_data_files_fail_typed,
-            exposed_regions_stay_within_the_engine_budget_with_many_clients
+            exposed_regions_stay_within_the_engine_budget_with_many_clients,
+            blocks_over_the_pool_cap_stream_in_bounded_buffers,
+            a_range_past_the_end_of_a_block_is_refused
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {
