@@ -375,7 +375,7 @@ pub fn bad_input_gets_typed_errors_and_server_keeps_serving(f: Factory) {
     let fx = server_with(f, server_cfg(None), 1);
     let addr = fx.server.local_addr();
     let hello =
-        Frame::Hello { min_version: 2, max_version: 2, caps: 7, nonce: [0; 16], max_eager: 1 << 20, app_id: String::new() }
+        Frame::Hello { min_version: 3, max_version: 3, caps: 7, nonce: [0; 16], max_eager: 1 << 20, app_id: String::new() }
             .to_vec();
     let mut cases: Vec<(&str, Vec<u8>, &str)> = Vec::new();
     let mut b = hello.clone();
