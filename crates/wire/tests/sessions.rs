@@ -586,3 +586,20 @@ fn a_rendezvous_that_does_not_answer_the_range_is_a_protocol_error() {
     assert!(c.handle_frame(Frame::Eager { req, index: 0, len: 10 }, now).is_err());
     let _ = s;
 }
+
+/// Before range fetches, a block over 2 GiB had no way through: the client refuses a region
+/// larger than a JVM buffer (the connection fails, with every block on it). It still does; a
+/// block that large is fetched in ranges.
+#[test]
+fn a_region_over_2_gib_is_refused() {
+    let (mut c, mut s, now) = pair(None, None, 8);
+    pump(&mut c, &mut s, now);
+    let req = c.fetch(vec![BlockSpan::single(1, 3 << 30, 0)], now);
+    while c.poll_transmit().is_some() {}
+    let desc = Descriptor { region: 1, addr: 0, len: 3 << 30, rkey: 0 };
+    let err = c.handle_frame(Frame::Rendezvous { req, index: 0, desc, block_len: 3 << 30 }, now).unwrap_err();
+    assert!(
+        matches!(err.error, ProtocolError::InvalidRequest(ref m) if m.contains("exceeds 2 GiB") && m.contains("ranges")),
+        "{err}"
+    );
+}
