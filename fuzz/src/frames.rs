@@ -3,7 +3,7 @@
 
 use crate::cursor::{Cursor, Writer};
 use wire::frame::{Header, HEADER_LEN, MAX_APP_ID_LEN, MAX_ATTACH_LEN, MAX_MESSAGE_LEN};
-use wire::{BlockSpan, Descriptor, FailureCode, Frame, FrameError, FrameKind, Limits};
+use wire::{BlockRange, BlockSpan, Descriptor, FailureCode, Frame, FrameError, FrameKind, Limits};
 
 /// Small limits, all at or below [`Limits::default`], so that every bound in the codec is
 /// reachable by short inputs and "accepted under tight limits" implies "accepted under the
@@ -13,7 +13,7 @@ pub const TIGHT: Limits = Limits { max_control: 256, max_eager: 4096, max_pull: 
 /// Reads one frame of any kind, every field chosen by the input. The frame need not be valid
 /// on the wire (an empty `Fetch`, a huge `PullData`): callers send it through the codec.
 pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
-    let kind = FrameKind::from_u8(c.u8() % 14 + 1).unwrap_or(FrameKind::Error);
+    let kind = FrameKind::from_u8(c.u8() % 15 + 1).unwrap_or(FrameKind::Error);
     match kind {
         FrameKind::Hello => Frame::Hello {
             min_version: c.u8(),
@@ -43,11 +43,25 @@ pub fn read_frame(c: &mut Cursor<'_>) -> Frame {
                 (0..count).map(|_| BlockSpan { group: c.u32(), object: c.u64(), start: c.u32(), end: c.u32() }).collect();
             Frame::Fetch { req, first_index, blocks }
         }
+        FrameKind::FetchRange => {
+            let req = c.u64();
+            let first_index = c.u32();
+            let count = c.u8() as usize;
+            let ranges = (0..count)
+                .map(|_| BlockRange {
+                    span: BlockSpan { group: c.u32(), object: c.u64(), start: c.u32(), end: c.u32() },
+                    offset: c.u64(),
+                    len: c.u64(),
+                })
+                .collect();
+            Frame::FetchRange { req, first_index, ranges }
+        }
         FrameKind::Eager => Frame::Eager { req: c.u64(), index: c.u32(), len: c.u32() },
         FrameKind::Rendezvous => Frame::Rendezvous {
             req: c.u64(),
             index: c.u32(),
             desc: Descriptor { region: c.u64(), addr: c.u64(), len: c.u64(), rkey: c.u32() },
+            block_len: c.u64(),
         },
         FrameKind::BlockFailed => Frame::BlockFailed {
             req: c.u64(),
@@ -116,11 +130,19 @@ pub fn write_frame(w: &mut Writer, f: &Frame) {
                 w.u32(b.group).u64(b.object).u32(b.start).u32(b.end);
             }
         }
+        Frame::FetchRange { req, first_index, ranges } => {
+            let ranges = &ranges[..ranges.len().min(255)];
+            w.u64(*req).u32(*first_index).u8(ranges.len() as u8);
+            for r in ranges {
+                let b = &r.span;
+                w.u32(b.group).u64(b.object).u32(b.start).u32(b.end).u64(r.offset).u64(r.len);
+            }
+        }
         Frame::Eager { req, index, len } => {
             w.u64(*req).u32(*index).u32(*len);
         }
-        Frame::Rendezvous { req, index, desc } => {
-            w.u64(*req).u32(*index).u64(desc.region).u64(desc.addr).u64(desc.len).u32(desc.rkey);
+        Frame::Rendezvous { req, index, desc, block_len } => {
+            w.u64(*req).u32(*index).u64(desc.region).u64(desc.addr).u64(desc.len).u32(desc.rkey).u64(*block_len);
         }
         Frame::BlockFailed { req, index, code, message } => {
             w.u64(*req).u32(*index).u16(code.to_u16()).blob(message.as_bytes());
@@ -223,7 +245,7 @@ mod tests {
     fn sample_frames_survive_the_codec_and_cover_every_kind() {
         let mut kinds: Vec<u8> = sample_frames().iter().map(|f| f.kind() as u8).collect();
         kinds.dedup();
-        assert_eq!(kinds, (1..=14).collect::<Vec<_>>());
+        assert_eq!(kinds, (1..=15).collect::<Vec<_>>());
         for f in sample_frames() {
             assert_eq!(through_codec(&f, &Limits::default()), Ok(f.clone()));
         }

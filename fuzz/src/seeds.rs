@@ -27,7 +27,7 @@ fn frame_op(w: &mut Writer, op: u8, f: &Frame) {
 }
 
 fn hello() -> Frame {
-    Frame::Hello { min_version: 2, max_version: 2, caps: caps::ALL, nonce: CLIENT_NONCE, max_eager: 4096, app_id: String::new() }
+    Frame::Hello { min_version: 3, max_version: 3, caps: caps::ALL, nonce: CLIENT_NONCE, max_eager: 4096, app_id: String::new() }
 }
 
 /// Fetch frame: one small block (eager), one large (rendezvous), one in a failing group.
@@ -104,7 +104,7 @@ pub fn handshake() -> Vec<(String, Vec<u8>)> {
         w.u8(Mode::Client as u8).u8(1 | (7 << 2)).u32(1 << 20);
         w.u8(client_op::FETCH).u8(1).u8(1).u8(1).u8(0).u8(1);
         let challenge = Frame::Challenge {
-            version: 2,
+            version: 3,
             caps: 7,
             nonce: [0x22; 16],
             auth_required: true,

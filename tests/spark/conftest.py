@@ -137,15 +137,26 @@ class Runner:
             self.cache[mode] = self._submit(mode)
         return self.cache[mode]
 
-    def _submit(self, mode: str) -> Run:
+    def custom(self, mode: str, jobs: str, scale: float, conf: dict) -> Run:
+        """One application of `jobs` at `scale` with `conf` on top of the cluster's settings
+        (cached like `run`)."""
+        key = (mode, jobs, scale, tuple(sorted(conf.items())))
+        if key not in self.cache:
+            self.cache[key] = self._submit(mode, jobs, scale, conf)
+        return self.cache[key]
+
+    def _submit(self, mode: str, jobs: str | None = None, scale: float | None = None,
+                conf: dict | None = None) -> Run:
         spark_home = self.env["SPARK_HOME"]
         cmd = [f"{spark_home}/bin/spark-submit", "--master", "local-cluster[2,1,1024]",
                "--driver-memory", "1g"]
-        for k, v in CLUSTER_CONF.items():
+        for k, v in {**CLUSTER_CONF, **(conf or {})}.items():
             cmd += ["--conf", f"{k}={v}"]
         if mode == "plugin":
             cmd += self.plugin_args
-        cmd += ["--class", JOB_CLASS, self.jobs_jar, ",".join(JOBS)]
+        cmd += ["--class", JOB_CLASS, self.jobs_jar, jobs or ",".join(JOBS)]
+        if scale is not None:
+            cmd.append(str(scale))
         t0 = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=RUN_TIMEOUT_S)
         wall = time.monotonic() - t0

@@ -22,8 +22,9 @@ pub mod mesh;
 pub mod providers;
 
 pub use driver::{
-    BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver,
-    DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
+    BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats,
+    Driver, DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
+    StreamConfig,
 };
 pub use error::FabricError;
 pub use memory::pool;

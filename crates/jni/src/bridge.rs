@@ -6,8 +6,11 @@ use jni::objects::{GlobalRef, JClass, JIntArray, JLongArray, JObject, JString, J
 use jni::sys::{jboolean, jint, jlong, jstring, JNI_FALSE, JNI_TRUE};
 use jni::{JNIEnv, JavaVM};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
-use rdma_shuffle_shuffle::{BlockFailure, BlockSink, Engine, EngineConfig, FetchedBlock, Lease, ShuffleBlock};
+use rdma_shuffle_shuffle::{
+    BlockFailure, BlockSink, ChunkSink, Engine, EngineConfig, FailureCode, FetchedBlock, Lease, ShuffleBlock, StreamConfig,
+};
 use std::fmt::Write as _;
+use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::ptr::NonNull;
@@ -265,6 +268,7 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
             return Err(BridgeError::new("invalid_argument", "callback is null"));
         }
         let host = string(env, &host, "host")?;
+        let addr = resolve(&host, port)?;
         if shuffle_ids.is_null() || map_ids.is_null() || starts.is_null() || ends.is_null() {
             return Err(BridgeError::new(
                 "invalid_argument",
@@ -294,18 +298,137 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBloc
             }
             blocks.push(ShuffleBlock::batch(s[i] as u32, m[i] as u64, a[i] as u32, b[i] as u32));
         }
-        if !(0..=65535).contains(&port) {
-            return Err(BridgeError::new("invalid_argument", format!("port {port} out of range")));
-        }
-        let addr: SocketAddr = (host.as_str(), port as u16)
-            .to_socket_addrs()
-            .map_err(|err| BridgeError::new("connect", format!("cannot resolve {host}:{port}: {err}")))?
-            .next()
-            .ok_or_else(|| BridgeError::new("connect", format!("{host}:{port} resolves to no address")))?;
         let sink = Arc::new(JvmSink { vm: env.get_java_vm()?, callback: env.new_global_ref(&cb)? });
         // Block on no lock held by Java: the engine connects (bounded by connectTimeout) and
         // queues; results arrive on engine threads.
         e.client().fetch(addr, &blocks, sink);
+        Ok(())
+    })
+}
+
+fn resolve(host: &str, port: jint) -> Result<SocketAddr, BridgeError> {
+    if !(0..=65535).contains(&port) {
+        return Err(BridgeError::new("invalid_argument", format!("port {port} out of range")));
+    }
+    (host, port as u16)
+        .to_socket_addrs()
+        .map_err(|err| BridgeError::new("connect", format!("cannot resolve {host}:{port}: {err}")))?
+        .next()
+        .ok_or_else(|| BridgeError::new("connect", format!("{host}:{port} resolves to no address")))
+}
+
+/// Writes a streamed block into its temp file, then tells Java (`onFile` or `onFailure`,
+/// index 0) from the delivery thread.
+struct FileSink {
+    path: PathBuf,
+    file: std::sync::Mutex<Option<std::io::BufWriter<std::fs::File>>>,
+    jvm: JvmSink,
+}
+
+impl FileSink {
+    fn io_failure(&self, what: &str, e: std::io::Error) -> BlockFailure {
+        BlockFailure::new(FailureCode::Io, format!("{what} {}: {e}", self.path.display()))
+    }
+
+    fn end(&self, result: Result<u64, BlockFailure>) -> jni::errors::Result<()> {
+        let mut env = self.jvm.vm.attach_current_thread_as_daemon()?;
+        env.with_local_frame(4, |env| {
+            let r = match &result {
+                Ok(len) => env.call_method(&self.jvm.callback, "onFile", "(IJ)V", &[JValue::Int(0), JValue::Long(*len as jlong)]),
+                Err(f) => {
+                    let kind = env.new_string(f.code.name())?;
+                    let msg = env.new_string(&f.message)?;
+                    env.call_method(
+                        &self.jvm.callback,
+                        "onFailure",
+                        "(ILjava/lang/String;Ljava/lang/String;)V",
+                        &[JValue::Int(0), (&kind).into(), (&msg).into()],
+                    )
+                }
+            };
+            if r.is_err() || env.exception_check()? {
+                let _ = env.exception_describe();
+                let _ = env.exception_clear();
+                tracing::warn!(path = %self.path.display(), "FetchCallback threw on a streamed block");
+            }
+            Ok(())
+        })
+    }
+}
+
+impl ChunkSink for FileSink {
+    fn on_chunk(&self, _offset: u64, _block_len: u64, chunk: &[u8]) -> Result<(), BlockFailure> {
+        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let w = f.as_mut().ok_or_else(|| BlockFailure::new(FailureCode::Io, "temp file already closed"))?;
+        w.write_all(chunk).map_err(|e| self.io_failure("writing", e))
+    }
+
+    fn on_end(&self, result: Result<u64, BlockFailure>) {
+        let flushed = self
+            .file
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(|mut w| w.flush().map_err(|e| self.io_failure("writing", e)));
+        let result = match (result, flushed) {
+            (Ok(_), Some(Err(f))) => Err(f),
+            (r, _) => r,
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.end(result)));
+        if !matches!(r, Ok(Ok(()))) {
+            tracing::error!(path = %self.path.display(), "cannot report a streamed block to the JVM");
+        }
+    }
+}
+
+/// Streams one block (of any length: above the pool cap, above 2 GiB) from a remote engine
+/// into the file at `path` (created or truncated), through pool buffers of at most the
+/// largest tier, two at a time. Then exactly one `cb.onFile(0, length)` or
+/// `cb.onFailure(0, kind, message)` follows, from a native thread.
+#[allow(clippy::too_many_arguments)]
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_fetchBlockToFile(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+    host: JString,
+    port: jint,
+    shuffle_id: jint,
+    map_id: jlong,
+    start: jint,
+    end: jint,
+    path: JString,
+    cb: JObject,
+) {
+    guard(&mut env, (), |env| {
+        let e = engine(h)?;
+        if cb.is_null() {
+            return Err(BridgeError::new("invalid_argument", "callback is null"));
+        }
+        if shuffle_id < 0 || map_id < 0 || start < 0 || end < 0 {
+            return Err(BridgeError::new(
+                "invalid_argument",
+                format!("negative id in shuffle_{shuffle_id}_{map_id}_{start}_{end}"),
+            ));
+        }
+        let host = string(env, &host, "host")?;
+        let addr = resolve(&host, port)?;
+        let path = PathBuf::from(string(env, &path, "path")?);
+        let jvm = JvmSink { vm: env.get_java_vm()?, callback: env.new_global_ref(&cb)? };
+        let block = ShuffleBlock::batch(shuffle_id as u32, map_id as u64, start as u32, end as u32);
+        match std::fs::File::create(&path) {
+            Ok(file) => {
+                let file = std::sync::Mutex::new(Some(std::io::BufWriter::with_capacity(1 << 20, file)));
+                let sink = Arc::new(FileSink { path, file, jvm });
+                e.client().fetch_stream(addr, block, StreamConfig::default(), sink);
+            }
+            Err(err) => {
+                let sink = FileSink { path, file: std::sync::Mutex::new(None), jvm };
+                let what = format!("executor {}: {}: cannot create the temp file", e.config().executor_id, block.span());
+                let f = sink.io_failure(&what, err);
+                sink.on_end(Err(f));
+            }
+        }
         Ok(())
     })
 }

@@ -3,10 +3,10 @@
 use crate::knobs::render_failure;
 use crate::store::{MapId, ReduceId, ShuffleId};
 use rdma_shuffle_fabric::{
-    BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver, DriverConfig, FabricError, FetchedBlock, Provider,
-    TieredPool,
+    BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver, DriverConfig, FabricError, FetchedBlock,
+    Provider, StreamConfig, TieredPool,
 };
-use rdma_shuffle_wire::{BlockFailure, BlockSpan};
+use rdma_shuffle_wire::{BlockFailure, BlockRange, BlockSpan};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -35,7 +35,8 @@ impl ShuffleBlock {
         ShuffleBlock { shuffle_id, map_id, start_reduce, end_reduce }
     }
 
-    fn span(&self) -> BlockSpan {
+    /// The wire's name for this block.
+    pub fn span(&self) -> BlockSpan {
         BlockSpan { group: self.shuffle_id, object: self.map_id, start: self.start_reduce, end: self.end_reduce }
     }
 }
@@ -55,6 +56,18 @@ impl BlockSink for SparkSink {
     }
 }
 
+/// As [`SparkSink`], for a streamed block.
+struct SparkChunkSink(Arc<dyn ChunkSink>);
+
+impl ChunkSink for SparkChunkSink {
+    fn on_chunk(&self, offset: u64, block_len: u64, chunk: &[u8]) -> Result<(), BlockFailure> {
+        self.0.on_chunk(offset, block_len, chunk)
+    }
+    fn on_end(&self, result: Result<u64, BlockFailure>) {
+        self.0.on_end(result.map_err(render_failure))
+    }
+}
+
 impl BlockClient {
     /// A client over `provider` on a driver (event loop) of its own, landing blocks in `pool`.
     pub fn new(provider: Arc<dyn Provider>, pool: TieredPool, config: ClientEndpointConfig) -> Result<Self, FabricError> {
@@ -71,6 +84,20 @@ impl BlockClient {
     /// messages name the Spark setting that cures them, where there is one.
     pub fn fetch(&self, addr: SocketAddr, blocks: &[ShuffleBlock], sink: Arc<dyn BlockSink>) {
         self.endpoint.fetch(addr, blocks.iter().map(ShuffleBlock::span).collect(), Arc::new(SparkSink(sink)))
+    }
+
+    /// Fetches byte ranges `(block, offset, len)` of blocks; see
+    /// [`ClientEndpoint::fetch_ranges`]. A range past its block's end fails with `bad_range`.
+    pub fn fetch_ranges(&self, addr: SocketAddr, ranges: &[(ShuffleBlock, u64, u64)], sink: Arc<dyn BlockSink>) {
+        let ranges = ranges.iter().map(|(b, offset, len)| BlockRange { span: b.span(), offset: *offset, len: *len }).collect();
+        self.endpoint.fetch_ranges(addr, ranges, Arc::new(SparkSink(sink)))
+    }
+
+    /// Streams `block`, of any length (above the pool cap, above 2 GiB), into `sink` in
+    /// ranges of at most `config.chunk_len` bytes with at most `config.window` pool buffers
+    /// held; see [`ClientEndpoint::fetch_stream`].
+    pub fn fetch_stream(&self, addr: SocketAddr, block: ShuffleBlock, config: StreamConfig, sink: Arc<dyn ChunkSink>) {
+        self.endpoint.fetch_stream(addr, block.span(), config, Arc::new(SparkChunkSink(sink)))
     }
 
     /// The driver (event loop) this client runs on.

@@ -263,6 +263,9 @@ impl Engine {
         kv("one_sided_reads", r(&c.one_sided_reads));
         kv("read_bytes", r(&c.read_bytes));
         kv("stream_pulls", r(&c.stream_pulls));
+        kv("streamed_blocks", r(&c.streamed_blocks));
+        kv("streamed_bytes", r(&c.streamed_bytes));
+        kv("peak_stream_buffers", r(&c.peak_stream_buffers));
         kv("failed_blocks_fetched", r(&c.failed_blocks));
         for code in FailureCode::ALL {
             let _ = writeln!(out, "failed_blocks_fetched_{}={}", code.name(), c.failed(code));

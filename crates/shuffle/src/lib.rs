@@ -26,6 +26,6 @@ pub mod testkit;
 pub use client::{BlockClient, ShuffleBlock};
 pub use engine::{Engine, EngineConfig, EngineError, Transport};
 /// What the JNI layer (which talks to this crate only) needs of the layers below.
-pub use rdma_shuffle_fabric::{BlockSink, FetchedBlock, Lease};
+pub use rdma_shuffle_fabric::{BlockSink, ChunkSink, FetchedBlock, Lease, StreamConfig};
 pub use rdma_shuffle_wire::{BlockFailure, FailureCode};
 pub use server::{BlockServer, ServerError};

@@ -42,6 +42,7 @@ fn codec(c: &mut Criterion) {
             req: 7,
             index: 3,
             desc: Descriptor { region: 11, addr: 0x7f00_0000_1000, len: 8 << 20, rkey: 0x1234 },
+            block_len: 8 << 20,
         },
     );
 

@@ -113,12 +113,12 @@ mod tests {
     use super::*;
 
     fn hello(nonce: u8, app: &str) -> Frame {
-        Frame::Hello { min_version: 2, max_version: 2, caps: 7, nonce: [nonce; 16], max_eager: 4096, app_id: app.into() }
+        Frame::Hello { min_version: 3, max_version: 3, caps: 7, nonce: [nonce; 16], max_eager: 4096, app_id: app.into() }
     }
 
     fn challenge(credits: u32) -> Frame {
         Frame::Challenge {
-            version: 2,
+            version: 3,
             caps: 7,
             nonce: [2; 16],
             auth_required: true,

@@ -40,6 +40,37 @@ impl fmt::Display for BlockSpan {
     }
 }
 
+/// Bytes `[offset, offset + len)` of one block: what a range fetch asks for.
+///
+/// A block larger than any buffer the client has is fetched as a series of ranges, each of
+/// which fits one buffer. A range must lie inside the block (`offset + len` at most the
+/// block's length); `len == 0` at `offset == 0` asks only for the block's length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockRange {
+    /// The block.
+    pub span: BlockSpan,
+    /// First byte of the range inside the block.
+    pub offset: u64,
+    /// Length of the range; at most [`crate::frame::MAX_RANGE_LEN`].
+    pub len: u64,
+}
+
+impl BlockRange {
+    /// Encoded size in bytes.
+    pub const ENCODED_LEN: usize = BlockSpan::ENCODED_LEN + 8 + 8;
+
+    /// End of the range (saturating: the decoder refuses ranges whose end overflows).
+    pub fn end(&self) -> u64 {
+        self.offset.saturating_add(self.len)
+    }
+}
+
+impl fmt::Display for BlockRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} bytes {}..{}", self.span, self.offset, self.end())
+    }
+}
+
 /// Server-chosen id of a rendezvous region lease; valid until the client releases it or the
 /// connection ends.
 pub type RegionId = u64;

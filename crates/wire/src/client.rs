@@ -2,7 +2,7 @@
 //! bookkeeping of every block until it is delivered or failed.
 
 use crate::auth::{Secret, Transcript};
-use crate::block::{BlockFailure, BlockSpan, Descriptor, FailureCode};
+use crate::block::{BlockFailure, BlockRange, BlockSpan, Descriptor, FailureCode};
 use crate::error::{ProtocolError, SessionError};
 use crate::frame::{Frame, FrameKind, Limits, NONCE_LEN};
 use crate::knob::Knob;
@@ -98,6 +98,8 @@ pub enum ClientEvent {
         token: Token,
         /// Where it is.
         desc: Descriptor,
+        /// Length of the whole block (more than `desc.len` for a range of a longer block).
+        block_len: u64,
     },
     /// (tcp) `len` payload bytes for block `token` at `offset` follow the frame just handled.
     /// When `last` is set, the block is complete after they are read: call
@@ -165,6 +167,8 @@ impl BlockState {
 #[derive(Debug)]
 struct Request {
     blocks: Vec<BlockSpan>,
+    /// For a range fetch ([`ClientSession::fetch_ranges`]), the range of each block.
+    ranges: Option<Vec<BlockRange>>,
     state: Vec<BlockState>,
     remaining: usize,
     /// Next index not yet sent in a Fetch frame.
@@ -286,6 +290,18 @@ impl ClientSession {
     /// Queues a request for `blocks`; they are sent as credits allow. Returns its id. On a
     /// closed session every block fails at once.
     pub fn fetch(&mut self, blocks: Vec<BlockSpan>, now: Instant) -> RequestId {
+        self.queue(blocks, None, now)
+    }
+
+    /// Queues a request for byte ranges of blocks (`FetchRange`); each is answered by a
+    /// `Rendezvous` of exactly its range, which tells the whole block's length, or fails
+    /// (`BadRange` for a range past the block's end). Returns its id.
+    pub fn fetch_ranges(&mut self, ranges: Vec<BlockRange>, now: Instant) -> RequestId {
+        let blocks = ranges.iter().map(|r| r.span).collect();
+        self.queue(blocks, Some(ranges), now)
+    }
+
+    fn queue(&mut self, blocks: Vec<BlockSpan>, ranges: Option<Vec<BlockRange>>, now: Instant) -> RequestId {
         let req = self.next_req;
         self.next_req += 1;
         let n = blocks.len();
@@ -293,7 +309,7 @@ impl ClientSession {
             self.events.push_back(ClientEvent::RequestDone { req });
             return req;
         }
-        self.requests.insert(req, Request { state: vec![BlockState::Queued; n], blocks, remaining: n, next_unsent: 0 });
+        self.requests.insert(req, Request { state: vec![BlockState::Queued; n], blocks, ranges, remaining: n, next_unsent: 0 });
         if self.is_closed() {
             let failure = BlockFailure::new(FailureCode::PeerGone, format!("connection to {} is closed", self.config.peer));
             for index in 0..n as u32 {
@@ -499,6 +515,12 @@ impl ClientSession {
             (State::Ready, Frame::Eager { req, index, len }) => {
                 let token = Token { req, index };
                 self.expect(token, |s| matches!(s, BlockState::Requested))?;
+                if self.range(token).is_some() {
+                    return Err(ProtocolError::UnexpectedFrame {
+                        kind: FrameKind::Eager,
+                        state: "a range fetch is answered by rendezvous",
+                    });
+                }
                 if len > self.eager_max {
                     return Err(ProtocolError::EagerTooLarge { len: len as u64, max: self.eager_max as u64 });
                 }
@@ -508,7 +530,7 @@ impl ClientSession {
                 self.auto_flush(now);
                 Ok(())
             }
-            (State::Ready, Frame::Rendezvous { req, index, desc }) => {
+            (State::Ready, Frame::Rendezvous { req, index, desc, block_len }) => {
                 let token = Token { req, index };
                 self.expect(token, |s| matches!(s, BlockState::Requested))?;
                 if self.caps & caps::RENDEZVOUS == 0 {
@@ -521,11 +543,26 @@ impl ClientSession {
                     return Err(ProtocolError::InvalidRequest(format!("region {} announced twice", desc.region)));
                 }
                 if desc.len > i32::MAX as u64 {
-                    return Err(ProtocolError::InvalidRequest(format!("block of {} bytes exceeds 2 GiB", desc.len)));
+                    return Err(ProtocolError::InvalidRequest(format!(
+                        "region of {} bytes exceeds 2 GiB (a larger block is fetched in ranges)",
+                        desc.len
+                    )));
+                }
+                let fits = match self.range(token) {
+                    Some(r) => desc.len == r.len && r.end() <= block_len,
+                    None => desc.len == block_len,
+                };
+                if !fits {
+                    return Err(ProtocolError::InvalidRequest(format!(
+                        "{}: region of {} bytes of a {block_len}-byte block does not answer what was asked ({})",
+                        self.span(token),
+                        desc.len,
+                        self.range(token).map(|r| r.to_string()).unwrap_or_else(|| "the whole block".into())
+                    )));
                 }
                 self.set_state(token, BlockState::Pulling { desc, received: 0, started: false }, now);
                 self.regions.insert(desc.region, token);
-                self.events.push_back(ClientEvent::Rendezvous { token, desc });
+                self.events.push_back(ClientEvent::Rendezvous { token, desc, block_len });
                 Ok(())
             }
             (State::Ready, Frame::PullData { region, offset, len }) => {
@@ -621,6 +658,11 @@ impl ClientSession {
         })
     }
 
+    /// The range a token asked for, if it belongs to a range fetch.
+    fn range(&self, token: Token) -> Option<BlockRange> {
+        self.requests.get(&token.req).and_then(|r| r.ranges.as_ref()).and_then(|v| v.get(token.index as usize).copied())
+    }
+
     fn state_name(&self) -> &'static str {
         match self.state {
             State::AwaitChallenge => "waiting for the server's challenge",
@@ -700,7 +742,11 @@ impl ClientSession {
             let total = r.blocks.len() as u32;
             let first = r.next_unsent;
             let n = (total - first).min(self.credits).min(max).min(max_blocks - sent);
-            let blocks = r.blocks[first as usize..(first + n) as usize].to_vec();
+            let (lo, hi) = (first as usize, (first + n) as usize);
+            let frame = match &r.ranges {
+                Some(ranges) => Frame::FetchRange { req, first_index: first, ranges: ranges[lo..hi].to_vec() },
+                None => Frame::Fetch { req, first_index: first, blocks: r.blocks[lo..hi].to_vec() },
+            };
             r.next_unsent += n;
             if r.next_unsent == total {
                 self.unsent.pop_front();
@@ -711,7 +757,7 @@ impl ClientSession {
             self.credits -= n;
             self.in_use += n;
             sent += n;
-            self.transmit.push_back(Frame::Fetch { req, first_index: first, blocks });
+            self.transmit.push_back(frame);
         }
         sent
     }

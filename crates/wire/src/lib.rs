@@ -26,7 +26,7 @@ pub mod knob;
 pub mod server;
 
 pub use auth::{Secret, Transcript};
-pub use block::{BlockFailure, BlockSpan, Descriptor, FailureCode, RegionId};
+pub use block::{BlockFailure, BlockRange, BlockSpan, Descriptor, FailureCode, RegionId};
 pub use client::{ClientConfig, ClientEvent, ClientSession, RequestId, Token};
 pub use error::{ProtocolError, SessionError};
 pub use frame::{Frame, FrameError, FrameKind, Header, Limits};
@@ -38,9 +38,13 @@ pub use server::{Resolved, ServerConfig, ServerHooks, ServerOutput, ServerSessio
 /// Version 2: the handshake carries the application id, the proofs cover the whole
 /// transcript, `Ready` carries the live credit grant, credits come back implicitly (with a
 /// block's answer, or with its `Release`), and `Attach` bootstraps a data plane.
-pub const PROTOCOL_VERSION: u8 = 2;
-/// The oldest protocol version this build still accepts.
-pub const MIN_PROTOCOL_VERSION: u8 = 2;
+///
+/// Version 3: `FetchRange` asks for byte ranges of blocks (a block larger than any buffer is
+/// fetched in pieces), and `Rendezvous` carries the whole block's length.
+pub const PROTOCOL_VERSION: u8 = 3;
+/// The oldest protocol version this build still accepts (version 2 peers have no range
+/// fetch and a shorter `Rendezvous`).
+pub const MIN_PROTOCOL_VERSION: u8 = 3;
 
 /// Capability bits exchanged in the handshake; the session uses the intersection.
 pub mod caps {

@@ -3,7 +3,7 @@
 //! rendezvous regions the client may pull from until it releases them.
 
 use crate::auth::{Secret, Transcript};
-use crate::block::{BlockFailure, BlockSpan, FailureCode, RegionId};
+use crate::block::{BlockFailure, BlockRange, BlockSpan, Descriptor, FailureCode, RegionId};
 use crate::error::{ProtocolError, SessionError};
 use crate::frame::{Frame, Limits, MAX_PULL_CHUNK, NONCE_LEN};
 use crate::knob::Knob;
@@ -123,6 +123,9 @@ pub enum ServerOutput<H> {
         offset: u64,
         /// Length.
         len: u64,
+        /// Length of the whole block (`len`, unless a range of it was asked for); the
+        /// `Rendezvous` frame carries it.
+        block_len: u64,
     },
     /// The client released `region`: revoke its exposure (from now on reads of it must fail).
     Revoke {
@@ -406,6 +409,9 @@ impl<H: Clone> ServerSession<H> {
                 Ok(())
             }
             (State::Ready, Frame::Fetch { req, first_index, blocks }) => self.on_fetch(req, first_index, blocks, hooks),
+            (State::Ready, Frame::FetchRange { req, first_index, ranges }) => {
+                self.on_fetch_range(req, first_index, ranges, hooks)
+            }
             (State::Ready, Frame::Pull { region, offset, len }) => {
                 let r = self.regions.get(&region).ok_or(ProtocolError::UnknownRegion { region })?;
                 let end = offset.saturating_add(len);
@@ -504,8 +510,67 @@ impl<H: Clone> ServerSession<H> {
                         source: r.source,
                         offset: r.offset,
                         len: r.len,
+                        block_len: r.len,
                     });
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Resolves each range's block and offers exactly the range by rendezvous; a range that
+    /// does not lie inside its block fails with `BadRange`. An empty range at offset 0 is
+    /// answered with an empty region (nothing exposed) whose `block_len` tells the client the
+    /// block's length.
+    fn on_fetch_range(
+        &mut self,
+        req: u64,
+        first_index: u32,
+        ranges: Vec<BlockRange>,
+        hooks: &mut dyn ServerHooks<H>,
+    ) -> Result<(), ProtocolError> {
+        let n = ranges.len() as u32;
+        if self.outstanding.saturating_add(n) > self.live {
+            return Err(ProtocolError::CreditExceeded { requested: n, outstanding: self.outstanding, granted: self.live });
+        }
+        self.outstanding += n;
+        for (i, range) in ranges.iter().enumerate() {
+            let index = first_index + i as u32;
+            let span = &range.span;
+            let resolved = if span.start >= span.end {
+                Err(BlockFailure::new(FailureCode::BadRange, format!("{span}: empty part range {}..{}", span.start, span.end)))
+            } else if self.caps & caps::RENDEZVOUS == 0 {
+                Err(BlockFailure::new(FailureCode::Other, format!("{range}: a range fetch needs rendezvous, not negotiated")))
+            } else {
+                hooks.resolve(span).and_then(|r| match range.offset.checked_add(range.len) {
+                    Some(end) if end <= r.len => Ok(r),
+                    _ => Err(BlockFailure::new(
+                        FailureCode::BadRange,
+                        format!("{range}: past the end of the block, which has {} bytes", r.len),
+                    )),
+                })
+            };
+            let r = match resolved {
+                Ok(r) => r,
+                Err(f) => {
+                    self.counters.failed_blocks += 1;
+                    self.out.push_back(ServerOutput::Frame(Frame::BlockFailed { req, index, code: f.code, message: f.message }));
+                    self.outstanding -= 1;
+                    continue;
+                }
+            };
+            let region = self.next_region;
+            self.next_region += 1;
+            self.counters.rendezvous_blocks += 1;
+            self.counters.rendezvous_bytes += range.len;
+            let (offset, len) = (r.offset + range.offset, range.len);
+            self.regions.insert(region, Region { source: r.source.clone(), offset, len });
+            if len == 0 {
+                // Nothing to expose; the client releases the empty region like any other.
+                let desc = Descriptor { region, addr: 0, len: 0, rkey: 0 };
+                self.out.push_back(ServerOutput::Frame(Frame::Rendezvous { req, index, desc, block_len: r.len }));
+            } else {
+                self.out.push_back(ServerOutput::Expose { req, index, region, source: r.source, offset, len, block_len: r.len });
             }
         }
         Ok(())

@@ -34,8 +34,8 @@ fn pump(c: &mut ClientSession, s: &mut ServerSession<Src>, now: Instant) -> Vec<
                 ServerOutput::Frame(f) => (f, 0),
                 ServerOutput::Eager { frame, len, .. } | ServerOutput::PullData { frame, len, .. } => (frame, len),
                 // As a one-sided provider would: the keys of the exposure go in the descriptor.
-                ServerOutput::Expose { req, index, region, offset, len, .. } => {
-                    (Frame::Rendezvous { req, index, desc: Descriptor { region, addr: offset, len, rkey: 7 } }, 0)
+                ServerOutput::Expose { req, index, region, offset, len, block_len, .. } => {
+                    (Frame::Rendezvous { req, index, desc: Descriptor { region, addr: offset, len, rkey: 7 }, block_len }, 0)
                 }
                 ServerOutput::Revoke { .. } => continue,
             };
@@ -92,7 +92,7 @@ fn handshake_eager_rendezvous_and_failures() {
     assert!(ev.contains(&ClientEvent::Eager { token: Token { req, index: 0 }, len: 100 }));
     assert!(ev.contains(&ClientEvent::Eager { token: Token { req, index: 3 }, len: 0 }));
     assert!(ev.iter().any(
-        |e| matches!(e, ClientEvent::Rendezvous { token, desc } if token.index == 1 && desc.len == 10_000 && desc.rkey == 7)
+        |e| matches!(e, ClientEvent::Rendezvous { token, desc, .. } if token.index == 1 && desc.len == 10_000 && desc.rkey == 7)
     ));
     assert!(ev.iter().any(|e| matches!(e, ClientEvent::PullData { token, len: 10_000, last: true, .. } if token.index == 1)));
     assert!(ev.iter().any(|e| matches!(e, ClientEvent::Failed { token, failure } if token.index == 2 && failure.code == FailureCode::UnknownGroup && failure.message.contains("server-1"))));
@@ -205,7 +205,8 @@ fn peer_vanishing_mid_transfer_fails_every_outstanding_block() {
     // Deliver the first rendezvous only, then the connection dies.
     let Some(ServerOutput::Expose { req: r, index, region, len, .. }) = s.poll_output() else { panic!() };
     assert_eq!(r, req);
-    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 } }, now).unwrap();
+    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 }, block_len: len }, now)
+        .unwrap();
     c.handle_connection_lost("reset by peer");
     let ev: Vec<_> = std::iter::from_fn(|| c.poll_event()).collect();
     let failed: Vec<_> = ev
@@ -411,7 +412,8 @@ fn blocks_waiting_for_local_memory_do_not_run_the_silence_clock() {
     s.handle_frame(f, &mut resolver).unwrap();
     let Some(ServerOutput::Expose { req, index, region, len, .. }) = s.poll_output() else { panic!() };
     assert!(c.poll_timeout().is_some(), "a requested block waits for the peer");
-    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 } }, now).unwrap();
+    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 }, block_len: len }, now)
+        .unwrap();
     // The driver has no buffer yet: nothing waits for the peer, so no deadline at all.
     assert_eq!(c.poll_timeout(), None);
     let later = now + Duration::from_secs(3600);
@@ -487,4 +489,117 @@ fn the_live_grant_comes_from_the_hooks_after_authentication() {
     let Some(ServerOutput::Frame(ready)) = s.poll_output() else { panic!() };
     c.handle_frame(ready, now).unwrap();
     assert_eq!(c.credits(), 3);
+}
+
+/// Range fetches: an empty range tells the block's length, ranges are offered exactly (at
+/// their offset in the source), the last one may be short, and a range past the end of the
+/// block fails with `BadRange` naming the block and its length, without hurting the
+/// connection.
+#[test]
+fn range_fetches_offer_exact_ranges_and_refuse_ranges_past_the_end() {
+    let (mut c, mut s, now) = pair(None, None, 8);
+    pump(&mut c, &mut s, now);
+    // Block 10_000 bytes long (object 10_000, one part).
+    let span = BlockSpan::single(1, 10_000, 0);
+    let probe = c.fetch_ranges(vec![BlockRange { span, offset: 0, len: 0 }], now);
+    let ev = pump(&mut c, &mut s, now);
+    assert!(
+        ev.iter().any(
+            |e| matches!(e, ClientEvent::Rendezvous { token, desc, block_len: 10_000 } if token.req == probe && desc.len == 0)
+        ),
+        "{ev:?}"
+    );
+    // The driver completes an empty region without pulling; its Release gives the credit back.
+    let ranges: Vec<BlockRange> =
+        (0..3).map(|i| BlockRange { span, offset: i * 4096, len: 4096.min(10_000 - i * 4096) }).collect();
+    let req = c.fetch_ranges(ranges, now);
+    let ev = pump(&mut c, &mut s, now);
+    let offered: Vec<(u64, u64, u64)> = ev
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Rendezvous { token, desc, block_len } if token.req == req => Some((desc.addr, desc.len, *block_len)),
+            _ => None,
+        })
+        .collect();
+    // The source offset of the block is 1000 (see `resolver`).
+    assert_eq!(offered, vec![(1000, 4096, 10_000), (5096, 4096, 10_000), (9192, 1808, 10_000)]);
+    let pulled: u64 = ev
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::PullData { token, len, .. } if token.req == req => Some(*len),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(pulled, 10_000);
+    assert!(ev.contains(&ClientEvent::RequestDone { req }));
+    // Past the end: offset beyond the block, and a length that runs over it.
+    let bad = c.fetch_ranges(
+        vec![
+            BlockRange { span, offset: 10_001, len: 0 },
+            BlockRange { span, offset: 9000, len: 1001 },
+            BlockRange { span, offset: 9000, len: 1000 },
+        ],
+        now,
+    );
+    let ev = pump(&mut c, &mut s, now);
+    let failures: Vec<&BlockFailure> = ev
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Failed { token, failure } if token.req == bad => Some(failure),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failures.len(), 2, "{ev:?}");
+    for f in failures {
+        assert_eq!(f.code, FailureCode::BadRange);
+        assert!(f.message.contains("shuffle_1_10000_0") && f.message.contains("10000 bytes"), "{}", f.message);
+    }
+    assert!(ev.iter().any(|e| matches!(e, ClientEvent::PullData { token, len: 1000, last: true, .. } if token.req == bad)));
+    assert!(c.is_ready() && s.is_ready());
+    assert_eq!(s.outstanding(), 0);
+    assert_eq!(c.credits(), 8);
+}
+
+/// A server that answers a range with a region of another length (or a block shorter than
+/// the range) violates the protocol: the connection fails, the block with it.
+#[test]
+fn a_rendezvous_that_does_not_answer_the_range_is_a_protocol_error() {
+    let (mut c, mut s, now) = pair(None, None, 8);
+    pump(&mut c, &mut s, now);
+    let span = BlockSpan::single(1, 10_000, 0);
+    let req = c.fetch_ranges(vec![BlockRange { span, offset: 4096, len: 4096 }], now);
+    while c.poll_transmit().is_some() {}
+    let desc = Descriptor { region: 1, addr: 0, len: 4096, rkey: 0 };
+    // Block shorter than the range's end.
+    let err = c.handle_frame(Frame::Rendezvous { req, index: 0, desc, block_len: 8000 }, now).unwrap_err();
+    assert!(matches!(err.error, ProtocolError::InvalidRequest(ref m) if m.contains("bytes 4096..8192")), "{err}");
+    let ev: Vec<ClientEvent> = std::iter::from_fn(|| c.poll_event()).collect();
+    assert!(
+        ev.iter().any(|e| matches!(e, ClientEvent::Failed { failure, .. } if failure.code == FailureCode::Protocol)),
+        "{ev:?}"
+    );
+    // An eager answer to a range.
+    let (mut c, mut s2, now) = pair(None, None, 8);
+    pump(&mut c, &mut s2, now);
+    let req = c.fetch_ranges(vec![BlockRange { span, offset: 0, len: 10 }], now);
+    while c.poll_transmit().is_some() {}
+    assert!(c.handle_frame(Frame::Eager { req, index: 0, len: 10 }, now).is_err());
+    let _ = s;
+}
+
+/// Before range fetches, a block over 2 GiB had no way through: the client refuses a region
+/// larger than a JVM buffer (the connection fails, with every block on it). It still does; a
+/// block that large is fetched in ranges.
+#[test]
+fn a_region_over_2_gib_is_refused() {
+    let (mut c, mut s, now) = pair(None, None, 8);
+    pump(&mut c, &mut s, now);
+    let req = c.fetch(vec![BlockSpan::single(1, 3 << 30, 0)], now);
+    while c.poll_transmit().is_some() {}
+    let desc = Descriptor { region: 1, addr: 0, len: 3 << 30, rkey: 0 };
+    let err = c.handle_frame(Frame::Rendezvous { req, index: 0, desc, block_len: 3 << 30 }, now).unwrap_err();
+    assert!(
+        matches!(err.error, ProtocolError::InvalidRequest(ref m) if m.contains("exceeds 2 GiB") && m.contains("ranges")),
+        "{err}"
+    );
 }

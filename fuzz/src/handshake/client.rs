@@ -225,7 +225,7 @@ impl ClientWatch {
                 assert!(len <= eager, "eager block of {len} bytes accepted over {eager}");
                 self.finish(token, Outcome::Eager(len));
             }
-            ClientEvent::Rendezvous { token, desc } => {
+            ClientEvent::Rendezvous { token, desc, .. } => {
                 assert!(self.live(token), "rendezvous for finished {token:?}");
                 assert!(self.rendezvous.insert(token, (desc, 0, false)).is_none(), "{token:?} announced twice");
             }
@@ -304,7 +304,7 @@ pub(super) fn run_client(c: &mut Cursor<'_>) -> Stats {
                 let nonce = c.array();
                 let b = c.u8();
                 let f = Frame::Challenge {
-                    version: 2,
+                    version: wire::PROTOCOL_VERSION,
                     caps,
                     nonce,
                     auth_required: watch.secret.is_some() ^ (b & 0x80 != 0),
@@ -338,7 +338,7 @@ pub(super) fn run_client(c: &mut Cursor<'_>) -> Stats {
             client_op::RENDEZVOUS => {
                 let token = pick_token(c, &watch.requested);
                 let desc = Descriptor { region: c.u8() as u64, addr: c.u64(), len: c.u32() as u64, rkey: c.u32() };
-                watch.feed(&mut s, Frame::Rendezvous { req: token.req, index: token.index, desc }, now);
+                watch.feed(&mut s, Frame::Rendezvous { req: token.req, index: token.index, desc, block_len: desc.len }, now);
             }
             client_op::BLOCK_FAILED => {
                 let token = pick_token(c, &watch.requested);

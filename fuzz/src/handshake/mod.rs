@@ -92,7 +92,7 @@ pub mod client_op {
     pub const FRAME: u8 = 0;
     /// A blob decoded with `Frame::decode_message`.
     pub const RAW: u8 = 1;
-    /// A version-1 `Challenge`: caps byte, nonce, flags byte (bit 7 flips `auth_required`,
+    /// A current-version `Challenge`: caps byte, nonce, flags byte (bit 7 flips `auth_required`,
     /// low 4 bits + 1 = credits), eager threshold `u32`.
     pub const CHALLENGE: u8 = 2;
     /// A `Ready` with the correct server proof (none without a secret).
@@ -184,10 +184,11 @@ fn output_frame(o: &ServerOutput<u64>, rkey: u32) -> Option<Frame> {
         ServerOutput::Frame(f) | ServerOutput::Eager { frame: f, .. } | ServerOutput::PullData { frame: f, .. } => {
             Some(f.clone())
         }
-        ServerOutput::Expose { req, index, region, offset, len, .. } => Some(Frame::Rendezvous {
+        ServerOutput::Expose { req, index, region, offset, len, block_len, .. } => Some(Frame::Rendezvous {
             req: *req,
             index: *index,
             desc: Descriptor { region: *region, addr: *offset, len: *len, rkey },
+            block_len: *block_len,
         }),
         ServerOutput::Revoke { .. } => None,
     }

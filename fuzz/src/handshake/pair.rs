@@ -91,7 +91,7 @@ impl Pair {
         while let Some(e) = self.client.poll_event() {
             self.cw.check_event(e.clone(), &self.client);
             match e {
-                ClientEvent::Rendezvous { token, desc } if desc.len == 0 => {
+                ClientEvent::Rendezvous { token, desc, .. } if desc.len == 0 => {
                     self.cw.pull_complete(&mut self.client, token, true, self.now)
                 }
                 ClientEvent::Rendezvous { token, .. } => {

@@ -57,7 +57,7 @@ mod timers;
 
 pub use budget::BudgetGuard;
 pub use channel::{Channel, ChannelListener, PendingRead, Received};
-pub use client::{BlockSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock};
+pub use client::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
 pub(crate) use event_loop::{ListenSocket, Loop, MemWaiter, Net};
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
 pub(crate) use sockets::connect;

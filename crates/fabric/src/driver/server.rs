@@ -230,6 +230,7 @@ struct Deferred {
     source: Arc<dyn Source>,
     offset: u64,
     len: u64,
+    block_len: u64,
 }
 
 fn server_mut(conn: &mut Conn) -> &mut ServerConn {
@@ -433,13 +434,13 @@ impl Loop {
                 ServerOutput::Eager { frame, source, offset, len } | ServerOutput::PullData { frame, source, offset, len } => {
                     conn.transport.send(&mut self.net, &frame, OutPayload::Source { source, offset, len })
                 }
-                ServerOutput::Expose { req, index, region, source, offset, len } => {
+                ServerOutput::Expose { req, index, region, source, offset, len, block_len } => {
                     if !conn.authenticated {
                         // Cannot happen (the session exposes only after authentication); the
                         // counter would show it.
                         self.shared.stats.preauth_registered_bytes.fetch_add(len, Ordering::Relaxed);
                     }
-                    let d = Deferred { req, index, region, source, offset, len };
+                    let d = Deferred { req, index, region, source, offset, len, block_len };
                     let one_sided = conn.transport.one_sided();
                     let s = server_mut(conn);
                     if !one_sided {
@@ -477,7 +478,7 @@ impl Loop {
 
     /// Exposes a region (within the budget: the caller checked) and sends its descriptor.
     fn expose_region(&mut self, conn: &mut Conn, d: Deferred) -> Result<(), FabricError> {
-        let Deferred { req, index, region, source, offset, len } = d;
+        let Deferred { req, index, region, source, offset, len, block_len } = d;
         match conn.transport.expose(&mut self.net, source, offset, len) {
             Ok((addr, rkey)) => {
                 let charged = if conn.transport.one_sided() { exposure::charge(offset, len) } else { 0 };
@@ -488,7 +489,7 @@ impl Loop {
                 // Counted before the descriptor leaves.
                 self.update_registered();
                 let desc = Descriptor { region, addr, len, rkey };
-                conn.transport.send(&mut self.net, &Frame::Rendezvous { req, index, desc }, OutPayload::None)
+                conn.transport.send(&mut self.net, &Frame::Rendezvous { req, index, desc, block_len }, OutPayload::None)
             }
             Err(e) => {
                 tracing::warn!(peer = %conn.peer, error = %e, "cannot expose a rendezvous region; the block fails");

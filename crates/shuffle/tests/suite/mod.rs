@@ -4,10 +4,13 @@
 #![allow(dead_code)]
 
 pub mod disk;
+pub mod large;
 pub mod resources;
 pub mod security;
 #[allow(unused_imports)]
 pub use disk::*;
+#[allow(unused_imports)]
+pub use large::*;
 #[allow(unused_imports)]
 pub use resources::*;
 #[allow(unused_imports)]
@@ -372,7 +375,7 @@ pub fn bad_input_gets_typed_errors_and_server_keeps_serving(f: Factory) {
     let fx = server_with(f, server_cfg(None), 1);
     let addr = fx.server.local_addr();
     let hello =
-        Frame::Hello { min_version: 2, max_version: 2, caps: 7, nonce: [0; 16], max_eager: 1 << 20, app_id: String::new() }
+        Frame::Hello { min_version: 3, max_version: 3, caps: 7, nonce: [0; 16], max_eager: 1 << 20, app_id: String::new() }
             .to_vec();
     let mut cases: Vec<(&str, Vec<u8>, &str)> = Vec::new();
     let mut b = hello.clone();
@@ -652,7 +655,9 @@ macro_rules! provider_suite {
             local_backpressure_is_not_peer_silence,
             idle_connections_close_and_reopen,
             truncated_or_deleted_data_files_fail_typed,
-            exposed_regions_stay_within_the_engine_budget_with_many_clients
+            exposed_regions_stay_within_the_engine_budget_with_many_clients,
+            blocks_over_the_pool_cap_stream_in_bounded_buffers,
+            a_range_past_the_end_of_a_block_is_refused
         );
     };
     (@tests $factory:expr; $($name:ident),*) => {

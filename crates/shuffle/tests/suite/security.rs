@@ -114,7 +114,7 @@ pub fn reads_need_authentication_die_with_release_and_stay_with_their_peer(f: Fa
     // Z: connected, never authenticated. No read works, whatever it names.
     let z = channel(f, addr);
     z.send(
-        &Frame::Hello { min_version: 2, max_version: 2, caps: 7, nonce: [9; 16], max_eager: 1 << 20, app_id: String::new() },
+        &Frame::Hello { min_version: 3, max_version: 3, caps: 7, nonce: [9; 16], max_eager: 1 << 20, app_id: String::new() },
         &[],
     )
     .unwrap();

@@ -14,7 +14,7 @@
 //! header and fixed part only, so a stream provider can read the payload straight into a
 //! pool buffer (or a message provider can hand over the receive buffer itself).
 
-use crate::block::{BlockSpan, Descriptor, FailureCode, RegionId};
+use crate::block::{BlockRange, BlockSpan, Descriptor, FailureCode, RegionId};
 use crate::{MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use std::fmt;
 use thiserror::Error;
@@ -28,6 +28,9 @@ pub const MAX_MESSAGE_LEN: usize = 4096;
 /// Largest payload of one `PullData` frame; servers split longer pulls into chunks of this
 /// size so a single length read from the wire never asks for more.
 pub const MAX_PULL_CHUNK: u64 = 16 * 1024 * 1024;
+/// Largest range one `FetchRange` entry may ask for (and so the largest piece a streamed
+/// block is fetched in): below 2 GiB, so every piece fits one JVM buffer.
+pub const MAX_RANGE_LEN: u64 = i32::MAX as u64;
 /// Length of handshake nonces.
 pub const NONCE_LEN: usize = 16;
 /// Length of an authentication proof (HMAC-SHA256).
@@ -89,6 +92,9 @@ pub enum FrameKind {
     /// Either way, after the handshake: a provider's data-plane bootstrap (verbs: queue pair
     /// numbers and addresses), opaque to the protocol.
     Attach = 14,
+    /// Client → server (version 3): request byte ranges of blocks; answered like `Fetch`,
+    /// always by `Rendezvous` (which carries the whole block's length) or `BlockFailed`.
+    FetchRange = 15,
 }
 
 impl FrameKind {
@@ -110,6 +116,7 @@ impl FrameKind {
             12 => Credit,
             13 => Error,
             14 => Attach,
+            15 => FetchRange,
             _ => return None,
         })
     }
@@ -324,6 +331,17 @@ pub enum Frame {
         /// The blocks, answered one frame each, in any order.
         blocks: Vec<BlockSpan>,
     },
+    /// Client → server: fetch byte ranges of blocks; entry `i` is index `first_index + i` of
+    /// request `req`. Each is answered by one `Rendezvous` of exactly the range (or one
+    /// `BlockFailed`: a range past the block's end fails with `BadRange`).
+    FetchRange {
+        /// Request id chosen by the client.
+        req: u64,
+        /// Index of the first entry of this frame within the request.
+        first_index: u32,
+        /// The ranges, each inside its block, each at most [`MAX_RANGE_LEN`] bytes.
+        ranges: Vec<BlockRange>,
+    },
     /// Server → client: block `index` of `req` inline; `len` payload bytes follow.
     Eager {
         /// Request id.
@@ -341,6 +359,9 @@ pub enum Frame {
         index: u32,
         /// Where to pull it from.
         desc: Descriptor,
+        /// Length of the whole block: `desc.len` for a `Fetch`, the block's full length for
+        /// a `FetchRange` (so the client knows how many ranges follow).
+        block_len: u64,
     },
     /// Server → client: block `index` of `req` failed.
     BlockFailed {
@@ -404,6 +425,7 @@ impl Frame {
             Frame::Auth { .. } => FrameKind::Auth,
             Frame::Ready { .. } => FrameKind::Ready,
             Frame::Fetch { .. } => FrameKind::Fetch,
+            Frame::FetchRange { .. } => FrameKind::FetchRange,
             Frame::Eager { .. } => FrameKind::Eager,
             Frame::Rendezvous { .. } => FrameKind::Rendezvous,
             Frame::BlockFailed { .. } => FrameKind::BlockFailed,
@@ -460,23 +482,31 @@ impl Frame {
                 out.extend_from_slice(&first_index.to_be_bytes());
                 out.extend_from_slice(&(blocks.len() as u32).to_be_bytes());
                 for b in blocks {
-                    out.extend_from_slice(&b.group.to_be_bytes());
-                    out.extend_from_slice(&b.object.to_be_bytes());
-                    out.extend_from_slice(&b.start.to_be_bytes());
-                    out.extend_from_slice(&b.end.to_be_bytes());
+                    put_span(out, b);
                 }
             }
             Frame::Eager { req, index, .. } => {
                 out.extend_from_slice(&req.to_be_bytes());
                 out.extend_from_slice(&index.to_be_bytes());
             }
-            Frame::Rendezvous { req, index, desc } => {
+            Frame::FetchRange { req, first_index, ranges } => {
+                out.extend_from_slice(&req.to_be_bytes());
+                out.extend_from_slice(&first_index.to_be_bytes());
+                out.extend_from_slice(&(ranges.len() as u32).to_be_bytes());
+                for r in ranges {
+                    put_span(out, &r.span);
+                    out.extend_from_slice(&r.offset.to_be_bytes());
+                    out.extend_from_slice(&r.len.to_be_bytes());
+                }
+            }
+            Frame::Rendezvous { req, index, desc, block_len } => {
                 out.extend_from_slice(&req.to_be_bytes());
                 out.extend_from_slice(&index.to_be_bytes());
                 out.extend_from_slice(&desc.region.to_be_bytes());
                 out.extend_from_slice(&desc.addr.to_be_bytes());
                 out.extend_from_slice(&desc.len.to_be_bytes());
                 out.extend_from_slice(&desc.rkey.to_be_bytes());
+                out.extend_from_slice(&block_len.to_be_bytes());
             }
             Frame::BlockFailed { req, index, code, message } => {
                 out.extend_from_slice(&req.to_be_bytes());
@@ -550,36 +580,38 @@ impl Frame {
             FrameKind::Auth => Frame::Auth { proof: r.opt_proof()? },
             FrameKind::Ready => Frame::Ready { proof: r.opt_proof()?, credits: r.u32()? },
             FrameKind::Fetch => {
-                let req = r.u64()?;
-                let first_index = r.u32()?;
-                let count = r.u32()?;
-                if count == 0 {
-                    return Err(r.malformed("empty block list".into()));
-                }
-                if count > limits.max_blocks_per_fetch {
-                    return Err(
-                        r.malformed(format!("{count} blocks exceed the limit of {} per request", limits.max_blocks_per_fetch))
-                    );
-                }
-                let need = count as usize * BlockSpan::ENCODED_LEN;
-                if r.remaining() != need {
-                    return Err(r.malformed(format!("{count} blocks need {need} bytes, body has {}", r.remaining())));
-                }
+                let (req, first_index, count) = r.list_head(limits, BlockSpan::ENCODED_LEN)?;
                 let mut blocks = Vec::with_capacity(count as usize);
                 for _ in 0..count {
-                    blocks.push(BlockSpan { group: r.u32()?, object: r.u64()?, start: r.u32()?, end: r.u32()? });
-                }
-                if first_index.checked_add(count).is_none() {
-                    return Err(r.malformed("block indices overflow".into()));
+                    blocks.push(r.span()?);
                 }
                 Frame::Fetch { req, first_index, blocks }
             }
+            FrameKind::FetchRange => {
+                let (req, first_index, count) = r.list_head(limits, BlockRange::ENCODED_LEN)?;
+                let mut ranges = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    let range = BlockRange { span: r.span()?, offset: r.u64()?, len: r.u64()? };
+                    if range.len > MAX_RANGE_LEN {
+                        return Err(r.malformed(format!("{range}: {} bytes exceed {MAX_RANGE_LEN} per range", range.len)));
+                    }
+                    if range.offset.checked_add(range.len).is_none() {
+                        return Err(r.malformed(format!("{}: range end overflows", range.span)));
+                    }
+                    ranges.push(range);
+                }
+                Frame::FetchRange { req, first_index, ranges }
+            }
             FrameKind::Eager => Frame::Eager { req: r.u64()?, index: r.u32()?, len: header.payload_len() as u32 },
-            FrameKind::Rendezvous => Frame::Rendezvous {
-                req: r.u64()?,
-                index: r.u32()?,
-                desc: Descriptor { region: r.u64()?, addr: r.u64()?, len: r.u64()?, rkey: r.u32()? },
-            },
+            FrameKind::Rendezvous => {
+                let (req, index) = (r.u64()?, r.u32()?);
+                let desc = Descriptor { region: r.u64()?, addr: r.u64()?, len: r.u64()?, rkey: r.u32()? };
+                let block_len = r.u64()?;
+                if desc.len > block_len {
+                    return Err(r.malformed(format!("region of {} bytes exceeds its block of {block_len}", desc.len)));
+                }
+                Frame::Rendezvous { req, index, desc, block_len }
+            }
             FrameKind::BlockFailed => {
                 Frame::BlockFailed { req: r.u64()?, index: r.u32()?, code: FailureCode::from_u16(r.u16()?), message: r.string()? }
             }
@@ -620,6 +652,13 @@ impl Frame {
         let frame = Frame::decode_body(&header, &buf[HEADER_LEN..fixed_end], limits)?;
         Ok((frame, fixed_end))
     }
+}
+
+fn put_span(out: &mut Vec<u8>, b: &BlockSpan) {
+    out.extend_from_slice(&b.group.to_be_bytes());
+    out.extend_from_slice(&b.object.to_be_bytes());
+    out.extend_from_slice(&b.start.to_be_bytes());
+    out.extend_from_slice(&b.end.to_be_bytes());
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
@@ -704,6 +743,30 @@ impl<'a> Reader<'a> {
         } else {
             Ok(None)
         }
+    }
+    fn span(&mut self) -> Result<BlockSpan, FrameError> {
+        Ok(BlockSpan { group: self.u32()?, object: self.u64()?, start: self.u32()?, end: self.u32()? })
+    }
+    /// The head of a `Fetch`/`FetchRange` body: request, first index and a count of entries
+    /// of `entry_len` bytes, checked against the limit and the body's length.
+    fn list_head(&mut self, limits: &Limits, entry_len: usize) -> Result<(u64, u32, u32), FrameError> {
+        let req = self.u64()?;
+        let first_index = self.u32()?;
+        let count = self.u32()?;
+        if count == 0 {
+            return Err(self.malformed("empty block list".into()));
+        }
+        if count > limits.max_blocks_per_fetch {
+            return Err(self.malformed(format!("{count} blocks exceed the limit of {} per request", limits.max_blocks_per_fetch)));
+        }
+        let need = count as usize * entry_len;
+        if self.remaining() != need {
+            return Err(self.malformed(format!("{count} blocks need {need} bytes, body has {}", self.remaining())));
+        }
+        if first_index.checked_add(count).is_none() {
+            return Err(self.malformed("block indices overflow".into()));
+        }
+        Ok((req, first_index, count))
     }
     fn string(&mut self) -> Result<String, FrameError> {
         self.string_max(MAX_MESSAGE_LEN, "message")

@@ -93,8 +93,8 @@ fn truncated_messages_are_errors_at_every_cut() {
 fn app_ids_and_attach_data_are_bounded() {
     let limits = Limits::default();
     let long = Frame::Hello {
-        min_version: 2,
-        max_version: 2,
+        min_version: 3,
+        max_version: 3,
         caps: 0,
         nonce: [0; 16],
         max_eager: 1,
@@ -120,4 +120,61 @@ fn message_strings_are_bounded_and_cut_on_char_boundaries() {
         Frame::Error { message, .. } => assert!(message.len() <= MAX_MESSAGE_LEN && message.chars().all(|c| c == 'é')),
         other => panic!("unexpected {other:?}"),
     }
+}
+
+/// A `FetchRange` of one entry with `offset` and `len` written by hand (a peer that does not
+/// use this encoder).
+fn raw_range(offset: u64, len: u64) -> Vec<u8> {
+    let f = Frame::FetchRange {
+        req: 1,
+        first_index: 0,
+        ranges: vec![BlockRange { span: BlockSpan::single(1, 2, 3), offset: 0, len: 0 }],
+    };
+    let mut b = f.to_vec();
+    let at = HEADER_LEN + 16 + BlockSpan::ENCODED_LEN;
+    b[at..at + 8].copy_from_slice(&offset.to_be_bytes());
+    b[at + 8..at + 16].copy_from_slice(&len.to_be_bytes());
+    b
+}
+
+#[test]
+fn range_lengths_are_bounded_and_ends_cannot_overflow() {
+    let limits = Limits::default();
+    let (f, _) = Frame::decode_message(&raw_range(5 << 30, MAX_RANGE_LEN), &limits).unwrap();
+    assert!(matches!(f, Frame::FetchRange { ref ranges, .. } if ranges[0].offset == 5 << 30 && ranges[0].len == MAX_RANGE_LEN));
+    // One byte over 2 GiB - 1 per range: refused before anything is resolved.
+    let e = Frame::decode_message(&raw_range(0, MAX_RANGE_LEN + 1), &limits).unwrap_err();
+    assert!(matches!(&e, FrameError::Malformed { kind: FrameKind::FetchRange, what } if what.contains("per range")), "{e}");
+    // offset + len past u64::MAX.
+    let e = Frame::decode_message(&raw_range(u64::MAX - 10, 11), &limits).unwrap_err();
+    assert!(matches!(&e, FrameError::Malformed { kind: FrameKind::FetchRange, what } if what.contains("overflows")), "{e}");
+    // A count that disagrees with the body, and too many entries.
+    let mut b = raw_range(0, 1);
+    b[HEADER_LEN + 12..HEADER_LEN + 16].copy_from_slice(&2u32.to_be_bytes());
+    assert!(matches!(Frame::decode_message(&b, &limits), Err(FrameError::Malformed { .. })));
+    let r = BlockRange { span: BlockSpan::single(0, 0, 0), offset: 0, len: 1 };
+    let f = Frame::FetchRange { req: 1, first_index: 0, ranges: vec![r; 5] };
+    let few = Limits { max_blocks_per_fetch: 4, ..limits };
+    assert!(matches!(Frame::decode_message(&f.to_vec(), &few), Err(FrameError::Malformed { .. })));
+    // Indices that overflow u32.
+    let f = Frame::FetchRange { req: 1, first_index: u32::MAX, ranges: vec![r; 2] };
+    assert!(matches!(Frame::decode_message(&f.to_vec(), &limits), Err(FrameError::Malformed { .. })));
+}
+
+#[test]
+fn a_rendezvous_region_longer_than_its_block_is_refused() {
+    let d = Descriptor { region: 1, addr: 0, len: 100, rkey: 0 };
+    let ok = Frame::Rendezvous { req: 1, index: 0, desc: d, block_len: 100 };
+    assert_eq!(Frame::decode_message(&ok.to_vec(), &Limits::default()).unwrap().0, ok);
+    let bad = Frame::Rendezvous { req: 1, index: 0, desc: d, block_len: 99 };
+    let e = Frame::decode_message(&bad.to_vec(), &Limits::default()).unwrap_err();
+    assert!(matches!(e, FrameError::Malformed { kind: FrameKind::Rendezvous, .. }), "{e}");
+}
+
+#[test]
+fn version_2_frames_are_refused() {
+    let mut b = Frame::Credit { n: 1 }.to_vec();
+    b[4] = 2;
+    let e = Header::decode(&b, &Limits::default()).unwrap_err();
+    assert_eq!(e, FrameError::UnsupportedVersion { found: 2, min: 3, max: 3 });
 }

@@ -83,7 +83,7 @@ impl Loop {
             PayloadState::Eager { token, sink } => {
                 if let Some(sink) = sink {
                     let len = lease.as_ref().map(|l| l.len()).unwrap_or(0) as u64;
-                    self.deliver_ok(ep_id, sink, token.index as usize, lease, None, Path::Eager, len);
+                    self.deliver_ok(ep_id, sink, token.index as usize, lease, None, Path::Eager, (len, len));
                 }
             }
             PayloadState::Pull { token, last } => {
@@ -94,8 +94,9 @@ impl Loop {
                     let sink = c.sinks.get(&token.req).cloned();
                     let _ = c.session.pull_complete(token, Ok(()), Instant::now());
                     let len = lease.len() as u64;
+                    let block_len = c.block_lens.remove(&token).unwrap_or(len);
                     if let Some(sink) = sink {
-                        self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), guard, Path::Stream, len);
+                        self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), guard, Path::Stream, (len, block_len));
                     }
                     self.client_events(conn, None);
                 } else if !c.session.is_closed() {
@@ -119,11 +120,12 @@ impl Loop {
         }
         let sink = c.sinks.get(&token.req).cloned();
         let now = Instant::now();
+        let block_len = c.block_lens.remove(&token).unwrap_or(len);
         match result {
             Ok(()) => {
                 let _ = c.session.pull_complete(token, Ok(()), now);
                 if let Some(sink) = sink {
-                    self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), guard, Path::Read, len);
+                    self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), guard, Path::Read, (len, block_len));
                 }
             }
             Err(e) => {
@@ -204,14 +206,16 @@ impl Loop {
                         }
                     }
                 },
-                ClientEvent::Rendezvous { token, desc } => {
+                ClientEvent::Rendezvous { token, desc, block_len } => {
                     if desc.len == 0 {
                         let c = client_mut(conn);
                         let sink = c.sinks.get(&token.req).cloned();
                         let _ = c.session.pull_complete(token, Ok(()), Instant::now());
                         if let Some(sink) = sink {
-                            self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Read, 0);
+                            self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Read, (0, block_len));
                         }
+                    } else if block_len != desc.len && client_mut(conn).block_lens.insert(token, block_len).is_some() {
+                        // Cannot happen (the session refuses a region announced twice).
                     } else if self.mem_waiters.is_empty() && self.start_pull(conn, token, desc) {
                         // Started at once.
                     } else {
@@ -223,6 +227,7 @@ impl Loop {
                     let c = client_mut(conn);
                     c.pull_leases.remove(&token);
                     c.pull_guards.remove(&token);
+                    c.block_lens.remove(&token);
                     if let Some(sink) = c.sinks.get(&token.req).cloned() {
                         self.deliver_err(ep_id, sink, token.index as usize, failure);
                     }
@@ -259,7 +264,7 @@ impl Loop {
         let Some(sink) = sink else { return };
         let bytes = p.bytes();
         if bytes.is_empty() {
-            self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Eager, 0);
+            self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Eager, (0, 0));
             return;
         }
         let Some(ep) = self.clients.get(&ep_id) else { return };
@@ -268,7 +273,7 @@ impl Loop {
             Ok(Some(mut lease)) => {
                 lease.copy_from_slice(bytes);
                 let len = bytes.len() as u64;
-                self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), None, Path::Eager, len);
+                self.deliver_ok(ep_id, sink, token.index as usize, Some(lease), None, Path::Eager, (len, len));
             }
             Ok(None) => {
                 ep.stats.staged_payloads.fetch_add(1, Ordering::Relaxed);
@@ -290,7 +295,7 @@ impl Loop {
         let ep_id = client_mut(conn).ep;
         if len == 0 {
             if let Some(sink) = sink {
-                self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Eager, 0);
+                self.deliver_ok(ep_id, sink, token.index as usize, None, None, Path::Eager, (0, 0));
             }
             client_mut(conn).payload = PayloadState::Discard;
             if let Err(e) = conn.transport.place(Placement::Discard) {

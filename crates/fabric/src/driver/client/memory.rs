@@ -137,7 +137,7 @@ impl Loop {
                     Ok(Some(mut lease)) => {
                         lease.copy_from_slice(&bytes);
                         let len = bytes.len() as u64;
-                        self.deliver_ok(ep, sink, index, Some(lease), None, Path::Eager, len);
+                        self.deliver_ok(ep, sink, index, Some(lease), None, Path::Eager, (len, len));
                         None
                     }
                     Ok(None) => Some(MemWaiter { conn: w.conn, kind: MemWait::Staged { ep, sink, index, bytes } }),
@@ -187,7 +187,7 @@ impl Loop {
         lease: Option<Lease>,
         guard: Option<BudgetGuard>,
         path: Path,
-        len: u64,
+        (len, block_len): (u64, u64),
     ) {
         if let Some(ep) = self.clients.get(&ep_id) {
             let s = &ep.stats;
@@ -210,7 +210,7 @@ impl Loop {
                 }
             }
         }
-        self.shared.delivery.send((sink, index, Ok(FetchedBlock { lease, _budget: guard })));
+        self.shared.delivery.send((sink, index, Ok(FetchedBlock { lease, _budget: guard, block_len })));
     }
 
     pub(super) fn deliver_err(&self, ep_id: u64, sink: Arc<dyn BlockSink>, index: usize, failure: BlockFailure) {

@@ -12,6 +12,9 @@
 
 mod incoming;
 mod memory;
+mod stream;
+
+pub use stream::{ChunkSink, StreamConfig};
 
 use super::budget::{BudgetGuard, ByteBudget};
 use super::conn::{Conn, ConnKey, Role};
@@ -20,8 +23,8 @@ use crate::error::FabricError;
 use crate::memory::pool::{Lease, TieredPool};
 use crate::providers::tcp::OutPayload;
 use rdma_shuffle_wire::{
-    caps, BlockFailure, BlockSpan, ClientConfig, ClientSession, Descriptor, FailureCode, Knob, Limits, ProtocolError, RequestId,
-    Secret, Token,
+    caps, BlockFailure, BlockRange, BlockSpan, ClientConfig, ClientSession, Descriptor, FailureCode, Knob, Limits, ProtocolError,
+    RequestId, Secret, Token,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -42,9 +45,17 @@ pub trait BlockSink: Send + Sync {
 pub struct FetchedBlock {
     lease: Option<Lease>,
     _budget: Option<BudgetGuard>,
+    /// Length of the whole block this is (a range of, for a range fetch).
+    block_len: u64,
 }
 
 impl FetchedBlock {
+    /// Length of the whole block: [`len`](Self::len) for a whole block, more for a range of
+    /// a longer one ([`ClientEndpoint::fetch_ranges`]).
+    pub fn block_len(&self) -> u64 {
+        self.block_len
+    }
+
     /// Block length.
     pub fn len(&self) -> usize {
         self.lease.as_ref().map(|l| l.len()).unwrap_or(0)
@@ -148,6 +159,13 @@ pub struct ClientStats {
     pub staged_payloads: AtomicU64,
     /// Connections closed after their idle timeout.
     pub idle_closes: AtomicU64,
+    /// Blocks fetched as a stream of ranges ([`ClientEndpoint::fetch_stream`]) to the end.
+    pub streamed_blocks: AtomicU64,
+    /// Bytes of those blocks.
+    pub streamed_bytes: AtomicU64,
+    /// Most pool buffers one streamed block held at once (ranges requested and not yet
+    /// handed to the stream's sink), over all streams.
+    pub peak_stream_buffers: AtomicU64,
 }
 
 impl ClientStats {
@@ -217,7 +235,28 @@ impl ClientEndpoint {
         if blocks.is_empty() {
             return;
         }
-        let cmd = Command::Fetch(FetchCmd { client: self.id, addr, blocks, sink });
+        self.submit(FetchCmd { client: self.id, addr, blocks, ranges: None, sink });
+    }
+
+    /// Fetches byte ranges of blocks from the server at `addr` (each range at most
+    /// [`rdma_shuffle_wire::frame::MAX_RANGE_LEN`], inside its block, or it fails with
+    /// `BadRange`). Each range lands in one pool buffer; [`FetchedBlock::block_len`] says how
+    /// long the whole block is. `sink` gets every range's outcome exactly once.
+    pub fn fetch_ranges(&self, addr: SocketAddr, ranges: Vec<BlockRange>, sink: Arc<dyn BlockSink>) {
+        if ranges.is_empty() {
+            return;
+        }
+        let blocks = ranges.iter().map(|r| r.span).collect();
+        self.submit(FetchCmd { client: self.id, addr, blocks, ranges: Some(ranges), sink });
+    }
+
+    /// A handle that submits fetches to this endpoint from anywhere (a stream's sink).
+    pub(crate) fn fetcher(&self) -> Fetcher {
+        Fetcher { driver: self.driver.clone(), id: self.id, stats: self.stats.clone() }
+    }
+
+    fn submit(&self, f: FetchCmd) {
+        let cmd = Command::Fetch(f);
         if let Err(e) = self.driver.shared().command(cmd) {
             // The loop is gone: nothing else would ever answer these blocks.
             tracing::debug!(error = %e, "fetch after shutdown");
@@ -277,7 +316,30 @@ pub(crate) struct FetchCmd {
     pub(crate) client: u64,
     addr: SocketAddr,
     blocks: Vec<BlockSpan>,
+    ranges: Option<Vec<BlockRange>>,
     sink: Arc<dyn BlockSink>,
+}
+
+/// Submits fetches to one endpoint's loop; what a stream holds to ask for its next ranges.
+#[derive(Clone)]
+pub(crate) struct Fetcher {
+    driver: Driver,
+    id: u64,
+    pub(crate) stats: Arc<ClientStats>,
+}
+
+impl Fetcher {
+    /// As [`ClientEndpoint::fetch_ranges`]; an error when the loop is gone and nothing will
+    /// answer (a command the loop took is answered, if need be by the endpoint's shutdown).
+    pub(crate) fn fetch_ranges(
+        &self,
+        addr: SocketAddr,
+        ranges: Vec<BlockRange>,
+        sink: Arc<dyn BlockSink>,
+    ) -> Result<(), FabricError> {
+        let blocks = ranges.iter().map(|r| r.span).collect();
+        self.driver.shared().command(Command::Fetch(FetchCmd { client: self.id, addr, blocks, ranges: Some(ranges), sink }))
+    }
 }
 
 /// A client endpoint, inside the loop.
@@ -331,6 +393,8 @@ pub(crate) struct ClientConn {
     pull_guards: HashMap<Token, Option<BudgetGuard>>,
     /// One-sided reads in flight: tag → block, budget, length.
     reads: HashMap<u64, (Token, Option<BudgetGuard>, u64)>,
+    /// Whole-block lengths of rendezvous blocks not yet delivered (ranges of longer blocks).
+    block_lens: HashMap<Token, u64>,
     next_tag: u64,
     payload: PayloadState,
     connected: bool,
@@ -392,7 +456,7 @@ impl Loop {
     }
 
     pub(crate) fn fetch(&mut self, f: FetchCmd) {
-        let FetchCmd { client, addr, blocks, sink } = f;
+        let FetchCmd { client, addr, blocks, ranges, sink } = f;
         let fail_all = |lp: &Loop, code: FailureCode, why: String, knob: Option<Knob>| {
             for (i, span) in blocks.iter().enumerate() {
                 let failure = BlockFailure::new(code, format!("{span}: {why}")).with_knob(knob);
@@ -439,7 +503,10 @@ impl Loop {
         // The request is in the session before the connection is first driven: a peer that
         // answers (or refuses) at once still finds it there.
         let c = client_mut(&mut conn);
-        let req = c.session.fetch(blocks, Instant::now());
+        let req = match ranges {
+            Some(r) => c.session.fetch_ranges(r, Instant::now()),
+            None => c.session.fetch(blocks, Instant::now()),
+        };
         c.sinks.insert(req, sink);
         self.client_events(&mut conn, None);
         self.put(conn);
@@ -481,6 +548,7 @@ impl Loop {
             pull_leases: HashMap::new(),
             pull_guards: HashMap::new(),
             reads: HashMap::new(),
+            block_lens: HashMap::new(),
             next_tag: 1,
             payload: PayloadState::None,
             connected: !transport.is_stream() || is_connected(&transport),

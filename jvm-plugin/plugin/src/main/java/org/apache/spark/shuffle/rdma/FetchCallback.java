@@ -34,4 +34,14 @@ public interface FetchCallback {
    * @param message what failed, naming the peer and the block
    */
   void onFailure(int index, String kind, String message);
+
+  /**
+   * A block streamed into its file ({@link NativeBridge#fetchBlockToFile}) is complete.
+   *
+   * @param index always 0 (one block per {@code fetchBlockToFile} call)
+   * @param length the block's length in bytes, as written to the file (may exceed 2 GiB)
+   */
+  default void onFile(int index, long length) {
+    onFailure(index, "other", "unexpected file result (" + length + " bytes) for a fetch into memory");
+  }
 }

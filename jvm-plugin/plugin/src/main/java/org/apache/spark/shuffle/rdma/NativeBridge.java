@@ -91,6 +91,26 @@ public final class NativeBridge {
       long[] mapIds, int[] startReduceIds, int[] endReduceIds, FetchCallback cb);
 
   /**
+   * Streams one block of any length (above the pool cap, above 2 GiB) from a remote engine into
+   * the file at {@code path} (created or truncated), through at most two pool buffers of at most
+   * the largest pool tier at a time; returns at once. Then exactly one {@code cb.onFile(0,
+   * length)} or {@code cb.onFailure(0, kind, message)} follows, from a native thread. The caller
+   * owns the file (and deletes it, also after a failure).
+   *
+   * @param h engine handle
+   * @param host the remote engine's host
+   * @param port the remote engine's port
+   * @param shuffleId shuffle id
+   * @param mapId map id
+   * @param startReduceId first reduce partition (inclusive)
+   * @param endReduceId last reduce partition (exclusive)
+   * @param path the file to write
+   * @param cb receives the result
+   */
+  public static native void fetchBlockToFile(long h, String host, int port, int shuffleId,
+      long mapId, int startReduceId, int endReduceId, String path, FetchCallback cb);
+
+  /**
    * Returns a fetched block's memory to the pool. Call it once per lease handed to {@link
    * FetchCallback#onBlock}; the direct ByteBuffer must not be touched afterwards. A handle is a
    * key into the native lease table, not a pointer: releasing one twice, or one never handed

@@ -3,22 +3,16 @@
  */
 package org.apache.spark.shuffle.rdma
 
-import java.io.IOException
+import java.io.{File, IOException}
 import java.nio.ByteBuffer
-import java.util.concurrent.{
-  CompletableFuture,
-  ExecutorService,
-  LinkedBlockingQueue,
-  ThreadFactory,
-  ThreadPoolExecutor,
-  TimeUnit
-}
-import java.util.concurrent.atomic.{AtomicInteger, AtomicIntegerArray, AtomicLong}
+import java.util.concurrent.CompletableFuture
+import java.util.concurrent.atomic.{AtomicIntegerArray, AtomicLong}
 
 import scala.util.control.NonFatal
 
 import org.apache.spark.internal.Logging
-import org.apache.spark.network.buffer.ManagedBuffer
+import org.apache.spark.SparkEnv
+import org.apache.spark.network.buffer.{FileSegmentManagedBuffer, ManagedBuffer}
 import org.apache.spark.network.shuffle.{
   BlockFetchingListener,
   BlockStoreClient,
@@ -58,20 +52,30 @@ trait EngineDirectory {
  * block manager serves every committed map output from Spark's files. Only if that fails too
  * does Spark see a failure (and, after its retries, `FetchFailedException`).
  *
- * Requests the fetcher wants on disk (larger than `spark.network.maxRemoteBlockSizeFetchToMem`)
- * are copied from the native buffer into the fetcher's temp file on a JVM thread, and the
- * native memory is released at once.
+ * Requests the fetcher wants on disk (larger than `spark.network.maxRemoteBlockSizeFetchToMem`:
+ * Spark then passes a `DownloadFileManager`) are streamed block by block into the fetcher's temp
+ * files, as Spark's own client does: the engine pulls each block in ranges of at most the largest
+ * pool tier, two at a time, and writes them to the file, so a block larger than the pool cap or
+ * than 2 GiB never needs one buffer of its size. Spark gets a `FileSegmentManagedBuffer` and
+ * deletes the file when the fetcher is cleaned up. A block fetched into memory that finds no
+ * pool memory (`pool_exhausted`: larger than `spark.shuffle.rdma.pool.capBytes`, or the pool is
+ * full) is streamed the same way into a temp file of the block manager, deleted when Spark
+ * releases the buffer. Offsets and lengths are longs throughout.
  *
  * @param engine the local engine (its client half)
  * @param directory executor id -> engine address
  * @param sparkClient Spark's own client (`blockManager.blockStoreClient`), not owned here
  * @param transportConf Spark's shuffle transport conf (retries, temp-file buffers)
+ * @param tempFile a new temp file for a block streamed outside a `DownloadFileManager` (default:
+ *     the block manager's `createTempLocalBlock`)
  */
 class NativeBlockStoreClient(
     engine: ShuffleEngine,
     directory: EngineDirectory,
     sparkClient: BlockStoreClient,
-    transportConf: TransportConf) extends BlockStoreClient with Logging {
+    transportConf: TransportConf,
+    tempFile: () => File = NativeBlockStoreClient.blockManagerTempFile)
+  extends BlockStoreClient with Logging {
 
   private val nativeRequests = new AtomicLong()
   private val delegatedRequests = new AtomicLong()
@@ -127,7 +131,11 @@ class NativeBlockStoreClient(
     val callback =
       new ListenerCallback(addr, sparkHost, sparkPort, execId, ids, listener, downloadFileManager)
     try {
-      engine.fetchBlocks(addr.host, addr.port, ranges, callback)
+      if (downloadFileManager != null) {
+        ranges.indices.foreach(callback.streamToDownloadFile)
+      } else {
+        engine.fetchBlocks(addr.host, addr.port, ranges, callback)
+      }
     } catch {
       case e: RdmaShuffleException if e.isTransient =>
         throw new IOException(
@@ -194,50 +202,13 @@ class NativeBlockStoreClient(
         logWarning(s"Ignoring unexpected block result for index $index of ${ids.length} from " +
           s"executor $execId engine ${addr.host}:${addr.port}")
         buf.release()
-      } else if (downloadFileManager == null) {
+      } else {
+        // In memory (a request Spark wants on disk is streamed to files instead).
         try {
           deliver(ids(index), buf)
         } finally {
           buf.release() // the listener retained what it keeps
         }
-      } else {
-        NativeBlockStoreClient.diskWriters.execute(new Runnable {
-          override def run(): Unit = writeToDisk(ids(index), buf)
-        })
-      }
-    }
-
-    private def writeToDisk(blockId: String, buf: NativeManagedBuffer): Unit = {
-      val file = downloadFileManager.createTempFile(transportConf)
-      try {
-        val channel = file.openForWriting()
-        val fileBuf =
-          try {
-            val src = buf.nioByteBuffer()
-            while (src.hasRemaining) channel.write(src)
-            channel.closeAndRead()
-          } catch {
-            case NonFatal(e) =>
-              try channel.close()
-              catch { case NonFatal(_) => }
-              throw e
-          } finally {
-            buf.release()
-          }
-        if (downloadFileManager.registerTempFileToClean(file)) {
-          deliver(blockId, fileBuf)
-        } else {
-          // The fetcher is already cleaned up (task finished or failed): nobody wants it.
-          file.delete()
-        }
-      } catch {
-        case NonFatal(e) =>
-          file.delete()
-          failure(
-            blockId,
-            new IOException(
-              s"writing block $blockId fetched from executor $execId to ${file.path()} failed",
-              e))
       }
     }
 
@@ -267,7 +238,82 @@ class NativeBlockStoreClient(
       }
     }
 
+    /**
+     * Streams block `index` into a temp file of the fetcher's `DownloadFileManager` and hands
+     * Spark the file once complete.
+     */
+    def streamToDownloadFile(index: Int): Unit = {
+      val file = downloadFileManager.createTempFile(transportConf)
+      stream(index, new File(file.path()), () => file.delete()) { length =>
+        if (downloadFileManager.registerTempFileToClean(file)) {
+          deliver(
+            ids(index),
+            new FileSegmentManagedBuffer(transportConf, new File(file.path()), 0, length))
+        } else {
+          // The fetcher is already cleaned up (task finished or failed): nobody wants it.
+          file.delete()
+        }
+      }
+    }
+
+    /** Streams block `index` into `target`; `complete` gets its length, after `claim`. */
+    private def stream(
+        index: Int,
+        target: File,
+        delete: () => Unit)(complete: Long => Unit): Unit = {
+      val cb = new FetchCallback {
+        override def onBlock(i: Int, directBuf: ByteBuffer, leaseHandle: Long): Unit = {
+          engine.releaseLease(leaseHandle)
+          delete()
+          ListenerCallback.this.onFailure(
+            index,
+            "protocol",
+            "a buffer came back for a streamed block")
+        }
+        override def onFailure(i: Int, kind: String, message: String): Unit = {
+          delete()
+          // Not again to a temp file: the stream itself failed.
+          ListenerCallback.this.fail(index, kind, s"streaming into $target: $message")
+        }
+        override def onFile(i: Int, length: Long): Unit =
+          if (claim(index)) {
+            try complete(length)
+            catch { case NonFatal(e) => delete(); failure(ids(index), e) }
+          } else {
+            delete()
+            logWarning(s"Ignoring a second result for streamed block ${ids(index)}")
+          }
+      }
+      engine.fetchBlockToFile(addr.host, addr.port, ranges(index), target, cb)
+    }
+
+    private lazy val ranges = NativeBlockStoreClient.toRanges(ids).get
+
     override def onFailure(index: Int, kind: String, message: String): Unit = {
+      if (kind == "pool_exhausted" && downloadFileManager == null && index >= 0 &&
+        index < ids.length && done.get(index) == 0) {
+        // No pool memory for the whole block: stream it into a temp file instead.
+        var target: File = null
+        try {
+          target = tempFile()
+          logInfo(s"Streaming ${ids(index)} from executor $execId into $target: $message")
+          val file = target
+          stream(index, file, () => file.delete()) { length =>
+            val buf = new NativeBlockStoreClient.TempFileBuffer(transportConf, file, length)
+            try deliver(ids(index), buf)
+            finally buf.release() // the listener retained what it keeps
+          }
+        } catch {
+          case NonFatal(e) =>
+            if (target != null) target.delete()
+            fail(index, kind, s"$message; streaming it into a temp file failed to start: $e")
+        }
+      } else {
+        fail(index, kind, message)
+      }
+    }
+
+    private def fail(index: Int, kind: String, message: String): Unit = {
       if (claim(index)) {
         val blockId = ids(index)
         if (NativeBlockStoreClient.UnknownToEngine.contains(kind)) {
@@ -352,28 +398,34 @@ object NativeBlockStoreClient {
     Some(out.toIndexedSeq)
   }
 
-  private val threadCounter = new AtomicInteger()
+  /** A new temp file of this executor's block manager (Spark's own temp-block naming). */
+  def blockManagerTempFile(): File =
+    SparkEnv.get.blockManager.diskBlockManager.createTempLocalBlock()._2
 
   /**
-   * Copies to-disk fetches off the engine's progress threads. Daemon threads that die after
-   * 60 s idle, so an idle executor keeps none and stop() has nothing to join.
+   * A streamed block in a temp file no `DownloadFileManager` owns, reference counted like a
+   * pooled buffer (one reference at creation): the file is deleted when the last is released.
+   * Spark's fetcher retains what it keeps and releases every result it took, read or not.
    */
-  private[rdma] lazy val diskWriters: ExecutorService = {
-    val pool = new ThreadPoolExecutor(
-      2,
-      2,
-      60L,
-      TimeUnit.SECONDS,
-      new LinkedBlockingQueue[Runnable](),
-      new ThreadFactory {
-        override def newThread(r: Runnable): Thread = {
-          val t = new Thread(r, s"rdma-shuffle-disk-writer-${threadCounter.incrementAndGet()}")
-          t.setDaemon(true)
-          t
-        }
-      }
-    )
-    pool.allowCoreThreadTimeOut(true)
-    pool
+  private[rdma] final class TempFileBuffer(conf: TransportConf, file: File, length: Long)
+    extends ManagedBuffer {
+    private val segment = new FileSegmentManagedBuffer(conf, file, 0, length)
+    private val refs = new java.util.concurrent.atomic.AtomicInteger(1)
+    override def size(): Long = length
+    override def nioByteBuffer(): ByteBuffer = segment.nioByteBuffer()
+    override def createInputStream(): java.io.InputStream = segment.createInputStream()
+    override def retain(): ManagedBuffer = {
+      refs.incrementAndGet()
+      this
+    }
+    override def release(): ManagedBuffer = {
+      if (refs.decrementAndGet() == 0) file.delete()
+      this
+    }
+    override def convertToNetty(): AnyRef = segment.convertToNetty()
+    // Spark 4 only (no `override`, so Spark 3.5 builds too): a local temp file is never sent.
+    def convertToNettyForSsl(): AnyRef =
+      throw new UnsupportedOperationException(s"$file is a local temp file, never sent")
+    override def toString: String = s"TempFileBuffer($file, $length bytes)"
   }
 }

@@ -97,6 +97,24 @@ final class NativeEngine private (handle: Long) extends ShuffleEngine with Loggi
     NativeBridge.fetchBlocks(handle, host, port, shuffleIds, mapIds, starts, ends, counting)
   }
 
+  override def fetchBlockToFile(
+      host: String,
+      port: Int,
+      block: BlockRange,
+      file: java.io.File,
+      callback: FetchCallback): Unit = guarded("fetchBlockToFile") {
+    NativeBridge.fetchBlockToFile(
+      handle,
+      host,
+      port,
+      block.shuffleId,
+      block.mapId,
+      block.startReduceId,
+      block.endReduceId,
+      file.getAbsolutePath,
+      callback)
+  }
+
   override def releaseLease(lease: Long): Unit = {
     // No lock and no `open` check: valid before and after close (see the class docs).
     if (NativeBridge.releaseLease(lease)) outstandingLeases.decrementAndGet()

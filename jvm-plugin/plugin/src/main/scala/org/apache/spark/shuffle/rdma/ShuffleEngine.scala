@@ -50,6 +50,20 @@ trait ShuffleEngine {
       blocks: IndexedSeq[BlockRange],
       callback: FetchCallback): Unit
 
+  /**
+   * Streams `block` from the engine at `host:port` into `file` (see
+   * [[NativeBridge.fetchBlockToFile]]): exactly one `callback.onFile(0, length)` or
+   * `callback.onFailure(0, ...)` follows, possibly from another thread. An engine that cannot
+   * stream answers with a failure.
+   */
+  def fetchBlockToFile(
+      host: String,
+      port: Int,
+      block: BlockRange,
+      file: File,
+      callback: FetchCallback): Unit =
+    callback.onFailure(0, "other", s"${getClass.getSimpleName} cannot stream blocks to files")
+
   /** Returns the memory of a fetched block (exactly once per lease). */
   def releaseLease(lease: Long): Unit
 

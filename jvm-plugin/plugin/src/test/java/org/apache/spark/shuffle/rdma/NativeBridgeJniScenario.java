@@ -546,6 +546,56 @@ public final class NativeBridgeJniScenario {
       System.out.println("  dead port: [" + refused.get(i).kind + "] " + refused.get(i).message);
     }
 
+    step("fetchBlockToFile streams a block into a file (onFile with a long length), or fails");
+    File streamedFile = new File(dir, "streamed.tmp");
+    File missingFile = new File(dir, "missing.tmp");
+    final long[] fileLength = {-1, -1};
+    final String[] fileKind = {null, null};
+    final CountDownLatch filesDone = new CountDownLatch(2);
+    for (int i = 0; i < 2; i++) {
+      final int k = i;
+      FetchCallback cb = new FetchCallback() {
+        @Override
+        public void onBlock(int index, ByteBuffer buf, long lease) {
+          NativeBridge.releaseLease(lease);
+          fileKind[k] = "unexpected onBlock";
+          filesDone.countDown();
+        }
+
+        @Override
+        public void onFailure(int index, String kind, String message) {
+          fileKind[k] = kind;
+          System.out.println("  streamed failure: [" + kind + "] " + message);
+          filesDone.countDown();
+        }
+
+        @Override
+        public void onFile(int index, long length) {
+          fileLength[k] = index == 0 ? length : -2;
+          filesDone.countDown();
+        }
+      };
+      NativeBridge.fetchBlockToFile(b, "127.0.0.1", portA, SHUFFLE, k == 0 ? 7 : 12345, 0, 8,
+          (k == 0 ? streamedFile : missingFile).getAbsolutePath(), cb);
+    }
+    check(filesDone.await(WAIT_SECONDS, TimeUnit.SECONDS), "fetchBlockToFile: no answer");
+    byte[] want = mixed.range(0, 8);
+    check(fileLength[0] == want.length && fileKind[0] == null, "streamed: length " + fileLength[0]
+        + " kind " + fileKind[0] + ", expected " + want.length);
+    check(Arrays.equals(java.nio.file.Files.readAllBytes(streamedFile.toPath()), want),
+        "streamed file differs from the map output's bytes");
+    check("unknown_map_output".equals(fileKind[1]), "streaming an unknown map output: "
+        + fileKind[1]);
+    // The probe and the one range of the 1.2 MB block count as fetched ranges.
+    blocks += 2;
+    bytes += want.length;
+    check(stats(b).get("streamed_blocks") == 1 && stats(b).get("streamed_bytes") == want.length,
+        "B streamed counters " + stats(b));
+    check(stats(b).get("pool_bytes_in_use") == 0, "after streaming: "
+        + stats(b).get("pool_bytes_in_use"));
+    streamedFile.delete();
+    missingFile.delete();
+
     step("invalid arguments throw RdmaShuffleException with a kind");
     final int[] one = {SHUFFLE};
     final long[] oneMap = {7};
@@ -660,11 +710,11 @@ public final class NativeBridgeJniScenario {
     check(fb.get("blocks_fetched") == blocks && fb.get("bytes_fetched") == bytes,
         "B fetched " + fb.get("blocks_fetched") + "/" + fb.get("bytes_fetched") + ", expected "
             + blocks + "/" + bytes);
-    // 1 from the throwing test, 5 remote failures, 2 connection failures.
-    check(fb.get("failed_blocks_fetched") == 8, "B failed_blocks_fetched "
-        + fb.get("failed_blocks_fetched") + ", expected 8");
-    check(fa.get("failed_blocks_served") == 6, "A failed_blocks_served "
-        + fa.get("failed_blocks_served") + ", expected 6");
+    // 1 from the throwing test, 5 remote failures, 2 connection failures, 1 streamed.
+    check(fb.get("failed_blocks_fetched") == 9, "B failed_blocks_fetched "
+        + fb.get("failed_blocks_fetched") + ", expected 9");
+    check(fa.get("failed_blocks_served") == 7, "A failed_blocks_served "
+        + fa.get("failed_blocks_served") + ", expected 7");
     check(fb.get("pool_bytes_in_use") == 0, "B pool_bytes_in_use " + fb.get("pool_bytes_in_use"));
 
     step("unregisterShuffle");

@@ -52,8 +52,21 @@ class NativeBlockStoreClientTest {
   }
 
   /** An engine whose fetch answers are scripted per call (call number is 1-based). */
-  private class ScriptedEngine(script: (Int, IndexedSeq[BlockRange], FetchCallback) => Unit)
+  private class ScriptedEngine(
+      script: (Int, IndexedSeq[BlockRange], FetchCallback) => Unit,
+      toFile: (BlockRange, File, FetchCallback) => Unit = (_, _, cb) =>
+        cb.onFailure(0, "other", "no file script"))
     extends ShuffleEngine {
+    val streamed = new ConcurrentLinkedQueue[(BlockRange, File)]()
+    override def fetchBlockToFile(
+        host: String,
+        port: Int,
+        block: BlockRange,
+        file: File,
+        callback: FetchCallback): Unit = {
+      streamed.add((block, file))
+      toFile(block, file, callback)
+    }
     val released = new ConcurrentLinkedQueue[Long]()
     val requests = new ConcurrentLinkedQueue[(String, Int, IndexedSeq[BlockRange])]()
     @volatile private var calls = 0
@@ -284,7 +297,21 @@ class NativeBlockStoreClientTest {
     assertEquals(Set(10L, 11L), engine.released.asScala.toSet)
   }
 
-  @Test def toDiskRequestsAreCopiedToTheFetchersFile(): Unit = {
+  /** Writes `bytesOf(n, seed)` into `file` as the engine's stream would, then reports it. */
+  private def writeFile(file: File, n: Int, seed: Int, cb: FetchCallback): Unit = {
+    val ch = java.nio.channels.FileChannel.open(
+      file.toPath,
+      java.nio.file.StandardOpenOption.WRITE,
+      java.nio.file.StandardOpenOption.TRUNCATE_EXISTING)
+    try ch.write(bytesOf(n, seed))
+    finally ch.close()
+    cb.onFile(0, n.toLong)
+  }
+
+  @Test def toDiskRequestsAreStreamedIntoTheFetchersFiles(): Unit = {
+    // Issue 14: a request Spark wants on disk never passes through one native buffer per block:
+    // each block is streamed into its own DownloadFileManager temp file; a failed stream's file
+    // is deleted.
     val tc = transportConf(0)
     val dir = java.nio.file.Files.createTempDirectory("rdma-dl").toFile
     val registered = new ConcurrentLinkedQueue[DownloadFile]()
@@ -293,20 +320,62 @@ class NativeBlockStoreClientTest {
         new SimpleDownloadFile(File.createTempFile("blk", ".tmp", dir), conf)
       override def registerTempFileToClean(file: DownloadFile): Boolean = registered.add(file)
     }
-    val payload = bytesOf(100000, 7)
-    val engine = new ScriptedEngine((_, _, cb) => cb.onBlock(0, payload.duplicate(), 77L))
+    val engine = new ScriptedEngine(
+      (_, _, _) => fail("a to-disk request must not be fetched into memory"),
+      (block, file, cb) =>
+        if (block.mapId == 3L) cb.onFailure(0, "corrupt", "data file truncated")
+        else writeFile(file, 100000 + block.startReduceId, block.startReduceId, cb)
+    )
     val client = new NativeBlockStoreClient(engine, remote, new RecordingSparkClient, tc)
-    val l = new RecordingListener(false, 1)
-    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, dfm)
+    val l = new RecordingListener(false, 3)
+    client.fetchBlocks(
+      "h",
+      1,
+      "exec-2",
+      Array("shuffle_0_1_0", "shuffle_0_1_2_5", "shuffle_0_3_0"),
+      l,
+      dfm)
     l.await()
-    assertArrayEquals(bytes(payload), l.ok.peek()._2)
+    val got = l.ok.asScala.toMap
+    assertArrayEquals(bytes(bytesOf(100000, 0)), got("shuffle_0_1_0"))
+    assertArrayEquals(bytes(bytesOf(100002, 2)), got("shuffle_0_1_2_5"))
     assertEquals(
-      "native memory released right after the copy",
-      Seq(77L),
-      engine.released.asScala.toSeq)
-    assertEquals(1, registered.size())
-    assertTrue(new File(registered.peek().path()).length() == 100000)
+      Seq(BlockRange(0, 1L, 0, 1), BlockRange(0, 1L, 2, 5), BlockRange(0, 3L, 0, 1)),
+      engine.streamed.asScala.map(_._1).toSeq)
+    val (failedId, e) = l.failed.peek()
+    assertEquals("shuffle_0_3_0", failedId)
+    assertTrue(e.getMessage, e.getMessage.contains("data file truncated"))
+    assertFalse(
+      "the failed stream's temp file is deleted",
+      engine.streamed.asScala.last._2.exists())
+    assertEquals(2, registered.size())
+    registered.asScala.foreach(f => assertTrue(new File(f.path()).length() >= 100000))
     registered.asScala.foreach(_.delete())
+    dir.delete()
+  }
+
+  @Test def blocksWithoutPoolMemoryAreStreamedIntoATempFileDeletedOnRelease(): Unit = {
+    // A block fetched into memory that is larger than the pool cap streams into a block-manager
+    // temp file instead; the file lives until Spark releases the buffer.
+    val dir = java.nio.file.Files.createTempDirectory("rdma-tmp").toFile
+    val engine = new ScriptedEngine(
+      (_, _, cb) => cb.onFailure(0, "pool_exhausted", "no buffer for a 9000000-byte block"),
+      (_, file, cb) => writeFile(file, 300000, 5, cb))
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      new RecordingSparkClient,
+      transportConf(0),
+      () => File.createTempFile("temp_local_", ".tmp", dir))
+    val l = new RecordingListener(retain = true, expected = 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertTrue(s"failures: ${l.failed.asScala}", l.failed.isEmpty)
+    assertArrayEquals(bytes(bytesOf(300000, 5)), l.ok.peek()._2)
+    val file = engine.streamed.peek()._2
+    assertTrue("kept while Spark holds the buffer", file.exists())
+    l.kept.asScala.foreach(_.release())
+    assertFalse("deleted when Spark released it", file.exists())
     dir.delete()
   }
 }

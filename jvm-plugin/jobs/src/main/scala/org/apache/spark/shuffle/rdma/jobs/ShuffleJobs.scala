@@ -29,6 +29,7 @@ import org.apache.spark.sql.functions._
  * how partitions were scheduled; jobs whose output order matters check it themselves.
  *
  * Usage: ShuffleJobs <all|job[,job...]> [scale], jobs: wordcount, terasort, sql, sparse, bigblock
+ * (and, not in `all`, hugerequest: see [[hugeRequest]])
  */
 object ShuffleJobs {
 
@@ -41,7 +42,9 @@ object ShuffleJobs {
       s"usage: ShuffleJobs <all|job[,job...]> [scale]; jobs: ${AllJobs.mkString(", ")}")
     val jobs = if (args(0) == "all") AllJobs else args(0).split(",").map(_.trim).toSeq
     jobs.foreach(j =>
-      require(AllJobs.contains(j), s"unknown job '$j'; jobs: ${AllJobs.mkString(", ")}"))
+      require(
+        AllJobs.contains(j) || j == "hugerequest",
+        s"unknown job '$j'; jobs: ${AllJobs.mkString(", ")}, hugerequest"))
     val scale = if (args.length > 1) args(1).toDouble else 1.0
     // Several jobs share one application: on 2 cores, starting the executors of a
     // local-cluster costs more than most of the jobs themselves.
@@ -60,6 +63,7 @@ object ShuffleJobs {
         case "sql" => sqlAqe(spark, scale)
         case "sparse" => sparse(sc, scale)
         case "bigblock" => bigBlock(sc, scale)
+        case "hugerequest" => hugeRequest(sc, scale)
       }
       val wallMs = (System.nanoTime() - start) / 1000000
       // Task-end events arrive asynchronously; let the listener bus deliver them.
@@ -261,19 +265,33 @@ object ShuffleJobs {
    * 0 and 1). Both reduce tasks run at once, one per executor, so one of the two big blocks is
    * fetched remotely (the harness disables reduce locality). The values are streamed, never held.
    */
-  def bigBlock(sc: SparkContext, scale: Double): Digest = {
+  def bigBlock(sc: SparkContext, scale: Double): Digest =
+    bigBlocks(sc, maps = 1, chunks = 2 * math.max(1, (210 * scale).toInt), key = _ % 2)
+
+  /**
+   * Four map tasks each write a block of 1100 MiB x scale for reduce partition 0 (and 1 MiB for
+   * partition 1), so the reduce task of partition 0 reads four big blocks, two of them (when
+   * the maps split evenly) from the other executor. Outside the CI suite
+   * (scripts/spark-huge-block.sh): with `spark.reducer.maxSizeInFlight` large, those two form
+   * one fetch request of more than 2 GiB.
+   */
+  def hugeRequest(sc: SparkContext, scale: Double): Digest = {
+    val n = math.max(1, (1100 * scale).toInt)
+    bigBlocks(sc, maps = 4, chunks = n + 1, key = i => if (i == n) 1 else 0)
+  }
+
+  private def bigBlocks(sc: SparkContext, maps: Int, chunks: Int, key: Int => Int): Digest = {
     val chunk = 1 << 20
-    val chunksPerBlock = math.max(1, (210 * scale).toInt)
-    val data = sc.parallelize(Seq(0), 1).flatMap { _ =>
-      var x = 0x2545f4914f6cdd1dL
-      Iterator.range(0, 2 * chunksPerBlock).map { i =>
+    val data = sc.parallelize(0 until maps, maps).flatMap { m =>
+      var x = 0x2545f4914f6cdd1dL + m
+      Iterator.range(0, chunks).map { i =>
         val buf = ByteBuffer.allocate(chunk)
         while (buf.hasRemaining) {
           // xorshift64*: fast and incompressible enough for LZ4/zstd.
           x ^= x >>> 12; x ^= x << 25; x ^= x >>> 27
           buf.putLong(x * 0x2545f4914f6cdd1dL)
         }
-        (i % 2, buf.array())
+        (key(i), buf.array())
       }
     }
     val shuffled = data.partitionBy(new HashPartitioner(2))
