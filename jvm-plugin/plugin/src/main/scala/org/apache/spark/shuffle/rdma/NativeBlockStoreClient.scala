@@ -17,6 +17,7 @@ import java.util.concurrent.atomic.{AtomicInteger, AtomicIntegerArray, AtomicLon
 
 import scala.util.control.NonFatal
 
+import org.apache.spark.{ExecutorDeadException, SparkEnv}
 import org.apache.spark.internal.Logging
 import org.apache.spark.network.buffer.ManagedBuffer
 import org.apache.spark.network.shuffle.{
@@ -28,7 +29,7 @@ import org.apache.spark.network.shuffle.{
 }
 import org.apache.spark.network.shuffle.checksum.Cause
 import org.apache.spark.network.util.TransportConf
-import org.apache.spark.storage.{BlockId, ShuffleBlockBatchId, ShuffleBlockId}
+import org.apache.spark.storage.{BlockId, BlockManagerMessages, ShuffleBlockBatchId, ShuffleBlockId}
 
 /** Where a remote executor's engine listens. */
 final case class EngineAddress(host: String, port: Int)
@@ -50,7 +51,10 @@ trait EngineDirectory {
  * whose native library did not load, ...) goes to Spark's own client unchanged. Native fetches
  * are wrapped in Spark's `RetryingBlockTransferor`, so `spark.shuffle.io.maxRetries` and
  * `spark.shuffle.io.retryWait` apply exactly as with Netty; transient engine errors therefore
- * reach it as `IOException`s.
+ * reach it as `IOException`s — unless the driver reports the serving executor dead: as in
+ * Spark's own client (SPARK-27637), a transient failure towards an executor the driver has
+ * removed fails at once with `ExecutorDeadException`, which is never retried, so the reducer
+ * reports `FetchFailed` without waiting `maxRetries` x `retryWait` for a peer that is gone.
  *
  * A block the remote engine does not have (`unknown_map_output`, `unknown_shuffle`: its map
  * output's registration failed on that executor, or the output was migrated there by
@@ -66,12 +70,16 @@ trait EngineDirectory {
  * @param directory executor id -> engine address
  * @param sparkClient Spark's own client (`blockManager.blockStoreClient`), not owned here
  * @param transportConf Spark's shuffle transport conf (retries, temp-file buffers)
+ * @param executorAlive whether the driver still counts an executor alive (asked after a
+ *   transient failure; `true` when it cannot be asked)
  */
 class NativeBlockStoreClient(
     engine: ShuffleEngine,
     directory: EngineDirectory,
     sparkClient: BlockStoreClient,
-    transportConf: TransportConf) extends BlockStoreClient with Logging {
+    transportConf: TransportConf,
+    executorAlive: String => Boolean = NativeBlockStoreClient.askDriverIfAlive)
+  extends BlockStoreClient with Logging {
 
   private val nativeRequests = new AtomicLong()
   private val delegatedRequests = new AtomicLong()
@@ -85,6 +93,41 @@ class NativeBlockStoreClient(
 
   /** Blocks a remote engine did not have, fetched again through Spark's own client. */
   def unknownToEngineCount: Long = unknownToEngine.get()
+
+  /** Transient failures not retried because the driver reported the executor dead. */
+  def deadExecutorFailureCount: Long = deadExecutorFailures.get()
+
+  private val deadExecutorFailures = new AtomicLong()
+
+  /** The driver's answer; blocks on an RPC to it, so never on an engine thread. */
+  private def aliveNow(execId: String): Boolean =
+    try executorAlive(execId)
+    catch { case NonFatal(_) => true }
+
+  /**
+   * What a transient failure towards `execId` becomes: `ExecutorDeadException` (not retried)
+   * when the driver has removed that executor, else an `IOException` (retried by Spark's
+   * policy).
+   */
+  private def transientError(
+      execId: String,
+      alive: Boolean,
+      message: String,
+      cause: Throwable): Throwable = {
+    if (alive) {
+      new IOException(message, cause)
+    } else {
+      deadExecutorFailures.incrementAndGet()
+      // Spark's own ExecutorDeadException carries no cause (its constructor sets null, so
+      // initCause would throw): the engine's failure kind goes into the message.
+      val kind = cause match {
+        case r: RdmaShuffleException => s" [${r.kind()}]"
+        case _ => ""
+      }
+      new ExecutorDeadException(
+        s"$message$kind; the driver reports executor $execId dead, so the fetch is not retried")
+    }
+  }
 
   override def fetchBlocks(
       host: String,
@@ -130,10 +173,14 @@ class NativeBlockStoreClient(
       engine.fetchBlocks(addr.host, addr.port, ranges, callback)
     } catch {
       case e: RdmaShuffleException if e.isTransient =>
-        throw new IOException(
+        // On the task's or Spark's retry thread: asking the driver here is what Spark does.
+        throw transientError(
+          execId,
+          aliveNow(execId),
           s"fetch of ${ids.length} block(s) from executor $execId engine " +
             s"${addr.host}:${addr.port} failed to start: ${e.getMessage}",
-          e)
+          e
+        )
     }
   }
 
@@ -148,6 +195,9 @@ class NativeBlockStoreClient(
       downloadFileManager: DownloadFileManager) extends FetchCallback {
 
     private val done = new AtomicIntegerArray(ids.length)
+
+    /** One driver query per request, however many of its blocks fail. */
+    private lazy val peerAlive: Boolean = aliveNow(execId)
 
     private def claim(index: Int): Boolean =
       index >= 0 && index < ids.length && done.compareAndSet(index, 0, 1)
@@ -276,9 +326,15 @@ class NativeBlockStoreClient(
           val cause = new RdmaShuffleException(
             kind,
             s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
-          val error: Throwable =
-            if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
-          failure(blockId, error)
+          if (cause.isTransient) {
+            // Off the engine's delivery thread: the liveness question is an RPC to the driver.
+            NativeBlockStoreClient.failureReporters.execute(new Runnable {
+              override def run(): Unit =
+                failure(blockId, transientError(execId, peerAlive, cause.getMessage, cause))
+            })
+          } else {
+            failure(blockId, cause)
+          }
         }
       } else {
         logWarning(s"Ignoring unexpected failure for index $index of ${ids.length} from " +
@@ -355,6 +411,43 @@ object NativeBlockStoreClient {
   private val threadCounter = new AtomicInteger()
 
   /**
+   * Whether the driver's block manager master still counts `execId` alive (the question
+   * Spark's NettyBlockTransferService asks before it retries, SPARK-27637). `true` outside an
+   * executor (no SparkEnv) or when the driver cannot answer: then Spark's retries decide.
+   */
+  def askDriverIfAlive(execId: String): Boolean = {
+    val env = SparkEnv.get
+    if (env == null || env.blockManager == null) true
+    else
+      env.blockManager.master.driverEndpoint
+        .askSync[Boolean](BlockManagerMessages.IsExecutorAlive(execId))
+  }
+
+  private def daemonThreads(prefix: String): ThreadFactory = new ThreadFactory {
+    override def newThread(r: Runnable): Thread = {
+      val t = new Thread(r, s"$prefix-${threadCounter.incrementAndGet()}")
+      t.setDaemon(true)
+      t
+    }
+  }
+
+  /**
+   * Reports transient failures off the engine's delivery thread (each may wait for the
+   * driver's answer). Like [[diskWriters]]: two daemon threads at most, none when idle.
+   */
+  private[rdma] lazy val failureReporters: ExecutorService = {
+    val pool = new ThreadPoolExecutor(
+      2,
+      2,
+      60L,
+      TimeUnit.SECONDS,
+      new LinkedBlockingQueue[Runnable](),
+      daemonThreads("rdma-shuffle-failure-reporter"))
+    pool.allowCoreThreadTimeOut(true)
+    pool
+  }
+
+  /**
    * Copies to-disk fetches off the engine's progress threads. Daemon threads that die after
    * 60 s idle, so an idle executor keeps none and stop() has nothing to join.
    */
@@ -365,14 +458,7 @@ object NativeBlockStoreClient {
       60L,
       TimeUnit.SECONDS,
       new LinkedBlockingQueue[Runnable](),
-      new ThreadFactory {
-        override def newThread(r: Runnable): Thread = {
-          val t = new Thread(r, s"rdma-shuffle-disk-writer-${threadCounter.incrementAndGet()}")
-          t.setDaemon(true)
-          t
-        }
-      }
-    )
+      daemonThreads("rdma-shuffle-disk-writer"))
     pool.allowCoreThreadTimeOut(true)
     pool
   }
