@@ -49,8 +49,8 @@ import org.apache.spark.sql.SparkSession
  *    `<gateDir>/reading-during_reduce-exec<id>-part<p>-attempt<n>`, then waits for
  *    `<gateDir>/go-during_reduce` (so its remaining fetches go to an executor killed meanwhile,
  *    and fail as real fetch failures);
- *  - `slow_reduce`: a slow consumer, no gate: 8 maps of 2000 records of 16 KiB (250 MiB) go to
- *    2 reduce tasks, each sleeping `spark.faultJob.sleepPerRecordMs` (default 5) per record, so
+ *  - `slow_reduce`: a slow consumer, no gate: 16 maps of 1000 records of 16 KiB (250 MiB) go
+ *    to 2 reduce tasks, each sleeping `spark.faultJob.sleepPerRecordMs` (default 5) per record, so
  *    a reducer holds fetched blocks far longer than it takes to fetch them.
  * A scenario may carry a suffix after a dot (`during_reduce.3`): the same kind, its own gates
  * and job group, so one application can repeat a fault. The gates give up after 5 minutes so a
@@ -82,9 +82,12 @@ object FaultJob {
   /** Shape of one scenario's job: map tasks, records per map, payload bytes, reduce tasks. */
   final case class Shape(maps: Int, recordsPerMap: Int, payloadBytes: Int, reduces: Int)
 
-  /** The shape of a scenario kind: the slow consumer's is ten times larger. */
+  /**
+   * The shape of a scenario kind: the slow consumer's is ten times larger, in blocks of about
+   * 8 MiB (within the engine's default largest pool tier).
+   */
   def shapeOf(kind: String): Shape =
-    if (kind == "slow_reduce") Shape(MapTasks, 2000, 16384, 2)
+    if (kind == "slow_reduce") Shape(16, 1000, 16384, 2)
     else Shape(MapTasks, RecordsPerMap, PayloadBytes, ReduceTasks)
 
   val MapTasks = 8
