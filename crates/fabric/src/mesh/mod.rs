@@ -51,31 +51,40 @@
 
 mod config;
 pub(crate) mod handshake;
+mod message;
 pub(crate) mod regcache;
+mod registration;
 pub(crate) mod shared;
 #[cfg(test)]
 mod tests;
+mod ticket;
 
 pub use config::{MeshConfig, MeshError, MAX_JOB_LEN};
+pub(crate) use message::Body;
+pub use message::Message;
+pub use registration::Registration;
+pub(crate) use registration::{UserMemory, UserReg};
+pub use ticket::SendTicket;
 
 use crate::driver::conn::ConnKey;
 use crate::driver::mesh::{MeshCmd, OutBody, RtsSource};
 use crate::driver::{Command, Driver, DriverConfig};
 use crate::error::FabricError;
-use crate::memory::pool::{Lease, PoolError, TieredPool};
-use crate::providers::{Provider, ProviderKind, Source};
+use crate::memory::pool::{PoolError, TieredPool};
+use crate::providers::{Provider, ProviderKind};
 use handshake::Handshaker;
 use parking_lot::Mutex;
 use rdma_shuffle_wire::{Frame, Limits};
 use regcache::RegCache;
+use registration::Regs;
 use shared::{bump, MeshShared, PeerStatus};
 use std::fmt;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
-use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use ticket::PendingSend;
 use tracing::debug;
 
 /// A message tag. Its meaning belongs to the caller (collectives pack a call sequence
@@ -159,135 +168,6 @@ impl Drop for MeshListener {
     }
 }
 
-/// Where a received message's bytes are.
-pub(crate) enum Body {
-    Empty,
-    Lease(Lease),
-    /// A whole received message (sim, verbs) and where its payload starts.
-    Bytes(Vec<u8>, usize),
-}
-
-/// One received message. Dropping it returns its buffer.
-pub struct Message {
-    pub(crate) body: Body,
-    pub(crate) proto: Proto,
-}
-
-impl Message {
-    /// How the message came.
-    pub fn proto(&self) -> Proto {
-        self.proto
-    }
-}
-
-impl Deref for Message {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match &self.body {
-            Body::Empty => &[],
-            Body::Lease(l) => l,
-            Body::Bytes(b, at) => &b[*at..],
-        }
-    }
-}
-
-impl AsRef<[u8]> for Message {
-    fn as_ref(&self) -> &[u8] {
-        self
-    }
-}
-
-impl fmt::Debug for Message {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Message({} bytes, {})", self.len(), self.proto)
-    }
-}
-
-/// What a posted rendezvous send waits for, and how to take it back.
-struct PendingSend {
-    token: u64,
-    conn: ConnKey,
-    shared: Arc<MeshShared>,
-    driver: Driver,
-}
-
-impl PendingSend {
-    /// Waits until the send no longer needs its buffer; on an error, makes sure the loop
-    /// lets go of the buffer before returning.
-    fn wait(self, peer: usize, deadline: Instant) -> Result<(), MeshError> {
-        let started = Instant::now();
-        let s = &*self.shared;
-        let mut st = s.lock();
-        let r = loop {
-            if st.done.remove(&(peer, self.token)) {
-                return Ok(());
-            }
-            if let Err(e) = s.check(&st, peer) {
-                break e;
-            }
-            if Instant::now() >= deadline {
-                break s.timed_out(&st, peer, "the read of a rendezvous buffer", started);
-            }
-            s.wait_until(&mut st, deadline);
-        };
-        drop(st);
-        self.release(peer);
-        Err(r)
-    }
-
-    /// Tells the loop to let go of the buffer (revoke its exposure, drop its unwritten bytes
-    /// — failing the link, whose stream would be cut) and waits until it has.
-    fn release(&self, peer: usize) {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let cmd = Command::Mesh(MeshCmd::Release { key: self.conn, token: self.token, reply: tx });
-        if self.driver.shared().command(cmd).is_ok() {
-            let _ = rx.recv_timeout(RELEASE_WAIT);
-        }
-        // It may have completed meanwhile.
-        self.shared.lock().done.remove(&(peer, self.token));
-    }
-}
-
-/// A posted send. It borrows the sent bytes until the send completes: [`Mesh::wait`] it to
-/// learn the outcome; dropping it unwaited also waits (up to the mesh's memory timeout), so
-/// the bytes are never released while a peer may still read them.
-#[must_use = "wait for a send to learn whether it completed"]
-pub struct SendTicket<'a> {
-    peer: usize,
-    pending: Option<PendingSend>,
-    drop_wait: Duration,
-    /// A registration made for this send alone, released once it completes.
-    _temporary: Option<Registration>,
-    _data: PhantomData<&'a [u8]>,
-}
-
-impl SendTicket<'_> {
-    fn done(peer: usize) -> Self {
-        SendTicket { peer, pending: None, drop_wait: Duration::ZERO, _temporary: None, _data: PhantomData }
-    }
-
-    /// Whether the send already completed when it was posted (eager).
-    pub fn is_complete(&self) -> bool {
-        self.pending.is_none()
-    }
-}
-
-impl Drop for SendTicket<'_> {
-    fn drop(&mut self) {
-        if let Some(p) = self.pending.take() {
-            if let Err(e) = p.wait(self.peer, Instant::now() + self.drop_wait) {
-                debug!(error = %e, "an unwaited rendezvous send did not complete");
-            }
-        }
-    }
-}
-
-impl fmt::Debug for SendTicket<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SendTicket(peer {}, {:?})", self.peer, self.pending.as_ref().map(|p| p.token))
-    }
-}
-
 /// Counters of one mesh (monotonic since it was built).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -323,20 +203,6 @@ pub struct MeshStats {
     pub staged: u64,
     /// Bytes of those.
     pub staged_bytes: u64,
-}
-
-/// A registration of user memory with the provider.
-#[derive(Clone)]
-pub(crate) enum UserReg {
-    /// Nothing to register (sim exposes each message; tcp streams).
-    Plain,
-    /// A verbs memory region over the user's pages.
-    #[cfg(feature = "verbs")]
-    Verbs(Arc<crate::providers::verbs::UserRegion>),
-}
-
-struct Regs {
-    cache: Mutex<RegCache<UserReg>>,
 }
 
 /// Persistent links to every other rank of a group, with tagged send and receive.
@@ -535,59 +401,6 @@ impl Mesh {
     /// ran.
     pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
         self.driver.provider_counters()
-    }
-
-    /// Makes `len` bytes at `ptr` readable by peers for rendezvous sends out of them (and, on
-    /// verbs, writable by READs this rank posts into them). A no-op handle on tcp.
-    /// Registrations are cached by `(ptr, len)` while in use: a buffer sent from many times
-    /// (every step of a ring) is registered once per call; with
-    /// [`MeshConfig::cache_registrations`] also across calls (see `regcache` for why that is
-    /// opt-in).
-    ///
-    /// # Safety
-    ///
-    /// The memory must stay valid (mapped, not freed) while the returned [`Registration`]
-    /// lives. With `cache_registrations`, a cached registration outlives the handle: the
-    /// caller must call [`invalidate`](Mesh::invalidate) before the memory is freed, or a
-    /// later registration of new memory at the same address would reuse a stale one.
-    pub unsafe fn register(&self, ptr: *const u8, len: usize) -> Result<Registration, MeshError> {
-        if !self.one_sided || len == 0 {
-            return Ok(Registration { ptr: ptr as usize, len, reg: UserReg::Plain, owner: None });
-        }
-        let key = (ptr as usize, len);
-        if let Some((id, reg)) = self.regs.cache.lock().hit(key) {
-            bump(&self.shared.counters.registration_hits, 1);
-            return Ok(Registration { ptr: key.0, len, reg, owner: Some((Arc::downgrade(&self.regs), id)) });
-        }
-        let reg = self.provider_register(ptr, len)?;
-        bump(&self.shared.counters.registrations, 1);
-        let (id, evicted) = self.regs.cache.lock().insert(key, reg.clone());
-        drop(evicted);
-        Ok(Registration { ptr: key.0, len, reg, owner: Some((Arc::downgrade(&self.regs), id)) })
-    }
-
-    #[allow(unused_variables)]
-    fn provider_register(&self, ptr: *const u8, len: usize) -> Result<UserReg, MeshError> {
-        match self.driver.provider().kind() {
-            #[cfg(feature = "verbs")]
-            ProviderKind::Verbs(v) => {
-                // SAFETY: forwarded contract of `register`: the memory stays mapped while the
-                // registration lives.
-                let r = unsafe { v.register_user(ptr, len) }.map_err(|e| MeshError::Memory {
-                    rank: self.shared.rank,
-                    message: format!("registering a {len}-byte user buffer: {e}"),
-                })?;
-                Ok(UserReg::Verbs(Arc::new(r)))
-            }
-            _ => Ok(UserReg::Plain),
-        }
-    }
-
-    /// Drops cached registrations overlapping `[ptr, ptr + len)` (the memory is about to be
-    /// freed). Registrations still in use are dropped when their last handle goes.
-    pub fn invalidate(&self, ptr: *const u8, len: usize) {
-        let dropped = self.regs.cache.lock().invalidate(ptr as usize, len);
-        drop(dropped);
     }
 
     fn peer_ok(&self, peer: usize) -> Result<(), MeshError> {
@@ -820,73 +633,6 @@ impl Mesh {
 impl Drop for Mesh {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Registrations of user memory
-// ---------------------------------------------------------------------------------------
-
-/// User memory handed to the loop (written to a socket, exposed to sim reads). The mesh
-/// only hands it over while a ticket or registration promises the bytes are alive, and
-/// takes it back ([`PendingSend::release`]) before such a promise ends early.
-#[derive(Debug)]
-pub(crate) struct UserMemory {
-    pub(crate) ptr: usize,
-    pub(crate) len: usize,
-}
-
-impl Source for UserMemory {
-    fn len(&self) -> u64 {
-        self.len as u64
-    }
-    fn read_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
-        crate::providers::copy_from_memory(self.memory().unwrap_or(&[]), offset, dst)
-    }
-    fn memory(&self) -> Option<&[u8]> {
-        // SAFETY: the holder's promise above: the memory is valid while the loop has it.
-        Some(unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) })
-    }
-}
-
-/// A user buffer registered for rendezvous (see [`Mesh::register`]). Dropping it releases
-/// the registration, or leaves it in the cache.
-pub struct Registration {
-    ptr: usize,
-    len: usize,
-    reg: UserReg,
-    /// The cache entry it came from; `None` when nothing was registered.
-    owner: Option<(Weak<Regs>, u64)>,
-}
-
-impl Registration {
-    fn covers(&self, data: &[u8]) -> bool {
-        let (a, n) = (data.as_ptr() as usize, data.len());
-        a >= self.ptr && a + n <= self.ptr + self.len
-    }
-
-    fn rkey(&self) -> u32 {
-        match &self.reg {
-            UserReg::Plain => 0,
-            #[cfg(feature = "verbs")]
-            UserReg::Verbs(r) => r.rkey(),
-        }
-    }
-}
-
-impl fmt::Debug for Registration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Registration({:#x}+{}, rkey {})", self.ptr, self.len, self.rkey())
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        let Some((owner, id)) = self.owner.take() else { return };
-        // A mesh already closed has released everything.
-        let Some(regs) = owner.upgrade() else { return };
-        let released = regs.cache.lock().release(id);
-        drop(released);
     }
 }
 

@@ -1,0 +1,249 @@
+//! The report: medians over rounds as JSON (with every round's values and the targets of
+//! issue 13), and the table printed on stdout.
+
+use rdma_shuffle_bench::{percentile, Spread};
+use serde_json::{json, Value};
+
+use super::data::BlockSet;
+use super::{Config, Round, BYTES_IN_FLIGHT, KIB, MIB, SMALL, SMALL_IN_FLIGHT, SMALL_PARTS};
+
+fn spread_json(s: Option<Spread>) -> Value {
+    match s {
+        Some(s) => json!({"median": s.median, "min": s.min, "max": s.max}),
+        None => Value::Null,
+    }
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= MIB {
+        format!("{} MiB", bytes / MIB)
+    } else {
+        format!("{} KiB", bytes / KIB)
+    }
+}
+
+/// Median over rounds of `f`.
+fn med(rounds: &[Round], f: impl Fn(&Round) -> f64) -> Option<Spread> {
+    Spread::of(&rounds.iter().map(f).collect::<Vec<_>>())
+}
+
+pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usize, secs: f64) -> Value {
+    let p = |v: &[f64], q: f64| percentile(v, q).unwrap_or(f64::NAN);
+    let m = |f: &dyn Fn(&Round) -> f64| med(rounds, f);
+    let v = |s: Option<Spread>| s.map(|s| s.median).unwrap_or(f64::NAN);
+    let iperf3 = m(&|r| r.iperf3_gbps);
+    let engine = m(&|r| r.bulk[mb].0.gbps());
+    let netty = m(&|r| r.bulk[mb].1.gbps());
+    let ratio_iperf3 = m(&|r| r.bulk[mb].0.gbps() / r.iperf3_gbps);
+    let ratio_netty = m(&|r| r.bulk[mb].0.gbps() / r.bulk[mb].1.gbps());
+    let small = m(&|r| r.engine_small);
+    let nsmall = m(&|r| r.netty_small);
+    let p50 = m(&|r| p(&r.engine_lat, 0.5));
+    let p99 = m(&|r| p(&r.engine_lat, 0.99));
+    let np50 = m(&|r| p(&r.netty_lat, 0.5));
+    let np99 = m(&|r| p(&r.netty_lat, 0.99));
+    let cpu_e = m(&|r| r.bulk[mb].0.cpu_per_gib());
+    let cpu_n = m(&|r| r.bulk[mb].1.cpu_per_gib());
+    let cpu_i = m(&|r| r.iperf3_cpu_per_gib);
+    // Targets of issue 13, as per-round ratios (both sides measured next to each other).
+    let small_x = m(&|r| r.engine_small / r.netty_small);
+    let p50_x = m(&|r| p(&r.engine_lat, 0.5) / p(&r.netty_lat, 0.5));
+    let p99_x = m(&|r| p(&r.engine_lat, 0.99) / p(&r.netty_lat, 0.99));
+    let cpu_x = m(&|r| r.bulk[mb].0.cpu_per_gib() / r.bulk[mb].1.cpu_per_gib());
+    let target = |what: &str, value: f64, goal: f64, at_least: bool| {
+        json!({"target": what, "value": value, "goal": goal,
+               "met": if at_least { value >= goal } else { value <= goal }})
+    };
+    let sizes: Vec<Value> = sets
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            json!({
+                "bytes": s.size,
+                "blocks": s.maps.len() * s.parts,
+                "engine_gbps": v(m(&|r| r.bulk[k].0.gbps())),
+                "netty_gbps": v(m(&|r| r.bulk[k].1.gbps())),
+                "engine_cpu_s_per_gib": v(m(&|r| r.bulk[k].0.cpu_per_gib())),
+                "netty_cpu_s_per_gib": v(m(&|r| r.bulk[k].1.cpu_per_gib())),
+                "engine_gbps_spread": spread_json(m(&|r| r.bulk[k].0.gbps())),
+                "netty_gbps_spread": spread_json(m(&|r| r.bulk[k].1.gbps())),
+                "engine_gbps_rounds": rounds.iter().map(|r| r.bulk[k].0.gbps()).collect::<Vec<_>>(),
+                "netty_gbps_rounds": rounds.iter().map(|r| r.bulk[k].1.gbps()).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let per_round: Vec<Value> = rounds
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            json!({
+                "round": i + 1,
+                "order": r.order,
+                "iperf3_gbps": r.iperf3_gbps,
+                "netty_gbps": r.bulk[mb].1.gbps(),
+                "engine_gbps": r.bulk[mb].0.gbps(),
+                "small_blocks_per_s": r.engine_small,
+                "netty_small_blocks_per_s": r.netty_small,
+                "small_p50_us": p(&r.engine_lat, 0.5),
+                "small_p99_us": p(&r.engine_lat, 0.99),
+                "netty_small_p50_us": p(&r.netty_lat, 0.5),
+                "netty_small_p99_us": p(&r.netty_lat, 0.99),
+                "cpu_s_per_gib_engine": r.bulk[mb].0.cpu_per_gib(),
+                "cpu_s_per_gib_netty": r.bulk[mb].1.cpu_per_gib(),
+                "cpu_s_per_gib_iperf3": r.iperf3_cpu_per_gib,
+            })
+        })
+        .collect();
+    json!({
+        "provider": "tcp",
+        "what": "loopback, two processes per system; medians over interleaved rounds (engine first in odd rounds, Spark first in even), ranges in `spread`, raw values in `rounds`",
+        "spark_version": cfg.spark_version,
+        "netty": "spark-network-common TransportServer + OneForOneStreamManager serving FileSegmentManagedBuffer, TransportClient.fetchChunk, two JVMs",
+        "iperf3": "iperf3 -l 1M -n <bytes>, one stream, loopback",
+        "bytes_per_measurement": cfg.total_bytes(),
+        "block_bytes": MIB,
+        "bytes_in_flight": BYTES_IN_FLIGHT,
+        "small_block_bytes": SMALL,
+        "small_in_flight": SMALL_IN_FLIGHT,
+        "small_blocks_per_round": cfg.small_reps * SMALL_PARTS,
+        "latency_samples_per_round": cfg.lat_samples,
+        "rounds_timed": rounds.len(),
+        "warmup_rounds": cfg.warmup,
+        "seconds": secs,
+        "iperf3_gbps": v(iperf3),
+        "netty_gbps": v(netty),
+        "engine_gbps": v(engine),
+        "ratio_vs_iperf3": v(ratio_iperf3),
+        "ratio_vs_netty": v(ratio_netty),
+        "small_blocks_per_s": v(small),
+        "netty_small_blocks_per_s": v(nsmall),
+        "small_p50_us": v(p50),
+        "small_p99_us": v(p99),
+        "netty_small_p50_us": v(np50),
+        "netty_small_p99_us": v(np99),
+        "cpu_s_per_gib_engine": v(cpu_e),
+        "cpu_s_per_gib_netty": v(cpu_n),
+        "cpu_s_per_gib_iperf3": v(cpu_i),
+        "spread": {
+            "iperf3_gbps": spread_json(iperf3), "netty_gbps": spread_json(netty), "engine_gbps": spread_json(engine),
+            "ratio_vs_iperf3": spread_json(ratio_iperf3), "ratio_vs_netty": spread_json(ratio_netty),
+            "small_blocks_per_s": spread_json(small), "netty_small_blocks_per_s": spread_json(nsmall),
+            "small_p50_us": spread_json(p50), "small_p99_us": spread_json(p99),
+            "netty_small_p50_us": spread_json(np50), "netty_small_p99_us": spread_json(np99),
+            "cpu_s_per_gib_engine": spread_json(cpu_e), "cpu_s_per_gib_netty": spread_json(cpu_n),
+        },
+        "targets": [
+            target("1 MiB blocks >= 0.95 x iperf3", v(ratio_iperf3), 0.95, true),
+            target("4 KiB blocks/s >= 3 x Spark's", v(small_x), 3.0, true),
+            target("4 KiB p50 <= 1/3 of Spark's", v(p50_x), 1.0 / 3.0, false),
+            target("4 KiB p99 <= 1/3 of Spark's", v(p99_x), 1.0 / 3.0, false),
+            target("CPU per GiB <= 0.5 x Spark's", v(cpu_x), 0.5, false),
+        ],
+        "sizes": sizes,
+        "rounds": per_round,
+    })
+}
+
+/// `median [min..max]` of a spread in the report, with `prec` decimals.
+fn cell(x: &Value, prec: usize) -> String {
+    let g = |k: &str| x[k].as_f64().unwrap_or(f64::NAN);
+    if x.is_null() {
+        return String::new();
+    }
+    format!("{:.*} [{:.*}..{:.*}]", prec, g("median"), prec, g("min"), prec, g("max"))
+}
+
+pub(super) fn table(cfg: &Config, r: &Value) -> String {
+    let sp = |k: &str, prec: usize| cell(&r["spread"][k], prec);
+    let mut o = String::new();
+    o += &format!(
+        "engine vs Spark's block transfer (spark-network-common {}) vs iperf3 -l 1M, loopback tcp, {} MiB per \
+         measurement, {} rounds interleaved; median [min..max] over rounds\n",
+        cfg.spark_version, cfg.mib, r["rounds_timed"]
+    );
+    let line = |o: &mut String, name: &str, a: String, b: String, c: String| {
+        *o += &format!("  {name:<30} {a:>24} {b:>26} {c:>26}\n");
+    };
+    line(&mut o, "", "iperf3".into(), "Spark (Netty)".into(), "engine".into());
+    for z in r["sizes"].as_array().into_iter().flatten() {
+        let b = z["bytes"].as_u64().unwrap_or(0) as usize;
+        let ip = if b == MIB { sp("iperf3_gbps", 2) } else { String::new() };
+        let name = format!("Gbit/s, {} blocks", human(b));
+        line(&mut o, &name, ip, cell(&z["netty_gbps_spread"], 2), cell(&z["engine_gbps_spread"], 2));
+    }
+    line(&mut o, "4 KiB blocks/s, 64 in flight", String::new(), sp("netty_small_blocks_per_s", 0), sp("small_blocks_per_s", 0));
+    line(&mut o, "4 KiB one at a time, p50 us", String::new(), sp("netty_small_p50_us", 0), sp("small_p50_us", 0));
+    line(&mut o, "4 KiB one at a time, p99 us", String::new(), sp("netty_small_p99_us", 0), sp("small_p99_us", 0));
+    line(
+        &mut o,
+        "CPU s/GiB (1 MiB, both procs)",
+        format!("{:.3}", r["cpu_s_per_gib_iperf3"].as_f64().unwrap_or(f64::NAN)),
+        sp("cpu_s_per_gib_netty", 3),
+        sp("cpu_s_per_gib_engine", 3),
+    );
+    o += "targets (issue 13), median of the per-round ratios; reported, not asserted:\n";
+    for t in r["targets"].as_array().into_iter().flatten() {
+        o += &format!(
+            "  {:<34} {:>8.3}  {}\n",
+            t["target"].as_str().unwrap_or(""),
+            t["value"].as_f64().unwrap_or(f64::NAN),
+            if t["met"].as_bool() == Some(true) { "met" } else { "NOT met" }
+        );
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::measure::Transfer;
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn the_report_has_every_key_and_the_targets_compare_the_right_way() {
+        let cfg = Config::from_args(&args("--netty-cp x --sizes 1m --mib 16 --rounds 2")).unwrap();
+        let t = |gbps: f64, cpu: f64| Transfer { secs: 8.0 * 16.0 * MIB as f64 / gbps / 1e9, bytes: (16 * MIB) as u64, cpu };
+        let round = |k: f64| Round {
+            iperf3_gbps: 20.0 * k,
+            iperf3_cpu_per_gib: 0.5,
+            bulk: vec![(t(19.5 * k, 0.01), t(10.0 * k, 0.04))],
+            engine_small: 300_000.0,
+            netty_small: 50_000.0,
+            engine_lat: vec![10.0; 100],
+            netty_lat: vec![40.0; 100],
+            order: "engine first",
+        };
+        let sets = vec![BlockSet { shuffle_id: 100, maps: vec![("d".into(), "i".into())], parts: 16, size: MIB }];
+        let r = report(&cfg, &[round(1.0), round(2.0)], &sets, 0, 1.0);
+        for k in [
+            "iperf3_gbps",
+            "netty_gbps",
+            "engine_gbps",
+            "ratio_vs_iperf3",
+            "small_blocks_per_s",
+            "netty_small_blocks_per_s",
+            "small_p50_us",
+            "small_p99_us",
+            "netty_small_p50_us",
+            "netty_small_p99_us",
+            "cpu_s_per_gib_engine",
+            "cpu_s_per_gib_netty",
+        ] {
+            let x = r[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {r}"));
+            assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+        }
+        assert!((r["iperf3_gbps"].as_f64().unwrap() - 30.0).abs() < 1e-9, "median of 20 and 40");
+        assert!((r["ratio_vs_iperf3"].as_f64().unwrap() - 0.975).abs() < 1e-9);
+        assert!((r["cpu_s_per_gib_engine"].as_f64().unwrap() - 0.01 * 64.0).abs() < 1e-9, "16 MiB is 1/64 GiB");
+        let met: Vec<bool> = r["targets"].as_array().unwrap().iter().map(|t| t["met"].as_bool().unwrap()).collect();
+        // 0.975 >= 0.95; 6x >= 3x; 0.25 <= 1/3 twice; 0.25 <= 0.5.
+        assert_eq!(met, vec![true, true, true, true, true]);
+        assert_eq!(r["rounds"].as_array().unwrap().len(), 2);
+        assert_eq!(r["sizes"][0]["engine_gbps_rounds"].as_array().unwrap().len(), 2);
+        let tab = table(&cfg, &r);
+        assert!(tab.contains("1 MiB") && !tab.contains("NOT met") && tab.contains("iperf3"), "{tab}");
+    }
+}

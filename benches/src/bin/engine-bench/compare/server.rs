@@ -1,0 +1,51 @@
+//! The engine server: `engine-bench serve`, the process that serves the engine's side.
+
+use rdma_shuffle_shuffle::store::MapOutputFiles;
+use rdma_shuffle_shuffle::{Engine, EngineConfig, Transport};
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use super::{BYTES_IN_FLIGHT, R, SMALL_IN_FLIGHT};
+
+pub(super) fn engine_config(id: &str) -> EngineConfig {
+    EngineConfig {
+        transport: Transport::Tcp,
+        bind_host: Ipv4Addr::LOCALHOST.into(),
+        executor_id: id.into(),
+        credits: SMALL_IN_FLIGHT,
+        max_bytes_in_flight: BYTES_IN_FLIGHT as u64,
+        ..EngineConfig::default()
+    }
+}
+
+/// `engine-bench serve --manifest FILE`: an engine serving the map outputs listed in FILE
+/// (lines `shuffle map partitions data index`); prints `ready <port>`, serves until its
+/// standard input closes.
+pub fn serve(args: &[String]) -> R<()> {
+    let manifest = match args {
+        [flag, path] if flag == "--manifest" => PathBuf::from(path),
+        _ => return Err("usage: engine-bench serve --manifest FILE".into()),
+    };
+    let text = std::fs::read_to_string(&manifest).map_err(|e| format!("reading {}: {e}", manifest.display()))?;
+    let engine = Engine::open(engine_config("bench-server")).map_err(|e| format!("opening the server's engine: {e}"))?;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let [s, m, p, d, i] = w[..] else { return Err(format!("{}: bad line '{line}'", manifest.display())) };
+        let n = |v: &str| v.parse::<u64>().map_err(|_| format!("{}: '{v}' is not a number", manifest.display()));
+        let files = MapOutputFiles {
+            shuffle_id: n(s)? as u32,
+            map_id: n(m)?,
+            data_path: d.into(),
+            index_path: i.into(),
+            num_partitions: Some(n(p)? as u32),
+        };
+        engine.server().register(files).map_err(|e| format!("registering {line}: {e}"))?;
+    }
+    println!("ready {}", engine.server().local_addr().port());
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    let mut sink = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    engine.shutdown();
+    Ok(())
+}

@@ -1,0 +1,373 @@
+//! The communicator: setting up a group of ranks, and the collective calls.
+//!
+//! * [`config`] — [`CommConfig`] (and [`TransportKind`]): the settings, from the environment.
+//! * [`rendezvous`] — [`Rendezvous`]: how the ranks find each other; [`StoreRendezvous`].
+//! * this module — [`Communicator`]: joining, the start-up model exchange, and running a call.
+//! * [`ops`] — the collective and point-to-point calls, raw-byte and typed.
+
+mod config;
+mod ops;
+mod rendezvous;
+
+use crate::algo::{self, Ctx, MAX_SEGMENTS, MAX_STEP, STEP_HEADER};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::CollectiveError;
+use crate::header::Header;
+use crate::mesh_transport::MeshTransport;
+use crate::policy::{Algo, CostModel, Decision, Op, Policy};
+use crate::store::StoreServer;
+use crate::transport::{Proto, Tag, Transport, TransportStats};
+use parking_lot::Mutex;
+use rdma_shuffle_fabric::mesh::{Mesh, MeshListener};
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+use tracing::info;
+
+use config::route_ip;
+
+pub use config::{CommConfig, TransportKind};
+pub use rendezvous::{Rendezvous, StoreRendezvous};
+
+/// Largest world supported (ring steps are numbered in 12 bits).
+pub const MAX_WORLD: usize = (MAX_STEP as usize) / 2;
+
+/// Seconds per byte of an `f32` sum and of a copy on this machine (medians of a few runs over
+/// 8 MiB: larger than caches, as the buffers whose cost the model matters for).
+fn local_speeds() -> (f64, f64) {
+    let n = 8 << 20;
+    let a = vec![1.0f32; n / 4];
+    let mut b = vec![2.0f32; n / 4];
+    let mut sums = Vec::new();
+    let mut copies = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        crate::dtype::reduce_into(DType::F32, ReduceOp::Sum, bytemuck::cast_slice_mut(&mut b), bytemuck::cast_slice(&a));
+        sums.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        b.copy_from_slice(std::hint::black_box(&a));
+        copies.push(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&b);
+    ((median(sums) / n as f64).max(1e-13), (median(copies) / n as f64).max(1e-13))
+}
+/// Counters of a communicator.
+#[derive(Clone, Debug, Default)]
+pub struct CommStats {
+    /// Calls per `op.algorithm` (e.g. `allreduce.rd`), and `send`/`recv`.
+    pub calls: BTreeMap<String, u64>,
+    /// Bytes per op (the buffer size as the op defines it).
+    pub bytes: BTreeMap<String, u64>,
+    /// Messages and bytes by protocol.
+    pub transport: TransportStats,
+}
+
+struct State {
+    calls: u64,
+    broken: Option<String>,
+    stats: CommStats,
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Calls on one communicator are serialised; every rank must make the same calls in the same
+/// order with matching arguments (checked: a mismatch is an error naming the argument). A
+/// failed collective leaves the communicator unusable ([`CollectiveError::Broken`]).
+pub struct Communicator<T: Transport = MeshTransport> {
+    t: T,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    policy: Policy,
+    state: Mutex<State>,
+}
+
+impl Communicator<MeshTransport> {
+    /// Joins the group described by the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, `MOBIUS_*`).
+    pub fn from_env() -> Result<Self, CollectiveError> {
+        let (config, master) = CommConfig::from_env()?;
+        Self::init(config, master)
+    }
+
+    /// Joins the group through the store at `master` (served by rank 0).
+    pub fn init(config: CommConfig, master: SocketAddr) -> Result<Self, CollectiveError> {
+        config.validate()?;
+        let rank = config.rank;
+        let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
+        let deadline = Instant::now() + config.timeout;
+        let _server = if rank == 0 { Some(StoreServer::bind(master).map_err(rdv)?) } else { None };
+        let mut store = StoreRendezvous::connect(master, &format!("mobius/{}", config.job), deadline).map_err(rdv)?;
+        let ip = config.bind_ip.unwrap_or_else(|| route_ip(master));
+        Self::join(config, ip, &mut store)
+        // Rank 0's store stops here: the mesh is complete, so every rank has read every
+        // address (each connects to rank 0 only after reading them all).
+    }
+
+    /// Joins the group, exchanging addresses through `rendezvous` (e.g. torch's store), with
+    /// the mesh listening on `ip`.
+    pub fn join(config: CommConfig, ip: IpAddr, rendezvous: &mut dyn Rendezvous) -> Result<Self, CollectiveError> {
+        config.validate()?;
+        let rank = config.rank;
+        let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
+        let deadline = Instant::now() + config.timeout;
+        let provider = config.provider()?;
+        let listener = MeshListener::bind(provider, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()))?;
+        let addrs = rendezvous.exchange(rank, config.world, listener.local_addr(), deadline).map_err(rdv)?;
+        let mut mc = config.mesh_config();
+        mc.connect_timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        let mesh = Mesh::connect(listener, &addrs, mc).map_err(|e| rdv(e.to_string()))?;
+        Communicator::with_transport(MeshTransport::new(mesh), &config)
+    }
+
+    /// Drops cached registrations of memory about to be freed (with `MOBIUS_REGCACHE=1`).
+    pub fn invalidate(&self, ptr: *const u8, len: usize) {
+        self.t.invalidate(ptr, len)
+    }
+
+    /// Provider counters (e.g. `rdma_reads` on verbs, `sim_reads` on sim).
+    pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
+        self.t.mesh().provider_counters()
+    }
+}
+
+/// Tags of the start-up exchange (call number 0, below every collective's).
+const INIT_TUNE: u32 = 1;
+const INIT_MODEL: u32 = 2;
+const INIT_PING: u32 = 3;
+const INIT_PONG: u32 = 4;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+impl<T: Transport> Communicator<T> {
+    /// A communicator over a connected transport: agrees on the cost model (rank 0 measures
+    /// it, unless `config.tune` is off) and is ready for calls.
+    pub fn with_transport(t: T, config: &CommConfig) -> Result<Self, CollectiveError> {
+        let (rank, world) = (t.rank(), t.world());
+        if world > MAX_WORLD {
+            return Err(CollectiveError::Config(format!("a world of {world} ranks is above the supported {MAX_WORLD}")));
+        }
+        let policy = Policy {
+            model: CostModel::assumed(),
+            overrides: config.overrides.clone(),
+            debug: config.debug_policy,
+            eager_limit: t.eager_limit(),
+            max_message: t.max_message(),
+            one_sided: t.one_sided(),
+        };
+        let mut comm = Communicator {
+            t,
+            rank,
+            world,
+            timeout: config.timeout,
+            policy,
+            state: Mutex::new(State { calls: 0, broken: None, stats: CommStats::default() }),
+        };
+        if world > 1 {
+            let model =
+                comm.agree_model(config.tune).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
+            comm.policy.model = model;
+        }
+        if comm.policy.debug {
+            let m = comm.policy.model;
+            info!(target: "mobius::policy", rank, world, provider = comm.t.provider(),
+                alpha_us = m.alpha * 1e6, beta_gbs = 1e-9 / m.beta.max(1e-18), gamma_gbs = 1e-9 / m.gamma.max(1e-18),
+                copy_gbs = 1e-9 / m.copy.max(1e-18), alpha_rndv_us = m.alpha_rndv * 1e6, "mobius cost model");
+        }
+        Ok(comm)
+    }
+
+    fn init_tag(step: u32, seg: u32) -> Tag {
+        algo::tag(0, step, seg)
+    }
+
+    fn ping(
+        &self,
+        peer: usize,
+        rounds: usize,
+        data: &[u8],
+        proto: Proto,
+        initiator: bool,
+        deadline: Instant,
+    ) -> Result<Vec<f64>, crate::transport::TransportError> {
+        let mut times = Vec::with_capacity(rounds);
+        for i in 0..rounds as u32 {
+            let t0 = Instant::now();
+            if initiator {
+                let tk = self.t.send(peer, Self::init_tag(INIT_PING, i), data, proto, None)?;
+                self.t.wait(tk, deadline)?;
+                self.t.recv(peer, Self::init_tag(INIT_PONG, i), None, deadline)?;
+            } else {
+                self.t.recv(peer, Self::init_tag(INIT_PING, i), None, deadline)?;
+                let tk = self.t.send(peer, Self::init_tag(INIT_PONG, i), data, proto, None)?;
+                self.t.wait(tk, deadline)?;
+            }
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(times)
+    }
+
+    /// Rank 0 decides whether to measure, measures with rank 1, and sends the model to all.
+    fn agree_model(&self, tune: bool) -> Result<CostModel, crate::transport::TransportError> {
+        let deadline = Instant::now() + self.timeout;
+        let rank = self.rank;
+        if rank == 0 {
+            let flag = [tune as u8];
+            let tk = self.t.send(1, Self::init_tag(INIT_TUNE, 0), &flag, Proto::Eager, None)?;
+            self.t.wait(tk, deadline)?;
+        }
+        let tuning =
+            if rank == 1 { self.t.recv(0, Self::init_tag(INIT_TUNE, 0), None, deadline)?.1.first() == Some(&1) } else { tune };
+        let mut model = CostModel::assumed();
+        if tuning && rank <= 1 {
+            let initiator = rank == 0;
+            let small = [0u8; 8];
+            let large = vec![0u8; (1 << 20).min(self.t.max_message())];
+            let a = median(self.ping(1 - rank, 20, &small, Proto::Eager, initiator, deadline)?.split_off(4)) / 2.0;
+            let big = median(self.ping(1 - rank, 6, &large, Proto::Rendezvous, initiator, deadline)?.split_off(1)) / 2.0;
+            let ar = if self.t.one_sided() {
+                median(self.ping(1 - rank, 12, &small, Proto::Rendezvous, initiator, deadline)?.split_off(2)) / 2.0
+            } else {
+                a
+            };
+            if rank == 0 {
+                let (gamma, copy) = local_speeds();
+                model =
+                    CostModel { alpha: a, beta: ((big - a) / large.len() as f64).max(1e-12), gamma, copy, alpha_rndv: ar.max(a) };
+            }
+        }
+        if rank == 0 {
+            let bytes = model.to_bytes();
+            for peer in 1..self.world {
+                let tk = self.t.send(peer, Self::init_tag(INIT_MODEL, 0), &bytes, Proto::Eager, None)?;
+                self.t.wait(tk, deadline)?;
+            }
+            Ok(model)
+        } else {
+            let (_, msg) = self.t.recv(0, Self::init_tag(INIT_MODEL, 0), None, deadline)?;
+            Ok(CostModel::from_bytes(&msg).unwrap_or(model))
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The per-call limit.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The policy (its model is the same on every rank).
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.t
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> CommStats {
+        let mut s = self.state.lock().stats.clone();
+        s.transport = self.t.stats();
+        s
+    }
+
+    /// What the policy would choose for `op` over `bytes` (`f32` unless given).
+    pub fn decide(&self, op: Op, bytes: usize, dtype: DType) -> Decision {
+        self.policy.choose(op, bytes, dtype, self.world)
+    }
+
+    fn invalid(&self, op: Op, argument: &'static str, message: String) -> CollectiveError {
+        CollectiveError::InvalidArgument { rank: self.rank, op: op.name(), argument, message }
+    }
+
+    fn elements(&self, op: Op, argument: &'static str, bytes: usize, dtype: DType) -> Result<usize, CollectiveError> {
+        if !bytes.is_multiple_of(dtype.size()) {
+            return Err(self.invalid(op, argument, format!("{bytes} bytes is not a whole number of {dtype} elements")));
+        }
+        Ok(bytes / dtype.size())
+    }
+
+    fn check_root(&self, op: Op, root: usize) -> Result<(), CollectiveError> {
+        if root >= self.world {
+            return Err(self.invalid(op, "root", format!("{root} is not a rank of this world of {}", self.world)));
+        }
+        Ok(())
+    }
+
+    /// Runs one collective: numbers the call, chooses the algorithm, sends the header, runs
+    /// `body`, and on failure tells the other ranks and marks the communicator broken.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        op: Op,
+        dtype: DType,
+        reduce: Option<ReduceOp>,
+        root: usize,
+        count: usize,
+        policy_bytes: usize,
+        body: impl FnOnce(&mut Ctx<'_, T>, Algo) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        let mut st = self.state.lock();
+        if let Some(first) = &st.broken {
+            return Err(CollectiveError::Broken { rank: self.rank, first: first.clone() });
+        }
+        st.calls += 1;
+        let call = st.calls;
+        let d = self.policy.choose(op, policy_bytes, dtype, self.world);
+        let mut seg = d.segment;
+        if policy_bytes / seg >= MAX_SEGMENTS {
+            seg = (policy_bytes / (MAX_SEGMENTS - 1)).div_ceil(dtype.size()) * dtype.size();
+        }
+        if self.policy.debug {
+            info!(target: "mobius::policy", rank = self.rank, call, op = op.name(), bytes = policy_bytes, dtype = dtype.name(),
+                world = self.world, algo = d.algo.name(), segment = seg, proto = self.policy.proto(seg.min(policy_bytes.max(1))).name(),
+                estimate_us = d.estimate * 1e6, forced = d.forced, "mobius policy decision");
+        }
+        let header =
+            Header { call, op, dtype, reduce, algo: d.algo, root: root as u32, count: count as u64, segment: seg as u64 };
+        let label = format!("{op} (call #{call}, {}, {policy_bytes} bytes of {dtype})", d.algo);
+        let deadline = Instant::now() + self.timeout;
+        let seq = ((call - 1) % 0x7FFF_FFFF) as u32 + 1;
+        let result = (|| {
+            if self.world > 1 {
+                let right = (self.rank + 1) % self.world;
+                let bytes = header.encode();
+                let err = |source| CollectiveError::Transport { rank: self.rank, op: label.clone(), source };
+                let tk = self.t.send(right, algo::tag(0, STEP_HEADER, 0), &bytes, Proto::Eager, None).map_err(err)?;
+                self.t.wait(tk, deadline).map_err(err)?;
+            }
+            let expect = (self.world > 1).then_some(header);
+            let op_value = reduce.unwrap_or(ReduceOp::Sum);
+            let mut ctx = Ctx::new(&self.t, &self.policy, seq, deadline, dtype, op_value, seg, expect, label.clone(), op.name());
+            body(&mut ctx, d.algo)
+        })();
+        match result {
+            Ok(()) => {
+                let key = format!("{}.{}", op.name(), d.algo.name());
+                *st.stats.calls.entry(key).or_default() += 1;
+                *st.stats.bytes.entry(op.name().to_string()).or_default() += policy_bytes as u64;
+                Ok(())
+            }
+            Err(e) => {
+                if !e.is_remote_abort() && self.world > 1 {
+                    self.t.abort(&e.to_string());
+                }
+                st.broken = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! The calls of a [`Communicator`]: the collectives and point-to-point messages on raw bytes
+//! of a [`DType`], and their typed versions over [`Element`] slices.
+
+use crate::algo::{exchange, reducing, rooted};
+use crate::dtype::{finish_avg, DType, Element, ReduceOp};
+use crate::error::CollectiveError;
+use crate::policy::{Algo, Op};
+use crate::transport::{Tag, Transport};
+use std::time::Instant;
+
+use super::Communicator;
+
+impl<T: Transport> Communicator<T> {
+    /// Allreduce of `buf` in place, as raw bytes of `dtype`.
+    pub fn allreduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CollectiveError> {
+        let count = self.elements(Op::AllReduce, "buf", buf.len(), dtype)?;
+        let world = self.world;
+        let len = buf.len();
+        let ptr = buf.as_mut_ptr();
+        self.run(Op::AllReduce, dtype, Some(op), 0, count, len, |ctx, algo| {
+            if world > 1 {
+                match algo {
+                    Algo::RecursiveDoubling => reducing::allreduce_rd(ctx, ptr, count)?,
+                    Algo::HalvingDoubling => reducing::allreduce_rhd(ctx, ptr, count)?,
+                    _ => reducing::allreduce_ring(ctx, ptr, count)?,
+                }
+            }
+            Ok(())
+        })?;
+        if op == ReduceOp::Avg {
+            finish_avg(dtype, buf, world);
+        }
+        Ok(())
+    }
+
+    /// Broadcast of root's `buf` to every rank.
+    pub fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<(), CollectiveError> {
+        self.check_root(Op::Broadcast, root)?;
+        let count = self.elements(Op::Broadcast, "buf", buf.len(), dtype)?;
+        let (len, ptr, world) = (buf.len(), buf.as_mut_ptr(), self.world);
+        self.run(Op::Broadcast, dtype, None, root, count, len, |ctx, algo| {
+            if world > 1 {
+                match algo {
+                    Algo::Ring => rooted::broadcast_chain(ctx, ptr, len, root)?,
+                    _ => rooted::broadcast_tree(ctx, ptr, len, root)?,
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Reduce to `root` in place: root's `buf` gets the result; on other ranks `buf` holds
+    /// partial results afterwards (as torch's `reduce`).
+    pub fn reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<(), CollectiveError> {
+        self.check_root(Op::Reduce, root)?;
+        let count = self.elements(Op::Reduce, "buf", buf.len(), dtype)?;
+        let (len, ptr, world) = (buf.len(), buf.as_mut_ptr(), self.world);
+        self.run(Op::Reduce, dtype, Some(op), root, count, len, |ctx, algo| {
+            if world > 1 {
+                match algo {
+                    Algo::Ring => rooted::reduce_chain(ctx, ptr, len, root)?,
+                    _ => rooted::reduce_tree(ctx, ptr, len, root)?,
+                }
+            }
+            Ok(())
+        })?;
+        if op == ReduceOp::Avg && self.rank == root {
+            finish_avg(dtype, buf, world);
+        }
+        Ok(())
+    }
+
+    /// Allgather: `recv` (world × `send`) gets every rank's `send`, in rank order.
+    pub fn allgather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<(), CollectiveError> {
+        let count = self.elements(Op::AllGather, "send", send.len(), dtype)?;
+        if recv.len() != send.len() * self.world {
+            return Err(self.invalid(
+                Op::AllGather,
+                "recv",
+                format!(
+                    "{} bytes, but world ({}) × send ({} bytes) = {}",
+                    recv.len(),
+                    self.world,
+                    send.len(),
+                    send.len() * self.world
+                ),
+            ));
+        }
+        let (world, rank) = (self.world, self.rank);
+        recv[rank * send.len()..(rank + 1) * send.len()].copy_from_slice(send);
+        let (ptr, total) = (recv.as_mut_ptr(), recv.len());
+        self.run(Op::AllGather, dtype, None, 0, count, total, |ctx, algo| {
+            if world > 1 {
+                match algo {
+                    Algo::RecursiveDoubling => exchange::allgather_rd(ctx, ptr, count)?,
+                    _ => exchange::allgather_ring(ctx, ptr, count)?,
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Reduce-scatter: `send` holds world blocks of `recv.len()` bytes; rank `i`'s `recv`
+    /// gets the reduction of every rank's block `i`.
+    pub fn reduce_scatter_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CollectiveError> {
+        let count = self.elements(Op::ReduceScatter, "recv", recv.len(), dtype)?;
+        if send.len() != recv.len() * self.world {
+            return Err(self.invalid(
+                Op::ReduceScatter,
+                "send",
+                format!(
+                    "{} bytes, but world ({}) × recv ({} bytes) = {}",
+                    send.len(),
+                    self.world,
+                    recv.len(),
+                    recv.len() * self.world
+                ),
+            ));
+        }
+        let (world, rank, cb) = (self.world, self.rank, recv.len());
+        let mut work = send.to_vec();
+        let (ptr, total) = (work.as_mut_ptr(), work.len());
+        self.run(Op::ReduceScatter, dtype, Some(op), 0, count, total, |ctx, algo| {
+            if world > 1 {
+                match algo {
+                    Algo::HalvingDoubling => reducing::reduce_scatter_rhd(ctx, ptr, count)?,
+                    _ => reducing::reduce_scatter_ring(ctx, ptr, count)?,
+                }
+            }
+            Ok(())
+        })?;
+        recv.copy_from_slice(&work[rank * cb..(rank + 1) * cb]);
+        if op == ReduceOp::Avg {
+            finish_avg(dtype, recv, world);
+        }
+        Ok(())
+    }
+
+    /// Alltoall: block `j` of `send` goes to rank `j`, which puts it at block `rank` of its
+    /// `recv`. Both hold world equal blocks.
+    pub fn alltoall_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<(), CollectiveError> {
+        if send.len() != recv.len() {
+            return Err(self.invalid(Op::AllToAll, "recv", format!("{} bytes, but send has {}", recv.len(), send.len())));
+        }
+        let elems = self.elements(Op::AllToAll, "send", send.len(), dtype)?;
+        if !elems.is_multiple_of(self.world) {
+            return Err(self.invalid(
+                Op::AllToAll,
+                "send",
+                format!("{elems} elements do not split into {} equal blocks", self.world),
+            ));
+        }
+        let count = elems / self.world;
+        let (world, total) = (self.world, send.len());
+        let (sp, rp) = (send.as_ptr(), recv.as_mut_ptr());
+        self.run(Op::AllToAll, dtype, None, 0, count, total, |ctx, algo| {
+            if world > 1 {
+                exchange::alltoall(ctx, sp, rp, count, algo == Algo::Pairwise)
+            } else {
+                // SAFETY: both buffers hold `total` bytes and are distinct (`&` and `&mut`).
+                unsafe { std::ptr::copy_nonoverlapping(sp, rp, total) };
+                Ok(())
+            }
+        })
+    }
+
+    /// Returns once every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<(), CollectiveError> {
+        let world = self.world;
+        self.run(Op::Barrier, DType::U8, None, 0, 0, 0, |ctx, _| if world > 1 { exchange::barrier(ctx) } else { Ok(()) })
+    }
+
+    fn p2p_tag(tag: u32, seg: u32, last: bool) -> Tag {
+        (1u64 << 63) | ((tag as u64 & 0x7FFF_FFFF) << 32) | ((last as u64) << 31) | (seg as u64 & 0x7FFF_FFFF)
+    }
+
+    fn p2p_check(&self, what: &'static str, peer: usize, tag: u32) -> Result<(), CollectiveError> {
+        if peer >= self.world || peer == self.rank {
+            return Err(CollectiveError::InvalidArgument {
+                rank: self.rank,
+                op: what,
+                argument: "peer",
+                message: format!("{peer} is not another rank of this world of {}", self.world),
+            });
+        }
+        if tag > 0x7FFF_FFFF {
+            return Err(CollectiveError::InvalidArgument {
+                rank: self.rank,
+                op: what,
+                argument: "tag",
+                message: format!("{tag} is above 2^31 - 1"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends `buf` to `dst` under `tag`; returns when `buf` may be reused.
+    pub fn send_bytes(&self, buf: &[u8], dst: usize, tag: u32) -> Result<(), CollectiveError> {
+        self.p2p_check("send", dst, tag)?;
+        let deadline = Instant::now() + self.timeout;
+        let label = format!("send of {} bytes to rank {dst} (tag {tag})", buf.len());
+        let err = |source| CollectiveError::Transport { rank: self.rank, op: label.clone(), source };
+        let max = self.t.max_message();
+        let n = buf.len().div_ceil(max).max(1);
+        for j in 0..n {
+            let part = &buf[(j * max).min(buf.len())..((j + 1) * max).min(buf.len())];
+            let tk = self
+                .t
+                .send(dst, Self::p2p_tag(tag, j as u32, j + 1 == n), part, self.policy.proto(part.len()), None)
+                .map_err(err)?;
+            self.t.wait(tk, deadline).map_err(err)?;
+        }
+        let mut st = self.state.lock();
+        *st.stats.calls.entry("send".into()).or_default() += 1;
+        Ok(())
+    }
+
+    /// Receives into `buf` from `src` under `tag`; the sender must send exactly
+    /// `buf.len()` bytes.
+    pub fn recv_bytes(&self, buf: &mut [u8], src: usize, tag: u32) -> Result<(), CollectiveError> {
+        self.p2p_check("recv", src, tag)?;
+        let deadline = Instant::now() + self.timeout;
+        let label = format!("recv of {} bytes from rank {src} (tag {tag})", buf.len());
+        let err = |source| CollectiveError::Transport { rank: self.rank, op: label.clone(), source };
+        let max = self.t.max_message();
+        let n = buf.len().div_ceil(max).max(1);
+        let expected = buf.len();
+        let mismatch = |got: String| CollectiveError::Mismatch {
+            rank: self.rank,
+            op: "recv",
+            peer: src,
+            message: format!("this rank expects {expected} bytes under tag {tag} but rank {src} sent {got}"),
+        };
+        for j in 0..n {
+            let (lo, hi) = ((j * max).min(buf.len()), ((j + 1) * max).min(buf.len()));
+            let (which, msg) = self
+                .t
+                .recv(src, Self::p2p_tag(tag, j as u32, false), Some((src, Self::p2p_tag(tag, j as u32, true))), deadline)
+                .map_err(err)?;
+            let last = which == 1;
+            if msg.len() != hi - lo || last != (j + 1 == n) {
+                return Err(mismatch(if last { format!("{} bytes", j * max + msg.len()) } else { "more".into() }));
+            }
+            buf[lo..hi].copy_from_slice(&msg);
+        }
+        let mut st = self.state.lock();
+        *st.stats.calls.entry("recv".into()).or_default() += 1;
+        Ok(())
+    }
+
+    // ----- typed API -----
+
+    /// Allreduce in place.
+    pub fn allreduce<E: Element>(&self, buf: &mut [E], op: ReduceOp) -> Result<(), CollectiveError> {
+        self.allreduce_bytes(bytemuck::cast_slice_mut(buf), E::DTYPE, op)
+    }
+
+    /// Broadcast from `root`.
+    pub fn broadcast<E: Element>(&self, buf: &mut [E], root: usize) -> Result<(), CollectiveError> {
+        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), E::DTYPE, root)
+    }
+
+    /// Reduce to `root` (see [`reduce_bytes`](Self::reduce_bytes)).
+    pub fn reduce<E: Element>(&self, buf: &mut [E], op: ReduceOp, root: usize) -> Result<(), CollectiveError> {
+        self.reduce_bytes(bytemuck::cast_slice_mut(buf), E::DTYPE, op, root)
+    }
+
+    /// Allgather.
+    pub fn allgather<E: Element>(&self, send: &[E], recv: &mut [E]) -> Result<(), CollectiveError> {
+        self.allgather_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), E::DTYPE)
+    }
+
+    /// Reduce-scatter.
+    pub fn reduce_scatter<E: Element>(&self, send: &[E], recv: &mut [E], op: ReduceOp) -> Result<(), CollectiveError> {
+        self.reduce_scatter_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), E::DTYPE, op)
+    }
+
+    /// Alltoall.
+    pub fn alltoall<E: Element>(&self, send: &[E], recv: &mut [E]) -> Result<(), CollectiveError> {
+        self.alltoall_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), E::DTYPE)
+    }
+
+    /// Point-to-point send.
+    pub fn send<E: Element>(&self, buf: &[E], dst: usize, tag: u32) -> Result<(), CollectiveError> {
+        self.send_bytes(bytemuck::cast_slice(buf), dst, tag)
+    }
+
+    /// Point-to-point receive.
+    pub fn recv<E: Element>(&self, buf: &mut [E], src: usize, tag: u32) -> Result<(), CollectiveError> {
+        self.recv_bytes(bytemuck::cast_slice_mut(buf), src, tag)
+    }
+}

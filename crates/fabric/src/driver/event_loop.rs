@@ -1,0 +1,515 @@
+//! The loop thread: its state ([`Loop`]), the `mio` tokens, the table of connections, and
+//! what drives one connection (I/O, sessions, timers, closing).
+
+use super::channel::ChanListenerEp;
+use super::client::ClientEp;
+use super::conn::{Closing, Conn, ConnKey, Role, Transport};
+use super::server::ServerEp;
+use super::timers::Timers;
+use super::{client, conn, exposure, mesh};
+use super::{Shared, CLOSE_LINGER, DRIVE_BUDGET};
+use crate::error::FabricError;
+use crate::providers::sim::{Notify, SimAcceptQueue};
+#[cfg(feature = "verbs")]
+use crate::providers::ProviderKind;
+use mio::{Events, Interest, Poll, Token};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub(super) const WAKER: Token = Token(0);
+const VERBS_EVENTS: Token = Token(1);
+const LISTENER_BIT: usize = 1 << 62;
+const CONN_BIT: usize = 2 << 62;
+const KIND_MASK: usize = 3 << 62;
+
+fn conn_token(k: ConnKey) -> Token {
+    Token(CONN_BIT | (((k.gen as usize) & 0x3fff_ffff) << 32) | k.index as usize)
+}
+
+pub(super) fn listener_token(id: u64) -> Token {
+    Token(LISTENER_BIT | (id as usize & !KIND_MASK))
+}
+
+/// Per-loop provider state: what the providers keep per engine.
+pub(crate) struct Net {
+    /// Bytes exposed to peers now (sim and verbs regions).
+    pub(crate) exposed_bytes: u64,
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Option<crate::providers::verbs::engine::VerbsEngine>,
+}
+
+impl Net {
+    pub(super) fn new(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricError> {
+        let _ = (shared, poll);
+        Ok(Net {
+            exposed_bytes: 0,
+            #[cfg(feature = "verbs")]
+            verbs: match shared.provider.kind() {
+                ProviderKind::Verbs(p) => Some(crate::providers::verbs::engine::VerbsEngine::new(p, shared, poll, VERBS_EVENTS)?),
+                _ => None,
+            },
+        })
+    }
+}
+
+/// A listening socket of a server endpoint or channel listener.
+pub(crate) enum ListenSocket {
+    Tcp(mio::net::TcpListener),
+    Sim(Arc<SimAcceptQueue>),
+}
+
+/// A block waiting for local memory.
+pub(crate) struct MemWaiter {
+    pub(crate) conn: ConnKey,
+    pub(crate) kind: client::MemWait,
+}
+
+pub(super) struct Slot {
+    pub(super) gen: u32,
+    pub(super) conn: Option<Conn>,
+}
+
+/// The loop thread's state.
+pub(crate) struct Loop {
+    pub(crate) shared: Arc<Shared>,
+    pub(super) poll: Poll,
+    pub(super) conns: Vec<Slot>,
+    pub(super) free: Vec<u32>,
+    pub(crate) servers: HashMap<u64, ServerEp>,
+    pub(crate) clients: HashMap<u64, ClientEp>,
+    pub(crate) chan_listeners: HashMap<u64, ChanListenerEp>,
+    pub(crate) meshes: HashMap<u64, mesh::MeshEp>,
+    /// Mesh links parked until receive memory comes back.
+    pub(crate) mesh_mem: VecDeque<ConnKey>,
+    pub(super) timers: Timers,
+    pub(crate) mem_waiters: VecDeque<MemWaiter>,
+    /// Unauthenticated server connections, oldest first.
+    pub(crate) pending: VecDeque<ConnKey>,
+    /// Connections to drive again (they used their budget, or were unblocked).
+    pub(super) again: Vec<ConnKey>,
+    /// A block started waiting for memory since the queue was last served: serve it once
+    /// (memory may be free already, and no release would then come to wake us).
+    pub(super) mem_dirty: bool,
+    /// Rendezvous regions exposed over all server connections, and those waiting for room.
+    pub(crate) exposure: exposure::ExposureBudget,
+    pub(crate) net: Net,
+    /// Set at shutdown: when the loop gives up waiting for connections to close.
+    pub(super) exiting: Option<Instant>,
+}
+
+impl Loop {
+    pub(super) fn run(&mut self) {
+        // The gauge includes what the provider registered for this loop from the start
+        // (verbs: the shared receive queue and the send buffers).
+        self.update_registered();
+        let mut events = Events::with_capacity(1024);
+        loop {
+            let now = Instant::now();
+            let mut timeout = self.timers.next().map(|t| t.saturating_duration_since(now));
+            if !self.again.is_empty() || self.mem_dirty || self.exposure.dirty || self.shared.mem_wake.load(Ordering::Acquire) {
+                timeout = Some(Duration::ZERO);
+            }
+            if let Some(x) = self.exiting {
+                timeout = Some(timeout.unwrap_or(Duration::from_millis(50)).min(Duration::from_millis(50)));
+                if Instant::now() >= x || self.conns.iter().all(|s| s.conn.is_none()) {
+                    break;
+                }
+            }
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!(driver = %self.shared.name, error = %e, "poll failed; the loop stops");
+                    break;
+                }
+            }
+            for ev in events.iter() {
+                let t = ev.token();
+                match t.0 & KIND_MASK {
+                    _ if t == WAKER => {}
+                    _ if t == VERBS_EVENTS => self.verbs_events(),
+                    LISTENER_BIT => self.accept((t.0 & !KIND_MASK) as u64),
+                    CONN_BIT => {
+                        let index = (t.0 & 0xffff_ffff) as u32;
+                        let gen = ((t.0 >> 32) & 0x3fff_ffff) as u32;
+                        let Some(slot) = self.conns.get(index as usize) else { continue };
+                        if slot.gen & 0x3fff_ffff != gen {
+                            continue;
+                        }
+                        let key = ConnKey { index, gen: slot.gen };
+                        if ev.is_writable() {
+                            self.on_writable(key);
+                        }
+                        self.drive(key);
+                    }
+                    _ => {}
+                }
+            }
+            self.commands();
+            let ready: Vec<u64> = std::mem::take(&mut *self.shared.ready.lock());
+            for k in ready {
+                if k & (1 << 63) != 0 {
+                    self.accept(k & !(1 << 63));
+                } else {
+                    self.drive(ConnKey::from_u64(k));
+                }
+            }
+            // The verbs completion channel is edge-like (one event per arm): poll the queue
+            // on every turn too, it is cheap and catches completions of work posted above.
+            self.verbs_events();
+            if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
+                self.service_memory();
+            }
+            if self.exposure.dirty {
+                self.service_exposures();
+            }
+            let again = std::mem::take(&mut self.again);
+            for k in again {
+                self.drive(k);
+            }
+            self.fire_timers();
+        }
+        self.close_everything("the engine stopped");
+        tracing::debug!(driver = %self.shared.name, "loop stopped");
+    }
+
+    // ------------------------------------------------------------------ connection table
+
+    pub(crate) fn insert(&mut self, peer: String, transport: Transport, role: Role) -> ConnKey {
+        let index = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.conns.push(Slot { gen: 0, conn: None });
+                (self.conns.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.conns[index as usize];
+        slot.gen = slot.gen.wrapping_add(1) & 0x3fff_ffff;
+        let key = ConnKey { index, gen: slot.gen };
+        let now = Instant::now();
+        slot.conn = Some(Conn {
+            key,
+            peer,
+            transport,
+            role,
+            authenticated: false,
+            armed: None,
+            last_active: now,
+            closing: None,
+            registered: false,
+        });
+        self.shared.stats.connections_open.fetch_add(1, Ordering::Relaxed);
+        key
+    }
+
+    /// Registers the connection's socket (if it has one) and its sim notifier, then drives it
+    /// once (messages may be waiting already).
+    pub(crate) fn activate(&mut self, key: ConnKey) {
+        let Some(mut conn) = self.take(key) else { return };
+        let token = conn_token(key);
+        let notify: Arc<dyn Notify> = self.shared.clone();
+        let res = match &mut conn.transport {
+            Transport::Tcp(t) => self.poll.registry().register(t.stream_mut(), token, Interest::READABLE | Interest::WRITABLE),
+            Transport::Sim(s) => {
+                s.conn.set_notify(notify, key.to_u64());
+                Ok(())
+            }
+            #[cfg(feature = "verbs")]
+            Transport::Verbs(v) => self.poll.registry().register(v.control_mut(), token, Interest::READABLE | Interest::WRITABLE),
+        };
+        match res {
+            Ok(()) => conn.registered = !matches!(conn.transport, Transport::Sim(_)),
+            Err(e) => {
+                let err = FabricError::io(&conn.peer, "register", e);
+                self.fail(&mut conn, err);
+            }
+        }
+        self.put(conn);
+        self.drive(key);
+    }
+
+    pub(crate) fn take(&mut self, key: ConnKey) -> Option<Conn> {
+        let slot = self.conns.get_mut(key.index as usize)?;
+        if slot.gen != key.gen {
+            return None;
+        }
+        slot.conn.take()
+    }
+
+    /// Puts a connection back after handling it, or removes it for good when it finished
+    /// closing.
+    pub(crate) fn put(&mut self, mut conn: Conn) {
+        self.after(&mut conn);
+        if self.finished(&mut conn) {
+            self.remove(conn);
+            return;
+        }
+        let key = conn.key;
+        if let Some(slot) = self.conns.get_mut(key.index as usize) {
+            if slot.gen == key.gen {
+                slot.conn = Some(conn);
+            }
+        }
+    }
+
+    pub(crate) fn conn_ref(&self, key: ConnKey) -> Option<&Conn> {
+        let slot = self.conns.get(key.index as usize)?;
+        if slot.gen != key.gen {
+            return None;
+        }
+        slot.conn.as_ref()
+    }
+
+    pub(crate) fn contains(&self, key: ConnKey) -> bool {
+        self.conns.get(key.index as usize).is_some_and(|s| s.gen == key.gen && s.conn.is_some())
+    }
+
+    /// Whether `key` is a connection that is not closing.
+    pub(crate) fn live(&self, key: ConnKey) -> bool {
+        self.conns
+            .get(key.index as usize)
+            .is_some_and(|s| s.gen == key.gen && s.conn.as_ref().is_some_and(|c| c.closing.is_none()))
+    }
+
+    fn remove(&mut self, mut conn: Conn) {
+        let key = conn.key;
+        if conn.registered {
+            let r = match &mut conn.transport {
+                Transport::Tcp(t) => self.poll.registry().deregister(t.stream_mut()),
+                #[cfg(feature = "verbs")]
+                Transport::Verbs(v) => self.poll.registry().deregister(v.control_mut()),
+                Transport::Sim(_) => Ok(()),
+            };
+            let _ = r;
+        }
+        self.pending.retain(|k| *k != key);
+        self.role_removed(&mut conn);
+        conn.transport.shutdown(&mut self.net);
+        #[cfg(feature = "verbs")]
+        if let Transport::Verbs(v) = &mut conn.transport {
+            v.destroy(&mut self.net, &self.shared.stats);
+        }
+        self.shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
+        if let Some(slot) = self.conns.get_mut(key.index as usize) {
+            if slot.gen == key.gen {
+                slot.conn = None;
+                self.free.push(key.index);
+            }
+        }
+        self.update_registered();
+    }
+
+    pub(crate) fn update_registered(&self) {
+        #[allow(unused_mut)]
+        let mut bytes = self.net.exposed_bytes;
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.net.verbs {
+            bytes += v.registered_bytes();
+        }
+        self.shared.stats.registered_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    // ------------------------------------------------------------------ driving
+
+    /// Handles everything that arrived on `key` (up to a budget; the rest on the next turn).
+    pub(crate) fn drive(&mut self, key: ConnKey) {
+        let Some(mut conn) = self.take(key) else { return };
+        if conn.closing.is_none() {
+            let mut budget = DRIVE_BUDGET;
+            while budget > 0 && conn.closing.is_none() && !self.blocked(&conn) {
+                budget -= 1;
+                let limits = self.limits(&conn);
+                match conn.transport.next(&mut self.net, &limits) {
+                    Ok(Some(inc)) => {
+                        conn.last_active = Instant::now();
+                        self.incoming(&mut conn, inc);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.fail(&mut conn, e);
+                        break;
+                    }
+                }
+            }
+            if budget == 0 {
+                self.again.push(key);
+            }
+        }
+        if conn.closing.is_some() {
+            // A closing connection reads nothing but must still collect device completions
+            // (the flushes that give back the buffers its posted work targets).
+            let limits = self.limits(&conn);
+            while let Ok(Some(inc)) = conn.transport.next(&mut self.net, &limits) {
+                self.incoming(&mut conn, inc);
+            }
+        }
+        self.put(conn);
+    }
+
+    fn on_writable(&mut self, key: ConnKey) {
+        let Some(mut conn) = self.take(key) else { return };
+        let r = match &mut conn.transport {
+            Transport::Tcp(t) => t.on_writable(),
+            #[cfg(feature = "verbs")]
+            Transport::Verbs(v) => v.on_writable(),
+            Transport::Sim(_) => Ok(false),
+        };
+        match r {
+            Ok(true) => self.connected(&mut conn),
+            Ok(false) => {}
+            Err(e) => self.fail(&mut conn, e),
+        }
+        self.put(conn);
+    }
+
+    /// A pending connect completed.
+    fn connected(&mut self, conn: &mut Conn) {
+        match &mut conn.role {
+            Role::Client(_) => self.client_connected(conn),
+            Role::Channel(_) => self.channel_connected(conn),
+            Role::Mesh(_) => self.mesh_connected(conn),
+            Role::Server(_) => {}
+        }
+    }
+
+    /// Whether the connection cannot read on for now (its payload waits for memory).
+    fn blocked(&self, conn: &Conn) -> bool {
+        match &conn.role {
+            Role::Client(c) => c.blocked(),
+            Role::Mesh(m) => m.starved.is_some(),
+            _ => false,
+        }
+    }
+
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        match &conn.role {
+            Role::Client(c) => c.session.limits(),
+            Role::Server(s) => s.session.limits(),
+            Role::Channel(c) => c.limits,
+            Role::Mesh(m) => m.limits,
+        }
+    }
+
+    fn incoming(&mut self, conn: &mut Conn, inc: conn::Incoming) {
+        match conn.role {
+            Role::Client(_) => self.client_incoming(conn, inc),
+            Role::Server(_) => self.server_incoming(conn, inc),
+            Role::Channel(_) => self.channel_incoming(conn, inc),
+            Role::Mesh(_) => self.mesh_incoming(conn, inc),
+        }
+    }
+
+    /// The transport failed (or the peer went away): the role fails its work, the
+    /// connection closes without lingering.
+    pub(crate) fn fail(&mut self, conn: &mut Conn, error: FabricError) {
+        if conn.closing.is_some() {
+            return;
+        }
+        let flush = match conn.role {
+            Role::Client(_) => {
+                self.client_failed(conn, &error);
+                false
+            }
+            Role::Server(_) => self.server_failed(conn, &error),
+            Role::Channel(_) => {
+                self.channel_failed(conn, error.to_string());
+                false
+            }
+            Role::Mesh(_) => {
+                self.mesh_failed(conn, &error);
+                false
+            }
+        };
+        self.close(conn, format!("{error}"), flush);
+    }
+
+    /// Starts closing: with `flush`, frames still queued (an `Error` for the peer) go out
+    /// first. The transport stops (a verbs queue pair goes to the error state, which flushes
+    /// its posted work); the connection is removed once nothing posted is outstanding.
+    pub(crate) fn close(&mut self, conn: &mut Conn, reason: String, flush: bool) {
+        if conn.closing.is_some() {
+            return;
+        }
+        tracing::debug!(driver = %self.shared.name, peer = %conn.peer, %reason, "closing connection");
+        conn.closing = Some(Closing { deadline: Instant::now() + CLOSE_LINGER, reason });
+        if !flush || conn.transport.sends_done() {
+            conn.transport.shutdown(&mut self.net);
+        }
+        self.update_registered();
+    }
+
+    /// Whether a closing connection may be removed now.
+    fn finished(&mut self, conn: &mut Conn) -> bool {
+        let Some(closing) = &conn.closing else { return false };
+        let late = Instant::now() >= closing.deadline;
+        if !conn.transport.sends_done() && !late {
+            return false;
+        }
+        conn.transport.shutdown(&mut self.net);
+        if conn.transport.busy() && !late {
+            return false;
+        }
+        if conn.transport.busy() {
+            self.shared.stats.unflushed_closes.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(driver = %self.shared.name, peer = %conn.peer, reason = %closing.reason,
+                "device work still outstanding after the close limit; its buffers are kept, not reused");
+        }
+        true
+    }
+
+    /// After a connection was handled: send what its role queued, arm its next deadline.
+    fn after(&mut self, conn: &mut Conn) {
+        if conn.closing.is_none() {
+            match conn.role {
+                Role::Client(_) => self.client_after(conn),
+                Role::Server(_) => self.server_after(conn),
+                Role::Channel(_) => {}
+                Role::Mesh(_) => self.mesh_after(conn),
+            }
+        }
+        let deadline = self.deadline(conn);
+        if let Some(d) = deadline {
+            self.timers.arm(conn.key.to_u64(), d, &mut conn.armed);
+        }
+    }
+
+    fn deadline(&self, conn: &Conn) -> Option<Instant> {
+        if let Some(c) = &conn.closing {
+            return Some(c.deadline);
+        }
+        match &conn.role {
+            Role::Client(c) => self.client_deadline(conn, c),
+            Role::Server(s) => self.server_deadline(conn, s),
+            Role::Channel(_) | Role::Mesh(_) => None,
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        while let Some((t, k)) = self.timers.pop_due(now) {
+            let key = ConnKey::from_u64(k);
+            let Some(mut conn) = self.take(key) else { continue };
+            if conn.armed == Some(t) {
+                conn.armed = None;
+            }
+            if conn.closing.is_none() {
+                match conn.role {
+                    Role::Client(_) => self.client_timeout(&mut conn, now),
+                    Role::Server(_) => self.server_timeout(&mut conn, now),
+                    Role::Channel(_) | Role::Mesh(_) => {}
+                }
+            }
+            self.put(conn);
+        }
+    }
+
+    /// A removed connection: its role gives back what it held.
+    fn role_removed(&mut self, conn: &mut Conn) {
+        match conn.role {
+            Role::Client(_) => self.client_removed(conn),
+            Role::Server(_) => self.server_removed(conn),
+            Role::Channel(_) => self.channel_failed(conn, format!("connection to {} closed", conn.peer)),
+            Role::Mesh(_) => self.mesh_removed(conn),
+        }
+    }
+}
