@@ -51,7 +51,9 @@ trait EngineDirectory {
  * whose native library did not load, ...) goes to Spark's own client unchanged. Native fetches
  * are wrapped in Spark's `RetryingBlockTransferor`, so `spark.shuffle.io.maxRetries` and
  * `spark.shuffle.io.retryWait` apply exactly as with Netty; transient engine errors therefore
- * reach it as `IOException`s — unless the driver reports the serving executor dead: as in
+ * reach it as `IOException`s — except a timeout (the peer was silent for the whole
+ * `fetchTimeout`/`connectTimeout`; a retry would wait as long again), and unless the driver
+ * reports the serving executor dead: as in
  * Spark's own client (SPARK-27637), a transient failure towards an executor the driver has
  * removed fails at once with `ExecutorDeadException`, which is never retried, so the reducer
  * reports `FetchFailed` without waiting `maxRetries` x `retryWait` for a peer that is gone.
@@ -323,9 +325,17 @@ class NativeBlockStoreClient(
         if (NativeBlockStoreClient.UnknownToEngine.contains(kind)) {
           viaSpark(blockId, kind, message)
         } else {
-          val cause = new RdmaShuffleException(
-            kind,
-            s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
+          val what = s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}"
+          if (kind == NativeBlockStoreClient.TimeoutKind) {
+            // The peer was silent for the whole fetch (or connect) timeout: a retry would
+            // wait that long again, holding the task slot maxRetries times over, so Spark gets
+            // a FetchFailed now (issue 14: FetchFailed within spark.shuffle.rdma.fetchTimeout).
+            failure(
+              blockId,
+              new RdmaShuffleException(kind, s"$what: $message (not retried: a timeout is final)"))
+            return
+          }
+          val cause = new RdmaShuffleException(kind, s"$what: $message")
           if (cause.isTransient) {
             // Off the engine's delivery thread: the liveness question is an RPC to the driver.
             NativeBlockStoreClient.failureReporters.execute(new Runnable {
@@ -386,6 +396,13 @@ object NativeBlockStoreClient {
    * own client (see the class docs).
    */
   val UnknownToEngine: Set[String] = Set("unknown_map_output", "unknown_shuffle")
+
+  /**
+   * The failure kind of a peer that stayed silent past `spark.shuffle.rdma.fetchTimeout` (or
+   * `connectTimeout`): reported to Spark without retries, so the reducer's FetchFailed comes
+   * within that timeout.
+   */
+  val TimeoutKind = "timeout"
 
   /**
    * Maps Spark block id strings to engine block ranges: `shuffle_S_M_R` -> [R, R+1),

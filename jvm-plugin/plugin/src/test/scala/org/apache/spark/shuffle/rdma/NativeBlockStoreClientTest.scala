@@ -172,7 +172,7 @@ class NativeBlockStoreClientTest {
     // Kinds as the native engine names them (FailureCode::name): transient ones become
     // IOExceptions, which Spark's RetryingBlockTransferor retries; permanent ones do not.
     val kinds = Seq(
-      "timeout" -> true,
+      "timeout" -> false, // final: the peer was already silent for the whole timeout
       "peer_gone" -> true,
       "pool_exhausted" -> true,
       "pull_failed" -> true,
@@ -290,7 +290,7 @@ class NativeBlockStoreClientTest {
     val engine = new ScriptedEngine((_, _, cb) => {
       cb.onBlock(0, bytesOf(2, 0), 10L)
       cb.onFailure(1, "peer_gone", "connection reset by peer")
-      cb.onFailure(2, "timeout", "no answer for 10000 ms")
+      cb.onFailure(2, "io", "broken pipe")
     })
     val asked = new ConcurrentLinkedQueue[String]()
     val client = new NativeBlockStoreClient(
@@ -318,6 +318,27 @@ class NativeBlockStoreClientTest {
     }
     assertEquals("one question per request", Seq("exec-2"), asked.asScala.toSeq)
     assertEquals(2L, client.deadExecutorFailureCount)
+  }
+
+  @Test def aTimeoutIsReportedAtOnceWithoutRetries(): Unit = {
+    // Issue 14: FetchFailed within spark.shuffle.rdma.fetchTimeout of a cut peer, not after
+    // maxRetries more rounds of retryWait + connectTimeout; the driver is not even asked.
+    val engine = new ScriptedEngine((_, _, cb) =>
+      cb.onFailure(0, "timeout", "no progress for 10000 ms while waiting for blocks"))
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      new RecordingSparkClient,
+      transportConf(3),
+      _ => { fail("a timeout needs no liveness question"); true })
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertEquals(1, engine.requests.size())
+    val e = l.failed.peek()._2
+    assertTrue(s"not retryable: $e", e.isInstanceOf[RdmaShuffleException])
+    assertEquals("timeout", e.asInstanceOf[RdmaShuffleException].kind())
+    assertTrue(e.getMessage, e.getMessage.contains("not retried"))
   }
 
   @Test def aFetchThatCannotStartTowardsADeadExecutorIsNotRetried(): Unit = {
