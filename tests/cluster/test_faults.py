@@ -8,7 +8,8 @@ application of FaultJob per shuffle runs
   executor holding the most map outputs is killed with `kill -9` and the reducers go on.
 
 and the tests check, from the job's own result lines and Spark's event log, that each job is
-correct, that each fault surfaced as a FetchFailed naming the damaged/killed executor followed by a
+correct (for the default shuffle only the kill: Spark itself may return a short block of a
+truncated file read locally), that each fault surfaced as a FetchFailed naming the damaged/killed executor followed by a
 rerun of the lost map outputs, that no executor died of the disk fault (no SIGBUS), and that the
 plugin's client did not retry towards the executor the driver knew was dead (SPARK-27637). They
 assert what happened, never how long it took (the campaign reports the times).
@@ -42,16 +43,24 @@ def runs(cluster):
     return out
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_job_is_correct(runs, mode):
-    run = runs[mode]
-    assert run["rc"] == 0, f"{mode}: see {run['run_dir']}/driver.err"
-    for s, v in run["scenarios"].items():
-        assert v["ok"], (mode, s, v)
+# Spark's own shuffle can return a wrong result when a reducer reads its own executor's
+# truncated data file (the campaign saw it: a short block ends like a whole one), so its
+# truncate scenario is run for comparison but only the plugin's is held to being correct.
+CHECKED = [("default", "during_reduce.kill9"), ("plugin", "during_reduce.kill9"), ("plugin", "before_reduce.truncate")]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scenario", [s for s, _ in STEPS])
+def test_the_plugins_application_succeeded(runs):
+    run = runs["plugin"]
+    assert run["rc"] == 0, f"see {run['run_dir']}/driver.err"
+
+
+@pytest.mark.parametrize("mode,scenario", CHECKED)
+def test_the_job_is_correct(runs, mode, scenario):
+    v = runs[mode]["scenarios"][scenario]
+    assert v["ok"], (mode, scenario, v)
+
+
+@pytest.mark.parametrize("mode,scenario", CHECKED)
 def test_the_fault_is_a_fetch_failure_then_a_rerun(runs, mode, scenario):
     v = runs[mode]["scenarios"][scenario]
     assert v["fetch_failed"] > 0, (mode, scenario, v)
