@@ -17,7 +17,7 @@
 # JOB is one of the jobs of jvm-plugin/jobs, run unchanged by spark-submit in the driver's namespace:
 #   ShuffleJobs:  wordcount | terasort | sql | sparse | bigblock | a comma list | all   ARGS: [scale]
 #   ShuffleBench: sortByKey | partitionBy | repartition | a comma list               ARGS: [records]
-# or a class name (ShuffleJobs | ShuffleBench) followed by that class's own arguments.
+# or a class name (ShuffleJobs | ShuffleBench | FaultJob) followed by that class's own arguments.
 #
 # The plugin is installed the way a user installs it: a spark-defaults.conf in the driver's conf
 # dir (SPARK_CONF_DIR) with spark.shuffle.manager and the jar (spark.jars on Spark 4.x; on the
@@ -33,6 +33,8 @@
 #   CLUSTER_PREFIX         prefix of namespaces/links (default rsb2); CLUSTER_SUBNET (default 10.77.0,
 #                          a /24); CLUSTER_DIR state and logs (default <repo>/target/cluster)
 #   CLUSTER_RUN_TIMEOUT    seconds before a run is killed (default 1800)
+#   CLUSTER_RUN_DIR        the directory of the next `run` (default: a new one under runs/); a
+#                          harness that watches driver.out while the job runs sets it
 #
 # Needs root (namespaces, veth, nft). Installs nftables when missing; builds the native library
 # and the jars when they are missing.
@@ -353,7 +355,7 @@ do_blackhole() { # HOST add|delete
 resolve_job() {
   local job=$1; shift
   case "$job" in
-    ShuffleJobs|ShuffleBench) JOB_CLASS="$JOBS_PKG.$job"; JOB_ARGS=("$@"); return ;;
+    ShuffleJobs|ShuffleBench|FaultJob) JOB_CLASS="$JOBS_PKG.$job"; JOB_ARGS=("$@"); return ;;
   esac
   local names j k kind=""
   IFS=, read -r -a names <<< "$job"
@@ -379,6 +381,10 @@ run_once() { # MODE JOB [ARGS...]   (extra --conf pairs in the CONFS array)
   local tag; tag="$(date +%Y%m%d-%H%M%S)-$mode-$(echo "$1" | tr ',' '+')"
   RUN_DIR="$STATE/runs/$tag"
   local i=1; while [ -e "$RUN_DIR" ]; do RUN_DIR="$STATE/runs/$tag.$i"; i=$((i + 1)); done
+  if [ -n "${CLUSTER_RUN_DIR:-}" ]; then
+    [ ! -e "$CLUSTER_RUN_DIR/driver.out" ] || die "CLUSTER_RUN_DIR $CLUSTER_RUN_DIR holds a run already"
+    RUN_DIR=$CLUSTER_RUN_DIR
+  fi
   mkdir -p "$RUN_DIR/eventlog" "$RUN_DIR/executors"
   local hosts; hosts="master,driver,$(workers | paste -sd,)"
   # Threads and RSS of every process of every host, sampled from outside the cluster.

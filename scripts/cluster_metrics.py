@@ -32,7 +32,7 @@ ROLES = (
 )
 
 # The job application's output lines (jvm-plugin/jobs): what a run printed.
-OUTPUT_PREFIXES = ("DIGEST ", "SHUFFLE_METRICS ", "BENCH ")
+OUTPUT_PREFIXES = ("DIGEST ", "SHUFFLE_METRICS ", "BENCH ", "FAULT_RESULT ")
 STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS executor=(\S+)(.*)$", re.M)
 CREATED_RE = re.compile(r"RdmaShuffleManager created \(isDriver=false, native=(\w+), enabled=(\w+)\)")
 LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+):(\d+) \(transport (\w+)\)")
@@ -156,6 +156,9 @@ def summarize(run: Path) -> dict:
     for ln in lines:
         kind, rest = ln.split(" ", 1)
         kv = _kv(rest)
+        if kind == "FAULT_RESULT":  # FaultJob: one self-checked result per scenario
+            outputs[kv["scenario"]] = f"records={kv['records']} sum={kv['sum']} ok={kv['ok']}"
+            continue
         job = kv.pop("job")
         if kind == "DIGEST":
             outputs[job] = rest.split(" ", 1)[1]

@@ -21,43 +21,16 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-CLUSTER = str(REPO / "scripts" / "cluster.sh")
-N = 3
+from conftest import N, PREFIX, SUBNET, sh
+
 JOBS = ["terasort", "wordcount"]
 SCALE = os.environ.get("CLUSTER_TEST_SCALE", "0.25")
-PREFIX = os.environ.get("CLUSTER_PREFIX", "rsb2")
-SUBNET = os.environ.get("CLUSTER_SUBNET", "10.77.0")
 WORKERS = [f"w{i}" for i in range(1, N + 1)]
 WORKER_PORT = 7078  # scripts/cluster.sh starts every worker daemon on this port
-TIMINGS: dict = {}
 
 
 def worker_ip(host: str) -> str:
     return f"{SUBNET}.{10 + int(host[1:])}"
-
-
-def sh(*args, timeout=900, check=True) -> subprocess.CompletedProcess:
-    t0 = time.monotonic()
-    p = subprocess.run([CLUSTER, *args], capture_output=True, text=True, timeout=timeout)
-    TIMINGS[args[0]] = TIMINGS.get(args[0], 0.0) + time.monotonic() - t0
-    print(f"\n$ scripts/cluster.sh {' '.join(args)}  (rc={p.returncode}, {time.monotonic() - t0:.1f} s)")
-    print(p.stdout[-6000:])
-    if check and p.returncode != 0:
-        raise AssertionError(f"cluster.sh {' '.join(args)} failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
-    return p
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    try:
-        sh("up", str(N), timeout=900)
-        yield
-    finally:
-        sh("down", timeout=300, check=False)
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        print(f"[cluster-test] seconds per command: { {k: round(v, 1) for k, v in TIMINGS.items()} }")
-        assert not [ln for ln in left.splitlines() if ln.startswith(f"{PREFIX}-")], f"namespaces left: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -162,6 +162,12 @@ impl BlockState {
     fn waits_for_peer(self) -> bool {
         matches!(self, BlockState::Requested | BlockState::Pulling { started: true, .. })
     }
+
+    /// Whether this block waits for local memory before we can pull it: the peer then waits
+    /// for us (its region stays exposed, and it may hold other answers back until we release).
+    fn waits_for_us(self) -> bool {
+        matches!(self, BlockState::Pulling { started: false, .. })
+    }
 }
 
 #[derive(Debug)]
@@ -188,7 +194,10 @@ struct Request {
 /// peer: a requested block, a pull that was sent, a one-sided read that was posted. Blocks
 /// waiting for local memory (a buffer, the bytes-in-flight budget) do not count, and a driver
 /// that stops reading because it has no memory for a payload says so with
-/// [`stall`](ClientSession::stall): local backpressure is not peer silence.
+/// [`stall`](ClientSession::stall): local backpressure is not peer silence. While any block
+/// announced by a `Rendezvous` waits for local memory the clock does not run at all: the peer
+/// may be holding other answers back until we pull and release that region (a server whose
+/// exposure budget is full), so its silence is our own backpressure too.
 #[derive(Debug)]
 pub struct ClientSession {
     config: ClientConfig,
@@ -212,6 +221,8 @@ pub struct ClientSession {
     last_progress: Instant,
     /// Blocks in a state where they wait for the peer.
     peer_waits: usize,
+    /// Announced blocks whose pull waits for local memory.
+    our_waits: usize,
     /// The driver stopped reading for lack of local memory.
     stalled: bool,
 }
@@ -245,6 +256,7 @@ impl ClientSession {
             handshake_deadline,
             last_progress: now,
             peer_waits: 0,
+            our_waits: 0,
             stalled: false,
             config,
         }
@@ -313,7 +325,7 @@ impl ClientSession {
         if self.is_closed() {
             let failure = BlockFailure::new(FailureCode::PeerGone, format!("connection to {} is closed", self.config.peer));
             for index in 0..n as u32 {
-                self.finish(Token { req, index }, Some(failure.clone()));
+                self.finish(Token { req, index }, Some(failure.clone()), Some(now));
             }
             return req;
         }
@@ -338,9 +350,15 @@ impl ClientSession {
     pub fn poll_timeout(&self) -> Option<Instant> {
         match self.state {
             State::AwaitChallenge | State::AwaitReady { .. } => Some(self.handshake_deadline),
-            State::Ready if self.peer_waits > 0 && !self.stalled => Some(self.last_progress + self.config.fetch_timeout),
+            State::Ready if self.silence_counts() => Some(self.last_progress + self.config.fetch_timeout),
             _ => None,
         }
+    }
+
+    /// Whether the silence clock runs: something waits for the peer, and nothing the peer
+    /// may be waiting on waits on us.
+    fn silence_counts(&self) -> bool {
+        self.peer_waits > 0 && !self.stalled && self.our_waits == 0
     }
 
     /// Records that bytes arrived (e.g. part of a long payload), which resets the silence
@@ -372,7 +390,7 @@ impl ClientSession {
                 self.config.handshake_timeout,
                 Knob::ConnectTimeout,
             ),
-            State::Ready if self.peer_waits > 0 && !self.stalled => {
+            State::Ready if self.silence_counts() => {
                 ("waiting for blocks", self.last_progress, self.config.fetch_timeout, Knob::FetchTimeout)
             }
             _ => return,
@@ -526,7 +544,7 @@ impl ClientSession {
                 }
                 self.events.push_back(ClientEvent::Eager { token, len });
                 self.return_credit();
-                self.finish(token, None);
+                self.finish(token, None, Some(now));
                 self.auto_flush(now);
                 Ok(())
             }
@@ -585,7 +603,7 @@ impl ClientSession {
                 let span = self.span(token);
                 let failure = BlockFailure::new(code, format!("{} from {}: {}", span, self.config.peer, message));
                 self.return_credit();
-                self.finish(token, Some(failure));
+                self.finish(token, Some(failure), Some(now));
                 self.auto_flush(now);
                 Ok(())
             }
@@ -643,7 +661,7 @@ impl ClientSession {
             self.transmit.push_back(Frame::Release { region: desc.region });
             self.return_credit();
         }
-        self.finish(token, result.err());
+        self.finish(token, result.err(), Some(now));
         self.auto_flush(now);
         Ok(())
     }
@@ -681,7 +699,17 @@ impl ClientSession {
     fn set_state(&mut self, t: Token, s: BlockState, now: Instant) {
         let Some(slot) = self.requests.get_mut(&t.req).and_then(|r| r.state.get_mut(t.index as usize)) else { return };
         let (was, is) = (slot.waits_for_peer(), s.waits_for_peer());
+        let (was_ours, is_ours) = (slot.waits_for_us(), s.waits_for_us());
         *slot = s;
+        if was_ours && !is_ours {
+            self.our_waits -= 1;
+            if self.our_waits == 0 {
+                // The clock restarts from now: the wait was ours, not the peer's.
+                self.last_progress = now;
+            }
+        } else if !was_ours && is_ours {
+            self.our_waits += 1;
+        }
         if was && !is {
             self.peer_waits -= 1;
         } else if !was && is {
@@ -701,12 +729,20 @@ impl ClientSession {
 
     /// Marks a block done, emitting `Failed` if `failure`, and `RequestDone` when it was the
     /// request's last.
-    fn finish(&mut self, t: Token, failure: Option<BlockFailure>) {
+    fn finish(&mut self, t: Token, failure: Option<BlockFailure>, now: Option<Instant>) {
         match self.block_state(t) {
             None | Some(BlockState::Done) => return,
             Some(s) => {
                 if s.waits_for_peer() {
                     self.peer_waits -= 1;
+                }
+                if s.waits_for_us() {
+                    self.our_waits -= 1;
+                    if self.our_waits == 0 {
+                        if let Some(now) = now {
+                            self.last_progress = now;
+                        }
+                    }
                 }
             }
         }
@@ -789,7 +825,7 @@ impl ClientSession {
             .collect();
         for t in tokens {
             let failure = BlockFailure::new(code, format!("{}: {}", self.span(t), err)).with_knob(knob);
-            self.finish(t, Some(failure));
+            self.finish(t, Some(failure), None);
         }
         self.regions.clear();
         self.unsent.clear();

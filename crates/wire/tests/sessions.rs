@@ -445,6 +445,30 @@ fn blocks_waiting_for_local_memory_do_not_run_the_silence_clock() {
 }
 
 #[test]
+fn a_block_the_server_holds_back_while_we_owe_it_a_pull_is_not_peer_silence() {
+    // Issue 14 (slow consumer): block A's rendezvous waits for a local buffer, so we have not
+    // pulled or released it; the server may hold B's answer back until we do (its exposure
+    // budget is full of A). B's silence is then our own backpressure: no deadline runs.
+    let (mut c, mut s, now) = pair(None, None, 8);
+    pump(&mut c, &mut s, now);
+    c.fetch(vec![BlockSpan::single(1, 5000, 0), BlockSpan::single(1, 6000, 0)], now);
+    let f = c.poll_transmit().unwrap();
+    s.handle_frame(f, &mut resolver).unwrap();
+    let Some(ServerOutput::Expose { req, index, region, len, .. }) = s.poll_output() else { panic!() };
+    // The server answers A only; B stays requested.
+    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 } }, now).unwrap();
+    assert_eq!(c.poll_timeout(), None, "B's silence is not the peer's while A waits for our memory");
+    let later = now + Duration::from_secs(3600);
+    c.handle_timeout(later);
+    assert!(!c.is_closed(), "an hour of local backpressure is not peer silence");
+    // The buffer comes: the pull of A starts, and from then on both wait for the peer.
+    c.pull_started(Token { req, index }, later).unwrap();
+    assert_eq!(c.poll_timeout(), Some(later + Duration::from_secs(120)));
+    c.handle_timeout(later + Duration::from_secs(120));
+    assert!(c.is_closed(), "real silence still times out");
+}
+
+#[test]
 fn a_driver_budget_bounds_the_blocks_sent() {
     let now = Instant::now();
     let mut cc = ClientConfig::new("server-1", [1; 16]);

@@ -5,13 +5,20 @@ package org.apache.spark.shuffle.rdma
 
 import java.io.{File, IOException}
 import java.nio.ByteBuffer
-import java.util.concurrent.CompletableFuture
-import java.util.concurrent.atomic.{AtomicIntegerArray, AtomicLong}
+import java.util.concurrent.{
+  CompletableFuture,
+  ExecutorService,
+  LinkedBlockingQueue,
+  ThreadFactory,
+  ThreadPoolExecutor,
+  TimeUnit
+}
+import java.util.concurrent.atomic.{AtomicInteger, AtomicIntegerArray, AtomicLong}
 
 import scala.util.control.NonFatal
 
+import org.apache.spark.{ExecutorDeadException, SparkEnv}
 import org.apache.spark.internal.Logging
-import org.apache.spark.SparkEnv
 import org.apache.spark.network.buffer.{FileSegmentManagedBuffer, ManagedBuffer}
 import org.apache.spark.network.shuffle.{
   BlockFetchingListener,
@@ -22,7 +29,7 @@ import org.apache.spark.network.shuffle.{
 }
 import org.apache.spark.network.shuffle.checksum.Cause
 import org.apache.spark.network.util.TransportConf
-import org.apache.spark.storage.{BlockId, ShuffleBlockBatchId, ShuffleBlockId}
+import org.apache.spark.storage.{BlockId, BlockManagerMessages, ShuffleBlockBatchId, ShuffleBlockId}
 
 /** Where a remote executor's engine listens. */
 final case class EngineAddress(host: String, port: Int)
@@ -44,7 +51,12 @@ trait EngineDirectory {
  * whose native library did not load, ...) goes to Spark's own client unchanged. Native fetches
  * are wrapped in Spark's `RetryingBlockTransferor`, so `spark.shuffle.io.maxRetries` and
  * `spark.shuffle.io.retryWait` apply exactly as with Netty; transient engine errors therefore
- * reach it as `IOException`s.
+ * reach it as `IOException`s — except a timeout (the peer was silent for the whole
+ * `fetchTimeout`/`connectTimeout`; a retry would wait as long again), and unless the driver
+ * reports the serving executor dead: as in
+ * Spark's own client (SPARK-27637), a transient failure towards an executor the driver has
+ * removed fails at once with `ExecutorDeadException`, which is never retried, so the reducer
+ * reports `FetchFailed` without waiting `maxRetries` x `retryWait` for a peer that is gone.
  *
  * A block the remote engine does not have (`unknown_map_output`, `unknown_shuffle`: its map
  * output's registration failed on that executor, or the output was migrated there by
@@ -68,13 +80,16 @@ trait EngineDirectory {
  * @param transportConf Spark's shuffle transport conf (retries, temp-file buffers)
  * @param tempFile a new temp file for a block streamed outside a `DownloadFileManager` (default:
  *     the block manager's `createTempLocalBlock`)
+ * @param executorAlive whether the driver still counts an executor alive (asked after a
+ *   transient failure; `true` when it cannot be asked)
  */
 class NativeBlockStoreClient(
     engine: ShuffleEngine,
     directory: EngineDirectory,
     sparkClient: BlockStoreClient,
     transportConf: TransportConf,
-    tempFile: () => File = NativeBlockStoreClient.blockManagerTempFile)
+    tempFile: () => File = NativeBlockStoreClient.blockManagerTempFile,
+    executorAlive: String => Boolean = NativeBlockStoreClient.askDriverIfAlive)
   extends BlockStoreClient with Logging {
 
   private val nativeRequests = new AtomicLong()
@@ -89,6 +104,41 @@ class NativeBlockStoreClient(
 
   /** Blocks a remote engine did not have, fetched again through Spark's own client. */
   def unknownToEngineCount: Long = unknownToEngine.get()
+
+  /** Transient failures not retried because the driver reported the executor dead. */
+  def deadExecutorFailureCount: Long = deadExecutorFailures.get()
+
+  private val deadExecutorFailures = new AtomicLong()
+
+  /** The driver's answer; blocks on an RPC to it, so never on an engine thread. */
+  private def aliveNow(execId: String): Boolean =
+    try executorAlive(execId)
+    catch { case NonFatal(_) => true }
+
+  /**
+   * What a transient failure towards `execId` becomes: `ExecutorDeadException` (not retried)
+   * when the driver has removed that executor, else an `IOException` (retried by Spark's
+   * policy).
+   */
+  private def transientError(
+      execId: String,
+      alive: Boolean,
+      message: String,
+      cause: Throwable): Throwable = {
+    if (alive) {
+      new IOException(message, cause)
+    } else {
+      deadExecutorFailures.incrementAndGet()
+      // Spark's own ExecutorDeadException carries no cause (its constructor sets null, so
+      // initCause would throw): the engine's failure kind goes into the message.
+      val kind = cause match {
+        case r: RdmaShuffleException => s" [${r.kind()}]"
+        case _ => ""
+      }
+      new ExecutorDeadException(
+        s"$message$kind; the driver reports executor $execId dead, so the fetch is not retried")
+    }
+  }
 
   override def fetchBlocks(
       host: String,
@@ -138,10 +188,14 @@ class NativeBlockStoreClient(
       }
     } catch {
       case e: RdmaShuffleException if e.isTransient =>
-        throw new IOException(
+        // On the task's or Spark's retry thread: asking the driver here is what Spark does.
+        throw transientError(
+          execId,
+          aliveNow(execId),
           s"fetch of ${ids.length} block(s) from executor $execId engine " +
             s"${addr.host}:${addr.port} failed to start: ${e.getMessage}",
-          e)
+          e
+        )
     }
   }
 
@@ -156,6 +210,9 @@ class NativeBlockStoreClient(
       downloadFileManager: DownloadFileManager) extends FetchCallback {
 
     private val done = new AtomicIntegerArray(ids.length)
+
+    /** One driver query per request, however many of its blocks fail. */
+    private lazy val peerAlive: Boolean = aliveNow(execId)
 
     private def claim(index: Int): Boolean =
       index >= 0 && index < ids.length && done.compareAndSet(index, 0, 1)
@@ -319,12 +376,26 @@ class NativeBlockStoreClient(
         if (NativeBlockStoreClient.UnknownToEngine.contains(kind)) {
           viaSpark(blockId, kind, message)
         } else {
-          val cause = new RdmaShuffleException(
-            kind,
-            s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: $message")
-          val error: Throwable =
-            if (cause.isTransient) new IOException(cause.getMessage, cause) else cause
-          failure(blockId, error)
+          val what = s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}"
+          if (kind == NativeBlockStoreClient.TimeoutKind) {
+            // The peer was silent for the whole fetch (or connect) timeout: a retry would
+            // wait that long again, holding the task slot maxRetries times over, so Spark gets
+            // a FetchFailed now (issue 14: FetchFailed within spark.shuffle.rdma.fetchTimeout).
+            failure(
+              blockId,
+              new RdmaShuffleException(kind, s"$what: $message (not retried: a timeout is final)"))
+            return
+          }
+          val cause = new RdmaShuffleException(kind, s"$what: $message")
+          if (cause.isTransient) {
+            // Off the engine's delivery thread: the liveness question is an RPC to the driver.
+            NativeBlockStoreClient.failureReporters.execute(new Runnable {
+              override def run(): Unit =
+                failure(blockId, transientError(execId, peerAlive, cause.getMessage, cause))
+            })
+          } else {
+            failure(blockId, cause)
+          }
         }
       } else {
         logWarning(s"Ignoring unexpected failure for index $index of ${ids.length} from " +
@@ -378,6 +449,13 @@ object NativeBlockStoreClient {
   val UnknownToEngine: Set[String] = Set("unknown_map_output", "unknown_shuffle")
 
   /**
+   * The failure kind of a peer that stayed silent past `spark.shuffle.rdma.fetchTimeout` (or
+   * `connectTimeout`): reported to Spark without retries, so the reducer's FetchFailed comes
+   * within that timeout.
+   */
+  val TimeoutKind = "timeout"
+
+  /**
    * Maps Spark block id strings to engine block ranges: `shuffle_S_M_R` -> [R, R+1),
    * `shuffle_S_M_R1_R2` (a batch) -> [R1, R2). `None` when any id is of another kind.
    */
@@ -410,7 +488,7 @@ object NativeBlockStoreClient {
   private[rdma] final class TempFileBuffer(conf: TransportConf, file: File, length: Long)
     extends ManagedBuffer {
     private val segment = new FileSegmentManagedBuffer(conf, file, 0, length)
-    private val refs = new java.util.concurrent.atomic.AtomicInteger(1)
+    private val refs = new AtomicInteger(1)
     override def size(): Long = length
     override def nioByteBuffer(): ByteBuffer = segment.nioByteBuffer()
     override def createInputStream(): java.io.InputStream = segment.createInputStream()
@@ -427,5 +505,45 @@ object NativeBlockStoreClient {
     def convertToNettyForSsl(): AnyRef =
       throw new UnsupportedOperationException(s"$file is a local temp file, never sent")
     override def toString: String = s"TempFileBuffer($file, $length bytes)"
+  }
+
+  /**
+   * Whether the driver's block manager master still counts `execId` alive (the question
+   * Spark's NettyBlockTransferService asks before it retries, SPARK-27637). `true` outside an
+   * executor (no SparkEnv) or when the driver cannot answer: then Spark's retries decide.
+   */
+  def askDriverIfAlive(execId: String): Boolean = {
+    val env = SparkEnv.get
+    if (env == null || env.blockManager == null) true
+    else
+      env.blockManager.master.driverEndpoint
+        .askSync[Boolean](BlockManagerMessages.IsExecutorAlive(execId))
+  }
+
+  private val threadCounter = new AtomicInteger()
+
+  private def daemonThreads(prefix: String): ThreadFactory = new ThreadFactory {
+    override def newThread(r: Runnable): Thread = {
+      val t = new Thread(r, s"$prefix-${threadCounter.incrementAndGet()}")
+      t.setDaemon(true)
+      t
+    }
+  }
+
+  /**
+   * Reports transient failures off the engine's delivery thread (each may wait for the
+   * driver's answer): two daemon threads at most, dying after 60 s idle, so an idle executor
+   * keeps none.
+   */
+  private[rdma] lazy val failureReporters: ExecutorService = {
+    val pool = new ThreadPoolExecutor(
+      2,
+      2,
+      60L,
+      TimeUnit.SECONDS,
+      new LinkedBlockingQueue[Runnable](),
+      daemonThreads("rdma-shuffle-failure-reporter"))
+    pool.allowCoreThreadTimeOut(true)
+    pool
   }
 }

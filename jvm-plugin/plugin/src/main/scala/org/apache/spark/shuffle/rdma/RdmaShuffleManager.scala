@@ -65,6 +65,10 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** Parsed settings; a bad value fails Spark's start with a message naming the key. */
   val settings: RdmaShuffleConf = RdmaShuffleConf(conf)
 
+  /** Spark's resolver, checking each data file's length against its index (issue 14). */
+  override val shuffleBlockResolver: IndexShuffleBlockResolver =
+    new CheckedIndexShuffleBlockResolver(conf)
+
   private val nativeFailure: Option[String] =
     if (!settings.enabled) None else Option(nativeLibrary().failure())
 

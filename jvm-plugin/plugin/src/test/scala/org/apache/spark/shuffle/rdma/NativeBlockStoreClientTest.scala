@@ -185,7 +185,7 @@ class NativeBlockStoreClientTest {
     // Kinds as the native engine names them (FailureCode::name): transient ones become
     // IOExceptions, which Spark's RetryingBlockTransferor retries; permanent ones do not.
     val kinds = Seq(
-      "timeout" -> true,
+      "timeout" -> false, // final: the peer was already silent for the whole timeout
       "peer_gone" -> true,
       "pool_exhausted" -> true,
       "pull_failed" -> true,
@@ -295,6 +295,98 @@ class NativeBlockStoreClientTest {
     val deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(10)
     while (engine.released.size() < 2 && System.nanoTime() < deadline) Thread.sleep(5)
     assertEquals(Set(10L, 11L), engine.released.asScala.toSet)
+  }
+
+  @Test def transientFailuresTowardsADeadExecutorAreNotRetried(): Unit = {
+    // Issue 14 / SPARK-27637: Spark's own client asks the driver before it retries; a fetch from
+    // an executor the driver has removed fails at once instead of after maxRetries x retryWait.
+    val engine = new ScriptedEngine((_, _, cb) => {
+      cb.onBlock(0, bytesOf(2, 0), 10L)
+      cb.onFailure(1, "peer_gone", "connection reset by peer")
+      cb.onFailure(2, "io", "broken pipe")
+    })
+    val asked = new ConcurrentLinkedQueue[String]()
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      new RecordingSparkClient,
+      transportConf(3),
+      executorAlive = id => { asked.add(id); false })
+    val l = new RecordingListener(false, 3)
+    client.fetchBlocks(
+      "h",
+      1,
+      "exec-2",
+      Array("shuffle_0_1_0", "shuffle_0_1_1", "shuffle_0_1_2"),
+      l,
+      null)
+    l.await()
+    assertEquals("no retry towards a dead executor", 1, engine.requests.size())
+    val failed = l.failed.asScala.toMap
+    assertEquals(Set("shuffle_0_1_1", "shuffle_0_1_2"), failed.keySet)
+    failed.values.foreach { e =>
+      assertTrue(s"not retryable: $e", e.isInstanceOf[org.apache.spark.ExecutorDeadException])
+      assertTrue(e.getMessage, e.getMessage.contains("executor exec-2 engine 10.1.2.3:4000"))
+      assertTrue(e.getMessage, e.getMessage.contains("the driver reports executor exec-2 dead"))
+    }
+    assertEquals("one question per request", Seq("exec-2"), asked.asScala.toSeq)
+    assertEquals(2L, client.deadExecutorFailureCount)
+  }
+
+  @Test def aTimeoutIsReportedAtOnceWithoutRetries(): Unit = {
+    // Issue 14: FetchFailed within spark.shuffle.rdma.fetchTimeout of a cut peer, not after
+    // maxRetries more rounds of retryWait + connectTimeout; the driver is not even asked.
+    val engine = new ScriptedEngine((_, _, cb) =>
+      cb.onFailure(0, "timeout", "no progress for 10000 ms while waiting for blocks"))
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      new RecordingSparkClient,
+      transportConf(3),
+      executorAlive = _ => { fail("a timeout needs no liveness question"); true })
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertEquals(1, engine.requests.size())
+    val e = l.failed.peek()._2
+    assertTrue(s"not retryable: $e", e.isInstanceOf[RdmaShuffleException])
+    assertEquals("timeout", e.asInstanceOf[RdmaShuffleException].kind())
+    assertTrue(e.getMessage, e.getMessage.contains("not retried"))
+  }
+
+  @Test def aFetchThatCannotStartTowardsADeadExecutorIsNotRetried(): Unit = {
+    val engine = new ScriptedEngine((_, _, _) =>
+      throw new RdmaShuffleException("connect", "connection refused"))
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      new RecordingSparkClient,
+      transportConf(3),
+      executorAlive = _ => false)
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertEquals(1, engine.requests.size())
+    val e = l.failed.peek()._2
+    assertTrue(s"not retryable: $e", e.isInstanceOf[org.apache.spark.ExecutorDeadException])
+  }
+
+  @Test def anExecutorTheDriverCannotVouchForIsRetriedAsBefore(): Unit = {
+    // The driver unreachable (the question throws): Spark's retry policy decides, as before.
+    val engine = new ScriptedEngine((call, _, cb) =>
+      if (call == 1) cb.onFailure(0, "peer_gone", "reset") else cb.onBlock(0, bytesOf(2, 1), 11L))
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      new RecordingSparkClient,
+      transportConf(2),
+      executorAlive = _ => throw new IllegalStateException("driver unreachable"))
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("h", 1, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertTrue(l.failed.isEmpty)
+    assertEquals(2, engine.requests.size())
+    assertEquals(0L, client.deadExecutorFailureCount)
   }
 
   /** Writes `bytesOf(n, seed)` into `file` as the engine's stream would, then reports it. */
