@@ -456,7 +456,8 @@ fn a_block_the_server_holds_back_while_we_owe_it_a_pull_is_not_peer_silence() {
     s.handle_frame(f, &mut resolver).unwrap();
     let Some(ServerOutput::Expose { req, index, region, len, .. }) = s.poll_output() else { panic!() };
     // The server answers A only; B stays requested.
-    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 }, block_len: len }, now).unwrap();
+    c.handle_frame(Frame::Rendezvous { req, index, desc: Descriptor { region, addr: 0, len, rkey: 1 }, block_len: len }, now)
+        .unwrap();
     assert_eq!(c.poll_timeout(), None, "B's silence is not the peer's while A waits for our memory");
     let later = now + Duration::from_secs(3600);
     c.handle_timeout(later);
