@@ -265,6 +265,7 @@ impl Engine {
         kv("stream_pulls", r(&c.stream_pulls));
         kv("streamed_blocks", r(&c.streamed_blocks));
         kv("streamed_bytes", r(&c.streamed_bytes));
+        kv("stream_ranges", r(&c.stream_ranges));
         kv("peak_stream_buffers", r(&c.peak_stream_buffers));
         kv("failed_blocks_fetched", r(&c.failed_blocks));
         for code in FailureCode::ALL {

@@ -163,6 +163,10 @@ pub struct ClientStats {
     pub streamed_blocks: AtomicU64,
     /// Bytes of those blocks.
     pub streamed_bytes: AtomicU64,
+    /// Ranges delivered to streams, their length probes included. Each is also counted in
+    /// [`blocks_fetched`](Self::blocks_fetched) and `rendezvous_blocks` as it arrives, so the
+    /// blocks a consumer asked for are `blocks_fetched - stream_ranges + streamed_blocks`.
+    pub stream_ranges: AtomicU64,
     /// Most pool buffers one streamed block held at once (ranges requested and not yet
     /// handed to the stream's sink), over all streams.
     pub peak_stream_buffers: AtomicU64,

@@ -137,6 +137,7 @@ impl Stream {
             Ok(b) => b,
             Err(f) => return self.fail(&mut st, f),
         };
+        self.fetcher.stats.stream_ranges.fetch_add(1, Ordering::Relaxed);
         let block_len = match st.block_len {
             Some(n) if block.block_len() == n && block.len() as u64 == len => n,
             None if len == 0 => {
