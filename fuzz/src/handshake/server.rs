@@ -177,7 +177,13 @@ impl ServerWatch {
 
     pub(super) fn check_output(&mut self, o: &ServerOutput<u64>) {
         let serving = self.may_serve();
-        if matches!(o, ServerOutput::Eager { .. } | ServerOutput::PullData { .. } | ServerOutput::Expose { .. }) {
+        if matches!(
+            o,
+            ServerOutput::Eager { .. }
+                | ServerOutput::PullData { .. }
+                | ServerOutput::Expose { .. }
+                | ServerOutput::Frame(Frame::Rendezvous { .. })
+        ) {
             self.served += 1;
         }
         let eager_limit = self.eager_threshold.min(self.hello_max_eager());
@@ -240,6 +246,15 @@ impl ServerWatch {
                     self.challenge = Some(f.clone());
                 }
                 Frame::Error { .. } => {}
+                // The answer to an empty range (a stream's length probe): a region of 0 bytes
+                // with nothing exposed, which the client releases like any other.
+                Frame::Rendezvous { desc, .. } if desc.len == 0 => {
+                    assert!(serving, "empty range answered before a valid Auth: {f:?}");
+                    assert!(self.announced.insert(desc.region, 0).is_none(), "region id {} reused", desc.region);
+                    if !self.released_early.remove(&desc.region) {
+                        self.regions.insert(desc.region, 0);
+                    }
+                }
                 other => panic!("the server sent a client frame: {other:?}"),
             },
         }
