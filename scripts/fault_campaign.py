@@ -166,6 +166,9 @@ class Job:
         return json.loads(f.read_text()) if f.exists() else {}
 
 
+METADATA_FAILURE = "Missing an output location"
+
+
 def stage_groups(events: list) -> dict:
     return {e["Stage Info"]["Stage ID"]: (e.get("Properties") or {}).get("spark.jobGroup.id")
             for e in events if e["Event"] == "SparkListenerStageSubmitted"}
@@ -184,6 +187,11 @@ def scenario_report(events: list, scenario: str, t_fault: float | None) -> dict:
         "fetch_failed_from": sorted({(e["Task End Reason"].get("Block Manager Address") or {}).get("Executor ID", "?")
                                      for e in ff}),
         "fetch_failed_messages": sorted({e["Task End Reason"].get("Message", "")[:3000] for e in ff})[:6],
+        # FetchFailed with no block manager: a MetadataFetchFailedException, a task (often one
+        # resubmitted from the lost executor) that found the driver had already dropped the dead
+        # executor's map outputs ("Missing an output location"), so it never fetched at all.
+        "fetch_failed_metadata": sum(1 for e in ff if not e["Task End Reason"].get("Block Manager Address")
+                                     and METADATA_FAILURE in e["Task End Reason"].get("Message", "")),
         "map_stage_attempts": len(map_attempts),
         "other_task_failures": sorted({e["Task End Reason"]["Reason"] for e in ends
                                        if e["Task End Reason"]["Reason"] not in ("Success", "FetchFailed")}),

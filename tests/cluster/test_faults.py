@@ -64,7 +64,14 @@ def test_the_job_is_correct(runs, mode, scenario):
 def test_the_fault_is_a_fetch_failure_then_a_rerun(runs, mode, scenario):
     v = runs[mode]["scenarios"][scenario]
     assert v["fetch_failed"] > 0, (mode, scenario, v)
-    assert v["victim"] in v["fetch_failed_from"], (mode, scenario, v)
+    # Each FetchFailed names the victim, or is Spark's MetadataFetchFailed: a reducer (typically
+    # one resubmitted from the killed executor) that started after the driver had dropped the
+    # victim's map outputs, so it never asked anyone (CI saw this with the default shuffle at
+    # stop 18: fetch_failed_from ['?'] and no fetch towards the victim at all).
+    named = [x for x in v["fetch_failed_from"] if x != "?"]
+    assert named == [] or named == [v["victim"]], (mode, scenario, v)
+    unnamed = v["fetch_failed"] - v["fetch_failed_metadata"]
+    assert v["victim"] in v["fetch_failed_from"] or unnamed == 0, (mode, scenario, v)
     assert v["map_stage_attempts"] >= 2, (mode, scenario, v)
 
 
@@ -87,7 +94,11 @@ def test_plugin_does_not_retry_towards_a_dead_executor(runs):
     v = run["scenarios"]["during_reduce.kill9"]
     victim = v["victim"]
     msgs = v["fetch_failed_messages"]
-    assert any(f"the driver reports executor {victim} dead" in m for m in msgs), msgs
+    # A reducer that fetched from the victim failed at once on the driver's word; if every
+    # FetchFailed was Spark's metadata failure (outputs already dropped), no reducer fetched from
+    # the victim at all, and only the retry check below applies.
+    assert (any(f"the driver reports executor {victim} dead" in m for m in msgs)
+            or v["fetch_failed"] == v["fetch_failed_metadata"]), msgs
     # At most the one retry a failure racing the driver's own notice of the death may cost:
     # before the fix every reducer retried maxRetries (3) times, 5 s apart.
     logs = "".join(p.read_text(errors="replace") for p in (Path(run["run_dir"]) / "executors").glob("*.stderr"))
