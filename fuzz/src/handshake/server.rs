@@ -37,6 +37,10 @@ pub(super) struct ServerWatch {
     pub(super) drains: bool,
     /// Eager, rendezvous and pull-data outputs seen.
     pub(super) served: u64,
+    /// `(req, index)` → length of every range a `FetchRange` handed to the session asked
+    /// for. A range is offered by rendezvous whatever its length (wire v3), so an `Expose`
+    /// under the eager threshold is correct for exactly these.
+    pub(super) ranges: HashMap<(u64, u32), HashSet<u64>>,
 }
 
 impl ServerWatch {
@@ -53,6 +57,7 @@ impl ServerWatch {
             released_early: HashSet::new(),
             drains: true,
             served: 0,
+            ranges: HashMap::new(),
         }
     }
 
@@ -90,6 +95,12 @@ impl ServerWatch {
                 if self.secret.is_some() && self.challenge.is_some() && *p == self.correct_client_proof() =>
             {
                 self.valid_auth = true
+            }
+            Frame::FetchRange { req, first_index, ranges } => {
+                for (i, r) in ranges.iter().enumerate() {
+                    let index = first_index.wrapping_add(i as u32);
+                    self.ranges.entry((*req, index)).or_default().insert(r.len);
+                }
             }
             _ => {}
         }
@@ -188,9 +199,13 @@ impl ServerWatch {
         }
         let eager_limit = self.eager_threshold.min(self.hello_max_eager());
         match o {
-            ServerOutput::Expose { region, len, .. } => {
+            ServerOutput::Expose { req, index, region, len, .. } => {
                 assert!(serving, "region exposed before a valid Auth: {o:?}");
-                assert!(*len > eager_limit as u64, "{len} bytes offered by rendezvous under the eager threshold {eager_limit}");
+                let asked_as_range = self.ranges.get(&(*req, *index)).is_some_and(|lens| lens.contains(len));
+                assert!(
+                    *len > eager_limit as u64 || asked_as_range,
+                    "{len} bytes offered by rendezvous under the eager threshold {eager_limit}, and no range asked for them"
+                );
                 assert!(self.announced.insert(*region, *len).is_none(), "region id {region} reused");
                 if !self.released_early.remove(region) {
                     self.regions.insert(*region, *len);
