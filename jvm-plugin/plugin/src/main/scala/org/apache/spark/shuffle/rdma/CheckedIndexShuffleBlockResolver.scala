@@ -4,11 +4,14 @@
 package org.apache.spark.shuffle.rdma
 
 import java.io.{File, IOException}
+import java.nio.ByteBuffer
 
 import org.apache.spark.SparkConf
 import org.apache.spark.network.buffer.{FileSegmentManagedBuffer, ManagedBuffer}
+import org.apache.spark.network.client.StreamCallbackWithID
+import org.apache.spark.serializer.SerializerManager
 import org.apache.spark.shuffle.IndexShuffleBlockResolver
-import org.apache.spark.storage.BlockId
+import org.apache.spark.storage.{BlockId, ShuffleDataBlockId, ShuffleIndexBlockId}
 
 /**
  * Spark's `IndexShuffleBlockResolver`, with the length of the data file checked against the
@@ -24,12 +27,50 @@ import org.apache.spark.storage.BlockId
  * recomputed, as for a block the native engine refuses to serve (its store checks the same).
  * A file truncated while a block is being read is not caught here (the store's `pread` path
  * catches it for remote reads).
+ *
+ * It also reports map outputs that arrive by shuffle-block migration (decommissioning: Spark's
+ * `BlockManagerDecommissioner` on the leaving executor uploads each output's `.data` and
+ * `.index` through Spark's block transfer, and this executor's block manager writes them here
+ * through [[putShuffleBlockAsStream]]). Once both files of an output are in place,
+ * [[migrationHook]] is called, and the manager registers the output with this executor's
+ * engine, so reducers, which the driver now points at this executor, fetch it through the
+ * engine like an output written here.
  */
 private[rdma] class CheckedIndexShuffleBlockResolver(conf: SparkConf)
   extends IndexShuffleBlockResolver(conf) {
 
+  /**
+   * Called with `(shuffleId, mapId)` when a migrated map output is complete on disk (see the
+   * class docs). Set by the manager; must not throw (failures are the manager's to log).
+   */
+  @volatile private[rdma] var migrationHook: (Int, Long) => Unit = (_, _) => ()
+
   override def getBlockData(blockId: BlockId, dirs: Option[Array[String]]): ManagedBuffer =
     CheckedIndexShuffleBlockResolver.verified(blockId, super.getBlockData(blockId, dirs))
+
+  override def putShuffleBlockAsStream(
+      blockId: BlockId,
+      serializerManager: SerializerManager): StreamCallbackWithID = {
+    val inner = super.putShuffleBlockAsStream(blockId, serializerManager)
+    new StreamCallbackWithID {
+      override def getID: String = inner.getID
+      override def onData(streamId: String, buf: ByteBuffer): Unit = inner.onData(streamId, buf)
+      override def onFailure(streamId: String, cause: Throwable): Unit =
+        inner.onFailure(streamId, cause)
+      override def onComplete(streamId: String): Unit = {
+        inner.onComplete(streamId) // renames the file into place
+        // Spark 3.2+ sends an output's data file, then its index (only the index for an output
+        // without data), so the index completes the output. The data case covers a sender that
+        // sends them the other way round; a second registration replaces the first.
+        blockId match {
+          case ShuffleIndexBlockId(shuffleId, mapId, _) => migrationHook(shuffleId, mapId)
+          case ShuffleDataBlockId(shuffleId, mapId, _) if getIndexFile(shuffleId, mapId).exists() =>
+            migrationHook(shuffleId, mapId)
+          case _ =>
+        }
+      }
+    }
+  }
 }
 
 /** The check itself, separate so that it can be tested on plain files. */

@@ -29,8 +29,9 @@ trait FallbackPolicy {
  * files by other means the engine cannot follow:
  *  - the external shuffle service serves files after their executor is gone, and push-based
  *    shuffle merges them remotely, while an engine dies with its executor;
- *  - a custom `spark.shuffle.sort.io.plugin.class` may not write local `.data/.index` files;
- *  - decommissioning migrates shuffle files to executors whose engine never registered them.
+ *  - a custom `spark.shuffle.sort.io.plugin.class` may not write local `.data/.index` files.
+ * Shuffle-block migration on decommission is not among them: migrated outputs are registered
+ * with the receiving executor's engine as they arrive (see [[CheckedIndexShuffleBlockResolver]]).
  *
  * @param nativeFailure why the native library did not load, if it did not
  */
@@ -59,9 +60,6 @@ class DefaultFallbackPolicy(
       Some("spark.shuffle.push.enabled=true (push-based shuffle)")
     } else if (conf.get("spark.shuffle.sort.io.plugin.class", localDiskIo) != localDiskIo) {
       Some(s"spark.shuffle.sort.io.plugin.class=${conf.get("spark.shuffle.sort.io.plugin.class")}")
-    } else if (conf.getBoolean("spark.decommission.enabled", false) &&
-      conf.getBoolean("spark.storage.decommission.shuffleBlocks.enabled", false)) {
-      Some("shuffle block migration on decommission is enabled")
     } else {
       None
     }

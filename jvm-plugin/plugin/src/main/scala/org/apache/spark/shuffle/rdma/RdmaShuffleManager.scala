@@ -65,9 +65,15 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** Parsed settings; a bad value fails Spark's start with a message naming the key. */
   val settings: RdmaShuffleConf = RdmaShuffleConf(conf)
 
-  /** Spark's resolver, checking each data file's length against its index (issue 14). */
-  override val shuffleBlockResolver: IndexShuffleBlockResolver =
-    new CheckedIndexShuffleBlockResolver(conf)
+  /**
+   * Spark's resolver, checking each data file's length against its index (issue 14), and
+   * telling [[onMigratedOutput]] about map outputs migrated here by decommissioning.
+   */
+  override val shuffleBlockResolver: IndexShuffleBlockResolver = {
+    val resolver = new CheckedIndexShuffleBlockResolver(conf)
+    resolver.migrationHook = (shuffleId, mapId) => onMigratedOutput(shuffleId, mapId)
+    resolver
+  }
 
   private val nativeFailure: Option[String] =
     if (!settings.enabled) None else Option(nativeLibrary().failure())
@@ -85,6 +91,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** Map outputs whose registration failed, and the shuffles already warned about. */
   private val registrationFailures = new java.util.concurrent.atomic.AtomicLong()
+
+  /** Map outputs migrated to this executor and registered with its engine. */
+  private val migratedRegistrations = new java.util.concurrent.atomic.AtomicLong()
   private val registrationWarned = ConcurrentHashMap.newKeySet[Int]()
 
   @volatile private var engineState: EngineState = EngineState.NotStarted
@@ -386,6 +395,52 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /** Map outputs whose registration with the engine failed (served by Spark instead). */
   def registrationFailureCount: Long = registrationFailures.get()
 
+  /**
+   * A map output another executor migrated here while decommissioning (see
+   * [[CheckedIndexShuffleBlockResolver]]): registered with this executor's engine as if a map
+   * task had committed it here, since the driver now sends its reducers here. Runs on a thread
+   * of Spark's block transfer server, after the files are in place and before the block
+   * manager reports them to the driver. A failure is logged and counted as a registration
+   * failure; readers then get `unknown_map_output` from this engine and fetch the output
+   * through Spark's block transfer ([[NativeBlockStoreClient]]), so the migration still counts.
+   */
+  private def onMigratedOutput(shuffleId: Int, mapId: Long): Unit =
+    try {
+      engine() match {
+        case EngineState.Running(eng, _, _) =>
+          val index = shuffleBlockResolver.getIndexFile(shuffleId, mapId)
+          val entries = index.length() / 8
+          if (entries < 1 || entries - 1 > Int.MaxValue) {
+            registrationFailures.incrementAndGet()
+            logWarning(s"RDMA shuffle: migrated map output $mapId of shuffle $shuffleId has an " +
+              s"index of ${index.length()} bytes ($index); not registered with the engine, " +
+              "Spark's block transfer serves it")
+          } else {
+            val before = registrationFailures.get()
+            commitHook(eng).onMapOutputCommitted(
+              MapOutputCommit(
+                shuffleId,
+                mapId,
+                shuffleBlockResolver.getDataFile(shuffleId, mapId),
+                index,
+                (entries - 1).toInt))
+            if (registrationFailures.get() == before) {
+              migratedRegistrations.incrementAndGet()
+              logInfo(s"Map output $mapId of shuffle $shuffleId, migrated to this executor, " +
+                "registered with the RDMA shuffle engine")
+            }
+          }
+        case _ => // no engine here: Spark's block manager serves the files, as for any output
+      }
+    } catch {
+      case NonFatal(e) =>
+        registrationFailures.incrementAndGet()
+        logWarning(
+          s"RDMA shuffle: migrated map output $mapId of shuffle $shuffleId could not " +
+            "be registered with the engine; Spark's block transfer serves it",
+          e)
+    }
+
   /** The engine's counters plus this JVM's request routing counts. */
   private def statsOf(running: EngineState.Running): Seq[(String, String)] = {
     val native =
@@ -398,7 +453,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       "native_requests" -> running.client.nativeRequestCount.toString,
       "delegated_requests" -> running.client.delegatedRequestCount.toString,
       "blocks_unknown_to_engine" -> running.client.unknownToEngineCount.toString,
-      "registration_failures" -> registrationFailures.get().toString
+      "registration_failures" -> registrationFailures.get().toString,
+      "migrated_registrations" -> migratedRegistrations.get().toString
     ) ++ native
   }
 

@@ -48,7 +48,15 @@ class FallbackPolicyTest {
         Seq("spark.network.crypto.enabled" -> "false"),
         // TLS for the UI only: RPC/shuffle TLS explicitly off.
         Seq("spark.ssl.enabled" -> "true", "spark.ssl.rpc.enabled" -> "false"),
-        Seq("spark.ssl.ui.enabled" -> "true")
+        Seq("spark.ssl.ui.enabled" -> "true"),
+        // Migrated map outputs are registered with the receiving executor's engine.
+        Seq(
+          "spark.decommission.enabled" -> "true",
+          "spark.storage.decommission.enabled" -> "true",
+          "spark.storage.decommission.shuffleBlocks.enabled" -> "true"),
+        Seq(
+          "spark.dynamicAllocation.enabled" -> "true",
+          "spark.dynamicAllocation.shuffleTracking.enabled" -> "true")
       )) {
       val p = policy(kv: _*)
       assertEquals(s"$kv", None, p.reasonToHandOverAll)
