@@ -72,7 +72,7 @@ run_script scripts/jni-test.sh --no-build   # the library built above
 # plugin runs without its native engine.
 export RDMA_SHUFFLE_REQUIRE_NATIVE=1
 
-step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault tests, 200-shuffle soak)"
+step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault, decommission and dynamic-allocation tests, 200-shuffle soak)"
 run_script tests/spark/run.sh --no-build
 
 # Spark 3.5 differs from 4.x in how the plugin is installed (extraClassPath, not --jars) and in
@@ -81,10 +81,13 @@ run_script tests/spark/run.sh --no-build
 # the engines' counters equal to Spark's remote reads, Spark's read metrics): its assertions share
 # one application per mode. Left out, to keep CI within its budget: the fault tests
 # (test_faults.py: three more applications with executor kills, and a broken native library)
-# the soak (test_soak.py: 200 shuffles in one more application) and the large blocks
-# (test_large_blocks.py: two more applications), whose code paths have nothing specific to 3.5; `RDMA_SPARK_PROFILE=spark-3.5 tests/spark/run.sh` runs them too.
+# the soak (test_soak.py: 200 shuffles in one more application), the large blocks
+# (test_large_blocks.py: two more applications) and the elastic tests (test_elastic.py:
+# decommission and dynamic allocation, two more), whose code paths have nothing specific to 3.5
+# (the resolver method the migration hook overrides is the same in both lines);
+# `RDMA_SPARK_PROFILE=spark-3.5 tests/spark/run.sh` runs them too.
 step "spark 3.5.9: the same jobs, the plugin installed on the JVMs' class path (lean run)"
-RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py
+RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py --ignore=tests/spark/test_elastic.py
 
 step "cluster: Spark standalone, master + 3 workers in network namespaces, default shuffle vs the plugin"
 run_script tests/cluster/run.sh

@@ -169,7 +169,7 @@ object FaultJob {
   }
 
   /** Prints a line at once: the harness acts on these while the job runs. */
-  private def say(line: String): Unit = {
+  private[jobs] def say(line: String): Unit = {
     println(line)
     Console.out.flush()
   }
@@ -198,7 +198,7 @@ object FaultJob {
     (n, sum)
   }
 
-  private def awaitExecutors(sc: SparkContext, n: Int): Unit = {
+  private[jobs] def awaitExecutors(sc: SparkContext, n: Int): Unit = {
     val deadline = System.currentTimeMillis() + ExecutorWaitMs
     // getExecutorInfos includes the driver.
     while (sc.statusTracker.getExecutorInfos.length - 1 < n) {
