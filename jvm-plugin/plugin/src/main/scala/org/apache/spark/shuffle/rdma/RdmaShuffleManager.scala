@@ -399,8 +399,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
    * A map output another executor migrated here while decommissioning (see
    * [[CheckedIndexShuffleBlockResolver]]): registered with this executor's engine as if a map
    * task had committed it here, since the driver now sends its reducers here. Runs on a thread
-   * of Spark's block transfer server, after the files are in place and before the block
-   * manager reports them to the driver. A failure is logged and counted as a registration
+   * of Spark's block transfer server, after the files are in place; Spark's callback has just
+   * told the driver, so a reducer sent here in that moment fetches the output through Spark's
+   * client, like one whose registration failed. A failure is logged and counted as a registration
    * failure; readers then get `unknown_map_output` from this engine and fetch the output
    * through Spark's block transfer ([[NativeBlockStoreClient]]), so the migration still counts.
    */
