@@ -197,18 +197,7 @@ object ElasticJob {
       events: Events): Boolean = {
     val sc = rdd.sparkContext
     val reduces = rdd.partitions.length
-    val perPartition = rdd.mapPartitionsWithIndex { (p, it) =>
-      val partitioner = new HashPartitioner(reduces)
-      var n = 0L
-      var sum = 0L
-      var misplaced = 0L
-      it.foreach { case (k, v) =>
-        n += 1
-        sum += FaultJob.recordHash(k, v)
-        if (partitioner.getPartition(k) != p) misplaced += 1
-      }
-      Iterator.single((n, sum, misplaced))
-    }.collect()
+    val perPartition = FaultJob.digestPartitions(rdd, reduces)
     sc.listenerBus.waitUntilEmpty() // every task of this job counted
     var expN = 0L
     var expSum = 0L

@@ -138,18 +138,7 @@ object FaultJob {
       val shuffleId = shuffled.dependencies.head.asInstanceOf[ShuffleDependency[_, _, _]].shuffleId
       mapStages.expect(shuffleId, scenario)
       val gated = new GateRDD(shuffled, gateDir, scenario, sleepMs)
-      val perPartition = gated.mapPartitionsWithIndex { (p, it) =>
-        val partitioner = new HashPartitioner(reduces)
-        var n = 0L
-        var sum = 0L
-        var misplaced = 0L
-        it.foreach { case (k, v) =>
-          n += 1
-          sum += recordHash(k, v)
-          if (partitioner.getPartition(k) != p) misplaced += 1
-        }
-        Iterator.single((n, sum, misplaced))
-      }.collect()
+      val perPartition = digestPartitions(gated, reduces)
       sc.clearJobGroup()
       val endMs = System.currentTimeMillis()
       val (expN, expSum) = expected(seed, shape)
@@ -183,6 +172,26 @@ object FaultJob {
       (rnd.nextInt(), payload)
     }
   }
+
+  /**
+   * Per reduce partition of `rdd` (hash-partitioned into `reduces`): records, the sum of their
+   * [[recordHash]]es, and records in the wrong partition.
+   */
+  private[jobs] def digestPartitions(
+      rdd: RDD[(Int, Array[Byte])],
+      reduces: Int): Array[(Long, Long, Long)] =
+    rdd.mapPartitionsWithIndex { (p, it) =>
+      val partitioner = new HashPartitioner(reduces)
+      var n = 0L
+      var sum = 0L
+      var misplaced = 0L
+      it.foreach { case (k, v) =>
+        n += 1
+        sum += recordHash(k, v)
+        if (partitioner.getPartition(k) != p) misplaced += 1
+      }
+      Iterator.single((n, sum, misplaced))
+    }.collect()
 
   def recordHash(k: Int, v: Array[Byte]): Long =
     ShuffleJobs.hash64(v) * 31 + k.toLong * 0x9e3779b97f4a7c15L
