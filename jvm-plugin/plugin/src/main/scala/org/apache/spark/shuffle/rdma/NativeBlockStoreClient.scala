@@ -60,8 +60,9 @@ trait EngineDirectory {
  *
  * A block the remote engine does not have (`unknown_map_output`, `unknown_shuffle`: its map
  * output's registration failed on that executor, or a reducer asked for a migrated output in
- * the moment between its arrival and its registration) is fetched again through Spark's own client from the same executor, whose
- * block manager serves every committed map output from Spark's files. Only if that fails too
+ * the moment between its arrival and its registration) is fetched again through Spark's own
+ * client from the same executor, whose block manager serves every committed map output from
+ * Spark's files. Only if that fails too
  * does Spark see a failure (and, after its retries, `FetchFailedException`).
  *
  * Requests the fetcher wants on disk (larger than `spark.network.maxRemoteBlockSizeFetchToMem`:

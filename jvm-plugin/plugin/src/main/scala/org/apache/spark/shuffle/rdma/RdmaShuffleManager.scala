@@ -373,24 +373,28 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
    * ([[NativeBlockStoreClient]]). One warning per shuffle says so.
    */
   private def commitHook(eng: ShuffleEngine): MapOutputCommitHook = new MapOutputCommitHook {
-    override def onMapOutputCommitted(c: MapOutputCommit): Unit = {
-      try {
-        eng.registerMapOutput(c.shuffleId, c.mapId, c.dataFile, c.indexFile, c.numPartitions)
-        engineShuffles.add(c.shuffleId)
-      } catch {
-        case NonFatal(e) =>
-          registrationFailures.incrementAndGet()
-          if (registrationWarned.add(c.shuffleId)) {
-            logWarning(s"RDMA shuffle: map output ${c.mapId} of shuffle ${c.shuffleId} could " +
-              s"not be registered with the native engine ($e); it (and any other map output " +
-              "of this shuffle whose registration fails) is served by Spark's own block " +
-              "transfer service instead. The map task is not failed.")
-          } else {
-            logDebug(s"Map output ${c.mapId} of shuffle ${c.shuffleId} not registered: $e")
-          }
-      }
-    }
+    override def onMapOutputCommitted(c: MapOutputCommit): Unit = register(eng, c)
   }
+
+  /** Registers `c` with `eng` as [[commitHook]] describes; false if the engine refused it. */
+  private def register(eng: ShuffleEngine, c: MapOutputCommit): Boolean =
+    try {
+      eng.registerMapOutput(c.shuffleId, c.mapId, c.dataFile, c.indexFile, c.numPartitions)
+      engineShuffles.add(c.shuffleId)
+      true
+    } catch {
+      case NonFatal(e) =>
+        registrationFailures.incrementAndGet()
+        if (registrationWarned.add(c.shuffleId)) {
+          logWarning(s"RDMA shuffle: map output ${c.mapId} of shuffle ${c.shuffleId} could " +
+            s"not be registered with the native engine ($e); it (and any other map output " +
+            "of this shuffle whose registration fails) is served by Spark's own block " +
+            "transfer service instead. The map task is not failed.")
+        } else {
+          logDebug(s"Map output ${c.mapId} of shuffle ${c.shuffleId} not registered: $e")
+        }
+        false
+    }
 
   /** Map outputs whose registration with the engine failed (served by Spark instead). */
   def registrationFailureCount: Long = registrationFailures.get()
@@ -417,15 +421,13 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
               s"index of ${index.length()} bytes ($index); not registered with the engine, " +
               "Spark's block transfer serves it")
           } else {
-            val before = registrationFailures.get()
-            commitHook(eng).onMapOutputCommitted(
-              MapOutputCommit(
-                shuffleId,
-                mapId,
-                shuffleBlockResolver.getDataFile(shuffleId, mapId),
-                index,
-                (entries - 1).toInt))
-            if (registrationFailures.get() == before) {
+            val commit = MapOutputCommit(
+              shuffleId,
+              mapId,
+              shuffleBlockResolver.getDataFile(shuffleId, mapId),
+              index,
+              (entries - 1).toInt)
+            if (register(eng, commit)) {
               migratedRegistrations.incrementAndGet()
               logInfo(s"Map output $mapId of shuffle $shuffleId, migrated to this executor, " +
                 "registered with the RDMA shuffle engine")

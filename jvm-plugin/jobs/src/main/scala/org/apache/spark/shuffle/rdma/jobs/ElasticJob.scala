@@ -199,12 +199,7 @@ object ElasticJob {
     val reduces = rdd.partitions.length
     val perPartition = FaultJob.digestPartitions(rdd, reduces)
     sc.listenerBus.waitUntilEmpty() // every task of this job counted
-    var expN = 0L
-    var expSum = 0L
-    for (p <- 0 until shape.maps; (k, v) <- FaultJob.records(seed, p, shape)) {
-      expN += 1
-      expSum += FaultJob.recordHash(rekey(k), v)
-    }
+    val (expN, expSum) = FaultJob.expected(seed, shape, rekey)
     val n = perPartition.map(_._1).sum
     val sum = perPartition.map(_._2).sum
     val misplaced = perPartition.map(_._3).sum

@@ -196,13 +196,16 @@ object FaultJob {
   def recordHash(k: Int, v: Array[Byte]): Long =
     ShuffleJobs.hash64(v) * 31 + k.toLong * 0x9e3779b97f4a7c15L
 
-  /** The digest the job must produce, computed on the driver without a shuffle. */
-  def expected(seed: Long, shape: Shape): (Long, Long) = {
+  /**
+   * The digest the job must produce, computed on the driver without a shuffle; `rekey` is what
+   * the job did to each key before its last shuffle (ElasticJob re-keys, FaultJob does not).
+   */
+  def expected(seed: Long, shape: Shape, rekey: Int => Int = identity): (Long, Long) = {
     var n = 0L
     var sum = 0L
     for (p <- 0 until shape.maps; (k, v) <- records(seed, p, shape)) {
       n += 1
-      sum += recordHash(k, v)
+      sum += recordHash(rekey(k), v)
     }
     (n, sum)
   }
