@@ -453,6 +453,9 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSta
         // Block buffers Java holds now, over every engine of the process (the table is one per
         // process): 0 between shuffles, or a reader leaked a buffer (scripts/soak.sh checks).
         let _ = writeln!(text, "leases_held={}", LEASES.live());
+        // What the engines' Rust code holds on the native heap (the library's allocator
+        // counts it): flat over an application's life, or the engine leaks (soak.sh checks).
+        let _ = writeln!(text, "native_heap_bytes={}", crate::heap::live_bytes());
         Ok(env.new_string(text)?.into_raw())
     })
 }

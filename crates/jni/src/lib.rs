@@ -11,6 +11,11 @@
 
 mod bridge;
 pub mod errors;
+pub mod heap;
 pub mod leases;
+
+/// Every Rust allocation of the library is counted (the `native_heap_bytes` gauge).
+#[global_allocator]
+static ALLOC: heap::CountingAlloc = heap::CountingAlloc;
 
 pub use errors::{guard, BridgeError};
