@@ -13,13 +13,15 @@
 # them after the driver's GC. Every C shuffles (default 10 below 1000 shuffles, else 20) the job
 # runs System.gc() in the driver, waits until every engine holds no more shuffles than are still
 # alive (at most 30 s), and samples every executor JVM from a task: fds, /proc/self/maps lines,
-# threads, VmRSS (after a GC there) and the engine's gauges.
+# threads, VmRSS (after a GC there and a trim of glibc's free memory) and the engine's gauges.
+# SOAK_CONF="k=v ..." adds Spark settings to the run.
 #
 # Checks, per executor (fails with exit 1 and a PROBLEMS list):
 #  - growth: the median of the 5 samples from shuffle 100 on ("@100") against the median of the
 #    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, RSS outside
 #    the Java heap, the heap in use after a GC, and the engine's registered_bytes,
-#    pool_bytes_allocated, connections_open, open_data_files. The slack is 0 except for gauges
+#    pool_bytes_allocated, connections_open, open_data_files and native_heap_bytes (the bytes
+#    the engine's Rust code holds, counted by its allocator). The slack is 0 except for gauges
 #    that are legitimately 0 or tiny at @100 (see SLACK below). VmRSS is reported, not checked
 #    (see PROC below: heap pages touched by the collector make it swing without a leak);
 #  - between shuffles (every sample): leases_held, exposed_bytes, reads_in_flight and
@@ -92,6 +94,8 @@ RATIO = 1.05
 # idle-closed as reduce tasks come and go: 0..2 per direction) and data files the block server
 # keeps open (those of shuffles not yet cleaned up: up to every x 4 maps). All others: 0.
 SLACK = {"connections_open": 4, "open_data_files": 4 * every}
+# Every sample is taken after a GC of the Java heap and a trim of glibc's (free memory it kept,
+# e.g. of C2's arenas, returned to the kernel); the untrimmed figure is reported too.
 # RSS is checked in two parts: the resident pages outside the Java heap's address range
 # (native memory such as the engine's, metaspace, code, stacks) and the heap in use after a GC.
 # VmRSS itself is reported, not checked: it includes every heap page the collector touched
@@ -101,10 +105,13 @@ PROC = ["fds", "maps", "threads", "non_heap_rss_kb", "heap_used_kb"]
 # Reported, not checked: the JVM's native memory by category (NMT) and what is resident outside
 # both the heap and the JVM's own native memory (outside_jvm_kb = non_heap_rss_kb - (NMT total
 # - NMT java_heap), committed counted as resident: a lower bound, for its trend).
-INFO = ["rss_kb", "outside_jvm_kb", "nmt.total_kb", "nmt.code_kb", "nmt.compiler_kb",
+INFO = ["rss_kb", "non_heap_rss_untrimmed_kb", "outside_jvm_kb", "nmt.total_kb", "nmt.code_kb", "nmt.compiler_kb",
         "nmt.gc_kb", "nmt.class_kb", "nmt.thread_kb", "nmt.other_kb", "nmt.internal_kb",
         "nmt.symbol_kb", "nmt.arena_chunk_kb", "nmt.metaspace_kb"]
-GAUGES = ["registered_bytes", "pool_bytes_allocated", "connections_open", "open_data_files"]
+# native_heap_bytes: what the engine's Rust code holds on the heap, counted by the library's
+# allocator (exact, unlike any RSS figure).
+GAUGES = ["registered_bytes", "pool_bytes_allocated", "connections_open", "open_data_files",
+          "native_heap_bytes"]
 QUIET_ZERO = ["leases_held", "exposed_bytes", "reads_in_flight", "pool_bytes_in_use"]
 
 tree = ast.parse((repo / "tests/spark/conftest.py").read_text())
@@ -115,6 +122,9 @@ conf = {**cluster_conf,
         # The JVM's own native memory by category in every sample (nmt.*), to tell growth of
         # JIT code, GC structures and metaspace from memory outside the JVM (the engine's).
         "spark.executor.extraJavaOptions": "-XX:NativeMemoryTracking=summary"}
+# SOAK_CONF="k=v k=v": more settings for this run (e.g. spark.executorEnv.MALLOC_ARENA_MAX=2),
+# recorded in the report's cluster_conf.
+conf.update(kv.split("=", 1) for kv in os.environ.get("SOAK_CONF", "").split())
 cmd = [f"{spark_home}/bin/spark-submit", "--master", f"local-cluster[{EXECUTORS},1,1024]",
        "--driver-memory", "1g"]
 for k, v in conf.items():
@@ -219,6 +229,7 @@ report = {
     "shuffles": shuffles, "every": every, "mode": mode, "master": f"local-cluster[{EXECUTORS},1,1024]",
     "spark_version": os.environ.get("SPARK_VERSION"), "cluster_conf": conf,
     "submit_wall_s": round(wall, 1), "job": done,
+    "native_heap_trimmed": sum(s.get("native_trimmed", 0) for ss in samples.values() for s in ss),
     "cleanup_wait_ms": {"median": statistics.median(waits) if waits else None,
                         "max": max(waits) if waits else None},
     "rule": f"median of {WINDOW} samples from shuffle {BASE_SHUFFLE} vs median of the last "

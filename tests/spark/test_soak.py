@@ -6,8 +6,9 @@ local-cluster[2,1,1024], a sample of every executor every 10 shuffles; see the s
 rule) and asserts on the report it writes:
   - every shuffle's output was checked against the same records computed in the driver;
   - per executor: fds, memory maps, threads, RSS outside the Java heap (native memory, the
-    engine's included), the heap in use after a GC, and the engine's registered bytes, pool
-    slabs, connections and open data files at the end are within 5 % of their value around
+    engine's included; sampled after a GC and a trim of glibc's free memory), the heap in use
+    after a GC, and the engine's registered bytes, pool slabs, connections, open data files and
+    native heap bytes (counted by its allocator) at the end are within 5 % of their value around
     shuffle 100 (an absolute slack only for counts that are legitimately 0 or a handful there;
     VmRSS itself swings with the heap pages the collector touched and is only reported);
   - at every sample (between shuffles): no lease held, nothing exposed, no read in flight, no
@@ -53,5 +54,11 @@ def test_soak_nothing_grows_with_the_number_of_shuffles(runner):
     for ex, ss in samples.items():
         assert ss[-1]["gauge.blocks_fetched"] > 0 and ss[-1]["gauge.blocks_served"] > 0, (ex, ss[-1])
         assert ss[-1]["gauge.rendezvous_blocks_fetched"] > 0, (ex, "no pulled block", ss[-1])
+        # The engine's own heap bytes are counted (and checked for growth above).
+        assert all(s.get("gauge.native_heap_bytes", 0) > 0 for s in ss), (ex, "no native_heap_bytes")
+    # Every sample trimmed glibc's free memory first (HotSpot's System.trim_native_heap, JDK
+    # 17.0.9+), so RSS outside the heap is what the process holds, not what malloc kept.
+    n = sum(len(ss) for ss in samples.values())
+    assert report["native_heap_trimmed"] == n, f"trimmed before {report['native_heap_trimmed']} of {n} samples"
     assert not report["problems"], report["problems"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -36,7 +36,8 @@ import org.apache.spark.sql.SparkSession
  *     gauge (if the metrics source exists) is at most the number of shuffle dependencies still
  *     alive, for at most `cleanup wait s` (the cleaner works asynchronously); the harness
  *     checks the last sample. A sample has: open fds (`/proc/self/fd`), memory maps (`/proc/self/maps` lines), threads
- *     (`/proc/self/task`), `VmRSS` and the part of it outside the Java heap's address range,
+ *     (`/proc/self/task`), `VmRSS` and the part of it outside the Java heap's address range
+ *     (after glibc's free memory was trimmed; before, too, as `*_untrimmed_kb`),
  *     the heap in use (after that GC), the JVM's native memory by category when it runs with
  *     `-XX:NativeMemoryTracking=summary` (`nmt.<category>_kb`), and every gauge of the metrics
  *     source
@@ -45,7 +46,7 @@ import org.apache.spark.sql.SparkSession
  *
  * Output:
  * {{{
- *   SOAK_SAMPLE shuffle=<i> executor=<id> pid=.. fds=.. maps=.. threads=.. rss_kb=.. heap_rss_kb=.. non_heap_rss_kb=.. heap_used_kb=.. live_shuffles=.. cleanup_wait_ms=.. nmt.<category>_kb=.. gauge.<key>=..
+ *   SOAK_SAMPLE shuffle=<i> executor=<id> pid=.. fds=.. maps=.. threads=.. rss_kb=.. heap_rss_kb=.. non_heap_rss_kb=.. non_heap_rss_untrimmed_kb=.. native_trimmed=0|1 heap_used_kb=.. live_shuffles=.. cleanup_wait_ms=.. nmt.<category>_kb=.. gauge.<key>=..
  *   SOAK_THREADS shuffle=<i> executor=<id> <thread name with digits as #>=<count> ...
  *   SOAK_DONE shuffles=<n> checked=<n> wall_ms=.. checkpoints=..
  * }}}
@@ -194,6 +195,8 @@ object SoakJob {
       println(s"SOAK_SAMPLE shuffle=$shuffle executor=${s.executor} pid=${s.pid} fds=${s.fds} " +
         s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} heap_rss_kb=${s.heapRssKb} " +
         s"non_heap_rss_kb=${if (s.heapRssKb >= 0) s.rssKb - s.heapRssKb else -1} " +
+        s"non_heap_rss_untrimmed_kb=${if (s.heapRssKb >= 0) s.untrimmedRssKb - s.heapRssKb else -1} " +
+        s"native_trimmed=${if (s.nativeTrimmed) 1 else 0} " +
         s"heap_used_kb=${s.heapUsedKb} " +
         s"live_shuffles=${deps.size} cleanup_wait_ms=$waitMs $gauges")
       println(s"SOAK_THREADS shuffle=$shuffle executor=${s.executor} " +
@@ -246,6 +249,8 @@ final case class Sample(
     maps: Int,
     threads: Int,
     rssKb: Long,
+    untrimmedRssKb: Long,
+    nativeTrimmed: Boolean,
     heapRssKb: Long,
     heapUsedKb: Long,
     threadGroups: Map[String, Int],
@@ -266,8 +271,12 @@ object Sample {
           .replaceAll("[^A-Za-z#_.-]", "_"))
       catch { case _: java.io.IOException => None } // the thread ended meanwhile
     }.groupBy(identity).map { case (k, v) => k -> v.size }
-    val rss = Files.readAllLines(Paths.get("/proc/self/status")).asScala
-      .find(_.startsWith("VmRSS:")).map(_.split("\\s+")(1).toLong).getOrElse(-1L)
+    val untrimmed = vmRssKb()
+    // The native heap's garbage goes too, as the Java heap's did: glibc keeps memory freed by
+    // any thread (C2's arenas, the engine's frames) in its arenas until trimmed, so RSS then
+    // says how much memory is free in malloc, not what the process holds. Both are reported.
+    val trimmed = gc && trimNativeHeap()
+    val rss = vmRssKb()
     val heapRss = heapResidentKb()
     Sample(
       executor = SparkEnv.get.executorId,
@@ -276,12 +285,35 @@ object Sample {
       maps = Files.readAllLines(Paths.get("/proc/self/maps")).size,
       threads = tasks.length,
       rssKb = rss,
+      untrimmedRssKb = untrimmed,
+      nativeTrimmed = trimmed,
       heapRssKb = heapRss,
       heapUsedKb = (rt.totalMemory() - rt.freeMemory()) / 1024,
       threadGroups = groups,
       nmtKb = nativeMemoryKb(),
       gauges = gauges(source)
     )
+  }
+
+  private def vmRssKb(): Long =
+    Files.readAllLines(Paths.get("/proc/self/status")).asScala
+      .find(_.startsWith("VmRSS:")).map(_.split("\\s+")(1).toLong).getOrElse(-1L)
+
+  /**
+   * Returns glibc's free memory to the kernel (`malloc_trim`, through HotSpot's
+   * `System.trim_native_heap` diagnostic command, JDK 17.0.9+); false where the JVM has no
+   * such command.
+   */
+  private def trimNativeHeap(): Boolean = {
+    try {
+      val out = ManagementFactory.getPlatformMBeanServer.invoke(
+        new ObjectName("com.sun.management:type=DiagnosticCommand"),
+        "systemTrimNativeHeap",
+        Array[AnyRef](Array.empty[String]),
+        Array(classOf[Array[String]].getName)
+      ).toString
+      !out.toLowerCase.contains("not available")
+    } catch { case _: Exception => false }
   }
 
   /**
