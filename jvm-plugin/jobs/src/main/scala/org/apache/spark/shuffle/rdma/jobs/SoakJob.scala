@@ -300,18 +300,25 @@ object Sample {
       .find(_.startsWith("VmRSS:")).map(_.split("\\s+")(1).toLong).getOrElse(-1L)
 
   /**
+   * Runs one of HotSpot's diagnostic commands (what `jcmd` runs; `op` in the MBean's spelling,
+   * e.g. `gcHeapInfo` for `GC.heap_info`) and returns its output. Throws where the JVM has no
+   * such command.
+   */
+  private def diagnosticCommand(op: String, args: String*): String =
+    ManagementFactory.getPlatformMBeanServer.invoke(
+      new ObjectName("com.sun.management:type=DiagnosticCommand"),
+      op,
+      Array[AnyRef](args.toArray),
+      Array(classOf[Array[String]].getName)).toString
+
+  /**
    * Returns glibc's free memory to the kernel (`malloc_trim`, through HotSpot's
    * `System.trim_native_heap` diagnostic command, JDK 17.0.9+); false where the JVM has no
    * such command.
    */
   private def trimNativeHeap(): Boolean = {
     try {
-      val out = ManagementFactory.getPlatformMBeanServer.invoke(
-        new ObjectName("com.sun.management:type=DiagnosticCommand"),
-        "systemTrimNativeHeap",
-        Array[AnyRef](Array.empty[String]),
-        Array(classOf[Array[String]].getName)
-      ).toString
+      val out = diagnosticCommand("systemTrimNativeHeap")
       !out.toLowerCase.contains("not available")
     } catch { case _: Exception => false }
   }
@@ -326,11 +333,7 @@ object Sample {
    */
   private def heapResidentKb(): Long = {
     try {
-      val info = ManagementFactory.getPlatformMBeanServer.invoke(
-        new ObjectName("com.sun.management:type=DiagnosticCommand"),
-        "gcHeapInfo",
-        Array[AnyRef](Array.empty[String]),
-        Array(classOf[Array[String]].getName)).toString
+      val info = diagnosticCommand("gcHeapInfo")
       val range = """\[0x([0-9a-f]+), 0x([0-9a-f]+)\)""".r
       val (lo, hi) = range.findFirstMatchIn(info) match {
         case Some(m) => (
@@ -361,11 +364,7 @@ object Sample {
    */
   private def nativeMemoryKb(): Map[String, Long] = {
     try {
-      val text = ManagementFactory.getPlatformMBeanServer.invoke(
-        new ObjectName("com.sun.management:type=DiagnosticCommand"),
-        "vmNativeMemory",
-        Array[AnyRef](Array("summary")),
-        Array(classOf[Array[String]].getName)).toString
+      val text = diagnosticCommand("vmNativeMemory", "summary")
       val total = """(?m)^Total: reserved=\d+KB, committed=(\d+)KB""".r
       val category = """(?m)^-\s+(.+?) \(reserved=\d+KB, committed=(\d+)KB\)""".r
       total.findFirstMatchIn(text).map(m => "total" -> m.group(1).toLong).toMap ++
