@@ -6,9 +6,10 @@
 #   scripts/fault-campaign.sh --reps 3 --cases kill9,disk
 #
 # Cases (scripts/fault_campaign.py describes each and how the times are measured): kill9, cut,
-# blackhole (all during the reduce stage), slow (a sleeping reducer against a 64 MiB pool) and
-# disk (a data file truncated, deleted or corrupted after commit). Brings up N=3 workers unless a
-# cluster is up already (then uses it, and leaves it up), and takes it down at the end.
+# blackhole (all during the reduce stage), slow (a sleeping reducer against a 64 MiB pool),
+# disk (a data file truncated, deleted or corrupted after commit) and disk_plain (truncated,
+# with spark.shuffle.compress=false). Brings up N=3 workers unless a cluster is up already
+# (then uses it, and leaves it up), and takes it down at the end.
 # Writes target/bench/faults.json and target/bench/faults.md (the table README shows); exits 1
 # when a criterion is not met. Needs root. Takes about 30 minutes on a loaded 2-core machine.
 set -euo pipefail
