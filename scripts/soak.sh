@@ -19,10 +19,11 @@
 # Checks, per executor (fails with exit 1 and a PROBLEMS list):
 #  - growth: the median of the 5 samples from shuffle 100 on ("@100") against the median of the
 #    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, RSS outside
-#    the Java heap and the JIT's code cache (see PROC below), the heap in use after a GC, and the engine's registered_bytes,
-#    pool_bytes_allocated, connections_open, open_data_files and native_heap_bytes (the bytes
-#    the engine's Rust code holds, counted by its allocator). The slack is 0 except for gauges
-#    that are legitimately 0 or tiny at @100 (see SLACK below). VmRSS is reported, not checked
+#    the Java heap and the JIT's code cache (see PROC below), the heap in use after a GC, and
+#    the engine's registered_bytes, pool_bytes_allocated, connections_open, open_data_files and
+#    native_heap_bytes (the bytes the engine's Rust code holds, counted by its allocator). The
+#    slack is 0 except for gauges that are legitimately 0 or tiny at @100 (see SLACK below).
+#    VmRSS is reported, not checked
 #    (see PROC below: heap pages touched by the collector make it swing without a leak);
 #  - between shuffles (every sample): leases_held, exposed_bytes, reads_in_flight and
 #    pool_bytes_in_use are 0, and shuffles_registered <= the shuffles still alive in the driver;
@@ -110,9 +111,10 @@ PROC = ["fds", "maps", "threads", "non_heap_rss_less_jit_kb", "heap_used_kb"]
 # Reported, not checked: the JVM's native memory by category (NMT) and what is resident outside
 # both the heap and the JVM's own native memory (outside_jvm_kb = non_heap_rss_kb - (NMT total
 # - NMT java_heap), committed counted as resident: a lower bound, for its trend).
-INFO = ["rss_kb", "non_heap_rss_kb", "non_heap_rss_untrimmed_kb", "outside_jvm_kb", "nmt.total_kb", "nmt.code_kb", "nmt.compiler_kb",
-        "nmt.gc_kb", "nmt.class_kb", "nmt.thread_kb", "nmt.other_kb", "nmt.internal_kb",
-        "nmt.symbol_kb", "nmt.arena_chunk_kb", "nmt.metaspace_kb"]
+INFO = ["rss_kb", "non_heap_rss_kb", "non_heap_rss_untrimmed_kb", "outside_jvm_kb",
+        "nmt.total_kb", "nmt.code_kb", "nmt.compiler_kb", "nmt.gc_kb", "nmt.class_kb",
+        "nmt.thread_kb", "nmt.other_kb", "nmt.internal_kb", "nmt.symbol_kb",
+        "nmt.arena_chunk_kb", "nmt.metaspace_kb"]
 # native_heap_bytes: what the engine's Rust code holds on the heap, counted by the library's
 # allocator (exact, unlike any RSS figure).
 GAUGES = ["registered_bytes", "pool_bytes_allocated", "connections_open", "open_data_files",
