@@ -40,7 +40,7 @@ cat > "$OUT/guest.sh" <<GUEST
 export SPARK_HOME='$SPARK_HOME' JAVA_HOME='$JAVA_HOME' SPARK_LOCAL_IP=127.0.0.1 HOME=/root
 # Spark's output reaches the console as it happens (prefixed, filtered to what tells the
 # story), so a run that is cut off still shows how far it got.
-(
+submit() {
   "\$SPARK_HOME/bin/spark-submit" --master 'local-cluster[2,1,640]' --driver-memory 512m ${CONF[*]} \
     --conf spark.executor.memory=512m \
     --conf spark.driver.extraJavaOptions='$JOPTS' --conf spark.executor.extraJavaOptions='$JOPTS' \
@@ -48,9 +48,20 @@ export SPARK_HOME='$SPARK_HOME' JAVA_HOME='$JAVA_HOME' SPARK_LOCAL_IP=127.0.0.1 
     --conf spark.shuffle.rdma.transport=verbs --conf spark.shuffle.rdma.device=rxe0 \
     --conf spark.shuffle.rdma.pool.capBytes=128m --conf spark.network.timeout=300s \
     --class org.apache.spark.shuffle.rdma.jobs.ShuffleJobs '$JOBS' '$JOB' '$SCALE'
-  echo "SPARK-RC \$?"
-) 2>&1 | grep --line-buffered -E '^(DIGEST|SPARK-RC)|RDMA_SHUFFLE_ENGINE_STATS|shuffle engine|transport|Granted executor|Registered executor|Starting job|Job [0-9]+ finished|ERROR|Exception|rdma' \
-  | sed -u 's/^/GUEST-LOG /'
+}
+for attempt in 1 2; do
+  ( submit 2>&1; echo "SPARK-RC \$?" ) | tee /tmp/spark-submit.out \
+    | grep --line-buffered -E '^(DIGEST|SPARK-RC)|RDMA_SHUFFLE_ENGINE_STATS|shuffle engine|transport|Granted executor|Registered executor|Starting job|Job [0-9]+ finished|ERROR|Exception|rdma' \
+    | sed -u 's/^/GUEST-LOG /'
+  grep -q '^SPARK-RC 0' /tmp/spark-submit.out && break
+  # Unfiltered, what failed: the launcher and the JVM say "Error: ...", which the filter drops
+  # (a CI run once had spark-submit exit 1 after 4 s with no line through the filter).
+  tail -n 60 /tmp/spark-submit.out | sed 's/^/GUEST-TAIL /'
+  # A failure before any job started is the launcher's or the JVM's start, not the shuffle's:
+  # once more, saying so. A failure during a job is final.
+  grep -q 'Starting job' /tmp/spark-submit.out && break
+  [ "\$attempt" = 2 ] || echo "GUEST-LOG spark-submit failed before any job started; once more"
+done
 GUEST
 chmod +x "$OUT/guest.sh"
 set +e
@@ -58,7 +69,7 @@ scripts/softroce-test.sh --share-host --mem 4G --timeout 1500 --quiet \
   --run-as spark_verbs "hostrun sh $REPO/$OUT/guest.sh" --log "$OUT/console.log" > "$OUT/vm.out" 2>&1
 VMRC=$?
 set -e
-grep -a -E "GUEST-LOG|SOFTROCE-RESULT" "$OUT/console.log" | tr -d '\r' > "$OUT/plugin.lines" || true
+grep -a -E "GUEST-LOG|GUEST-TAIL|SOFTROCE-RESULT" "$OUT/console.log" | tr -d '\r' > "$OUT/plugin.lines" || true
 cat "$OUT/plugin.lines"
 grep -q "GUEST-LOG SPARK-RC 0" "$OUT/plugin.lines" || { echo "spark-submit in the VM failed (see $OUT/console.log)" >&2; exit 1; }
 [ $VMRC -eq 0 ] || { echo "the VM run failed (see $OUT/console.log)" >&2; exit 1; }
