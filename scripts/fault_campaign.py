@@ -384,31 +384,32 @@ def verdicts(report: dict) -> list:
         if not (d and p):
             continue
         fd, fp = faulted(d), faulted(p)
+
+        def medians(key):
+            """The median of `key` over the faulted scenarios: (default shuffle, plugin)."""
+            return tuple(med([v[key] for v in f.values() if key in v]) for f in (fd, fp))
+
         okd = sum(v["ok"] for v in fd.values())
         okp = sum(v["ok"] for v in fp.values())
         rows.append((case, f"job correct ({len(fp)} runs)", f"{okd}/{len(fd)}", f"{okp}/{len(fp)}",
                      okp == len(fp) > 0 and p["rc"] == 0))
-        rd = med([v["recovery_s"] for v in fd.values() if "recovery_s" in v])
-        rp = med([v["recovery_s"] for v in fp.values() if "recovery_s" in v])
+        rd, rp = medians("recovery_s")
         if case == "kill9":
             rows.append((case, "recovery time, median s (plugin <= 1.2x default)", rd, rp,
                          rd is not None and rp is not None and rp <= 1.2 * rd))
         else:
             limit = float(SHORT_TIMEOUTS["spark.shuffle.rdma.fetchTimeout"].rstrip("s"))
-            ffd = med([v.get("fetch_failed_after_s") for v in fd.values() if "fetch_failed_after_s" in v])
-            ffp = med([v.get("fetch_failed_after_s") for v in fp.values() if "fetch_failed_after_s" in v])
+            ffd, ffp = medians("fetch_failed_after_s")
             # The event log has the failed task's end, which comes a moment after its fetch
             # failed: one second of slack for that.
             rows.append((case, f"first FetchFailed after the fault, s (plugin <= fetchTimeout {limit:g} s + 1 s)",
                          ffd, ffp, ffp is not None and ffp <= limit + 1))
-            sd = med([v.get("slots_freed_after_s") for v in fd.values() if "slots_freed_after_s" in v])
-            sp = med([v.get("slots_freed_after_s") for v in fp.values() if "slots_freed_after_s" in v])
+            sd, sp = medians("slots_freed_after_s")
             rows.append((case, "last reduce task of the faulted attempt ended after, s (any executor, any "
                                "launch; the isolated one's seen once it is reachable again)", sd, sp, True))
-            hd = med([v.get("slots_freed_healthy_after_s") for v in fd.values() if "slots_freed_healthy_after_s" in v])
-            hp = med([v.get("slots_freed_healthy_after_s") for v in fp.values() if "slots_freed_healthy_after_s" in v])
-            rows.append((case, f"... of those running at the fault on the reachable executors, s (plugin <= fetchTimeout {limit:g} s + 1 s)",
-                         hd, hp, hp is not None and hp <= limit + 1))
+            hd, hp = medians("slots_freed_healthy_after_s")
+            rows.append((case, "... of those running at the fault on the reachable executors, s "
+                               f"(plugin <= fetchTimeout {limit:g} s + 1 s)", hd, hp, hp is not None and hp <= limit + 1))
             rows.append((case, "recovery time, median s", rd, rp, True))
     d, p = by.get(("slow", "default")), by.get(("slow", "plugin"))
     if d and p:

@@ -23,8 +23,8 @@
 #    the engine's registered_bytes, pool_bytes_allocated, connections_open, open_data_files and
 #    native_heap_bytes (the bytes the engine's Rust code holds, counted by its allocator). The
 #    slack is 0 except for gauges that are legitimately 0 or tiny at @100 (see SLACK below).
-#    VmRSS is reported, not checked
-#    (see PROC below: heap pages touched by the collector make it swing without a leak);
+#    VmRSS is reported, not checked (see PROC below: heap pages touched by the collector make
+#    it swing without a leak);
 #  - between shuffles (every sample): leases_held, exposed_bytes, reads_in_flight and
 #    pool_bytes_in_use are 0, and shuffles_registered <= the shuffles still alive in the driver;
 #  - the same executor process (pid) answered every sample (a restart would hide a leak), the

@@ -194,8 +194,8 @@ object SoakJob {
         s.gauges.toSeq.sorted.map { case (k, v) => s"gauge.$k=$v" }).mkString(" ")
       println(s"SOAK_SAMPLE shuffle=$shuffle executor=${s.executor} pid=${s.pid} fds=${s.fds} " +
         s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} heap_rss_kb=${s.heapRssKb} " +
-        s"non_heap_rss_kb=${if (s.heapRssKb >= 0) s.rssKb - s.heapRssKb else -1} " +
-        s"non_heap_rss_untrimmed_kb=${if (s.heapRssKb >= 0) s.untrimmedRssKb - s.heapRssKb else -1} " +
+        s"non_heap_rss_kb=${s.outsideHeapKb(s.rssKb)} " +
+        s"non_heap_rss_untrimmed_kb=${s.outsideHeapKb(s.untrimmedRssKb)} " +
         s"native_trimmed=${if (s.nativeTrimmed) 1 else 0} " +
         s"heap_used_kb=${s.heapUsedKb} " +
         s"live_shuffles=${deps.size} cleanup_wait_ms=$waitMs $gauges")
@@ -255,7 +255,11 @@ final case class Sample(
     heapUsedKb: Long,
     threadGroups: Map[String, Int],
     nmtKb: Map[String, Long],
-    gauges: Map[String, Long])
+    gauges: Map[String, Long]) {
+
+  /** The part of resident kB `rss` outside the Java heap's address range; -1 if unknown. */
+  def outsideHeapKb(rss: Long): Long = if (heapRssKb >= 0) rss - heapRssKb else -1
+}
 
 object Sample {
 
