@@ -300,4 +300,23 @@ mod tests {
         assert!(s.server_proof(&sh2, &proof1).is_err());
         assert!(Hello::decode(b"GET / HTTP/1.0\r\n\r\n").unwrap_err().contains("bad magic"));
     }
+
+    #[test]
+    fn random_bytes_and_truncated_hellos_are_refused_before_any_proof() {
+        let s = hs(0, Some("k"), "mobius/g1");
+        let mut junk = [0u8; 300];
+        for (i, b) in junk.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(151).wrapping_add(7);
+        }
+        assert!(s.server_hello(&junk).err().unwrap().1.contains("bad magic"));
+        let (_, hello) = hs(1, Some("k"), "mobius/g1").client_hello(0);
+        for cut in [0, 8, 20, hello.len() - 1] {
+            assert!(s.server_hello(&hello[..cut]).is_err(), "a hello cut at {cut} bytes was accepted");
+        }
+        // An earlier group of the same name (another id) is refused even with the same secret.
+        let (_, old) = hs(1, Some("k"), "mobius/g0").client_hello(0);
+        let (claimed, why) = s.server_hello(&old).err().unwrap();
+        assert_eq!(claimed, Some(1));
+        assert!(why.contains("mobius/g0"), "{why}");
+    }
 }
