@@ -500,6 +500,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new(f))
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init();
     }
     m.add_class::<PyComm>()?;

@@ -173,10 +173,9 @@ impl Handshaker {
                 let mut p = [0u8; PROOF_LEN];
                 p.copy_from_slice(server_proof);
                 if !s.verify_server(&t, PROOF_TAG, &p) {
-                    return Err(
-                        "it does not know the shared secret (server proof invalid); set the same MOBIUS_SECRET on every rank"
-                            .into(),
-                    );
+                    return Err("it does not know the shared secret (server proof invalid): a rank of another group, or \
+                         MOBIUS_SECRET differs; set the same MOBIUS_SECRET on every rank"
+                        .into());
                 }
                 Ok(s.client_proof(&t).to_vec())
             }
@@ -193,7 +192,11 @@ impl Handshaker {
         let from = h.from as usize;
         let refuse = |why: String| Err((Some(from), why));
         if h.job != self.job {
-            return refuse(format!("job {:?} connected to job {:?} (set MOBIUS_JOB alike on every rank)", h.job, self.job));
+            return refuse(format!(
+                "job {:?} connected to job {:?}: a rank of another group or of an earlier job (set MOBIUS_JOB alike on every \
+                 rank)",
+                h.job, self.job
+            ));
         }
         if h.world as usize != self.world {
             return refuse(format!(
@@ -246,7 +249,11 @@ impl Handshaker {
                 s.verify_client(&hs.transcript, &p)
             };
             if !ok {
-                return Err("authentication failed: the peer does not know the shared secret (MOBIUS_SECRET differs)".into());
+                return Err(
+                    "authentication failed: the peer does not know the shared secret (a rank of another group, or MOBIUS_SECRET \
+                     differs)"
+                        .into(),
+                );
             }
         }
         Ok(())
