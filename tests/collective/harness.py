@@ -111,9 +111,9 @@ class Group:
 
 
 def run(scenario: str, world: int, outdir: Path, args: dict | None = None, env: dict | None = None,
-        timeout: float = 300) -> dict[int, object]:
+        timeout: float = 300, script: str = "worker.py") -> dict[int, object]:
     """Runs a group to completion; every rank must exit 0."""
-    g = Group(scenario, world, outdir, args, env)
+    g = Group(scenario, world, outdir, args, env, script=script)
     codes = g.wait(timeout)
     bad = {r: c for r, c in codes.items() if c != 0}
     assert not bad, f"ranks exited with {bad}; logs:\n{g.tail()}"
