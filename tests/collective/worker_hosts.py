@@ -35,8 +35,10 @@ def mark(what: str, data: str = "") -> None:
 
 
 def host_ip() -> str:
-    """This host's own address: the one its default route leaves from (one interface per
-    namespace host)."""
+    """This host's own address: ``HOST_IP`` (the namespace hosts, which have no default
+    route), else the one its default route leaves from."""
+    if os.environ.get("HOST_IP"):
+        return os.environ["HOST_IP"]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("192.0.2.1", 9))
         return s.getsockname()[0]
@@ -183,7 +185,10 @@ def scenario_ddp_hosts(args):
     report({"rel": rel, "replicas_equal": bool(same.item() == ref.item()),
             "addresses": _backend(dist).comm._c.addresses, "host": host_ip()})
     dist.barrier()
-    os._exit(0)  # gloo's teardown can abort in torch 2.15 (see worker.py); the run is done
+    # Leave mobius cleanly (its last sends flushed, then BYE), then skip the rest of the
+    # teardown: gloo's can abort in torch 2.15 (see worker.py), and the run is done.
+    _backend(dist).comm.close()
+    os._exit(0)
 
 
 def scenario_kill_loop(args):
