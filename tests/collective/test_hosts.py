@@ -58,3 +58,15 @@ def test_two_subgroups_reduce_at_once_beside_the_default_and_an_overlapping_grou
         failed = [k for k, ok in out.items() if not ok]
         assert not failed, (r, out)
         assert set(out) == {"subgroup", "default"} | ({"overlapping"} if r in (0, 2) else set()), out
+
+
+def test_the_cost_model_measures_every_link_the_algorithms_use_and_takes_the_worst(tmp_path):
+    res = run("links", 4, tmp_path, env={"MOBIUS_TUNE": "on"}, script="worker_hosts.py")
+    links = res[0]["links"]
+    # Four ranks: the ring and the recursive-doubling partners are all six pairs.
+    assert sorted((a, b) for a, b, *_ in links) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)], links
+    m = res[0]["model"]
+    assert m["alpha"] == max(l[2] for l in links) and m["beta"] == max(l[3] for l in links), (m, links)
+    for r, out in res.items():
+        assert out["ok"] and out["model"] == m, (r, out["model"], m)
+        assert r == 0 or out["links"] == [], out

@@ -90,6 +90,16 @@ def scenario_intruder(args):
         report({"joined": False, "error": str(e)}, args["name"])
 
 
+def scenario_links(args):
+    """mobius.init with the start-up measurement on; reports the model and the links."""
+    import mobius
+    comm = mobius.init(timeout=60, tune=True)
+    x = np.ones(1024, dtype=np.float32)
+    comm.allreduce(x)
+    report({"model": comm.cost_model(), "links": comm.link_costs(), "ok": bool((x == WORLD).all())})
+    comm.close()
+
+
 # ----- torch: init methods, subgroups, DDP, faults ----------------------------------------------
 def _backend(dist, group=None):
     import torch

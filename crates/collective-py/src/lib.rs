@@ -258,6 +258,12 @@ impl PyComm {
         Ok(PyComm { inner: slot::Slot::new(comm) })
     }
 
+    /// (rank 0) The links measured at start, `(a, b, alpha, beta, alpha_rndv)`: the cost
+    /// model takes the worst of them. Empty on other ranks, and when nothing was measured.
+    fn link_costs(&self) -> PyResult<Vec<(usize, usize, f64, f64, f64)>> {
+        Ok(self.inner.get()?.link_costs().iter().map(|l| (l.a, l.b, l.alpha, l.beta, l.alpha_rndv)).collect())
+    }
+
     /// Every rank's published mesh address (`ip:port`), in rank order.
     #[getter]
     fn addresses(&self) -> PyResult<Vec<String>> {
@@ -374,13 +380,8 @@ impl PyComm {
 
     /// The cost model every rank uses: alpha, beta, gamma, copy, alpha_rndv (seconds, s/B).
     fn cost_model<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let comm = self.inner.get()?;
-        let m = comm.policy().model;
+        let m = self.inner.get()?.policy().model;
         let d = PyDict::new(py);
-        // (rank 0) every link measured: the model is the worst of them.
-        let links: Vec<(usize, usize, f64, f64, f64)> =
-            comm.link_costs().iter().map(|l| (l.a, l.b, l.alpha, l.beta, l.alpha_rndv)).collect();
-        d.set_item("links", links)?;
         d.set_item("alpha", m.alpha)?;
         d.set_item("beta", m.beta)?;
         d.set_item("gamma", m.gamma)?;
