@@ -177,6 +177,9 @@ fn config(rank: usize, world: usize, settings: Option<&Bound<'_, PyDict>>) -> Py
     Ok(c)
 }
 
+/// One measured link as Python sees it: `(a, b, alpha, beta, alpha_rndv)`.
+type LinkRow = (usize, usize, f64, f64, f64);
+
 /// A Mobius communicator (see the `mobius` package for the documented Python API).
 #[pyclass(name = "Communicator", module = "mobius._native", frozen)]
 struct PyComm {
@@ -260,7 +263,7 @@ impl PyComm {
 
     /// (rank 0) The links measured at start, `(a, b, alpha, beta, alpha_rndv)`: the cost
     /// model takes the worst of them. Empty on other ranks, and when nothing was measured.
-    fn link_costs(&self) -> PyResult<Vec<(usize, usize, f64, f64, f64)>> {
+    fn link_costs(&self) -> PyResult<Vec<LinkRow>> {
         Ok(self.inner.get()?.link_costs().iter().map(|l| (l.a, l.b, l.alpha, l.beta, l.alpha_rndv)).collect())
     }
 

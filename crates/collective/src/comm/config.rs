@@ -260,7 +260,7 @@ impl CommConfig {
         // kernel which source address the default route would use.
         let default_route = SocketAddr::from(([192, 0, 2, 1], 9));
         Ok(route_to(default_route)
-            .or_else(|| interface_addrs().into_iter().map(|(_, ip)| ip).find(|ip| usable(ip)))
+            .or_else(|| interface_addrs().into_iter().map(|(_, ip)| ip).find(usable))
             .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
     }
 }
