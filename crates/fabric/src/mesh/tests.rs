@@ -227,6 +227,41 @@ fn strangers_wrong_secrets_and_old_groups_are_refused_while_the_group_forms() {
     assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
 }
 
+/// A flood of silent connections while the group forms: at most `2·world + 16` of them are
+/// kept (the oldest make room), and the group still forms.
+#[test]
+fn a_flood_of_strangers_is_capped_and_the_group_still_forms() {
+    use std::io::Read;
+    let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+    let listeners: Vec<MeshListener> = (0..2).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    let mut listeners = listeners.into_iter();
+    let config = |r: usize| {
+        let mut c = MeshConfig::new(r, 2);
+        c.connect_timeout = Duration::from_secs(30);
+        c.secret = Some(Secret::new("k"));
+        c
+    };
+    let (l0, a) = (listeners.next().unwrap(), addrs.clone());
+    let rank0 = std::thread::spawn(move || Mesh::connect(l0, &a, config(0)));
+    let strangers: Vec<std::net::TcpStream> = (0..60).map(|_| std::net::TcpStream::connect(addrs[0]).unwrap()).collect();
+    let (l1, a) = (listeners.next().unwrap(), addrs.clone());
+    let m1 = std::thread::spawn(move || Mesh::connect(l1, &a, config(1))).join().unwrap().unwrap();
+    let m0 = rank0.join().unwrap().unwrap();
+    m1.wait(m1.send(0, 1, b"hi", Proto::Eager, None).unwrap(), soon()).unwrap();
+    assert_eq!(&*m0.recv(1, 1, soon()).unwrap(), b"hi");
+    // Every stranger was closed: evicted while the group formed, or dropped once it was complete.
+    for mut s in strangers {
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut b = [0u8; 16];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("a stranger was kept: {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn mismatched_world_or_job_is_refused_with_what_differs() {
     let res = build(Arc::new(TcpProvider::new()), 2, |c| {
