@@ -9,6 +9,9 @@
 #   scripts/cluster.sh compare [--rounds R] [--json FILE] [--conf k=v]... JOB [ARGS...]
 #   scripts/cluster.sh status
 #   scripts/cluster.sh down                      stop every process, remove namespaces and links
+#   scripts/cluster.sh net N                     the hosts' network only (namespaces, bridge,
+#                                                addresses), no Spark: for other multi-host tests
+#                                                (tests/collective/test_netns.py runs Mobius on it)
 #   fault injection (HOST = master | driver | w1..wN):
 #   scripts/cluster.sh kill-executor HOST        kill -9 the executor JVM of HOST (exact PID)
 #   scripts/cluster.sh cut HOST | heal HOST      switch-side veth of HOST down / up
@@ -298,6 +301,24 @@ EOF
   do_status
 }
 
+# The network of `up` without Spark: namespaces master, driver and w1..wN on the bridge, each
+# with its address, `lo` up and no default route. Prints `host namespace address` per worker.
+do_net() {
+  local n=${1:-}
+  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le "$MAX_WORKERS" ] \
+    || die "usage: scripts/cluster.sh net N   (1 <= N <= $MAX_WORKERS)"
+  [ "$(id -u)" = 0 ] || die "needs root (network namespaces, veth pairs, nft)"
+  apt_install nftables iproute2 procps
+  [ -z "$(our_namespaces)" ] || { log "cleaning up a previous cluster: $(our_namespaces | tr '\n' ' ')"; do_down; }
+  mkdir -p "$STATE"
+  printf 'N=%s\nPREFIX=%s\nSUBNET=%s\nNETWORK_ONLY=1\n' "$n" "$P" "$NET" > "$STATE/cluster.env"
+  trap 'rc=$?; trap - EXIT; if [ $rc -ne 0 ]; then log "net failed (rc=$rc); tearing down"; do_down || true; fi; exit $rc' EXIT
+  make_network "$n"
+  trap - EXIT
+  local host
+  for host in $(seq -f 'w%g' 1 "$n"); do echo "$host $(ns_of "$host") $(ip_of "$host")"; done
+}
+
 # --- status and faults ---------------------------------------------------------------------------
 
 do_status() {
@@ -496,6 +517,7 @@ cmd=${1:-}; [ $# -gt 0 ] && shift
 case "$cmd" in
   up) do_up "$@" ;;
   down) do_down; echo "cluster down (prefix $P)" ;;
+  net) do_net "$@" ;;
   status) load_spark >/dev/null 2>&1 || true; do_status ;;
   run) do_run "$@" ;;
   compare) do_compare "$@" ;;

@@ -44,29 +44,33 @@ class Group:
     """A launched group of ranks."""
 
     def __init__(self, scenario: str, world: int, outdir: Path, args: dict | None = None,
-                 env: dict | None = None, ranks: list[int] | None = None):
+                 env: dict | None = None, ranks: list[int] | None = None, script: str = "worker.py"):
         self.world = world
         self.outdir = Path(outdir)
         self.outdir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        self.port = free_port()
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}
+        self._cmd = [sys.executable, str(HERE / script), scenario, json.dumps(args or {}), str(self.outdir)]
         base = dict(os.environ)
         base.update({
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "MASTER_PORT": str(self.port),
             "MOBIUS_TUNE": base.get("MOBIUS_TUNE", "off"),
             "PYTHONUNBUFFERED": "1",
         })
         base.update(env or {})
+        self._env = base
         for r in ranks if ranks is not None else range(world):
-            e = dict(base, RANK=str(r))
-            log = self.outdir / f"rank{r}.log"
-            self.logs[r] = log
-            self.procs[r] = subprocess.Popen(
-                [sys.executable, str(HERE / "worker.py"), scenario, json.dumps(args or {}), str(self.outdir)],
-                env=e, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            self.start(r)
+
+    def start(self, r: int) -> None:
+        """Starts rank ``r`` (for groups launched with some ranks held back)."""
+        log = self.outdir / f"rank{r}.log"
+        self.logs[r] = log
+        self.procs[r] = subprocess.Popen(self._cmd, env=dict(self._env, RANK=str(r)), stdout=open(log, "w"),
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, timeout: float) -> dict[int, int]:
         """Waits for every rank; kills them all and raises if the limit passes."""
@@ -107,9 +111,9 @@ class Group:
 
 
 def run(scenario: str, world: int, outdir: Path, args: dict | None = None, env: dict | None = None,
-        timeout: float = 300) -> dict[int, object]:
+        timeout: float = 300, script: str = "worker.py") -> dict[int, object]:
     """Runs a group to completion; every rank must exit 0."""
-    g = Group(scenario, world, outdir, args, env)
+    g = Group(scenario, world, outdir, args, env, script=script)
     codes = g.wait(timeout)
     bad = {r: c for r, c in codes.items() if c != 0}
     assert not bad, f"ranks exited with {bad}; logs:\n{g.tail()}"

@@ -6,7 +6,9 @@
 //! the memory cannot be resized or freed under it. The pure-Python layer (`mobius/__init__.py`)
 //! maps numpy/torch dtypes and tensors onto this.
 
-use mobius_collective::{CollectiveError, CommConfig, Communicator, DType, Op, Overrides, ReduceOp, Rendezvous, TransportKind};
+use mobius_collective::{
+    CollectiveError, CommConfig, Communicator, DType, GroupKey, Op, Overrides, ReduceOp, Rendezvous, TransportKind,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
@@ -139,6 +141,13 @@ fn config(rank: usize, world: usize, settings: Option<&Bound<'_, PyDict>>) -> Py
     if let Some(v) = get("job")? {
         c.job = v.extract()?;
     }
+    if let Some(v) = get("group")? {
+        let g: String = v.extract()?;
+        c.group = Some(
+            GroupKey::decode(&g)
+                .ok_or_else(|| PyValueError::new_err("group must be 'id:secret' in hex (from the rendezvous)"))?,
+        );
+    }
     if let Some(v) = get("eager_limit")? {
         c.eager_limit = v.extract()?;
     }
@@ -167,6 +176,9 @@ fn config(rank: usize, world: usize, settings: Option<&Bound<'_, PyDict>>) -> Py
     }
     Ok(c)
 }
+
+/// One measured link as Python sees it: `(a, b, alpha, beta, alpha_rndv)`.
+type LinkRow = (usize, usize, f64, f64, f64);
 
 /// A Mobius communicator (see the `mobius` package for the documented Python API).
 #[pyclass(name = "Communicator", module = "mobius._native", frozen)]
@@ -247,6 +259,18 @@ impl PyComm {
         let mut rdv = PyRendezvous { exchange };
         let comm = py.allow_threads(move || Communicator::join(c, ip, &mut rdv)).map_err(to_py)?;
         Ok(PyComm { inner: slot::Slot::new(comm) })
+    }
+
+    /// (rank 0) The links measured at start, `(a, b, alpha, beta, alpha_rndv)`: the cost
+    /// model takes the worst of them. Empty on other ranks, and when nothing was measured.
+    fn link_costs(&self) -> PyResult<Vec<LinkRow>> {
+        Ok(self.inner.get()?.link_costs().iter().map(|l| (l.a, l.b, l.alpha, l.beta, l.alpha_rndv)).collect())
+    }
+
+    /// Every rank's published mesh address (`ip:port`), in rank order.
+    #[getter]
+    fn addresses(&self) -> PyResult<Vec<String>> {
+        Ok(self.inner.get()?.addresses().iter().map(|a| a.to_string()).collect())
     }
 
     /// This rank.
@@ -427,6 +451,33 @@ fn overlaps(a: Raw, b: Raw) -> bool {
 }
 
 /// Names of the supported dtypes, reduce ops, collectives and algorithms.
+/// The address this process should listen on and publish (`MOBIUS_IFADDR`, then
+/// `MOBIUS_SOCKET_IFNAME`, then the interface routing to the store at `store_host:store_port`,
+/// then the default route's), as a string.
+#[pyfunction]
+#[pyo3(signature = (store_host=None, store_port=0))]
+fn local_ip(store_host: Option<&str>, store_port: u16) -> PyResult<String> {
+    let mut c = CommConfig::new(0, 1);
+    c.apply_env().map_err(to_py)?;
+    let store = match store_host {
+        Some(h) if !h.is_empty() => Some(
+            (h, store_port)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.find(|a| a.is_ipv4()))
+                .ok_or_else(|| PyValueError::new_err(format!("store host {h:?} does not resolve")))?,
+        ),
+        _ => None,
+    };
+    Ok(c.local_ip(store).map_err(to_py)?.to_string())
+}
+
+/// A fresh group key (`id:secret`, hex), for rank 0 to hand to its group through a store.
+#[pyfunction]
+fn new_group_key() -> PyResult<String> {
+    Ok(GroupKey::generate().map_err(to_py)?.encode())
+}
+
 #[pyfunction]
 fn capabilities<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -443,17 +494,23 @@ fn capabilities<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // MOBIUS_DEBUG=policy (or MOBIUS_LOG=<filter>) prints Mobius' logs on stderr.
-    let filter =
-        std::env::var("MOBIUS_LOG").ok().or_else(|| std::env::var("MOBIUS_DEBUG").ok().map(|_| "mobius=info".to_string()));
+    // MOBIUS_DEBUG=policy (or MOBIUS_LOG=<filter>) prints Mobius' logs on stderr; otherwise
+    // warnings (refused connections among them) do.
+    let filter = std::env::var("MOBIUS_LOG")
+        .ok()
+        .or_else(|| std::env::var("MOBIUS_DEBUG").ok().map(|_| "mobius=info,warn".to_string()))
+        .or_else(|| Some("warn".to_string()));
     if let Some(f) = filter {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::new(f))
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init();
     }
     m.add_class::<PyComm>()?;
     m.add_function(wrap_pyfunction!(capabilities, m)?)?;
+    m.add_function(wrap_pyfunction!(local_ip, m)?)?;
+    m.add_function(wrap_pyfunction!(new_group_key, m)?)?;
     m.add("MobiusError", m.py().get_type::<MobiusError>())?;
     Ok(())
 }

@@ -35,7 +35,7 @@ mod policy;
 mod store;
 mod transport;
 
-pub use comm::{CommConfig, CommStats, Communicator, Rendezvous, StoreRendezvous, TransportKind, MAX_WORLD};
+pub use comm::{CommConfig, CommStats, Communicator, GroupKey, LinkCost, Rendezvous, StoreRendezvous, TransportKind, MAX_WORLD};
 pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::CollectiveError;
 pub use mesh_transport::MeshTransport;

@@ -184,6 +184,16 @@ class Communicator:
         """The measured α, β, γ, copy and rendezvous latency (seconds, seconds per byte)."""
         return self._c.cost_model()
 
+    def link_costs(self) -> list:
+        """(rank 0) Every link measured at start as ``(a, b, alpha, beta, alpha_rndv)``; the
+        cost model takes the worst of them. Empty on other ranks and with ``tune`` off."""
+        return self._c.link_costs()
+
+    @property
+    def addresses(self) -> list:
+        """Every rank's published mesh address (``ip:port``), in rank order."""
+        return self._c.addresses
+
     def stats(self) -> dict:
         """Counters: calls per ``op.algorithm``, messages and bytes per protocol."""
         return self._c.stats()

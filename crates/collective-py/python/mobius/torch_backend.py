@@ -20,9 +20,7 @@ passes (``init_process_group(timeout=...)``) bounds each collective unless
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -84,21 +82,41 @@ class _Work(dist.Work):
         return self._outputs
 
 
-def _local_ip() -> str:
-    """The address peers reach this rank at: the one routing to MASTER_ADDR (or
-    MOBIUS_IFADDR)."""
-    if os.environ.get("MOBIUS_IFADDR"):
-        return os.environ["MOBIUS_IFADDR"]
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        resolved = socket.gethostbyname(master)
-        if ipaddress.ip_address(resolved).is_loopback:
-            return resolved
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((resolved, int(os.environ.get("MASTER_PORT", "29500"))))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+def _store_address(store):
+    """``(host, port)`` of the TCPStore under the store torch hands a backend (a
+    ``PrefixStore`` around the ``TCPStore`` of ``env://``, ``tcp://`` and torchrun), else
+    ``MASTER_ADDR``/``MASTER_PORT``, else ``None`` (``file://``: no host to route to)."""
+    s = store
+    for _ in range(8):
+        host = getattr(s, "host", None)
+        if isinstance(host, str) and host:
+            return host, int(getattr(s, "port", 0) or 0)
+        s = getattr(s, "underlying_store", None)
+        if s is None:
+            break
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT") or 0)
+    return None
+
+
+def _local_ip(store=None) -> str:
+    """The address this rank listens on and publishes to the others: ``MOBIUS_IFADDR``, else
+    the address of the interface ``MOBIUS_SOCKET_IFNAME``, else that of the interface that
+    routes to the store's host, else the default route's (see docs/mobius.md)."""
+    host, port = _store_address(store) or (None, 0)
+    return _native.local_ip(host, port)
+
+
+def _group_key(store, rank: int) -> str:
+    """The group's id and fresh secret (``id:secret``): rank 0 draws them and sets them in
+    the group's store (torch gives each group its own key prefix), the others read them.
+    Every mesh link of the group proves the secret before anything is accepted."""
+    key = "mobius/group"
+    if rank == 0:
+        group = _native.new_group_key()
+        store.set(key, group)
+        return group
+    return store.get(key).decode()
 
 
 class MobiusBackend(_C10dBackend):
@@ -112,10 +130,10 @@ class MobiusBackend(_C10dBackend):
             store.set(f"mobius/addr/{rank}", address)
             return [store.get(f"mobius/addr/{r}").decode() for r in range(size)]
 
-        settings = {}
+        settings = {"group": _group_key(store, rank)}
         if not os.environ.get("MOBIUS_TIMEOUT") and timeout is not None:
             settings["timeout"] = max(timeout.total_seconds(), 0.001)
-        self.comm = Communicator(_native.Communicator.join(rank, size, _local_ip(), exchange, settings))
+        self.comm = Communicator(_native.Communicator.join(rank, size, _local_ip(store), exchange, settings))
 
     # -- identity --------------------------------------------------------------------------
     def getBackendName(self):

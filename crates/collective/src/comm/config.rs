@@ -5,7 +5,7 @@ use crate::error::CollectiveError;
 use crate::policy::{parse_bytes, Overrides};
 use rdma_shuffle_fabric::mesh::MeshConfig;
 use rdma_shuffle_fabric::{PoolConfig, Provider, TcpProvider};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,9 +48,15 @@ pub struct CommConfig {
     pub debug_policy: bool,
     /// Measure α, β, γ at start (`MOBIUS_TUNE=off` uses assumed values).
     pub tune: bool,
-    /// Address to listen on and publish (`MOBIUS_IFADDR`; default: the local address that
-    /// routes to `MASTER_ADDR`).
+    /// Address to listen on and publish (`MOBIUS_IFADDR`; default: see [`CommConfig::local_ip`]).
     pub bind_ip: Option<IpAddr>,
+    /// Network interface whose address to listen on and publish (`MOBIUS_SOCKET_IFNAME`, as
+    /// gloo's `GLOO_SOCKET_IFNAME`), when `bind_ip` is not set.
+    pub ifname: Option<String>,
+    /// The group's identity, handed out by the rendezvous (rank 0 draws it): every link's
+    /// handshake carries it (a rank of another group, or of an earlier job on a reused port,
+    /// is refused), and the group's fresh secret, which every link proves.
+    pub group: Option<GroupKey>,
     /// Keep user-buffer registrations between calls (`MOBIUS_REGCACHE=1`; the caller must
     /// invalidate buffers it frees).
     pub cache_registrations: bool,
@@ -73,6 +79,8 @@ impl CommConfig {
             debug_policy: false,
             tune: true,
             bind_ip: None,
+            ifname: None,
+            group: None,
             cache_registrations: false,
         }
     }
@@ -149,6 +157,9 @@ impl CommConfig {
                 ip.trim().parse().map_err(|_| CollectiveError::Config(format!("MOBIUS_IFADDR={ip:?} is not an IP address")))?,
             );
         }
+        if let Some(n) = var("MOBIUS_SOCKET_IFNAME") {
+            self.ifname = Some(n.trim().to_string());
+        }
         if let Some(c) = var("MOBIUS_REGCACHE") {
             self.cache_registrations = matches!(c.trim(), "1" | "on" | "true" | "yes");
         }
@@ -167,8 +178,27 @@ impl CommConfig {
 
     pub(super) fn mesh_config(&self) -> MeshConfig {
         let mut m = MeshConfig::new(self.rank, self.world);
-        m.job = self.job.clone();
-        m.secret = self.secret.as_ref().map(|s| rdma_shuffle_wire::Secret::new(s.as_bytes()));
+        m.job = match &self.group {
+            Some(g) => format!("{}/{}", self.job, g.id),
+            None => self.job.clone(),
+        };
+        // Both secrets when both are there: a reader of the store (which holds the group's
+        // secret) still cannot join without `MOBIUS_SECRET`.
+        m.secret = match (&self.secret, &self.group) {
+            (None, None) => None,
+            (user, group) => {
+                let mut key = Vec::new();
+                if let Some(g) = group {
+                    key.extend_from_slice(b"group:");
+                    key.extend_from_slice(g.secret.as_bytes());
+                }
+                if let Some(u) = user {
+                    key.extend_from_slice(b"\0user:");
+                    key.extend_from_slice(u.as_bytes());
+                }
+                Some(rdma_shuffle_wire::Secret::new(key))
+            }
+        };
         m.connect_timeout = self.timeout;
         m.memory_timeout = self.timeout;
         m.eager_limit = self.eager_limit;
@@ -201,13 +231,201 @@ impl CommConfig {
     }
 }
 
-/// The address of this host that routes to `to` (what peers should connect to).
-pub(super) fn route_ip(to: SocketAddr) -> IpAddr {
-    if to.ip().is_loopback() {
-        return to.ip();
+impl CommConfig {
+    /// The address this rank listens on and publishes to the other ranks, the first that
+    /// applies of:
+    /// 1. `MOBIUS_IFADDR` ([`bind_ip`](Self::bind_ip));
+    /// 2. the address of the interface `MOBIUS_SOCKET_IFNAME` ([`ifname`](Self::ifname));
+    /// 3. the address of the interface that routes to the rendezvous store at `store` (the
+    ///    store is on a host every rank reaches, so this is the address the others can reach
+    ///    this host at; a loopback store means a single-host group, which stays on loopback);
+    /// 4. without a store address (torch's `file://`): the interface of the default route,
+    ///    else the first interface that is up and not loopback, else 127.0.0.1.
+    pub fn local_ip(&self, store: Option<SocketAddr>) -> Result<IpAddr, CollectiveError> {
+        if let Some(ip) = self.bind_ip {
+            return Ok(ip);
+        }
+        if let Some(name) = &self.ifname {
+            return interface_ip(name);
+        }
+        if let Some(to) = store {
+            if to.ip().is_loopback() {
+                return Ok(to.ip());
+            }
+            if let Some(ip) = route_to(to) {
+                return Ok(ip);
+            }
+        }
+        // A documentation address (RFC 5737): a UDP connect sends nothing, it only asks the
+        // kernel which source address the default route would use.
+        let default_route = SocketAddr::from(([192, 0, 2, 1], 9));
+        Ok(route_to(default_route)
+            .or_else(|| interface_addrs().into_iter().map(|(_, ip)| ip).find(usable))
+            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
     }
-    UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
-        .and_then(|s| s.connect(to).and_then(|_| s.local_addr()))
-        .map(|a| a.ip())
-        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+/// A group's identity and secret (see [`CommConfig::group`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct GroupKey {
+    /// Public id of the group: part of every link's handshake, in clear.
+    pub id: String,
+    /// The group's secret (hex); never sent on a link.
+    pub secret: String,
+}
+
+impl GroupKey {
+    /// A fresh group: 8 random bytes of id and 32 of secret, from the OS's generator.
+    pub fn generate() -> Result<Self, CollectiveError> {
+        let mut b = [0u8; 40];
+        fill_random(&mut b)?;
+        Ok(GroupKey { id: hex(&b[..8]), secret: hex(&b[8..]) })
+    }
+
+    /// `id:secret`, as the rendezvous stores it.
+    pub fn encode(&self) -> String {
+        format!("{}:{}", self.id, self.secret)
+    }
+
+    /// Reads [`encode`](Self::encode)'s form.
+    pub fn decode(s: &str) -> Option<Self> {
+        let (id, secret) = s.trim().split_once(':')?;
+        let hexy = |x: &str| !x.is_empty() && x.len() <= 128 && x.bytes().all(|c| c.is_ascii_hexdigit());
+        (hexy(id) && hexy(secret)).then(|| GroupKey { id: id.into(), secret: secret.into() })
+    }
+}
+
+impl std::fmt::Debug for GroupKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GroupKey {{ id: {:?}, secret: <{} hex digits> }}", self.id, self.secret.len())
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn fill_random(buf: &mut [u8]) -> Result<(), CollectiveError> {
+    let mut at = 0;
+    while at < buf.len() {
+        // SAFETY: writes at most `buf.len() - at` bytes into the live buffer from `at`.
+        let n = unsafe { libc::getrandom(buf[at..].as_mut_ptr().cast(), buf.len() - at, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(CollectiveError::Config(format!("cannot draw the group's secret from the OS (getrandom): {e}")));
+        }
+        at += n as usize;
+    }
+    Ok(())
+}
+
+/// An address other hosts may reach: not loopback, not unspecified, not IPv6 link-local
+/// (which would need a scope id).
+fn usable(ip: &IpAddr) -> bool {
+    !ip.is_loopback() && !ip.is_unspecified() && !matches!(ip, IpAddr::V6(v) if (v.segments()[0] & 0xffc0) == 0xfe80)
+}
+
+/// The local address the kernel would use to reach `to` (a UDP connect sends nothing).
+fn route_to(to: SocketAddr) -> Option<IpAddr> {
+    let any: SocketAddr = if to.is_ipv4() { (Ipv4Addr::UNSPECIFIED, 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
+    let s = UdpSocket::bind(any).ok()?;
+    s.connect(to).ok()?;
+    Some(s.local_addr().ok()?.ip()).filter(|ip| !ip.is_unspecified())
+}
+
+/// The address of interface `name` (IPv4 first).
+fn interface_ip(name: &str) -> Result<IpAddr, CollectiveError> {
+    let all = interface_addrs();
+    let mine: Vec<IpAddr> =
+        all.iter().filter(|(n, ip)| n == name && (ip.is_loopback() || usable(ip))).map(|(_, ip)| *ip).collect();
+    mine.iter().find(|ip| ip.is_ipv4()).or_else(|| mine.first()).copied().ok_or_else(|| {
+        let known: Vec<String> = all.iter().map(|(n, ip)| format!("{n} ({ip})")).collect();
+        CollectiveError::Config(format!(
+            "MOBIUS_SOCKET_IFNAME={name:?}: no interface of that name is up with an address; interfaces here: {}",
+            known.join(", ")
+        ))
+    })
+}
+
+/// `(interface name, address)` of every interface that is up.
+fn interface_addrs() -> Vec<(String, IpAddr)> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list that is freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return out;
+    }
+    let mut p = head;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*p };
+        p = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_name.is_null() || ifa.ifa_flags & (libc::IFF_UP as u32) == 0 {
+            continue;
+        }
+        // SAFETY: a non-null `ifa_name` is a NUL-terminated string of the list.
+        let name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+        // SAFETY: a non-null `ifa_addr` points at a sockaddr whose family says its type.
+        let ip = unsafe {
+            match (*ifa.ifa_addr).sa_family as i32 {
+                libc::AF_INET => {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
+                }
+                libc::AF_INET6 => {
+                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
+                }
+                _ => None,
+            }
+        };
+        if let Some(ip) = ip {
+            out.push((name, ip));
+        }
+    }
+    // SAFETY: `head` came from a successful getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_published_address_follows_the_settings_then_the_route_to_the_store() {
+        let mut c = CommConfig::new(0, 2);
+        let store: SocketAddr = "127.0.0.1:29500".parse().unwrap();
+        assert_eq!(c.local_ip(Some(store)).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+        c.ifname = Some("lo".into());
+        assert_eq!(c.local_ip(None).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+        c.ifname = Some("no-such-if0".into());
+        let e = c.local_ip(Some(store)).unwrap_err().to_string();
+        assert!(e.contains("MOBIUS_SOCKET_IFNAME") && e.contains("lo (127.0.0.1)"), "{e}");
+        c.bind_ip = Some("10.1.2.3".parse().unwrap());
+        assert_eq!(c.local_ip(Some(store)).unwrap().to_string(), "10.1.2.3");
+        // Without a store address, never a loopback address when the host has another one.
+        let c = CommConfig::new(0, 2);
+        let ip = c.local_ip(None).unwrap();
+        if interface_addrs().iter().any(|(_, ip)| usable(ip)) {
+            assert!(usable(&ip), "{ip}");
+        }
+    }
+
+    #[test]
+    fn groups_are_fresh_and_bind_the_job_and_the_secret() {
+        let (a, b) = (GroupKey::generate().unwrap(), GroupKey::generate().unwrap());
+        assert_ne!(a, b);
+        assert_eq!(GroupKey::decode(&a.encode()), Some(a.clone()));
+        assert_eq!(GroupKey::decode("zz:11"), None);
+        assert!(!format!("{a:?}").contains(&a.secret));
+        let mut c = CommConfig::new(1, 2);
+        c.group = Some(a.clone());
+        let m = c.mesh_config();
+        assert_eq!(m.job, format!("mobius/{}", a.id));
+        assert!(m.secret.is_some());
+    }
 }

@@ -24,9 +24,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 use tracing::info;
 
-use config::route_ip;
-
-pub use config::{CommConfig, TransportKind};
+pub use config::{CommConfig, GroupKey, TransportKind};
 pub use rendezvous::{Rendezvous, StoreRendezvous};
 
 /// Largest world supported (ring steps are numbered in 12 bits).
@@ -80,6 +78,62 @@ pub struct Communicator<T: Transport = MeshTransport> {
     timeout: Duration,
     policy: Policy,
     state: Mutex<State>,
+    /// Every rank's published mesh address, in rank order (empty for a transport built by
+    /// the caller).
+    addresses: Vec<SocketAddr>,
+    /// (rank 0) The links measured for the cost model.
+    links: Vec<LinkCost>,
+}
+
+/// What the start-up measurement found on one link.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkCost {
+    /// The lower rank of the link.
+    pub a: usize,
+    /// The higher rank.
+    pub b: usize,
+    /// One-way latency of an eager message, seconds.
+    pub alpha: f64,
+    /// Seconds per byte of a rendezvous message.
+    pub beta: f64,
+    /// One-way latency of a small rendezvous message, seconds.
+    pub alpha_rndv: f64,
+}
+
+/// The links the algorithms use, in rounds of disjoint pairs (each round's pairs measure at
+/// the same time): ring neighbours `(r, r+1 mod p)` and the partners `r xor 2^k` of
+/// recursive doubling, which are also those of recursive halving, Rabenseifner and the
+/// binomial trees rooted at 0. Direct and pairwise exchanges use every pair; their cost is
+/// bounded by the worst of these on the networks this measures (hosts in a ring order).
+pub(crate) fn measured_links(world: usize) -> Vec<Vec<(usize, usize)>> {
+    let mut links: Vec<(usize, usize)> = Vec::new();
+    let mut add = |a: usize, b: usize| {
+        let l = (a.min(b), a.max(b));
+        if l.0 != l.1 && !links.contains(&l) {
+            links.push(l);
+        }
+    };
+    for r in 0..world {
+        add(r, (r + 1) % world);
+    }
+    let mut d = 1;
+    while d < world {
+        for r in 0..world {
+            if r ^ d < world {
+                add(r, r ^ d);
+            }
+        }
+        d <<= 1;
+    }
+    let mut rounds: Vec<Vec<(usize, usize)>> = Vec::new();
+    for l in links {
+        let free = |round: &Vec<(usize, usize)>| round.iter().all(|&(x, y)| x != l.0 && x != l.1 && y != l.0 && y != l.1);
+        match rounds.iter_mut().find(|r| free(r)) {
+            Some(r) => r.push(l),
+            None => rounds.push(vec![l]),
+        }
+    }
+    rounds
 }
 
 impl Communicator<MeshTransport> {
@@ -91,14 +145,17 @@ impl Communicator<MeshTransport> {
     }
 
     /// Joins the group through the store at `master` (served by rank 0).
-    pub fn init(config: CommConfig, master: SocketAddr) -> Result<Self, CollectiveError> {
+    pub fn init(mut config: CommConfig, master: SocketAddr) -> Result<Self, CollectiveError> {
         config.validate()?;
         let rank = config.rank;
         let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
         let deadline = Instant::now() + config.timeout;
         let _server = if rank == 0 { Some(StoreServer::bind(master).map_err(rdv)?) } else { None };
         let mut store = StoreRendezvous::connect(master, &format!("mobius/{}", config.job), deadline).map_err(rdv)?;
-        let ip = config.bind_ip.unwrap_or_else(|| route_ip(master));
+        if config.group.is_none() {
+            config.group = Some(store.group(rank, deadline).map_err(rdv)?);
+        }
+        let ip = config.local_ip(Some(master))?;
         Self::join(config, ip, &mut store)
         // Rank 0's store stops here: the mesh is complete, so every rank has read every
         // address (each connects to rank 0 only after reading them all).
@@ -117,7 +174,9 @@ impl Communicator<MeshTransport> {
         let mut mc = config.mesh_config();
         mc.connect_timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let mesh = Mesh::connect(listener, &addrs, mc).map_err(|e| rdv(e.to_string()))?;
-        Communicator::with_transport(MeshTransport::new(mesh), &config)
+        let mut comm = Communicator::with_transport(MeshTransport::new(mesh), &config)?;
+        comm.addresses = addrs;
+        Ok(comm)
     }
 
     /// Drops cached registrations of memory about to be freed (with `MOBIUS_REGCACHE=1`).
@@ -136,6 +195,7 @@ const INIT_TUNE: u32 = 1;
 const INIT_MODEL: u32 = 2;
 const INIT_PING: u32 = 3;
 const INIT_PONG: u32 = 4;
+const INIT_LINKS: u32 = 5;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -165,11 +225,14 @@ impl<T: Transport> Communicator<T> {
             timeout: config.timeout,
             policy,
             state: Mutex::new(State { calls: 0, broken: None, stats: CommStats::default() }),
+            addresses: Vec::new(),
+            links: Vec::new(),
         };
         if world > 1 {
-            let model =
+            let (model, links) =
                 comm.agree_model(config.tune).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
             comm.policy.model = model;
+            comm.links = links;
         }
         if comm.policy.debug {
             let m = comm.policy.model;
@@ -210,33 +273,83 @@ impl<T: Transport> Communicator<T> {
         Ok(times)
     }
 
-    /// Rank 0 decides whether to measure, measures with rank 1, and sends the model to all.
-    fn agree_model(&self, tune: bool) -> Result<CostModel, crate::transport::TransportError> {
+    /// Measures one link with `peer` (the lower rank initiates): eager latency, rendezvous
+    /// time per byte and (one-sided providers) rendezvous latency.
+    fn measure_link(&self, peer: usize, deadline: Instant) -> Result<(f64, f64, f64), crate::transport::TransportError> {
+        let initiator = self.rank < peer;
+        let small = [0u8; 8];
+        let large = vec![0u8; (1 << 20).min(self.t.max_message())];
+        let a = median(self.ping(peer, 20, &small, Proto::Eager, initiator, deadline)?.split_off(4)) / 2.0;
+        let big = median(self.ping(peer, 6, &large, Proto::Rendezvous, initiator, deadline)?.split_off(1)) / 2.0;
+        let ar = if self.t.one_sided() {
+            median(self.ping(peer, 12, &small, Proto::Rendezvous, initiator, deadline)?.split_off(2)) / 2.0
+        } else {
+            a
+        };
+        Ok((a, ((big - a) / large.len() as f64).max(1e-12), ar.max(a)))
+    }
+
+    /// Rank 0 decides whether to measure; then every link the algorithms use is measured
+    /// (rounds of disjoint pairs, [`measured_links`]), the lower rank of each link sends what
+    /// it found to rank 0, and rank 0 sends the model — the worst link's α, β and rendezvous
+    /// latency, with its own γ and copy speed — to every rank, so all choose alike.
+    fn agree_model(&self, tune: bool) -> Result<(CostModel, Vec<LinkCost>), crate::transport::TransportError> {
         let deadline = Instant::now() + self.timeout;
         let rank = self.rank;
         if rank == 0 {
             let flag = [tune as u8];
-            let tk = self.t.send(1, Self::init_tag(INIT_TUNE, 0), &flag, Proto::Eager, None)?;
-            self.t.wait(tk, deadline)?;
+            for peer in 1..self.world {
+                let tk = self.t.send(peer, Self::init_tag(INIT_TUNE, 0), &flag, Proto::Eager, None)?;
+                self.t.wait(tk, deadline)?;
+            }
         }
         let tuning =
-            if rank == 1 { self.t.recv(0, Self::init_tag(INIT_TUNE, 0), None, deadline)?.1.first() == Some(&1) } else { tune };
+            if rank == 0 { tune } else { self.t.recv(0, Self::init_tag(INIT_TUNE, 0), None, deadline)?.1.first() == Some(&1) };
         let mut model = CostModel::assumed();
-        if tuning && rank <= 1 {
-            let initiator = rank == 0;
-            let small = [0u8; 8];
-            let large = vec![0u8; (1 << 20).min(self.t.max_message())];
-            let a = median(self.ping(1 - rank, 20, &small, Proto::Eager, initiator, deadline)?.split_off(4)) / 2.0;
-            let big = median(self.ping(1 - rank, 6, &large, Proto::Rendezvous, initiator, deadline)?.split_off(1)) / 2.0;
-            let ar = if self.t.one_sided() {
-                median(self.ping(1 - rank, 12, &small, Proto::Rendezvous, initiator, deadline)?.split_off(2)) / 2.0
-            } else {
-                a
-            };
+        let mut links = Vec::new();
+        if tuning {
+            let mut mine = Vec::new();
+            for round in measured_links(self.world) {
+                for &(a, b) in &round {
+                    if a == rank || b == rank {
+                        let peer = if a == rank { b } else { a };
+                        let (alpha, beta, alpha_rndv) = self.measure_link(peer, deadline)?;
+                        if a == rank {
+                            mine.push(LinkCost { a, b, alpha, beta, alpha_rndv });
+                        }
+                    }
+                }
+            }
             if rank == 0 {
+                links = mine;
+                for peer in 1..self.world {
+                    let (_, msg) = self.t.recv(peer, Self::init_tag(INIT_LINKS, 0), None, deadline)?;
+                    for c in msg.chunks_exact(32) {
+                        let f = |i: usize| f64::from_be_bytes(c[i..i + 8].try_into().unwrap_or([0; 8]));
+                        let b = u64::from_be_bytes(c[0..8].try_into().unwrap_or([0; 8])) as usize;
+                        links.push(LinkCost { a: peer, b, alpha: f(8), beta: f(16), alpha_rndv: f(24) });
+                    }
+                }
+                let worst = |f: fn(&LinkCost) -> f64| links.iter().map(f).filter(|x| x.is_finite()).fold(0.0, f64::max);
                 let (gamma, copy) = local_speeds();
-                model =
-                    CostModel { alpha: a, beta: ((big - a) / large.len() as f64).max(1e-12), gamma, copy, alpha_rndv: ar.max(a) };
+                model = CostModel {
+                    alpha: worst(|l| l.alpha),
+                    beta: worst(|l| l.beta).max(1e-12),
+                    gamma,
+                    copy,
+                    alpha_rndv: worst(|l| l.alpha_rndv),
+                };
+            } else {
+                let mut body = Vec::with_capacity(mine.len() * 32);
+                for l in &mine {
+                    body.extend_from_slice(&(l.b as u64).to_be_bytes());
+                    for v in [l.alpha, l.beta, l.alpha_rndv] {
+                        body.extend_from_slice(&v.to_be_bytes());
+                    }
+                }
+                let proto = if body.len() <= self.t.eager_limit() { Proto::Eager } else { Proto::Rendezvous };
+                let tk = self.t.send(0, Self::init_tag(INIT_LINKS, 0), &body, proto, None)?;
+                self.t.wait(tk, deadline)?;
             }
         }
         if rank == 0 {
@@ -245,11 +358,23 @@ impl<T: Transport> Communicator<T> {
                 let tk = self.t.send(peer, Self::init_tag(INIT_MODEL, 0), &bytes, Proto::Eager, None)?;
                 self.t.wait(tk, deadline)?;
             }
-            Ok(model)
+            Ok((model, links))
         } else {
             let (_, msg) = self.t.recv(0, Self::init_tag(INIT_MODEL, 0), None, deadline)?;
-            Ok(CostModel::from_bytes(&msg).unwrap_or(model))
+            Ok((CostModel::from_bytes(&msg).unwrap_or(model), links))
         }
+    }
+
+    /// Every rank's published mesh address, in rank order (empty when the caller built the
+    /// transport).
+    pub fn addresses(&self) -> &[SocketAddr] {
+        &self.addresses
+    }
+
+    /// (rank 0) The links measured at start: the model takes the worst of them. Empty on
+    /// other ranks and when nothing was measured.
+    pub fn link_costs(&self) -> &[LinkCost] {
+        &self.links
     }
 
     /// This rank.
@@ -369,5 +494,44 @@ impl<T: Transport> Communicator<T> {
                 Err(e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::measured_links;
+
+    #[test]
+    fn the_model_measures_every_ring_and_doubling_link_in_rounds_of_disjoint_pairs() {
+        assert_eq!(measured_links(1), Vec::<Vec<(usize, usize)>>::new());
+        assert_eq!(measured_links(2), vec![vec![(0, 1)]]);
+        for world in 2..=9 {
+            let rounds = measured_links(world);
+            let all: Vec<(usize, usize)> = rounds.concat();
+            for r in 0..world {
+                let ring = (r.min((r + 1) % world), r.max((r + 1) % world));
+                assert!(ring.0 == ring.1 || all.contains(&ring), "world {world}: ring link {ring:?} missing");
+                let mut d = 1;
+                while d < world {
+                    if r ^ d < world {
+                        assert!(all.contains(&(r.min(r ^ d), r.max(r ^ d))), "world {world}: {r} xor {d} missing");
+                    }
+                    d <<= 1;
+                }
+            }
+            for round in &rounds {
+                let mut seen = std::collections::HashSet::new();
+                for &(a, b) in round {
+                    assert!(a < b && seen.insert(a) && seen.insert(b), "world {world}: round {round:?} reuses a rank");
+                }
+            }
+            let mut dedup = all.clone();
+            dedup.sort();
+            dedup.dedup();
+            assert_eq!(dedup.len(), all.len(), "world {world}: a link measured twice");
+        }
+        // Four ranks: all six pairs, three rounds of two.
+        assert_eq!(measured_links(4).concat().len(), 6);
+        assert_eq!(measured_links(4).len(), 3);
     }
 }

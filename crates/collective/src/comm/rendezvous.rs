@@ -1,6 +1,7 @@
 //! Where the ranks find each other: the [`Rendezvous`] trait and [`StoreRendezvous`], through
 //! the crate's TCP store.
 
+use super::config::GroupKey;
 use crate::store::StoreClient;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -78,5 +79,23 @@ impl Rendezvous for StoreRendezvous {
 impl StoreRendezvous {
     fn client_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The group's identity and fresh secret: rank 0 draws them and sets them in the store,
+    /// the others read them (waiting until `deadline`).
+    pub fn group(&mut self, rank: usize, deadline: Instant) -> Result<GroupKey, String> {
+        let key = format!("{}/group", self.prefix);
+        if rank == 0 {
+            let g = GroupKey::generate().map_err(|e| e.to_string())?;
+            self.client.set(&key, g.encode().as_bytes())?;
+            return Ok(g);
+        }
+        match self.client.get(&key, deadline)? {
+            Some(v) => GroupKey::decode(&String::from_utf8_lossy(&v))
+                .ok_or_else(|| "the group key in the store is unreadable (another program uses this store?)".to_string()),
+            None => Err("rank 0 did not publish the group key within the timeout (is rank 0 running? raise MOBIUS_TIMEOUT \
+                         if it starts late)"
+                .into()),
+        }
     }
 }

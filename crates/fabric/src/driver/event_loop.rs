@@ -480,7 +480,8 @@ impl Loop {
         match &conn.role {
             Role::Client(c) => self.client_deadline(conn, c),
             Role::Server(s) => self.server_deadline(conn, s),
-            Role::Channel(_) | Role::Mesh(_) => None,
+            Role::Mesh(_) => Self::mesh_deadline(conn),
+            Role::Channel(_) => None,
         }
     }
 
@@ -496,7 +497,8 @@ impl Loop {
                 match conn.role {
                     Role::Client(_) => self.client_timeout(&mut conn, now),
                     Role::Server(_) => self.server_timeout(&mut conn, now),
-                    Role::Channel(_) | Role::Mesh(_) => {}
+                    Role::Mesh(_) => self.mesh_timeout(&mut conn, now),
+                    Role::Channel(_) => {}
                 }
             }
             self.put(conn);

@@ -25,6 +25,10 @@ pub struct MeshConfig {
     pub secret: Option<Secret>,
     /// Limit for building the mesh (all peers connected and authenticated).
     pub connect_timeout: Duration,
+    /// Limit for one connection's handshake, from accept (or connect) to authenticated.
+    /// A connection that has not proved the secret by then is dropped, so a stranger that
+    /// connects and says nothing holds nothing for long.
+    pub handshake_timeout: Duration,
     /// Largest eager message in bytes. On verbs it must fit the provider's message buffers
     /// (64 KiB + 4 KiB by default, minus the frame header).
     pub eager_limit: usize,
@@ -50,6 +54,7 @@ impl fmt::Debug for MeshConfig {
             .field("job", &self.job)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field("connect_timeout", &self.connect_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
             .field("eager_limit", &self.eager_limit)
             .field("max_message", &self.max_message)
             .field("pool", &self.pool)
@@ -59,7 +64,7 @@ impl fmt::Debug for MeshConfig {
 
 impl MeshConfig {
     /// Defaults for `rank` of `world`: 64 KiB eager limit, 16 MiB messages, a 1 GiB receive
-    /// pool cap (mapped lazily), 30 s limits, no secret.
+    /// pool cap (mapped lazily), 30 s limits (10 s per handshake), no secret.
     pub fn new(rank: usize, world: usize) -> Self {
         MeshConfig {
             rank,
@@ -67,6 +72,7 @@ impl MeshConfig {
             job: "mobius".into(),
             secret: None,
             connect_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
             eager_limit: 64 * 1024,
             max_message: 16 << 20,
             pool: PoolConfig { cap_bytes: 1 << 30, ..PoolConfig::default() },

@@ -173,10 +173,9 @@ impl Handshaker {
                 let mut p = [0u8; PROOF_LEN];
                 p.copy_from_slice(server_proof);
                 if !s.verify_server(&t, PROOF_TAG, &p) {
-                    return Err(
-                        "it does not know the shared secret (server proof invalid); set the same MOBIUS_SECRET on every rank"
-                            .into(),
-                    );
+                    return Err("it does not know the shared secret (server proof invalid): a rank of another group, or \
+                         MOBIUS_SECRET differs; set the same MOBIUS_SECRET on every rank"
+                        .into());
                 }
                 Ok(s.client_proof(&t).to_vec())
             }
@@ -193,7 +192,11 @@ impl Handshaker {
         let from = h.from as usize;
         let refuse = |why: String| Err((Some(from), why));
         if h.job != self.job {
-            return refuse(format!("job {:?} connected to job {:?} (set MOBIUS_JOB alike on every rank)", h.job, self.job));
+            return refuse(format!(
+                "job {:?} connected to job {:?}: a rank of another group or of an earlier job (set MOBIUS_JOB alike on every \
+                 rank)",
+                h.job, self.job
+            ));
         }
         if h.world as usize != self.world {
             return refuse(format!(
@@ -246,7 +249,11 @@ impl Handshaker {
                 s.verify_client(&hs.transcript, &p)
             };
             if !ok {
-                return Err("authentication failed: the peer does not know the shared secret (MOBIUS_SECRET differs)".into());
+                return Err(
+                    "authentication failed: the peer does not know the shared secret (a rank of another group, or MOBIUS_SECRET \
+                     differs)"
+                        .into(),
+                );
             }
         }
         Ok(())
@@ -299,5 +306,24 @@ mod tests {
         let (sh2, _) = s.server_hello(&hello2).unwrap();
         assert!(s.server_proof(&sh2, &proof1).is_err());
         assert!(Hello::decode(b"GET / HTTP/1.0\r\n\r\n").unwrap_err().contains("bad magic"));
+    }
+
+    #[test]
+    fn random_bytes_and_truncated_hellos_are_refused_before_any_proof() {
+        let s = hs(0, Some("k"), "mobius/g1");
+        let mut junk = [0u8; 300];
+        for (i, b) in junk.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(151).wrapping_add(7);
+        }
+        assert!(s.server_hello(&junk).err().unwrap().1.contains("bad magic"));
+        let (_, hello) = hs(1, Some("k"), "mobius/g1").client_hello(0);
+        for cut in [0, 8, 20, hello.len() - 1] {
+            assert!(s.server_hello(&hello[..cut]).is_err(), "a hello cut at {cut} bytes was accepted");
+        }
+        // An earlier group of the same name (another id) is refused even with the same secret.
+        let (_, old) = hs(1, Some("k"), "mobius/g0").client_hello(0);
+        let (claimed, why) = s.server_hello(&old).err().unwrap();
+        assert_eq!(claimed, Some(1));
+        assert!(why.contains("mobius/g0"), "{why}");
     }
 }

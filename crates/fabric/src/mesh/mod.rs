@@ -280,7 +280,15 @@ impl Mesh {
             max_blocks_per_fetch: 0,
         };
         let names = addrs.iter().map(|a| a.to_string()).collect();
-        let shared = Arc::new(MeshShared::new(hs, limits, config.eager_limit, config.max_message, pool, names));
+        let shared = Arc::new(MeshShared::new(
+            hs,
+            limits,
+            config.eager_limit,
+            config.max_message,
+            pool,
+            names,
+            config.handshake_timeout.max(Duration::from_millis(10)),
+        ));
         let mesh = Mesh {
             shared: shared.clone(),
             driver: driver.clone(),

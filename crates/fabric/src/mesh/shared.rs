@@ -100,6 +100,8 @@ pub(crate) struct MeshShared {
     pub(crate) limits: Limits,
     pub(crate) eager_limit: usize,
     pub(crate) max_message: usize,
+    /// Limit for one connection's handshake (see [`MeshConfig::handshake_timeout`](super::MeshConfig)).
+    pub(crate) handshake_timeout: std::time::Duration,
     /// Buffers for messages that arrive before a receive names their destination.
     pub(crate) pool: TieredPool,
     state: Mutex<State>,
@@ -116,6 +118,7 @@ impl MeshShared {
         max_message: usize,
         pool: TieredPool,
         names: Vec<String>,
+        handshake_timeout: std::time::Duration,
     ) -> Self {
         let (rank, world) = (hs.rank, hs.world);
         let peers = names
@@ -135,6 +138,7 @@ impl MeshShared {
             limits,
             eager_limit,
             max_message,
+            handshake_timeout,
             pool,
             state: Mutex::new(State {
                 peers,

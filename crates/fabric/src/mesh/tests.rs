@@ -166,6 +166,102 @@ fn a_stray_connection_sending_junk_does_not_stop_the_mesh() {
     assert_eq!(&*meshes[0].recv(1, 3, soon()).unwrap(), b"ok");
 }
 
+/// A group of three with its secret and group-bound job; before ranks 1 and 2 start, rank 0's
+/// port gets a silent stranger, a rank of the same group name with the wrong secret and a
+/// rank of an earlier group (another id, the same secret). Each is refused or dropped, the
+/// real group forms and moves data, and once it is complete nothing listens any more.
+#[test]
+fn strangers_wrong_secrets_and_old_groups_are_refused_while_the_group_forms() {
+    use std::io::Read;
+    let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+    let config = |r: usize, job: &str, secret: &str| {
+        let mut c = MeshConfig::new(r, 3);
+        c.connect_timeout = Duration::from_secs(20);
+        c.handshake_timeout = Duration::from_millis(300);
+        c.job = job.into();
+        c.secret = Some(Secret::new(secret));
+        c
+    };
+    let listeners: Vec<MeshListener> = (0..3).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    let mut listeners = listeners.into_iter();
+    let l0 = listeners.next().unwrap();
+    let a = addrs.clone();
+    let rank0 = std::thread::spawn(move || Mesh::connect(l0, &a, config(0, "mobius/g1", "k1")));
+
+    // A stranger that connects and says nothing is dropped after the handshake limit.
+    let mut silent = std::net::TcpStream::connect(addrs[0]).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let t = Instant::now();
+    let mut buf = [0u8; 64];
+    let n = silent.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "the silent stranger got bytes");
+    assert!(t.elapsed() < Duration::from_secs(10), "the silent stranger was kept {:?}", t.elapsed());
+
+    // A rank with the group's name but the wrong secret, and a rank of an earlier group.
+    for (job, secret, what) in [("mobius/g1", "wrong", "secret"), ("mobius/g0", "k1", "job")] {
+        let l = MeshListener::bind(provider.clone(), localhost(), 2).unwrap();
+        let mut a = addrs.clone();
+        a[1] = "127.0.0.1:9".parse().unwrap(); // never reached: rank 0 refuses first
+        let e = Mesh::connect(l, &a, config(2, job, secret)).unwrap_err().to_string();
+        assert!(e.contains("rank 0") && e.contains(what), "{e}");
+    }
+
+    // The real ranks join; the group forms and data moves.
+    let rest: Vec<_> = listeners
+        .enumerate()
+        .map(|(i, l)| {
+            let a = addrs.clone();
+            std::thread::spawn(move || Mesh::connect(l, &a, config(i + 1, "mobius/g1", "k1")))
+        })
+        .collect();
+    let m0 = rank0.join().unwrap().unwrap();
+    let others: Vec<Mesh> = rest.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    for m in &others {
+        m.wait(m.send(0, 5, &[m.rank() as u8], Proto::Eager, None).unwrap(), soon()).unwrap();
+    }
+    assert_eq!(&*m0.recv(1, 5, soon()).unwrap(), &[1]);
+    assert_eq!(&*m0.recv(2, 5, soon()).unwrap(), &[2]);
+    // Complete: the listener is closed, a connection is refused by the kernel.
+    let e = std::net::TcpStream::connect(addrs[0]).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+}
+
+/// A flood of silent connections while the group forms: at most `2·world + 16` of them are
+/// kept (the oldest make room), and the group still forms.
+#[test]
+fn a_flood_of_strangers_is_capped_and_the_group_still_forms() {
+    use std::io::Read;
+    let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+    let listeners: Vec<MeshListener> = (0..2).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    let mut listeners = listeners.into_iter();
+    let config = |r: usize| {
+        let mut c = MeshConfig::new(r, 2);
+        c.connect_timeout = Duration::from_secs(30);
+        c.secret = Some(Secret::new("k"));
+        c
+    };
+    let (l0, a) = (listeners.next().unwrap(), addrs.clone());
+    let rank0 = std::thread::spawn(move || Mesh::connect(l0, &a, config(0)));
+    let strangers: Vec<std::net::TcpStream> = (0..60).map(|_| std::net::TcpStream::connect(addrs[0]).unwrap()).collect();
+    let (l1, a) = (listeners.next().unwrap(), addrs.clone());
+    let m1 = std::thread::spawn(move || Mesh::connect(l1, &a, config(1))).join().unwrap().unwrap();
+    let m0 = rank0.join().unwrap().unwrap();
+    m1.wait(m1.send(0, 1, b"hi", Proto::Eager, None).unwrap(), soon()).unwrap();
+    assert_eq!(&*m0.recv(1, 1, soon()).unwrap(), b"hi");
+    // Every stranger was closed: evicted while the group formed, or dropped once it was complete.
+    for mut s in strangers {
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut b = [0u8; 16];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("a stranger was kept: {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn mismatched_world_or_job_is_refused_with_what_differs() {
     let res = build(Arc::new(TcpProvider::new()), 2, |c| {

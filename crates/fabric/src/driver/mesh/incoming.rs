@@ -230,6 +230,9 @@ impl Loop {
                         MeshError::Handshake { rank: m.shared.rank, peer, addr: name.clone(), reason: format!("refused: {why}") };
                     m.shared.build_problem(String::new(), Some(e), None);
                 } else {
+                    // It would not prove itself to this rank (it has another secret).
+                    tracing::warn!(rank = m.shared.rank, from = %name, claimed = ?m.peer, reason = %why,
+                        "mesh: a connecting peer gave up its handshake");
                     m.shared.build_problem(format!("connection from {name}: refused: {why}"), None, None);
                 }
                 self.close(conn, format!("refused by the peer: {why}"), false);

@@ -28,6 +28,7 @@ use rdma_shuffle_wire::{Descriptor, Frame, Limits};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// What follows a data frame: bytes the caller handed over (copied), or the caller's own
 /// memory (written from in place; the caller waits for the send to complete).
@@ -138,6 +139,9 @@ pub(crate) struct MeshConn {
     rts: VecDeque<RtsJob>,
     reads: HashMap<u64, ReadJob>,
     next_read: u64,
+    /// When the connection was made: its handshake must be done within the mesh's
+    /// handshake limit, or it is dropped (work before authentication is bounded).
+    opened: Instant,
 }
 
 fn handshake_limits() -> Limits {
@@ -371,6 +375,7 @@ impl Loop {
             rts: VecDeque::new(),
             reads: HashMap::new(),
             next_read: 1,
+            opened: Instant::now(),
         }));
         let key = self.insert(addr.to_string(), transport, role);
         if let Some(ep) = self.meshes.get_mut(&id) {
@@ -406,6 +411,7 @@ impl Loop {
             rts: VecDeque::new(),
             reads: HashMap::new(),
             next_read: 1,
+            opened: Instant::now(),
         }));
         let key = self.insert(peer, transport, role);
         let mut evict = None;
@@ -420,6 +426,7 @@ impl Loop {
         }
         if let Some(old) = evict {
             self.shared.stats.handshake_evictions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(driver = %self.shared.name, cap, "mesh: too many unauthenticated connections; dropping the oldest");
             self.with_mesh(old, |lp, conn| lp.close(conn, "evicted: too many unauthenticated mesh connections".into(), false));
         }
         self.activate(key);
@@ -450,7 +457,10 @@ impl Loop {
     }
 
     /// The connection failed: a link's peer is marked failed; while building, the failure
-    /// is reported (a refused connect is retried; a lower rank refusing is final).
+    /// is reported (a refused connect, or a handshake closed before the lower rank answered,
+    /// is retried; a lower rank refusing is final). An accepted connection that fails before
+    /// it authenticated (garbage bytes, a stranger hanging up, a handshake timeout) is logged
+    /// and dropped; it never touches the mesh's links.
     pub(crate) fn mesh_failed(&mut self, conn: &mut Conn, error: &FabricError) {
         let key = conn.key;
         let name = conn.peer.clone();
@@ -466,13 +476,45 @@ impl Loop {
             (_, Some(peer)) if m.outgoing && !m.connected => {
                 m.shared.build_problem(format!("connecting to rank {peer} at {name}: {why}"), None, Some(peer))
             }
+            // No answer yet: the listener may have dropped it (a flood of strangers made it
+            // evict its oldest handshakes), so try again until the build limit.
+            (Phase::Welcome(_), Some(peer)) if m.outgoing => {
+                m.shared.build_problem(format!("handshake with rank {peer} at {name}: {why}"), None, Some(peer))
+            }
             (_, Some(peer)) if m.outgoing => {
                 let e = MeshError::Handshake { rank: m.shared.rank, peer, addr: name, reason: why };
                 m.shared.build_problem(String::new(), Some(e), None);
             }
-            _ => m.shared.build_problem(format!("connection from {name}: {why}"), None, None),
+            _ => {
+                tracing::warn!(rank = m.shared.rank, from = %name, reason = %why,
+                    "mesh: dropped an unauthenticated connection");
+                m.shared.build_problem(format!("connection from {name}: {why}"), None, None)
+            }
         }
         m.marks.clear();
+    }
+
+    /// When a connection still in its handshake must have finished it.
+    pub(crate) fn mesh_deadline(conn: &Conn) -> Option<Instant> {
+        let Role::Mesh(m) = &conn.role else { return None };
+        match m.phase {
+            Phase::Up | Phase::Attaching => None,
+            _ => Some(m.opened + m.shared.handshake_timeout),
+        }
+    }
+
+    /// A handshake ran past its limit: the connection fails (logged and dropped when it was
+    /// accepted, retried when this rank connected).
+    pub(crate) fn mesh_timeout(&mut self, conn: &mut Conn, now: Instant) {
+        match Self::mesh_deadline(conn) {
+            Some(d) if now >= d => {
+                let limit = mesh_mut(conn).shared.handshake_timeout;
+                self.shared.stats.handshake_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let e = FabricError::Unsupported(format!("no complete mesh handshake within {} ms", limit.as_millis()));
+                self.fail(conn, e);
+            }
+            _ => {}
+        }
     }
 
     /// A mesh connection is gone: it leaves its endpoint's lists, and a link's peer is
@@ -491,8 +533,15 @@ impl Loop {
         self.mesh_mem.retain(|k| *k != key);
     }
 
-    /// Refuses a handshake: tells the peer why, then closes once that is written.
+    /// Refuses a handshake: tells the peer why, then closes once that is written. A refused
+    /// incoming connection is logged (who connected, what it claimed, why it was refused).
     fn mesh_refuse(&mut self, conn: &mut Conn, why: &str) {
+        let from = conn.peer.clone();
+        let m = mesh_mut(conn);
+        if !m.outgoing {
+            tracing::warn!(rank = m.shared.rank, %from, claimed = ?m.peer, reason = %why,
+                "mesh: refused a connection");
+        }
         let (f, p) = control(KIND_REFUSE, 0, why.as_bytes().to_vec());
         let _ = conn.transport.send(&mut self.net, &f, p);
         self.close(conn, format!("mesh handshake refused: {why}"), true);

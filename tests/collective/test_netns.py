@@ -1,0 +1,141 @@
+"""Mobius across hosts: three network-namespace hosts of ``scripts/cluster.sh net 3`` (each its
+own address on a bridge, no default route, nothing shared but the file system).
+
+* ``torchrun --nnodes 3`` with one rank per host, then two: DDP under mobius (the default
+  group) equals DDP under gloo (a subgroup of every rank) on the same model and data, and
+  every rank published its own host's address, not 127.0.0.1.
+* A rank killed on one host: the others' next collective fails within the timeout, naming
+  the rank and its host's address.
+
+Needs root (namespaces). About 2 minutes on the loaded 2-core CI machine.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import HERE, free_port
+
+REPO = HERE.parent.parent
+PREFIX, SUBNET = "mobn", "10.78.0"
+HOSTS = ["w1", "w2", "w3"]
+TIMEOUT = 20.0
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+
+def ip_of(host: str) -> str:
+    return f"{SUBNET}.{10 + int(host[1:])}"
+
+
+def ns_of(host: str) -> str:
+    return f"{PREFIX}-{host}"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    env = dict(os.environ, CLUSTER_PREFIX=PREFIX, CLUSTER_SUBNET=SUBNET,
+               CLUSTER_DIR=str(tmp_path_factory.mktemp("netns")))
+    cluster = [str(REPO / "scripts" / "cluster.sh")]
+    up = subprocess.run(["bash", *cluster, "net", str(len(HOSTS))], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield HOSTS
+    finally:
+        subprocess.run(["bash", *cluster, "down"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def in_host(host: str, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """Starts `argv` in `host`'s namespace (`ip netns exec` execs it: its PID is the
+    process's). The host's own address goes in HOST_IP; gloo gets its interface named."""
+    e = dict(os.environ, PYTHONUNBUFFERED="1", HOST_IP=ip_of(host), GLOO_SOCKET_IFNAME="eth0", MOBIUS_TUNE="off")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "MOBIUS_IFADDR", "MOBIUS_SOCKET_IFNAME"):
+        e.pop(k, None)
+    e.update(env)
+    return subprocess.Popen(["ip", "netns", "exec", ns_of(host), *argv], env=e, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_all(procs, limit, logs):
+    deadline = time.monotonic() + limit
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        raise AssertionError("hang:\n" + tail(logs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [p.returncode for p in procs]
+
+
+def tail(logs):
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
+
+
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_torchrun_on_three_hosts_matches_gloo_and_publishes_each_hosts_address(hosts, per_host, tmp_path):
+    port = free_port()
+    worker = [str(HERE / "worker_hosts.py"), "ddp_hosts", json.dumps({"steps": 30}), str(tmp_path)]
+    procs, logs = [], []
+    for i, h in enumerate(hosts):
+        log = tmp_path / f"{h}.log"
+        logs.append(log)
+        procs.append(in_host(h, [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+                                 "--nproc-per-node", str(per_host), "--node-rank", str(i),
+                                 "--master-addr", ip_of(hosts[0]), "--master-port", str(port), *worker], {}, log))
+    codes = wait_all(procs, 600, logs)
+    assert codes == [0] * len(hosts), f"{codes}\n{tail(logs)}"
+    world = per_host * len(hosts)
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
+    for r, out in res.items():
+        # torchrun places ranks host by host.
+        host_ip = ip_of(hosts[r // per_host])
+        assert out["host"] == host_ip, (r, out)
+        assert out["replicas_equal"], (r, out)
+        assert out["rel"] <= 1e-6, f"rank {r}: mobius and gloo parameters differ by {out['rel']:.3g} (relative)"
+        published = [a.rsplit(":", 1)[0] for a in out["addresses"]]
+        assert published == [ip_of(hosts[q // per_host]) for q in range(world)], (r, out["addresses"])
+        assert "127.0.0.1" not in published
+
+
+def test_a_rank_killed_on_one_host_fails_the_others_next_collective_naming_it_and_its_host(hosts, tmp_path):
+    port = free_port()
+    master = ip_of(hosts[0])
+    worker = [sys.executable, str(HERE / "worker_hosts.py"), "kill_loop", json.dumps({"timeout": TIMEOUT}), str(tmp_path)]
+    procs, logs = [], []
+    for r, h in enumerate(hosts):
+        log = tmp_path / f"{h}.log"
+        logs.append(log)
+        env = {"RANK": str(r), "WORLD_SIZE": str(len(hosts)), "MASTER_ADDR": master, "MASTER_PORT": str(port)}
+        procs.append(in_host(h, worker, env, log))
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"looping{r}").exists() for r in range(len(hosts))):
+            assert time.monotonic() < deadline, "the allreduce loop never started:\n" + tail(logs)
+            assert all(p.poll() is None for p in procs), "a rank exited early:\n" + tail(logs)
+            time.sleep(0.05)
+        victim = len(hosts) - 1
+        killed_at = time.time()
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        codes = wait_all(procs[:victim], TIMEOUT + 60, logs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert codes == [0] * victim, tail(logs)
+    for r in range(victim):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        err = out["error"]
+        assert err is not None, (r, out)
+        assert f"rank {victim}" in err and ip_of(hosts[victim]) in err, (r, err)
+        assert out["failed_at"] - killed_at < TIMEOUT, (r, out["failed_at"] - killed_at, err)
