@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The Mobius suite in real processes: correctness against numpy (every op × dtype × reduce op,
 # worlds 1-4, every algorithm forced and the policy's choice, up to 64 MiB), zero-copy numpy and
-# torch buffers, the torch.distributed backend and DDP against gloo, faults (a killed rank, a
-# rank that never joins, mismatched arguments) and the benchmark pipeline at a tiny size.
+# torch buffers, the torch.distributed backend and DDP against gloo (2-4 ranks), the c10d
+# surface under torch (test_c10d.py: every collective × dtype × op against numpy on 2, 3 and 4
+# ranks, one launch per world; asynchronous Works, batch_isend_irecv with receives first, a
+# dead peer failing a pending Work), faults (a killed rank, a rank that never joins, mismatched
+# arguments) and the benchmark pipeline at a tiny size.
 #
 #   tests/collective/run.sh [pytest args]      e.g. -k ddp, -x
 #
