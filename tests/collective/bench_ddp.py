@@ -10,7 +10,8 @@ rounds, so drifting load does not favour one):
 
 * ``step``    — a DDP training step (forward, backward with the bucketed asynchronous
   allreduces DDP issues as gradients become ready, optimizer step);
-* ``compute`` — the same step on the bare model, no communication;
+* ``compute`` — the same step on the bare model (forward, backward, optimizer step), no
+  communication;
 * ``comm``    — the allreduce of the same gradient bytes alone, bucket by bucket, synchronous.
 
 A step's time is the slowest rank's (after a barrier), averaged over ``steps`` steps; the
@@ -64,9 +65,11 @@ def rank_main(args: dict) -> None:
     torch.manual_seed(0)
     base = make_model(args["width"], args["layers"])
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    models = {b: DDP(copy.deepcopy(base), process_group=groups[b]) for b in BACKENDS}
+    # Gradients as views into DDP's buckets (no copy in and out of them), for both backends.
+    models = {b: DDP(copy.deepcopy(base), process_group=groups[b], gradient_as_bucket_view=True) for b in BACKENDS}
     bare = copy.deepcopy(base)
     opts = {b: torch.optim.SGD(models[b].parameters(), lr=1e-4) for b in BACKENDS}
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args["batch"], args["width"], generator=gen)
     y = torch.randn(args["batch"], args["width"], generator=gen)
@@ -93,8 +96,9 @@ def rank_main(args: dict) -> None:
         return step
 
     def compute():
-        bare.zero_grad()
+        bare_opt.zero_grad()
         ((bare(x) - y) ** 2).mean().backward()
+        bare_opt.step()
 
     def comm(b):
         def run():

@@ -102,9 +102,9 @@ def test_sdist_builds_from_source_with_pip(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     sdist = next(tmp_path.glob("mobius_collective-*.tar.gz"))
     py = fresh_venv(tmp_path / "venv")
-    # The build reuses this tree's compiled dependencies (target/sdist-build), so only the
-    # Mobius crates compile from the unpacked sdist.
-    pip(py, str(sdist), env=clean_env(CARGO_TARGET_DIR=str(ROOT / "target" / "sdist-build")), timeout=1700)
+    # The build shares this tree's target directory, where env.sh's wheel build compiled the same
+    # dependencies (release, same features): only the crates of the unpacked sdist compile.
+    pip(py, str(sdist), env=clean_env(CARGO_TARGET_DIR=str(ROOT / "target")), timeout=1700)
     caps = subprocess.run([str(py), "-c", "import json, mobius; print(json.dumps(mobius.capabilities()))"],
                           capture_output=True, text=True, env=clean_env(), timeout=120)
     assert caps.returncode == 0, caps.stderr[-3000:]

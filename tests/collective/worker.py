@@ -428,14 +428,17 @@ def matrix_ref(stack: np.ndarray, op: str, dtype: str, world: int) -> np.ndarray
 
 def scenario_torch_matrix(args):
     """Each collective × dtype × reduce op against numpy; unsupported combinations must
-    raise an error naming them. Reports the list of failures (empty when all pass)."""
+    raise an error naming them. Reports the list of failures (empty when all pass), and the
+    outcome of every combination (`status`: ok, refused or wrong), which with
+    ``{"backend": "gloo"}`` gives gloo's coverage for the docs' table."""
     import torch
-    dist = _torch_init("mobius")
+    backend = args.get("backend", "mobius")
+    dist = _torch_init(backend)
     R = dist.ReduceOp
     ops = {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX, "avg": R.AVG, "band": R.BAND, "bor": R.BOR,
            "bxor": R.BXOR}
     n = 5
-    failures, checked, refused = [], 0, 0
+    failures, checked, refused, status = [], 0, 0, {}
 
     def ten(a, dtype):
         return torch.tensor(a, dtype=getattr(torch, dtype))
@@ -450,6 +453,29 @@ def scenario_torch_matrix(args):
             ok = g.shape == want.shape and np.array_equal(g, want.astype(g.dtype))
         if not ok:
             failures.append(f"{what}: got {g.tolist()} want {want.tolist()}")
+        status[what] = "ok" if ok else "wrong"
+
+    def attempt(what, call, dtype, supported=True, op=None):
+        """Runs `call` (returning (who checks, got, want)); judges a refusal."""
+        nonlocal refused
+        try:
+            who, got, exp = call()
+        except Exception as e:  # noqa: BLE001 - recorded and judged below
+            status[what] = f"refused: {str(e).splitlines()[0][:160]}"
+            if supported:
+                failures.append(f"{what}: raised {e}")
+            elif f"{op} is not defined on" not in str(e):
+                failures.append(f"{what}: refused without naming the combination: {e}")
+            else:
+                refused += 1
+            return
+        if not supported:
+            failures.append(f"{what}: accepted an unsupported combination")
+            status[what] = "accepted"
+        elif who is True:
+            same(what, got, exp, dtype)
+        else:
+            status[what] = "ok (checked on another rank)"
 
     for dtype in TORCH_DTYPES:
         for op in REDUCE_OPS:
@@ -460,73 +486,80 @@ def scenario_torch_matrix(args):
             want = matrix_ref(stack, op, dtype, WORLD) if supported else None
             want_rs = matrix_ref(blocks, op, dtype, WORLD)[RANK * n:(RANK + 1) * n] if supported else None
             calls = {
-                "all_reduce": lambda: dist.all_reduce(t := ten(mine, dtype), op=ops[op]) or ("all", t, want),
-                "reduce": lambda: dist.reduce(t := ten(mine, dtype), dst=WORLD - 1, op=ops[op]) or ("root", t, want),
+                "all_reduce": lambda: dist.all_reduce(t := ten(mine, dtype), op=ops[op]) or (True, t, want),
+                "reduce": lambda: dist.reduce(t := ten(mine, dtype), dst=WORLD - 1, op=ops[op]) or (
+                    RANK == WORLD - 1, t, want),
                 "all_reduce_coalesced": lambda: dist.all_reduce_coalesced(
-                    ts := [ten(mine, dtype), ten(mine[:2], dtype)], op=ops[op]) or ("all", torch.cat(ts),
-                                                                                    want is not None and np.concatenate([want, want[:2]])),
+                    ts := [ten(mine, dtype), ten(mine[:2], dtype)], op=ops[op]) or (
+                    True, torch.cat(ts), want is not None and np.concatenate([want, want[:2]])),
                 "reduce_scatter": lambda: dist.reduce_scatter(
                     o := ten(np.zeros(n), dtype), [ten(b, dtype) for b in np.split(blocks[RANK], WORLD)],
-                    op=ops[op]) or ("all", o, want_rs),
+                    op=ops[op]) or (True, o, want_rs),
                 "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
-                    o := ten(np.zeros(n), dtype), ten(blocks[RANK], dtype), op=ops[op]) or ("all", o, want_rs),
+                    o := ten(np.zeros(n), dtype), ten(blocks[RANK], dtype), op=ops[op]) or (True, o, want_rs),
             }
             for name, call in calls.items():
-                what = f"{name} {dtype} {op}"
-                try:
-                    who, got, exp = call()
-                except Exception as e:  # noqa: BLE001 - recorded and judged below
-                    if supported:
-                        failures.append(f"{what}: raised {e}")
-                    elif f"{op} is not defined on" not in str(e):
-                        failures.append(f"{what}: refused without naming the combination: {e}")
-                    else:
-                        refused += 1
-                    continue
-                if not supported:
-                    failures.append(f"{what}: accepted an unsupported combination")
-                elif who == "all" or RANK == WORLD - 1:
-                    same(what, got, exp, dtype)
+                attempt(f"{name} {dtype} {op}", call, dtype, supported, op)
 
         # Collectives that move data without reducing it: exact.
         everyone = [matrix_values(r, n, dtype, 2) for r in range(WORLD)]
         mine = everyone[RANK]
-        t = ten(mine if RANK == WORLD - 1 else np.zeros(n), dtype)
-        dist.broadcast(t, src=WORLD - 1)
-        same(f"broadcast {dtype}", t, everyone[WORLD - 1], dtype)
-        outs = [ten(np.zeros(n), dtype) for _ in range(WORLD)]
-        dist.all_gather(outs, ten(mine, dtype))
-        same(f"all_gather {dtype}", torch.cat(outs), np.concatenate(everyone), dtype)
-        out = ten(np.zeros(n * WORLD), dtype)
-        dist.all_gather_into_tensor(out, ten(mine, dtype))
-        same(f"all_gather_into_tensor {dtype}", out, np.concatenate(everyone), dtype)
-        outs = [[ten(np.zeros(n), dtype) for _ in range(WORLD)], [ten(np.zeros(2), dtype) for _ in range(WORLD)]]
-        dist.all_gather_coalesced(outs, [ten(mine, dtype), ten(mine[:2], dtype)])
-        same(f"all_gather_coalesced {dtype}", torch.cat(outs[0] + outs[1]),
-             np.concatenate(everyone + [e[:2] for e in everyone]), dtype)
-        outs = [ten(np.zeros(n), dtype) for _ in range(WORLD)] if RANK == 0 else None
-        dist.gather(ten(mine, dtype), gather_list=outs, dst=0)
-        if RANK == 0:
-            same(f"gather {dtype}", torch.cat(outs), np.concatenate(everyone), dtype)
         blocks = [matrix_values(j, n, dtype, 3) for j in range(WORLD)]
-        out = ten(np.zeros(n), dtype)
-        dist.scatter(out, scatter_list=[ten(b, dtype) for b in blocks] if RANK == 0 else None, src=0)
-        same(f"scatter {dtype}", out, blocks[RANK], dtype)
         # alltoall: rank r's block j is matrix_values(r * WORLD + j); uneven: j + 1 elements.
         src = [matrix_values(RANK * WORLD + j, n, dtype, 4) for j in range(WORLD)]
-        out = ten(np.zeros(n * WORLD), dtype)
-        dist.all_to_all_single(out, ten(np.concatenate(src), dtype))
-        same(f"all_to_all_single {dtype}", out,
-             np.concatenate([matrix_values(j * WORLD + RANK, n, dtype, 4) for j in range(WORLD)]), dtype)
-        out = ten(np.zeros((RANK + 1) * WORLD), dtype)
-        dist.all_to_all_single(out, ten(np.concatenate([src[j][:j + 1] for j in range(WORLD)]), dtype),
-                               output_split_sizes=[RANK + 1] * WORLD, input_split_sizes=[j + 1 for j in range(WORLD)])
-        same(f"all_to_all_single uneven {dtype}", out,
-             np.concatenate([matrix_values(j * WORLD + RANK, n, dtype, 4)[:RANK + 1] for j in range(WORLD)]), dtype)
-        outs = [ten(np.zeros(j + 1), dtype) for j in range(WORLD)]
-        dist.all_to_all(outs, [ten(src[j][:RANK + 1], dtype) for j in range(WORLD)])
-        same(f"all_to_all {dtype}", torch.cat(outs),
-             np.concatenate([matrix_values(j * WORLD + RANK, n, dtype, 4)[:j + 1] for j in range(WORLD)]), dtype)
+        dst = [matrix_values(j * WORLD + RANK, n, dtype, 4) for j in range(WORLD)]
+
+        def broadcast():
+            t = ten(mine if RANK == WORLD - 1 else np.zeros(n), dtype)
+            dist.broadcast(t, src=WORLD - 1)
+            return True, t, everyone[WORLD - 1]
+
+        def all_gather():
+            outs = [ten(np.zeros(n), dtype) for _ in range(WORLD)]
+            dist.all_gather(outs, ten(mine, dtype))
+            return True, torch.cat(outs), np.concatenate(everyone)
+
+        def all_gather_into_tensor():
+            out = ten(np.zeros(n * WORLD), dtype)
+            dist.all_gather_into_tensor(out, ten(mine, dtype))
+            return True, out, np.concatenate(everyone)
+
+        def all_gather_coalesced():
+            outs = [[ten(np.zeros(n), dtype) for _ in range(WORLD)], [ten(np.zeros(2), dtype) for _ in range(WORLD)]]
+            dist.all_gather_coalesced(outs, [ten(mine, dtype), ten(mine[:2], dtype)])
+            return True, torch.cat(outs[0] + outs[1]), np.concatenate(everyone + [e[:2] for e in everyone])
+
+        def gather():
+            outs = [ten(np.zeros(n), dtype) for _ in range(WORLD)] if RANK == 0 else None
+            dist.gather(ten(mine, dtype), gather_list=outs, dst=0)
+            return RANK == 0, outs and torch.cat(outs), np.concatenate(everyone)
+
+        def scatter():
+            out = ten(np.zeros(n), dtype)
+            dist.scatter(out, scatter_list=[ten(b, dtype) for b in blocks] if RANK == 0 else None, src=0)
+            return True, out, blocks[RANK]
+
+        def all_to_all_single():
+            out = ten(np.zeros(n * WORLD), dtype)
+            dist.all_to_all_single(out, ten(np.concatenate(src), dtype))
+            return True, out, np.concatenate(dst)
+
+        def all_to_all_single_uneven():
+            out = ten(np.zeros((RANK + 1) * WORLD), dtype)
+            dist.all_to_all_single(out, ten(np.concatenate([src[j][:j + 1] for j in range(WORLD)]), dtype),
+                                   output_split_sizes=[RANK + 1] * WORLD,
+                                   input_split_sizes=[j + 1 for j in range(WORLD)])
+            return True, out, np.concatenate([d[:RANK + 1] for d in dst])
+
+        def all_to_all():
+            outs = [ten(np.zeros(j + 1), dtype) for j in range(WORLD)]
+            dist.all_to_all(outs, [ten(src[j][:RANK + 1], dtype) for j in range(WORLD)])
+            return True, torch.cat(outs), np.concatenate([matrix_values(j * WORLD + RANK, n, dtype, 4)[:j + 1]
+                                                          for j in range(WORLD)])
+
+        for call in (broadcast, all_gather, all_gather_into_tensor, all_gather_coalesced, gather, scatter,
+                     all_to_all_single, all_to_all_single_uneven, all_to_all):
+            attempt(f"{call.__name__} {dtype}", call, dtype)
 
     # The object collectives, built on the tensor ones.
     objs = [None] * WORLD
@@ -549,7 +582,9 @@ def scenario_torch_matrix(args):
     dist.all_reduce(flag, op=R.MAX)
     same("all_reduce bool flag", flag, np.array([True]), "bool")
     dist.barrier()
-    report({"failures": failures, "checked": checked, "refused": refused})
+    report({"failures": failures, "checked": checked, "refused": refused, "status": status})
+    if backend == "gloo":
+        os._exit(0)  # see scenario_ddp: torch 2.15's gloo can abort in teardown
     dist.destroy_process_group()
 
 
