@@ -51,22 +51,30 @@ def default_cell(r: dict) -> str:
     return ", else ".join(parts)
 
 
+def choices(rng: str) -> str:
+    return " \\| ".join(code(c) for c in rng.split("|"))
+
+
+def bounded(unit: str, rng: str) -> str:
+    """`unit lo–hi`, `unit ≥ lo` or `unit ≤ hi` from a `lo..hi` range."""
+    lo, hi = rng.split("..")
+    if lo and hi:
+        return f"{unit} {code(lo)}–{code(hi)}"
+    return f"{unit} ≥ {code(lo)}" if lo else f"{unit} ≤ {code(hi)}"
+
+
 def allowed_cell(r: dict) -> str:
     kind, rng = r["type"], r["range"]
     if kind == "bool":
         return "`true` \\| `false`"
     if kind == "choice":
-        return " \\| ".join(code(c) for c in rng.split("|"))
+        return choices(rng)
     if kind == "host":
         return "an address or host name"
     if rng == "-":
         return {"string": "a name"}.get(kind, "any " + kind)
-    lo, hi = rng.split("..")
-    unit = {"size": "size", "sizes": "sizes, ascending, each", "duration": "duration",
-            "int": "integer"}[kind]
-    if lo and hi:
-        return f"{unit} {code(lo)}–{code(hi)}"
-    return f"{unit} ≥ {code(lo)}" if lo else f"{unit} ≤ {code(hi)}"
+    return bounded({"size": "size", "sizes": "sizes, ascending, each", "duration": "duration",
+                    "int": "integer"}[kind], rng)
 
 
 def table() -> str:
@@ -82,15 +90,11 @@ def mobius_allowed(r: dict) -> str:
     if kind == "bool":
         return "`on` \\| `off`"
     if kind == "choice":
-        return " \\| ".join(code(c) for c in rng.split("|"))
+        return choices(rng)
     if kind == "address":
         return "an IP address"
     if kind in ("seconds", "size") and rng != "-":
-        lo, hi = rng.split("..")
-        unit = {"seconds": "seconds", "size": "size (`64k`, `16m`, `1g`)"}[kind]
-        if lo and hi:
-            return f"{unit} {code(lo)}–{code(hi)}"
-        return f"{unit} ≥ {code(lo)}" if lo else f"{unit} ≤ {code(hi)}"
+        return bounded({"seconds": "seconds", "size": "size (`64k`, `16m`, `1g`)"}[kind], rng)
     return {"spec": "see meaning", "string": "a name"}.get(kind, "any " + kind)
 
 
