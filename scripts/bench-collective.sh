@@ -7,6 +7,9 @@
 #   scripts/bench-collective.sh            the full sweep: 4 KiB … 256 MiB, 3 interleaved rounds
 #   scripts/bench-collective.sh --tiny     a smoke run (4 KiB, 64 KiB, 1 MiB; 1 round) that
 #                                          checks the pipeline, not the speed
+#   scripts/bench-collective.sh --ddp      DDP training steps/s, gloo vs mobius, 2 and 4 ranks
+#                                          (tests/collective/bench_ddp.py; target/bench/ddp.json,
+#                                          ddp.png)
 #   extra arguments go to tests/collective/bench.py (e.g. --ops allreduce,allgather)
 #
 # Installs what it needs: Open MPI (apt), and a venv with torch, mpi4py, matplotlib (cached in
@@ -17,6 +20,10 @@ mkdir -p target/bench
 . tests/collective/env.sh
 
 args=()
+if [ "${1:-}" = "--ddp" ]; then
+  shift
+  exec "$MOBIUS_PY" tests/collective/bench_ddp.py run --out target/bench "$@"
+fi
 if [ "${1:-}" = "--tiny" ]; then
   shift
   args=(--sizes 4k,64k,1m --iters 5 --warmup 1 --rounds 1)

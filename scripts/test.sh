@@ -29,8 +29,8 @@ cargo clippy --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle -p mobius-c
 step "lint: Scala formatting (scalafmt through spotless; 'mvn spotless:apply' fixes it)"
 (cd jvm-plugin && mvn -B -q spotless:check)
 
-step "settings: the README tables are the ones generated from settings/settings.tsv"
-python3 settings/readme_table.py --check README.md jvm-plugin/README.md
+step "settings: the README tables (and docs/mobius.md's) are the ones generated from settings/*.tsv"
+python3 settings/readme_table.py --check README.md jvm-plugin/README.md docs/mobius.md
 
 step "rust: build and test the workspace"
 cargo build --workspace --all-targets --locked

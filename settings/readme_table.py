@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The README settings table, generated from settings/settings.tsv (the one declaration of every
-spark.shuffle.rdma.* setting).
+spark.shuffle.rdma.* setting), and Mobius' table, generated from settings/mobius.tsv (every
+MOBIUS_* environment setting).
 
-A document holds the table between two marker lines:
-    <!-- settings:begin -->
+A document holds a table between two marker lines:
+    <!-- settings:begin -->            (or <!-- mobius-settings:begin --> for Mobius' table)
     ...generated...
-    <!-- settings:end -->
+    <!-- settings:end -->              (or <!-- mobius-settings:end -->)
 
     settings/readme_table.py                  print the table
     settings/readme_table.py --write FILE...  regenerate the table between the markers
@@ -20,18 +21,20 @@ SCHEMA = Path(__file__).resolve().parent / "settings.tsv"
 BEGIN = "<!-- settings:begin -->"
 END = "<!-- settings:end -->"
 HEADER = ["key", "type", "default", "fallback", "range", "scope", "doc"]
+MOBIUS_SCHEMA = Path(__file__).resolve().parent / "mobius.tsv"
+MOBIUS_HEADER = ["key", "type", "default", "range", "doc"]
 
 
-def rows() -> list:
-    lines = [ln for ln in SCHEMA.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    if lines[0].split("\t") != HEADER:
-        sys.exit(f"{SCHEMA}: the first row must be the header {HEADER}")
+def rows(schema: Path = SCHEMA, header: list = HEADER) -> list:
+    lines = [ln for ln in schema.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    if lines[0].split("\t") != header:
+        sys.exit(f"{schema}: the first row must be the header {header}")
     out = []
     for n, ln in enumerate(lines[1:], 2):
         cols = ln.split("\t")
-        if len(cols) != len(HEADER):
-            sys.exit(f"{SCHEMA}: row {n} has {len(cols)} columns, expected {len(HEADER)}")
-        out.append(dict(zip(HEADER, cols)))
+        if len(cols) != len(header):
+            sys.exit(f"{schema}: row {n} has {len(cols)} columns, expected {len(header)}")
+        out.append(dict(zip(header, cols)))
     return out
 
 
@@ -48,22 +51,30 @@ def default_cell(r: dict) -> str:
     return ", else ".join(parts)
 
 
+def choices(rng: str) -> str:
+    return " \\| ".join(code(c) for c in rng.split("|"))
+
+
+def bounded(unit: str, rng: str) -> str:
+    """`unit lo–hi`, `unit ≥ lo` or `unit ≤ hi` from a `lo..hi` range."""
+    lo, hi = rng.split("..")
+    if lo and hi:
+        return f"{unit} {code(lo)}–{code(hi)}"
+    return f"{unit} ≥ {code(lo)}" if lo else f"{unit} ≤ {code(hi)}"
+
+
 def allowed_cell(r: dict) -> str:
     kind, rng = r["type"], r["range"]
     if kind == "bool":
         return "`true` \\| `false`"
     if kind == "choice":
-        return " \\| ".join(code(c) for c in rng.split("|"))
+        return choices(rng)
     if kind == "host":
         return "an address or host name"
     if rng == "-":
         return {"string": "a name"}.get(kind, "any " + kind)
-    lo, hi = rng.split("..")
-    unit = {"size": "size", "sizes": "sizes, ascending, each", "duration": "duration",
-            "int": "integer"}[kind]
-    if lo and hi:
-        return f"{unit} {code(lo)}–{code(hi)}"
-    return f"{unit} ≥ {code(lo)}" if lo else f"{unit} ≤ {code(hi)}"
+    return bounded({"size": "size", "sizes": "sizes, ascending, each", "duration": "duration",
+                    "int": "integer"}[kind], rng)
 
 
 def table() -> str:
@@ -74,13 +85,40 @@ def table() -> str:
     return "\n".join(out) + "\n"
 
 
-def split(path: Path):
+def mobius_allowed(r: dict) -> str:
+    kind, rng = r["type"], r["range"]
+    if kind == "bool":
+        return "`on` \\| `off`"
+    if kind == "choice":
+        return choices(rng)
+    if kind == "address":
+        return "an IP address"
+    if kind in ("seconds", "size") and rng != "-":
+        return bounded({"seconds": "seconds", "size": "size (`64k`, `16m`, `1g`)"}[kind], rng)
+    return {"spec": "see meaning", "string": "a name"}.get(kind, "any " + kind)
+
+
+def mobius_table() -> str:
+    out = ["| variable | default | allowed | meaning |", "|---|---|---|---|"]
+    for r in rows(MOBIUS_SCHEMA, MOBIUS_HEADER):
+        doc = r["doc"].replace("|", "\\|")
+        default = "unset" if r["default"] == "-" else code(r["default"])
+        out.append(f"| {code(r['key'])} | {default} | {mobius_allowed(r)} | {doc} |")
+    return "\n".join(out) + "\n"
+
+
+# Marker name -> the table generated between its markers.
+TABLES = {"settings": table, "mobius-settings": mobius_table}
+
+
+def split(path: Path, name: str = "settings"):
+    """(text up to the begin marker, the table, the rest), or None without the markers."""
     text = path.read_text()
-    b, e = text.find(BEGIN), text.find(END)
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    b, e = text.find(begin), text.find(end)
     if b < 0 or e < b:
-        sys.exit(f"{path}: no '{BEGIN}' ... '{END}' block for the settings table "
-                 f"(add the two marker lines, then run {sys.argv[0]} --write {path})")
-    head = text[:b + len(BEGIN)] + "\n"
+        return None
+    head = text[:b + len(begin)] + "\n"
     return head, text[len(head):e], text[e:]
 
 
@@ -91,20 +129,29 @@ def main(argv: list) -> int:
     mode, files = argv[0], [Path(f) for f in argv[1:]]
     if mode not in ("--write", "--check") or not files:
         sys.exit(__doc__)
-    want = table()
     failed = False
     for f in files:
-        head, have, tail = split(f)
-        if mode == "--write":
-            f.write_text(head + want + tail)
-        elif have != want:
-            failed = True
-            sys.stderr.write(f"{f}: the settings table differs from settings/settings.tsv; run "
-                             f"settings/readme_table.py --write {f}\n")
-            sys.stderr.writelines(difflib.unified_diff(
-                have.splitlines(True), want.splitlines(True), f"{f} (table)", "settings.tsv"))
+        found = False
+        for name, make in TABLES.items():
+            parts = split(f, name)
+            if parts is None:
+                continue
+            found = True
+            head, have, tail = parts
+            want = make()
+            if mode == "--write":
+                f.write_text(head + want + tail)
+            elif have != want:
+                failed = True
+                sys.stderr.write(f"{f}: the {name} table differs from its schema; run "
+                                 f"settings/readme_table.py --write {f}\n")
+                sys.stderr.writelines(difflib.unified_diff(
+                    have.splitlines(True), want.splitlines(True), f"{f} (table)", "schema"))
+        if not found:
+            sys.exit(f"{f}: no '{BEGIN}' ... '{END}' block (nor a mobius-settings one) for a settings "
+                     f"table (add the two marker lines, then run {sys.argv[0]} --write {f})")
     if mode == "--check" and not failed:
-        print(f"settings tables match settings/settings.tsv: {', '.join(map(str, files))}")
+        print(f"settings tables match their schemas (settings/*.tsv): {', '.join(map(str, files))}")
     return 1 if failed else 0
 
 

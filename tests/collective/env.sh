@@ -43,13 +43,13 @@ export PATH="$MOBIUS_VENV/bin:$PATH"
 
 if [ "${MOBIUS_SKIP_BUILD:-0}" != 1 ] || [ ! -d "$_mobius_root/target/mobius-py/mobius" ]; then
   echo "mobius env: building the mobius wheel (maturin, release)" >&2
-  rm -rf "$_mobius_root/target/wheels/mobius-"*.whl
+  rm -rf "$_mobius_root/target/wheels/mobius"[-_]*.whl
   (cd "$_mobius_root" && "$MOBIUS_VENV/bin/maturin" build --release ${MOBIUS_FEATURES:+--features "$MOBIUS_FEATURES"} \
       -m crates/collective-py/Cargo.toml -o target/wheels -i "$MOBIUS_PY" >target/mobius-wheel.log 2>&1) \
     || { tail -n 40 "$_mobius_root/target/mobius-wheel.log" >&2; echo "mobius env: wheel build failed" >&2; return 1 2>/dev/null || exit 1; }
   rm -rf "$_mobius_root/target/mobius-py"
   "$MOBIUS_PY" -m pip install -q --disable-pip-version-check --no-deps --target "$_mobius_root/target/mobius-py" \
-    "$_mobius_root"/target/wheels/mobius-*.whl
+    "$_mobius_root"/target/wheels/mobius_collective-*.whl
 fi
 export PYTHONPATH="$_mobius_root/target/mobius-py${PYTHONPATH:+:$PYTHONPATH}"
 unset _mobius_root _mobius_lock _mobius_need

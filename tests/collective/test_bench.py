@@ -28,3 +28,20 @@ def test_tiny_benchmark_yields_rows_for_every_library(tmp_path):
     assert (tmp_path / "collective.png").stat().st_size > 10_000
     policy = report["mobius_policy"]["allreduce/world2"]
     assert policy["decisions"]["4096"][0] == "rd"
+
+
+def test_tiny_ddp_benchmark_compares_gloo_and_mobius(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(HERE / "bench_ddp.py"), "run", "--worlds", "2", "--rounds", "1", "--steps", "1",
+         "--width", "128", "--out", str(tmp_path), "--timeout", "600"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    row = json.loads((tmp_path / "ddp.json").read_text())["rows"][0]
+    assert row["world"] == 2
+    for b in ("gloo", "mobius"):
+        assert row[b]["step_s"]["median"] > 0 and row[b]["comm_s"]["median"] > 0
+    assert row["compute_s"]["median"] > 0
+    # The two DDP replicas trained identically (same data, averaged gradients).
+    assert row["param_max_diff"] < 1e-5
+    assert "mobius/gloo steps/s" in out.stdout
+    assert (tmp_path / "ddp.png").stat().st_size > 10_000

@@ -19,7 +19,7 @@ def test_torch_distributed_calls_work_through_mobius(world, tmp_path):
         assert len(r) == expected, r
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ddp_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     steps = 50
     gloo = run("ddp", world, tmp_path / "gloo", {"backend": "gloo", "steps": steps})

@@ -382,6 +382,325 @@ def scenario_ddp(args):
     dist.destroy_process_group()
 
 
+# ----- the c10d surface: every collective × dtype × op, asynchronous work ------------------
+TORCH_DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+REDUCE_OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+FLOATS = {"float16", "bfloat16", "float32", "float64"}
+# Float tolerances: the ranks' values are multiples of 0.5, so sums are exact in every
+# float type; products and averages round in float16/bfloat16 at each step.
+RTOL = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-6, "float64": 1e-12}
+
+
+def matrix_values(rank: int, n: int, dtype: str, salt: int) -> np.ndarray:
+    """Rank `rank`'s input: small values, so products of 4 ranks stay representable."""
+    i = np.arange(n)
+    if dtype == "bool":
+        return (i + rank + salt) % 3 == 0
+    v = (i * 7 + rank * 3 + salt) % 11
+    if dtype == "uint8":
+        return v.astype(np.uint8)
+    if dtype in FLOATS:
+        return (v - 5) * 0.5
+    return (v - 5).astype(np.dtype(dtype))
+
+
+def matrix_ref(stack: np.ndarray, op: str, dtype: str, world: int) -> np.ndarray:
+    """numpy's reduction over ranks (axis 0): integers wrap as the dtype does; floats in
+    float64; bool as gloo reduces it (sum/max = any, prod/min = all)."""
+    if dtype == "bool":
+        if op in ("sum", "max", "bor"):
+            return stack.any(axis=0)
+        if op in ("prod", "min", "band"):
+            return stack.all(axis=0)
+        return np.logical_xor.reduce(stack, axis=0)
+    if dtype in FLOATS:
+        f = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}
+        return stack.sum(axis=0) / world if op == "avg" else f[op](stack, axis=0)
+    dt = stack.dtype
+    ufunc = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "band": np.bitwise_and,
+             "bor": np.bitwise_or, "bxor": np.bitwise_xor, "avg": np.add}[op]
+    out = ufunc.reduce(stack, axis=0, dtype=dt)
+    if op == "avg":  # the wrapped sum, divided truncating toward zero
+        s = out.astype(np.int64)
+        out = (np.sign(s) * (np.abs(s) // world)).astype(dt)
+    return out
+
+
+def scenario_torch_matrix(args):
+    """Each collective × dtype × reduce op against numpy; unsupported combinations must
+    raise an error naming them. Reports the list of failures (empty when all pass), and the
+    outcome of every combination (`status`: ok, refused or wrong), which with
+    ``{"backend": "gloo"}`` gives gloo's coverage for the docs' table."""
+    import torch
+    backend = args.get("backend", "mobius")
+    dist = _torch_init(backend)
+    R = dist.ReduceOp
+    ops = {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX, "avg": R.AVG, "band": R.BAND, "bor": R.BOR,
+           "bxor": R.BXOR}
+    n = 5
+    failures, checked, refused, status = [], 0, 0, {}
+
+    def ten(a, dtype):
+        return torch.tensor(a, dtype=getattr(torch, dtype))
+
+    def same(what, got, want, dtype):
+        nonlocal checked
+        checked += 1
+        g = got.double().numpy() if dtype in FLOATS else got.numpy()
+        if dtype in FLOATS:
+            ok = g.shape == want.shape and np.allclose(g, want, rtol=RTOL[dtype], atol=0)
+        else:
+            ok = g.shape == want.shape and np.array_equal(g, want.astype(g.dtype))
+        if not ok:
+            failures.append(f"{what}: got {g.tolist()} want {want.tolist()}")
+        status[what] = "ok" if ok else "wrong"
+
+    def attempt(what, call, dtype, supported=True, op=None):
+        """Runs `call` (returning (who checks, got, want)); judges a refusal."""
+        nonlocal refused
+        try:
+            who, got, exp = call()
+        except Exception as e:  # noqa: BLE001 - recorded and judged below
+            status[what] = f"refused: {str(e).splitlines()[0][:160]}"
+            if supported:
+                failures.append(f"{what}: raised {e}")
+            elif f"{op} is not defined on" not in str(e):
+                failures.append(f"{what}: refused without naming the combination: {e}")
+            else:
+                refused += 1
+            return
+        if not supported:
+            failures.append(f"{what}: accepted an unsupported combination")
+            status[what] = "accepted"
+        elif who is True:
+            same(what, got, exp, dtype)
+        else:
+            status[what] = "ok (checked on another rank)"
+
+    for dtype in TORCH_DTYPES:
+        for op in REDUCE_OPS:
+            supported = not ((dtype in FLOATS and op.startswith("b")) or (dtype == "bool" and op == "avg"))
+            mine = matrix_values(RANK, n, dtype, 0)
+            stack = np.stack([matrix_values(r, n, dtype, 0) for r in range(WORLD)])
+            blocks = np.stack([matrix_values(r, n * WORLD, dtype, 1) for r in range(WORLD)])
+            want = matrix_ref(stack, op, dtype, WORLD) if supported else None
+            want_rs = matrix_ref(blocks, op, dtype, WORLD)[RANK * n:(RANK + 1) * n] if supported else None
+            calls = {
+                "all_reduce": lambda: dist.all_reduce(t := ten(mine, dtype), op=ops[op]) or (True, t, want),
+                "reduce": lambda: dist.reduce(t := ten(mine, dtype), dst=WORLD - 1, op=ops[op]) or (
+                    RANK == WORLD - 1, t, want),
+                "all_reduce_coalesced": lambda: dist.all_reduce_coalesced(
+                    ts := [ten(mine, dtype), ten(mine[:2], dtype)], op=ops[op]) or (
+                    True, torch.cat(ts), want is not None and np.concatenate([want, want[:2]])),
+                "reduce_scatter": lambda: dist.reduce_scatter(
+                    o := ten(np.zeros(n), dtype), [ten(b, dtype) for b in np.split(blocks[RANK], WORLD)],
+                    op=ops[op]) or (True, o, want_rs),
+                "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+                    o := ten(np.zeros(n), dtype), ten(blocks[RANK], dtype), op=ops[op]) or (True, o, want_rs),
+            }
+            for name, call in calls.items():
+                attempt(f"{name} {dtype} {op}", call, dtype, supported, op)
+
+        # Collectives that move data without reducing it: exact.
+        everyone = [matrix_values(r, n, dtype, 2) for r in range(WORLD)]
+        mine = everyone[RANK]
+        blocks = [matrix_values(j, n, dtype, 3) for j in range(WORLD)]
+        # alltoall: rank r's block j is matrix_values(r * WORLD + j); uneven: j + 1 elements.
+        src = [matrix_values(RANK * WORLD + j, n, dtype, 4) for j in range(WORLD)]
+        dst = [matrix_values(j * WORLD + RANK, n, dtype, 4) for j in range(WORLD)]
+
+        def broadcast():
+            t = ten(mine if RANK == WORLD - 1 else np.zeros(n), dtype)
+            dist.broadcast(t, src=WORLD - 1)
+            return True, t, everyone[WORLD - 1]
+
+        def all_gather():
+            outs = [ten(np.zeros(n), dtype) for _ in range(WORLD)]
+            dist.all_gather(outs, ten(mine, dtype))
+            return True, torch.cat(outs), np.concatenate(everyone)
+
+        def all_gather_into_tensor():
+            out = ten(np.zeros(n * WORLD), dtype)
+            dist.all_gather_into_tensor(out, ten(mine, dtype))
+            return True, out, np.concatenate(everyone)
+
+        def all_gather_coalesced():
+            outs = [[ten(np.zeros(n), dtype) for _ in range(WORLD)], [ten(np.zeros(2), dtype) for _ in range(WORLD)]]
+            dist.all_gather_coalesced(outs, [ten(mine, dtype), ten(mine[:2], dtype)])
+            return True, torch.cat(outs[0] + outs[1]), np.concatenate(everyone + [e[:2] for e in everyone])
+
+        def gather():
+            outs = [ten(np.zeros(n), dtype) for _ in range(WORLD)] if RANK == 0 else None
+            dist.gather(ten(mine, dtype), gather_list=outs, dst=0)
+            return RANK == 0, outs and torch.cat(outs), np.concatenate(everyone)
+
+        def scatter():
+            out = ten(np.zeros(n), dtype)
+            dist.scatter(out, scatter_list=[ten(b, dtype) for b in blocks] if RANK == 0 else None, src=0)
+            return True, out, blocks[RANK]
+
+        def all_to_all_single():
+            out = ten(np.zeros(n * WORLD), dtype)
+            dist.all_to_all_single(out, ten(np.concatenate(src), dtype))
+            return True, out, np.concatenate(dst)
+
+        def all_to_all_single_uneven():
+            out = ten(np.zeros((RANK + 1) * WORLD), dtype)
+            dist.all_to_all_single(out, ten(np.concatenate([src[j][:j + 1] for j in range(WORLD)]), dtype),
+                                   output_split_sizes=[RANK + 1] * WORLD,
+                                   input_split_sizes=[j + 1 for j in range(WORLD)])
+            return True, out, np.concatenate([d[:RANK + 1] for d in dst])
+
+        def all_to_all():
+            outs = [ten(np.zeros(j + 1), dtype) for j in range(WORLD)]
+            dist.all_to_all(outs, [ten(src[j][:RANK + 1], dtype) for j in range(WORLD)])
+            return True, torch.cat(outs), np.concatenate([matrix_values(j * WORLD + RANK, n, dtype, 4)[:j + 1]
+                                                          for j in range(WORLD)])
+
+        for call in (broadcast, all_gather, all_gather_into_tensor, all_gather_coalesced, gather, scatter,
+                     all_to_all_single, all_to_all_single_uneven, all_to_all):
+            attempt(f"{call.__name__} {dtype}", call, dtype)
+
+    # The object collectives, built on the tensor ones.
+    objs = [None] * WORLD
+    dist.all_gather_object(objs, {"rank": RANK, "tag": "x" * RANK})
+    same("all_gather_object", torch.tensor([o["rank"] == r and o["tag"] == "x" * r for r, o in enumerate(objs)]),
+         np.ones(WORLD, dtype=bool), "bool")
+    got = [None] * WORLD if RANK == 0 else None
+    dist.gather_object(("from", RANK, list(range(RANK))), got, dst=0)
+    if RANK == 0:
+        same("gather_object", torch.tensor([got[r] == ("from", r, list(range(r))) for r in range(WORLD)]),
+             np.ones(WORLD, dtype=bool), "bool")
+    mine = [None]
+    dist.scatter_object_list(mine, [{"to": j, "pad": "y" * j} for j in range(WORLD)] if RANK == 0 else None, src=0)
+    same("scatter_object_list", torch.tensor([mine[0] == {"to": RANK, "pad": "y" * RANK}]), np.ones(1, dtype=bool), "bool")
+    lst = [RANK, "a"] if RANK == WORLD - 1 else [None, None]
+    dist.broadcast_object_list(lst, src=WORLD - 1)
+    same("broadcast_object_list", torch.tensor([lst == [WORLD - 1, "a"]]), np.ones(1, dtype=bool), "bool")
+    # The early-stopping idiom: a bool flag reduced with MAX.
+    flag = torch.tensor([RANK == WORLD - 1])
+    dist.all_reduce(flag, op=R.MAX)
+    same("all_reduce bool flag", flag, np.array([True]), "bool")
+    dist.barrier()
+    report({"failures": failures, "checked": checked, "refused": refused, "status": status})
+    if backend == "gloo":
+        os._exit(0)  # see scenario_ddp: torch 2.15's gloo can abort in teardown
+    dist.destroy_process_group()
+
+
+def scenario_torch_async(args):
+    """Asynchronous Works: pending until done, p2p that never blocks, a Work.wait timeout."""
+    import datetime
+    import torch
+    dist = _torch_init("mobius")
+    res = {}
+    # 1. A 64 MiB allreduce, provably pending: rank 1 joins it only after rank 0 has looked
+    #    at its Work and said so (a message on the point-to-point lane, beside the collective).
+    #    torch 2.15 wraps a Python backend's Work for the caller and forwards only wait() and
+    #    get_future() to it, so the caller reads completion from the future; the backend's own
+    #    Work (called directly, second round) answers is_completed() itself.
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    total = float(sum(range(1, WORLD + 1)))
+    for round_ in ("dist", "backend"):
+        big = torch.full((16 << 20,), float(RANK + 1))
+        if RANK == 1:
+            dist.recv(torch.zeros(1), src=0, tag=1)
+        if round_ == "dist":
+            work = dist.all_reduce(big, async_op=True)
+            done = lambda: work.get_future().done()  # noqa: E731
+        else:
+            work = backend.allreduce([big], dist.AllreduceOptions())
+            done = work.is_completed
+        if RANK == 0:
+            res[f"{round_}_pending_before_wait"] = not done()
+            dist.send(torch.ones(1), dst=1, tag=1)
+        fut = work.get_future()
+        work.wait()
+        res[f"{round_}_completed_after_wait"] = done()
+        res[f"{round_}_allreduce_value"] = bool((big == total).all())
+        res[f"{round_}_future_value"] = bool((fut.wait()[0] == total).all())
+    # 2. batch_isend_irecv with the receives listed first, both ring directions.
+    left, right = (RANK - 1) % WORLD, (RANK + 1) % WORLD
+    from_left, from_right = torch.zeros(3), torch.zeros(3)
+    ops = [dist.P2POp(dist.irecv, from_left, left), dist.P2POp(dist.irecv, from_right, right),
+           dist.P2POp(dist.isend, torch.full((3,), float(RANK)), right),
+           dist.P2POp(dist.isend, torch.full((3,), float(RANK) + 0.5), left)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    res["batch_recv_first"] = from_left.tolist() == [float(left)] * 3 and from_right.tolist() == [right + 0.5] * 3
+    # 3. irecv posted before isend on both sides of a pair.
+    if RANK < 2:
+        peer = 1 - RANK
+        got = torch.zeros(2, dtype=torch.int64)
+        r = dist.irecv(got, src=peer, tag=7)
+        s = dist.isend(torch.tensor([RANK, 40 + RANK]), dst=peer, tag=7)
+        r.wait()
+        s.wait()
+        res["irecv_before_isend"] = got.tolist() == [peer, 40 + peer]
+    # 4. Work.wait(timeout) on a receive nobody has sent yet: raises; then the message comes
+    #    and the same Work completes.
+    peer = 1 - RANK
+    if RANK < 2:
+        got = torch.zeros(1)
+        r = dist.irecv(got, src=peer, tag=9)
+        try:
+            r.wait(datetime.timedelta(milliseconds=200))
+            res["wait_timeout_raises"] = False
+        except RuntimeError as e:
+            res["wait_timeout_raises"] = "did not complete within" in str(e) and not r.get_future().done()
+    dist.barrier()  # both have timed out before either sends
+    if RANK < 2:
+        dist.send(torch.tensor([5.0 + RANK]), dst=peer, tag=9)
+        r.wait()
+        res["wait_after_timeout"] = got.item() == 5.0 + peer
+    # 5. recv from any source: rank 0 takes one message from every other rank. (torch 2.15
+    #    cannot read the source rank of a Work written in Python, `Work._source_rank`, so
+    #    the senders put their rank in the message.)
+    if RANK == 0:
+        seen = []
+        for _ in range(WORLD - 1):
+            t = torch.zeros(1)
+            dist.irecv(t, tag=11).wait()
+            seen.append(t.item())
+        res["recv_anysource"] = sorted(seen) == [float(r) for r in range(1, WORLD)]
+    else:
+        dist.send(torch.tensor([float(RANK)]), dst=0, tag=11)
+    dist.barrier()
+    report(res)
+    dist.destroy_process_group()
+
+
+def scenario_torch_peer_dies(args):
+    """Rank 0's asynchronous 64 MiB allreduce fails at wait() when rank 1 dies mid-way."""
+    import signal
+    import torch
+    dist = _torch_init("mobius")
+    token = torch.zeros(1)
+    if RANK == 1:
+        dist.recv(token, src=0, tag=1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    big = torch.ones(16 << 20)
+    work = dist.all_reduce(big, async_op=True)
+    res = {"pending_before_wait": not work.get_future().done()}
+    dist.send(torch.ones(1), dst=1, tag=1)
+    try:
+        work.wait()
+        res["error"] = None
+    except RuntimeError as e:
+        res["error"] = str(e)
+    # The future fails too. (Through the caller's wrapper, torch 2.15 hands the error back as
+    # the future's value rather than raising it; the backend's own future raises.)
+    fut = work.get_future()
+    try:
+        v = fut.wait()
+        res["future_error"] = str(v) if isinstance(v, BaseException) else None
+    except Exception as e:  # noqa: BLE001 - recorded
+        res["future_error"] = str(e)
+    res["future_done"] = fut.done()
+    report(res)
+    os._exit(0)  # the group is broken; skip the goodbye
+
+
 def main():
     scenario = sys.argv[1]
     args = json.loads(sys.argv[2])

@@ -368,6 +368,15 @@ impl PyComm {
         self.run(py, move |c| c.recv_bytes(unsafe { r.slice() }, src, tag))
     }
 
+    /// Receives into `buf` under `tag` from whichever rank sends first; returns that rank.
+    #[pyo3(signature = (buf, tag=0))]
+    fn recv_any(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, tag: u32) -> PyResult<usize> {
+        let v = View::get(buf, true, "tensor")?;
+        let r = Raw::of(&v);
+        let comm = self.inner.get()?;
+        py.allow_threads(move || comm.recv_any_bytes(unsafe { r.slice() }, tag)).map_err(to_py)
+    }
+
     /// What the policy would choose: `(algorithm, segment bytes, protocol of a segment)`.
     #[pyo3(signature = (op, nbytes, dtype_="f32"))]
     fn decide(&self, op: &str, nbytes: usize, dtype_: &str) -> PyResult<(String, usize, String)> {

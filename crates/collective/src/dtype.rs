@@ -29,20 +29,45 @@ pub enum DType {
     I64 = 6,
     /// Unsigned byte.
     U8 = 7,
+    /// 8-bit signed integer.
+    I8 = 8,
+    /// 16-bit signed integer.
+    I16 = 9,
+    /// Boolean, one byte (0 or 1; any non-zero byte reads as true).
+    Bool = 10,
 }
 
 impl DType {
     /// Every supported type.
-    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
+    pub const ALL: [DType; 10] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8, DType::I8, DType::I16, DType::Bool];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::U8 | DType::I8 | DType::Bool => 1,
         }
+    }
+
+    /// Whether the type is a float (bitwise reduce ops are refused on floats).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+
+    /// `Ok` when `op` is defined on this type; otherwise the reason, naming both (bitwise
+    /// ops on floats, `avg` on bool). Checked before any byte moves, so an unsupported
+    /// combination is an error and never wrong data.
+    pub fn check_op(self, op: ReduceOp) -> Result<(), String> {
+        if op.is_bitwise() && self.is_float() {
+            return Err(format!("reduce op {op} is not defined on {self}; bitwise ops take integer or bool tensors"));
+        }
+        if op == ReduceOp::Avg && self == DType::Bool {
+            return Err("reduce op avg is not defined on bool; use max (any) or min (all)".to_string());
+        }
+        Ok(())
     }
 
     /// Short name (`f32`, `bf16`, ...), as accepted by [`FromStr`].
@@ -55,6 +80,9 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
+            DType::Bool => "bool",
         }
     }
 
@@ -82,7 +110,10 @@ impl FromStr for DType {
             "i32" | "int32" | "int" => DType::I32,
             "i64" | "int64" | "long" => DType::I64,
             "u8" | "uint8" => DType::U8,
-            _ => return Err(format!("unsupported dtype {s:?}; supported: f32 f64 f16 bf16 i32 i64 u8")),
+            "i8" | "int8" => DType::I8,
+            "i16" | "int16" | "short" => DType::I16,
+            "bool" => DType::Bool,
+            _ => return Err(format!("unsupported dtype {s:?}; supported: {}", DType::ALL.map(|d| d.name()).join(" "))),
         })
     }
 }
@@ -101,11 +132,31 @@ pub enum ReduceOp {
     Max = 4,
     /// Sum divided by the world size (integers: truncating division of the wrapped sum).
     Avg = 5,
+    /// Bitwise and (integers and bool only).
+    BAnd = 6,
+    /// Bitwise or (integers and bool only).
+    BOr = 7,
+    /// Bitwise exclusive or (integers and bool only).
+    BXor = 8,
 }
 
 impl ReduceOp {
     /// Every supported operation.
-    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    pub const ALL: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::BAnd,
+        ReduceOp::BOr,
+        ReduceOp::BXor,
+    ];
+
+    /// `band`, `bor` or `bxor`.
+    pub fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
 
     /// Short name (`sum`, `avg`, ...).
     pub fn name(self) -> &'static str {
@@ -115,6 +166,9 @@ impl ReduceOp {
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
             ReduceOp::Avg => "avg",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
         }
     }
 
@@ -146,8 +200,11 @@ impl FromStr for ReduceOp {
             "prod" | "product" => ReduceOp::Prod,
             "min" => ReduceOp::Min,
             "max" => ReduceOp::Max,
-            "avg" | "mean" => ReduceOp::Avg,
-            _ => return Err(format!("unsupported reduce op {s:?}; supported: sum prod min max avg")),
+            "avg" | "mean" | "average" => ReduceOp::Avg,
+            "band" => ReduceOp::BAnd,
+            "bor" => ReduceOp::BOr,
+            "bxor" => ReduceOp::BXor,
+            _ => return Err(format!("unsupported reduce op {s:?}; supported: sum prod min max avg band bor bxor")),
         })
     }
 }
@@ -178,6 +235,12 @@ impl Element for i64 {
 }
 impl Element for u8 {
     const DTYPE: DType = DType::U8;
+}
+impl Element for i8 {
+    const DTYPE: DType = DType::I8;
+}
+impl Element for i16 {
+    const DTYPE: DType = DType::I16;
 }
 
 fn fmin<T: PartialOrd + Copy>(a: T, b: T, nan: impl Fn(T) -> bool) -> T {
@@ -250,15 +313,32 @@ macro_rules! combine_int {
             ReduceOp::Sum => combine::<$t>($dst, $src, |a, b| a.wrapping_add(b)),
             ReduceOp::Prod => combine::<$t>($dst, $src, |a, b| a.wrapping_mul(b)),
             ReduceOp::Min => combine::<$t>($dst, $src, |a, b| a.min(b)),
+            ReduceOp::BAnd => combine::<$t>($dst, $src, |a, b| a & b),
+            ReduceOp::BOr => combine::<$t>($dst, $src, |a, b| a | b),
+            ReduceOp::BXor => combine::<$t>($dst, $src, |a, b| a ^ b),
             _ => combine::<$t>($dst, $src, |a, b| a.max(b)),
         }
     };
+}
+
+/// Bool as torch's gloo reduces it: sum and max are "any", prod and min are "all"; the
+/// bitwise ops are logical. Inputs are read as non-zero = true; outputs are 0 or 1.
+fn combine_bool(dst: &mut [u8], src: &[u8], op: ReduceOp) {
+    let f: fn(bool, bool) -> bool = match op {
+        ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => |a, b| a | b,
+        ReduceOp::Prod | ReduceOp::Min | ReduceOp::BAnd => |a, b| a & b,
+        _ => |a, b| a ^ b,
+    };
+    for (a, b) in dst.iter_mut().zip(src) {
+        *a = f(*a != 0, *b != 0) as u8;
+    }
 }
 
 /// `dst = op(dst, src)` element-wise; `dst` and `src` hold the same number of `dtype`
 /// elements (for `Avg` this sums; [`finish_avg`] divides at the end).
 pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     debug_assert_eq!(dst.len(), src.len());
+    debug_assert!(dtype.check_op(op).is_ok(), "{op} on {dtype} must be refused before the call");
     match dtype {
         DType::F32 => combine_float::<f32>(dst, src, op, f32::is_nan),
         DType::F64 => combine_float::<f64>(dst, src, op, f64::is_nan),
@@ -267,6 +347,9 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         DType::I32 => combine_int!(i32, dst, src, op),
         DType::I64 => combine_int!(i64, dst, src, op),
         DType::U8 => combine_int!(u8, dst, src, op),
+        DType::I8 => combine_int!(i8, dst, src, op),
+        DType::I16 => combine_int!(i16, dst, src, op),
+        DType::Bool => combine_bool(dst, src, op),
     }
 }
 
@@ -293,6 +376,10 @@ pub fn finish_avg(dtype: DType, buf: &mut [u8], world: usize) {
         DType::I32 => map::<i32>(buf, |a| a / world as i32),
         DType::I64 => map::<i64>(buf, |a| a / world as i64),
         DType::U8 => map::<u8>(buf, |a| (a as usize / world) as u8),
+        DType::I8 => map::<i8>(buf, |a| (a as i64 / world as i64) as i8),
+        DType::I16 => map::<i16>(buf, |a| (a as i64 / world as i64) as i16),
+        // Refused by `check_op` before the call; nothing to divide.
+        DType::Bool => {}
     }
 }
 
@@ -353,6 +440,33 @@ mod tests {
         reduce_into(DType::F64, ReduceOp::Sum, &mut store[d..d + 72], &src[s..s + 72]);
         let got: Vec<f64> = store[d..d + 72].chunks_exact(8).map(bytemuck::pod_read_unaligned).collect();
         assert_eq!(got, (0..9).map(|i| i as f64 * 2.5).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn bool_and_bitwise_ops_and_refusals() {
+        for (op, want) in [
+            (ReduceOp::Sum, [1u8, 1, 1, 0]),
+            (ReduceOp::Max, [1, 1, 1, 0]),
+            (ReduceOp::BOr, [1, 1, 1, 0]),
+            (ReduceOp::Prod, [1, 0, 0, 0]),
+            (ReduceOp::Min, [1, 0, 0, 0]),
+            (ReduceOp::BAnd, [1, 0, 0, 0]),
+            (ReduceOp::BXor, [0, 1, 1, 0]),
+        ] {
+            // 7 is a non-zero byte: read as true, written back as 1.
+            let mut d = vec![7u8, 1, 0, 0];
+            reduce_into(DType::Bool, op, &mut d, &[1, 0, 1, 0]);
+            assert_eq!(d, want, "bool {op}");
+        }
+        let mut d = bytes(&[0b1100i16, -1]);
+        reduce_into(DType::I16, ReduceOp::BXor, &mut d, &bytes(&[0b1010i16, 5]));
+        assert_eq!(bytemuck::cast_slice::<u8, i16>(&d), &[0b0110, !5]);
+        let mut d = bytes(&[-128i8, 100]);
+        reduce_into(DType::I8, ReduceOp::Sum, &mut d, &bytes(&[-1i8, 100]));
+        assert_eq!(bytemuck::cast_slice::<u8, i8>(&d), &[127, -56], "i8 sums wrap");
+        assert!(DType::F32.check_op(ReduceOp::BAnd).unwrap_err().contains("band is not defined on f32"));
+        assert!(DType::Bool.check_op(ReduceOp::Avg).unwrap_err().contains("avg is not defined on bool"));
+        assert!(DType::I8.check_op(ReduceOp::BXor).is_ok());
     }
 
     #[test]

@@ -44,6 +44,9 @@ _NUMPY = {
     np.dtype(np.int32): "i32",
     np.dtype(np.int64): "i64",
     np.dtype(np.uint8): "u8",
+    np.dtype(np.int8): "i8",
+    np.dtype(np.int16): "i16",
+    np.dtype(np.bool_): "bool",
 }
 
 
@@ -57,6 +60,9 @@ def _torch_dtypes() -> dict:
         torch.int32: "i32",
         torch.int64: "i64",
         torch.uint8: "u8",
+        torch.int8: "i8",
+        torch.int16: "i16",
+        torch.bool: "bool",
     }
 
 
@@ -116,7 +122,8 @@ class Communicator:
         return self._c.world_size
 
     def allreduce(self, x, op="sum", dtype=None):
-        """Reduces ``x`` across ranks in place (``sum``, ``prod``, ``min``, ``max``, ``avg``).
+        """Reduces ``x`` across ranks in place (``sum``, ``prod``, ``min``, ``max``, ``avg``;
+        ``band``, ``bor``, ``bxor`` on integers and bool).
 
         ``dtype`` (every method has it) overrides the element type, e.g. ``"bf16"`` for a
         ``uint16`` numpy array holding bfloat16 bits."""
@@ -175,6 +182,11 @@ class Communicator:
         b, _ = as_buffer(x)
         self._c.recv(b, src, tag)
         return x
+
+    def recv_any(self, x, tag=0) -> int:
+        """Receives into ``x`` from whichever rank sends under ``tag`` first; returns that rank."""
+        b, _ = as_buffer(x)
+        return self._c.recv_any(b, tag)
 
     def decide(self, op, nbytes, dtype="f32"):
         """The policy's choice for ``op`` over ``nbytes``: ``(algorithm, segment, protocol)``."""

@@ -429,3 +429,36 @@ mod tests {
         assert!(m.secret.is_some());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::parse_bytes;
+
+    /// settings/mobius.tsv is the declaration the docs are generated from; the defaults it
+    /// states must be the ones `CommConfig::new` uses.
+    #[test]
+    fn defaults_match_the_settings_schema() {
+        let schema = include_str!("../../../../settings/mobius.tsv");
+        let default = |key: &str| -> String {
+            schema
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .find_map(|l| l.strip_prefix(&format!("{key}\t")).map(|rest| rest.split('\t').nth(1).unwrap().to_string()))
+                .unwrap_or_else(|| panic!("{key} is not in settings/mobius.tsv"))
+        };
+        let c = CommConfig::new(0, 1);
+        assert_eq!(Duration::from_secs_f64(default("MOBIUS_TIMEOUT").parse().unwrap()), c.timeout);
+        assert_eq!(parse_bytes(&default("MOBIUS_EAGER_LIMIT")), Some(c.eager_limit));
+        assert_eq!(parse_bytes(&default("MOBIUS_MAX_MESSAGE")), Some(c.max_message));
+        assert_eq!(parse_bytes(&default("MOBIUS_POOL_BYTES")).map(|n| n as u64), Some(c.pool_bytes));
+        assert_eq!(default("MOBIUS_JOB"), c.job);
+        assert_eq!(default("MOBIUS_TRANSPORT"), "tcp");
+        assert!(matches!(c.transport, TransportKind::Tcp));
+        assert_eq!(default("MOBIUS_TUNE") == "on", c.tune);
+        assert_eq!(default("MOBIUS_REGCACHE") == "on", c.cache_registrations);
+        for unset in ["MOBIUS_SECRET", "MOBIUS_IFADDR", "MOBIUS_ALGO", "MOBIUS_PROTO", "MOBIUS_SEGMENT"] {
+            assert_eq!(default(unset), "-", "{unset}");
+        }
+    }
+}

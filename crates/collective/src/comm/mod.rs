@@ -21,6 +21,7 @@ use parking_lot::Mutex;
 use rdma_shuffle_fabric::mesh::{Mesh, MeshListener};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tracing::info;
 
@@ -68,7 +69,8 @@ struct State {
 
 /// A group of ranks that run collectives together.
 ///
-/// Calls on one communicator are serialised; every rank must make the same calls in the same
+/// Collective calls on one communicator are serialised (point-to-point calls may run beside
+/// them, from other threads); every rank must make the same calls in the same
 /// order with matching arguments (checked: a mismatch is an error naming the argument). A
 /// failed collective leaves the communicator unusable ([`CollectiveError::Broken`]).
 pub struct Communicator<T: Transport = MeshTransport> {
@@ -83,6 +85,10 @@ pub struct Communicator<T: Transport = MeshTransport> {
     addresses: Vec<SocketAddr>,
     /// (rank 0) The links measured for the cost model.
     links: Vec<LinkCost>,
+    // Point-to-point calls are counted outside `state`, which a collective holds for its
+    // whole run: a send or receive on another thread must not wait for it.
+    p2p_sent: AtomicU64,
+    p2p_received: AtomicU64,
 }
 
 /// What the start-up measurement found on one link.
@@ -227,6 +233,8 @@ impl<T: Transport> Communicator<T> {
             state: Mutex::new(State { calls: 0, broken: None, stats: CommStats::default() }),
             addresses: Vec::new(),
             links: Vec::new(),
+            p2p_sent: AtomicU64::new(0),
+            p2p_received: AtomicU64::new(0),
         };
         if world > 1 {
             let (model, links) =
@@ -405,6 +413,12 @@ impl<T: Transport> Communicator<T> {
     /// Counters.
     pub fn stats(&self) -> CommStats {
         let mut s = self.state.lock().stats.clone();
+        for (key, n) in [("send", &self.p2p_sent), ("recv", &self.p2p_received)] {
+            let n = n.load(Ordering::Relaxed);
+            if n > 0 {
+                s.calls.insert(key.to_string(), n);
+            }
+        }
         s.transport = self.t.stats();
         s
     }
@@ -423,6 +437,10 @@ impl<T: Transport> Communicator<T> {
             return Err(self.invalid(op, argument, format!("{bytes} bytes is not a whole number of {dtype} elements")));
         }
         Ok(bytes / dtype.size())
+    }
+
+    fn check_op(&self, op: Op, dtype: DType, reduce: ReduceOp) -> Result<(), CollectiveError> {
+        dtype.check_op(reduce).map_err(|m| self.invalid(op, "op", m))
     }
 
     fn check_root(&self, op: Op, root: usize) -> Result<(), CollectiveError> {

@@ -5,7 +5,8 @@ use crate::algo::{exchange, reducing, rooted};
 use crate::dtype::{finish_avg, DType, Element, ReduceOp};
 use crate::error::CollectiveError;
 use crate::policy::{Algo, Op};
-use crate::transport::{Tag, Transport};
+use crate::transport::{Tag, Transport, TransportErrorKind};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::Communicator;
@@ -13,6 +14,7 @@ use super::Communicator;
 impl<T: Transport> Communicator<T> {
     /// Allreduce of `buf` in place, as raw bytes of `dtype`.
     pub fn allreduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CollectiveError> {
+        self.check_op(Op::AllReduce, dtype, op)?;
         let count = self.elements(Op::AllReduce, "buf", buf.len(), dtype)?;
         let world = self.world;
         let len = buf.len();
@@ -53,6 +55,7 @@ impl<T: Transport> Communicator<T> {
     /// partial results afterwards (as torch's `reduce`).
     pub fn reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<(), CollectiveError> {
         self.check_root(Op::Reduce, root)?;
+        self.check_op(Op::Reduce, dtype, op)?;
         let count = self.elements(Op::Reduce, "buf", buf.len(), dtype)?;
         let (len, ptr, world) = (buf.len(), buf.as_mut_ptr(), self.world);
         self.run(Op::Reduce, dtype, Some(op), root, count, len, |ctx, algo| {
@@ -103,6 +106,7 @@ impl<T: Transport> Communicator<T> {
     /// Reduce-scatter: `send` holds world blocks of `recv.len()` bytes; rank `i`'s `recv`
     /// gets the reduction of every rank's block `i`.
     pub fn reduce_scatter_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CollectiveError> {
+        self.check_op(Op::ReduceScatter, dtype, op)?;
         let count = self.elements(Op::ReduceScatter, "recv", recv.len(), dtype)?;
         if send.len() != recv.len() * self.world {
             return Err(self.invalid(
@@ -210,8 +214,7 @@ impl<T: Transport> Communicator<T> {
                 .map_err(err)?;
             self.t.wait(tk, deadline).map_err(err)?;
         }
-        let mut st = self.state.lock();
-        *st.stats.calls.entry("send".into()).or_default() += 1;
+        self.p2p_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -219,7 +222,43 @@ impl<T: Transport> Communicator<T> {
     /// `buf.len()` bytes.
     pub fn recv_bytes(&self, buf: &mut [u8], src: usize, tag: u32) -> Result<(), CollectiveError> {
         self.p2p_check("recv", src, tag)?;
+        self.recv_rest(buf, src, tag, None, Instant::now() + self.timeout)
+    }
+
+    /// Receives into `buf` under `tag` from whichever rank sends first, and returns that
+    /// rank (torch's `recv` without a source). Peers are polled in turn, a millisecond
+    /// each, until the per-call timeout.
+    pub fn recv_any_bytes(&self, buf: &mut [u8], tag: u32) -> Result<usize, CollectiveError> {
+        self.p2p_check("recv", (self.rank + 1) % self.world.max(2), tag)?;
         let deadline = Instant::now() + self.timeout;
+        let label = format!("recv of {} bytes from any rank (tag {tag})", buf.len());
+        let err = |source| CollectiveError::Transport { rank: self.rank, op: label.clone(), source };
+        let slice = std::time::Duration::from_millis(1);
+        loop {
+            for src in (0..self.world).filter(|&p| p != self.rank) {
+                let until = (Instant::now() + slice).min(deadline);
+                match self.t.recv(src, Self::p2p_tag(tag, 0, false), Some((src, Self::p2p_tag(tag, 0, true))), until) {
+                    Ok(first) => {
+                        self.recv_rest(buf, src, tag, Some(first), deadline)?;
+                        return Ok(src);
+                    }
+                    Err(e) if matches!(e.kind, TransportErrorKind::Timeout { .. }) && Instant::now() < deadline => {}
+                    Err(e) => return Err(err(e)),
+                }
+            }
+        }
+    }
+
+    /// Receives the segments of one message from `src` (the first already taken when
+    /// `first` is given) into `buf`, checking the sender sent exactly `buf.len()` bytes.
+    fn recv_rest(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: u32,
+        mut first: Option<(usize, T::Buf)>,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
         let label = format!("recv of {} bytes from rank {src} (tag {tag})", buf.len());
         let err = |source| CollectiveError::Transport { rank: self.rank, op: label.clone(), source };
         let max = self.t.max_message();
@@ -233,18 +272,20 @@ impl<T: Transport> Communicator<T> {
         };
         for j in 0..n {
             let (lo, hi) = ((j * max).min(buf.len()), ((j + 1) * max).min(buf.len()));
-            let (which, msg) = self
-                .t
-                .recv(src, Self::p2p_tag(tag, j as u32, false), Some((src, Self::p2p_tag(tag, j as u32, true))), deadline)
-                .map_err(err)?;
+            let (which, msg) = match first.take() {
+                Some(m) => m,
+                None => self
+                    .t
+                    .recv(src, Self::p2p_tag(tag, j as u32, false), Some((src, Self::p2p_tag(tag, j as u32, true))), deadline)
+                    .map_err(err)?,
+            };
             let last = which == 1;
             if msg.len() != hi - lo || last != (j + 1 == n) {
                 return Err(mismatch(if last { format!("{} bytes", j * max + msg.len()) } else { "more".into() }));
             }
             buf[lo..hi].copy_from_slice(&msg);
         }
-        let mut st = self.state.lock();
-        *st.stats.calls.entry("recv".into()).or_default() += 1;
+        self.p2p_received.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

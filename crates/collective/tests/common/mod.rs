@@ -67,8 +67,9 @@ pub fn on_all<R: Send>(comms: &[Comm], f: impl Fn(usize, &Comm) -> R + Sync) -> 
 pub fn value(rank: usize, i: usize, op: ReduceOp, dtype: DType) -> f64 {
     let h = (rank * 7 + i * 3 + 1) % 11;
     match (op, dtype) {
+        (_, DType::Bool) => (h % 2) as f64,
         (ReduceOp::Prod, DType::U8) => [1.0, 2.0, 1.0, 3.0][h % 4],
-        (ReduceOp::Prod, DType::I32 | DType::I64) => [1.0, 2.0, -1.0, 3.0][h % 4],
+        (ReduceOp::Prod, DType::I32 | DType::I64 | DType::I8 | DType::I16) => [1.0, 2.0, -1.0, 3.0][h % 4],
         (ReduceOp::Prod, _) => [1.0, 2.0, -1.0, 0.5][h % 4],
         (_, DType::U8) => h as f64,
         _ => h as f64 - 5.0,
@@ -85,7 +86,9 @@ pub fn encode(dtype: DType, v: &[f64]) -> Vec<u8> {
             DType::BF16 => out.extend_from_slice(&bf16::from_f64(x).to_ne_bytes()),
             DType::I32 => out.extend_from_slice(&(x as i32).to_ne_bytes()),
             DType::I64 => out.extend_from_slice(&(x as i64).to_ne_bytes()),
-            DType::U8 => out.push(x as u8),
+            DType::U8 | DType::Bool => out.push(x as u8),
+            DType::I8 => out.push(x as i8 as u8),
+            DType::I16 => out.extend_from_slice(&(x as i16).to_ne_bytes()),
         }
     }
     out
@@ -98,8 +101,20 @@ pub fn input(rank: usize, n: usize, op: ReduceOp, dtype: DType) -> Vec<u8> {
 /// The reduction of element `i` over ranks, as the dtype stores it.
 pub fn reduced(world: usize, i: usize, op: ReduceOp, dtype: DType) -> f64 {
     let vals: Vec<f64> = (0..world).map(|r| value(r, i, op, dtype)).collect();
-    let int = matches!(dtype, DType::I32 | DType::I64 | DType::U8);
+    let int = !dtype.is_float();
+    let bits = |f: fn(i64, i64) -> i64| vals.iter().map(|&v| v as i64).reduce(f).unwrap_or(0) as f64;
+    if dtype == DType::Bool {
+        // Sum and max are "any", prod and min "all"; the bitwise ops are logical.
+        return match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => bits(|a, b| a | b),
+            ReduceOp::BXor => bits(|a, b| a ^ b),
+            _ => bits(|a, b| a & b),
+        };
+    }
     match op {
+        ReduceOp::BAnd => bits(|a, b| a & b),
+        ReduceOp::BOr => bits(|a, b| a | b),
+        ReduceOp::BXor => bits(|a, b| a ^ b),
         ReduceOp::Sum => vals.iter().sum(),
         ReduceOp::Prod => vals.iter().product(),
         ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
@@ -143,6 +158,15 @@ pub fn run_matrix_sizes(comms: &[Comm], label: &str, sizes: &[usize]) -> Vec<Str
             for &n in sizes {
                 for op in ReduceOp::ALL {
                     let tag = format!("{label} rank {rank} {dtype} {op} n={n}");
+                    if dtype.check_op(op).is_err() {
+                        // Refused on every rank before any byte moves, naming the pair.
+                        let mut buf = input(rank, n, ReduceOp::Sum, dtype);
+                        match c.allreduce_bytes(&mut buf, dtype, op) {
+                            Err(e) if e.to_string().contains(&format!("{op} is not defined on {dtype}")) => {}
+                            other => fails.push(format!("{tag}: expected a refusal, got {other:?}")),
+                        }
+                        continue;
+                    }
                     let mut buf = input(rank, n, op, dtype);
                     match c.allreduce_bytes(&mut buf, dtype, op) {
                         Ok(()) => check(&mut fails, format!("{tag} allreduce"), &buf, &expect(world, n, op, dtype, 0)),

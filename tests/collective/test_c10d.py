@@ -1,0 +1,45 @@
+"""The torch.distributed surface gloo offers on CPU, under "mobius": every collective × dtype ×
+reduce op against numpy, the object collectives, and asynchronous Works (pending until done,
+point-to-point that never blocks, errors at wait)."""
+
+import pytest
+
+from harness import Group, run
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_collective_dtype_and_op_matches_numpy(world, tmp_path):
+    # One launch per world runs the whole matrix (about 500 calls per rank).
+    res = run("torch_matrix", world, tmp_path, timeout=600)
+    for rank, r in res.items():
+        assert not r["failures"], f"rank {rank}: {len(r['failures'])} failures, first: {r['failures'][:5]}"
+        # 10 dtypes × 8 ops × 5 reducing collectives, of which float × bitwise (4 × 3) and
+        # bool × avg (1) are refused: 67 combinations × 5 = 335 refusals...
+        assert r["refused"] == 13 * 5, r["refused"]
+        # ...and every other call compared (reduce only on its root; gather on rank 0).
+        per_dtype_moves = 9 - (rank != 0)
+        reduced = (80 - 13) * (5 - (rank != world - 1))
+        assert r["checked"] == reduced + 10 * per_dtype_moves + 5 - (rank != 0), r["checked"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_work_is_pending_until_done_and_p2p_never_blocks(world, tmp_path):
+    res = run("torch_async", world, tmp_path)
+    for rank, r in res.items():
+        failed = [k for k, ok in r.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+    assert "dist_pending_before_wait" in res[0] and "backend_pending_before_wait" in res[0]
+    assert "recv_anysource" in res[0]
+    assert "irecv_before_isend" in res[1] and "wait_after_timeout" in res[1]
+
+
+def test_a_dead_peer_fails_the_pending_work_at_wait(tmp_path):
+    g = Group("torch_peer_dies", 2, tmp_path)
+    codes = g.wait(120)
+    assert codes[1] == -9, f"rank 1 should have killed itself: {codes}; logs:\n{g.tail()}"
+    assert codes[0] == 0, g.tail()
+    r = g.result(0)
+    assert r["pending_before_wait"]
+    assert r["error"] and "rank 1" in r["error"], r
+    assert r["future_error"] and "rank 1" in r["future_error"], r
+    assert r["future_done"]
