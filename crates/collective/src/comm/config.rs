@@ -394,6 +394,7 @@ fn interface_addrs() -> Vec<(String, IpAddr)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::parse_bytes;
 
     #[test]
     fn the_published_address_follows_the_settings_then_the_route_to_the_store() {
@@ -428,12 +429,6 @@ mod tests {
         assert_eq!(m.job, format!("mobius/{}", a.id));
         assert!(m.secret.is_some());
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::policy::parse_bytes;
 
     /// settings/mobius.tsv is the declaration the docs are generated from; the defaults it
     /// states must be the ones `CommConfig::new` uses.
@@ -457,7 +452,7 @@ mod tests {
         assert!(matches!(c.transport, TransportKind::Tcp));
         assert_eq!(default("MOBIUS_TUNE") == "on", c.tune);
         assert_eq!(default("MOBIUS_REGCACHE") == "on", c.cache_registrations);
-        for unset in ["MOBIUS_SECRET", "MOBIUS_IFADDR", "MOBIUS_ALGO", "MOBIUS_PROTO", "MOBIUS_SEGMENT"] {
+        for unset in ["MOBIUS_SECRET", "MOBIUS_IFADDR", "MOBIUS_SOCKET_IFNAME", "MOBIUS_ALGO", "MOBIUS_PROTO", "MOBIUS_SEGMENT"] {
             assert_eq!(default(unset), "-", "{unset}");
         }
     }
