@@ -24,7 +24,7 @@ pub mod providers;
 pub use driver::{
     BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats,
     Driver, DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
-    StreamConfig,
+    StreamConfig, DEFAULT_SPIN, MAX_SPIN,
 };
 pub use error::FabricError;
 pub use memory::pool;

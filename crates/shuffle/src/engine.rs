@@ -100,6 +100,10 @@ pub struct EngineConfig {
     pub gid_index: Option<u8>,
     /// `spark.app.id`: engines of different applications refuse each other.
     pub app_id: String,
+    /// How long the engine's loop spins before sleeping while a fetch is in flight
+    /// ([`DriverConfig::spin`]; default [`rdma_shuffle_fabric::DEFAULT_SPIN`]). Not a Spark
+    /// setting: benchmarks and tests set it.
+    pub spin: Duration,
 }
 
 /// Picks the provider for `transport`, with the reason (logged once by the caller).
@@ -171,6 +175,7 @@ impl Engine {
                 name: config.executor_id.clone(),
                 idle_timeout: config.idle_timeout,
                 max_bytes_exposed: config.max_bytes_exposed,
+                spin: config.spin,
                 ..DriverConfig::default()
             },
         )?;

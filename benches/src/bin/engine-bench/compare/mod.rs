@@ -29,6 +29,7 @@
 
 mod data;
 mod measure;
+mod probe;
 mod report;
 mod server;
 
@@ -41,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use data::{write_data, BlockSet};
 use measure::{EngineSide, Iperf, NettySide, Transfer};
+pub use probe::probe;
 use report::{report, table};
 use server::engine_config;
 pub use server::serve;
@@ -255,6 +257,35 @@ fn repeat(min_secs: f64, mut transfer: impl FnMut() -> R<Transfer>) -> R<Transfe
     Ok(all)
 }
 
+/// Starts the engine's server process (`engine-bench serve`) serving `sets` and opens the
+/// client's engine in this process.
+fn engine_pair<'a>(
+    dir: &std::path::Path,
+    sets: impl Iterator<Item = &'a BlockSet>,
+    spin: Option<Duration>,
+) -> R<(Proc, EngineSide)> {
+    let manifest = dir.join("manifest");
+    let mut m = String::new();
+    for set in sets {
+        for f in set.engine_files() {
+            m += &format!("{} {} {} {} {}\n", f.shuffle_id, f.map_id, set.parts, f.data_path.display(), f.index_path.display());
+        }
+    }
+    std::fs::write(&manifest, m).map_err(|e| format!("writing {}: {e}", manifest.display()))?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(["serve", "--manifest", &manifest.display().to_string()]);
+    if let Some(s) = spin {
+        cmd.args(["--spin-us", &s.as_micros().to_string()]);
+    }
+    let mut server = Proc::spawn("engine server", &mut cmd)?;
+    let port =
+        server.ready(Duration::from_secs(60))?.first().and_then(|p| p.parse::<u16>().ok()).ok_or("engine server: no port")?;
+    let engine = Engine::open(engine_config("bench-client", spin)).map_err(|e| format!("opening the client's engine: {e}"))?;
+    let side = EngineSide { engine, addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)), server_pid: server.pid() };
+    Ok((server, side))
+}
+
 /// Runs the comparison; prints progress on stderr, the table on stdout, writes the report.
 pub fn run(args: &[String]) -> R<()> {
     let cfg = Config::from_args(args)?;
@@ -268,25 +299,7 @@ pub fn run(args: &[String]) -> R<()> {
     );
     let (sets, small) = write_data(&cfg, dir.path())?;
 
-    // The engine's server process.
-    let manifest = dir.path().join("manifest");
-    let mut m = String::new();
-    for set in sets.iter().chain([&small]) {
-        for f in set.engine_files() {
-            m += &format!("{} {} {} {} {}\n", f.shuffle_id, f.map_id, set.parts, f.data_path.display(), f.index_path.display());
-        }
-    }
-    std::fs::write(&manifest, m).map_err(|e| format!("writing {}: {e}", manifest.display()))?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut engine_server =
-        Proc::spawn("engine server", Command::new(&exe).args(["serve", "--manifest", &manifest.display().to_string()]))?;
-    let port = engine_server
-        .ready(Duration::from_secs(60))?
-        .first()
-        .and_then(|p| p.parse::<u16>().ok())
-        .ok_or("engine server: no port")?;
-    let engine = Engine::open(engine_config("bench-client")).map_err(|e| format!("opening the client's engine: {e}"))?;
-    let e = EngineSide { engine, addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)), server_pid: engine_server.pid() };
+    let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), None)?;
 
     // Spark's transfer: two JVMs.
     let java = |mode: &[&str]| {
