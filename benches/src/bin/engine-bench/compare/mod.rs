@@ -21,7 +21,9 @@
 //!   opening RPC not timed, which flatters Spark; the engine: one whole fetch request).
 //!
 //! The report gives, per metric, the median over rounds with the range, the per-round values,
-//! and each target of issue 13 with the value reached (reported, never asserted).
+//! the context switches and CPU migrations of both processes of each system per 1,000 small
+//! blocks, and each target of issues 13 and 21 with the value reached (reported, never
+//! asserted).
 //!
 //! Layout: [`data`] writes the map outputs, [`server`] is the engine server process
 //! (`engine-bench serve`), [`measure`] times each system, [`report`] builds the JSON report and
@@ -33,6 +35,7 @@ mod probe;
 mod report;
 mod server;
 
+use rdma_shuffle_bench::procfs::{self, Sched};
 use rdma_shuffle_bench::{parse_size, percentile, Proc};
 use rdma_shuffle_shuffle::Engine;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -203,7 +206,22 @@ struct Round {
     netty_small: f64,
     engine_lat: Vec<f64>,
     netty_lat: Vec<f64>,
+    /// Scheduler counts of both processes of each system during its small-block runs:
+    /// (blocks/s run, latency run).
+    engine_sched: (Sched, Sched),
+    netty_sched: (Sched, Sched),
     order: &'static str,
+}
+
+/// Runs `f`, returning its result and what the scheduler did to `pids` meanwhile.
+fn counted<T>(pids: [u32; 2], f: impl FnOnce() -> R<T>) -> R<(T, Sched)> {
+    let s = || {
+        let (a, b) = (procfs::sched(pids[0]), procfs::sched(pids[1]));
+        Sched { switches: a.switches + b.switches, migrations: a.migrations + b.migrations }
+    };
+    let before = s();
+    let v = f()?;
+    Ok((v, s().since(before)))
 }
 
 fn run_round(
@@ -231,17 +249,22 @@ fn run_round(
         };
         round.bulk.push((et, nt));
     }
+    let (ep, np) = (e.pids(), n.pids());
+    let (es, ns, el, nl);
     if engine_first {
-        round.engine_small = e.small_rate(small, cfg.small_reps)?;
-        round.netty_small = n.small_rate(small, cfg.small_reps)?;
-        round.engine_lat = e.latency(small, cfg.lat_samples)?;
-        round.netty_lat = n.latency(small, cfg.lat_samples)?;
+        es = counted(ep, || e.small_rate(small, cfg.small_reps))?;
+        ns = counted(np, || n.small_rate(small, cfg.small_reps))?;
+        el = counted(ep, || e.latency(small, cfg.lat_samples))?;
+        nl = counted(np, || n.latency(small, cfg.lat_samples))?;
     } else {
-        round.netty_small = n.small_rate(small, cfg.small_reps)?;
-        round.engine_small = e.small_rate(small, cfg.small_reps)?;
-        round.netty_lat = n.latency(small, cfg.lat_samples)?;
-        round.engine_lat = e.latency(small, cfg.lat_samples)?;
+        ns = counted(np, || n.small_rate(small, cfg.small_reps))?;
+        es = counted(ep, || e.small_rate(small, cfg.small_reps))?;
+        nl = counted(np, || n.latency(small, cfg.lat_samples))?;
+        el = counted(ep, || e.latency(small, cfg.lat_samples))?;
     }
+    (round.engine_small, round.netty_small, round.engine_lat, round.netty_lat) = (es.0, ns.0, el.0, nl.0);
+    round.engine_sched = (es.1, el.1);
+    round.netty_sched = (ns.1, nl.1);
     Ok(round)
 }
 
