@@ -608,11 +608,17 @@ impl Loop {
                 }
             }
         }
+        // The requests, pulls and releases of one turn leave together (tcp: one writev).
+        conn.transport.cork();
+        let mut sent = Ok(());
         while let Some(f) = client_mut(conn).session.poll_transmit() {
-            if let Err(e) = conn.transport.send(&mut self.net, &f, OutPayload::None) {
-                self.fail(conn, e);
-                return;
+            sent = conn.transport.send(&mut self.net, &f, OutPayload::None);
+            if sent.is_err() {
+                break;
             }
+        }
+        if let Err(e) = sent.and(conn.transport.uncork()) {
+            self.fail(conn, e);
         }
     }
 
