@@ -64,8 +64,14 @@ def check_engine(r):
         need(s, ["bytes", "engine_gbps", "netty_gbps"], f"engine.json sizes[{s.get('bytes')}]", positive=True)
     for t in r.get("targets") or []:
         need(t, ["value", "goal"], f"engine.json target '{t.get('target')}'")
-    if len(r.get("targets") or []) != 5:
-        raise Incomplete("engine.json: expected the 5 targets of issue 13")
+    if len(r.get("targets") or []) != 10:
+        raise Incomplete("engine.json: expected the 10 targets of issues 13 and 21")
+    for sys in ("engine", "netty"):
+        for mode in ("one_at_a_time", "in_flight_64"):
+            x = ((r.get("scheduler") or {}).get(sys) or {}).get(mode)
+            if x is None:
+                raise Incomplete(f"engine.json: no scheduler counts for {sys} {mode}")
+            need(x.get("switches_per_1000") or {}, ["median"], f"engine.json scheduler {sys} {mode}", positive=True)
 
 
 def check_scale(r):

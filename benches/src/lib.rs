@@ -31,6 +31,57 @@ pub mod procfs {
         (t(11) + t(12)) / ticks.max(1.0)
     }
 
+    /// Scheduler counts of a process, summed over its threads.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Sched {
+        /// Context switches (voluntary and involuntary), `nr_switches` of
+        /// `/proc/PID/task/TID/sched` (the same events as perf's `context-switches`).
+        pub switches: u64,
+        /// Moves from one CPU to another, `se.nr_migrations` (perf's `cpu-migrations`); 0
+        /// when the kernel does not publish it (no `CONFIG_SCHED_DEBUG`).
+        pub migrations: u64,
+    }
+
+    impl Sched {
+        /// What happened between `before` and `self`.
+        pub fn since(self, before: Sched) -> Sched {
+            Sched {
+                switches: self.switches.saturating_sub(before.switches),
+                migrations: self.migrations.saturating_sub(before.migrations),
+            }
+        }
+    }
+
+    /// `pid`'s [`Sched`] now, over its live threads (a thread that ended is not counted: the
+    /// benchmarks measure long-lived threads); zeros when the process is gone.
+    pub fn sched(pid: u32) -> Sched {
+        let mut total = Sched::default();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return total };
+        for t in tasks.flatten() {
+            let path = t.path();
+            let field = |text: &str, name: &str| -> Option<u64> {
+                text.lines()
+                    .find(|l| l.split(':').next().map(str::trim) == Some(name))
+                    .and_then(|l| l.rsplit(':').next())
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .map(|v| v as u64)
+            };
+            match std::fs::read_to_string(path.join("sched")) {
+                Ok(text) => {
+                    total.switches += field(&text, "nr_switches").unwrap_or(0);
+                    total.migrations += field(&text, "se.nr_migrations").unwrap_or(0);
+                }
+                Err(_) => {
+                    // No sched file: the status file's two switch counts still give the total.
+                    let text = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+                    total.switches += field(&text, "voluntary_ctxt_switches").unwrap_or(0)
+                        + field(&text, "nonvoluntary_ctxt_switches").unwrap_or(0);
+                }
+            }
+        }
+        total
+    }
+
     /// What a process holds at one moment.
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
     pub struct Footprint {
@@ -119,6 +170,12 @@ impl BlockSink for Waiter {
         if s.left == 0 {
             self.cv.notify_all();
         }
+    }
+
+    /// A counter under a short lock and a notify: cheap enough for the loop thread (as a
+    /// consumer that queues the block for another thread is).
+    fn inline(&self) -> bool {
+        true
     }
 }
 
@@ -342,5 +399,17 @@ mod tests {
         std::hint::black_box(x);
         assert!(procfs::cpu_seconds(std::process::id()) > before, "10 s of spinning were charged no CPU");
         assert!(procfs::footprint(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn a_thread_that_sleeps_is_switched_out_and_counted() {
+        let before = procfs::sched(std::process::id());
+        // Each sleep takes the thread off its CPU: at least one switch per sleep.
+        for _ in 0..5 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let d = procfs::sched(std::process::id()).since(before);
+        assert!(d.switches >= 5, "{d:?}");
+        assert_eq!(procfs::sched(u32::MAX), procfs::Sched::default());
     }
 }

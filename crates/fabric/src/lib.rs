@@ -24,10 +24,12 @@ pub mod providers;
 pub use driver::{
     BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats,
     Driver, DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
-    StreamConfig,
+    StreamConfig, DEFAULT_SPIN, MAX_SPIN,
 };
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
 pub use providers::verbs;
-pub use providers::{Provider, ProviderKind, SimProvider, Source, TcpProvider};
+pub use providers::{
+    open_provider, OpenedProvider, Provider, ProviderChoice, ProviderKind, ProviderSpec, SimProvider, Source, TcpProvider,
+};

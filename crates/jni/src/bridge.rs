@@ -209,6 +209,17 @@ impl JvmSink {
 }
 
 impl BlockSink for JvmSink {
+    /// A fetched block is one JNI call that wraps the buffer and hands it to Spark's fetch
+    /// listener, which queues it for the task thread (`NativeBlockStoreClient.onBlock`;
+    /// `FetchCallback` documents that it must not block): cheap enough for the engine's loop
+    /// thread, which then attaches to the JVM once, as a daemon, and stays attached until it
+    /// ends. Failures take the delivery thread: their Java side may fetch through Spark's
+    /// own client or start a stream into a file. Like Netty's event loops, the loop stops for
+    /// a GC safepoint while it is in Java; the pause is the JVM's, not the loop's.
+    fn inline(&self) -> bool {
+        true
+    }
+
     fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
         // Never unwind into the engine's threads from Java trouble.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.call(index, result)));

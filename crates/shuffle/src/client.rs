@@ -54,6 +54,9 @@ impl BlockSink for SparkSink {
     fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
         self.0.on_block(index, result.map_err(render_failure))
     }
+    fn inline(&self) -> bool {
+        self.0.inline()
+    }
 }
 
 /// As [`SparkSink`], for a streamed block.

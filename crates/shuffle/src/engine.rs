@@ -5,7 +5,8 @@ use crate::knobs::{render_error, with_setting};
 use crate::{BlockClient, BlockServer, ServerError};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 use rdma_shuffle_fabric::{
-    ClientEndpointConfig, Driver, DriverConfig, FabricError, PoolError, Provider, ServerEndpointConfig, TcpProvider,
+    open_provider, ClientEndpointConfig, Driver, DriverConfig, FabricError, PoolError, Provider, ProviderChoice, ProviderSpec,
+    ServerEndpointConfig,
 };
 use rdma_shuffle_wire::{FailureCode, Limits, Secret};
 use std::fmt::Write as _;
@@ -100,42 +101,38 @@ pub struct EngineConfig {
     pub gid_index: Option<u8>,
     /// `spark.app.id`: engines of different applications refuse each other.
     pub app_id: String,
+    /// How long the engine's loop spins before sleeping while a fetch is in flight
+    /// ([`DriverConfig::spin`]; default [`rdma_shuffle_fabric::DEFAULT_SPIN`]). Not a Spark
+    /// setting: benchmarks and tests set it.
+    pub spin: Duration,
 }
 
-/// Picks the provider for `transport`, with the reason (logged once by the caller).
+/// Picks the provider for `transport`, with the reason (logged once by the caller), through
+/// fabric's [`open_provider`] (the one place providers are listed).
 ///
 /// `auto` tries verbs and falls back to tcp on any failure (no device, no active port,
 /// memlock too low), saying why; `verbs` fails instead of falling back.
 pub fn select_provider(config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), EngineError> {
-    match config.transport {
-        Transport::Tcp => Ok((Arc::new(TcpProvider::new()), "spark.shuffle.rdma.transport=tcp".into())),
-        Transport::Auto => match open_verbs(config) {
-            Ok(p) => Ok(p),
-            Err(why) => Ok((Arc::new(TcpProvider::new()), format!("transport=auto: using tcp because verbs is unusable: {why}"))),
-        },
-        Transport::Verbs => open_verbs(config).map_err(EngineError::Transport),
-    }
-}
-
-#[cfg(feature = "verbs")]
-fn open_verbs(config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), String> {
-    use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
-    let vc = VerbsConfig {
+    let choice = match config.transport {
+        Transport::Tcp => ProviderChoice::Tcp,
+        Transport::Auto => ProviderChoice::Auto,
+        Transport::Verbs => ProviderChoice::Verbs,
+    };
+    let spec = ProviderSpec {
+        choice,
         device: config.device.clone(),
         gid_index: config.gid_index,
-        max_message: config.eager_threshold.max(4096) + 4096,
-        recv_buffers: config.recv_buffers,
+        max_message: Some(config.eager_threshold.max(4096) + 4096),
+        recv_buffers: Some(config.recv_buffers),
         pool_bytes: config.pool_cap,
-        ..VerbsConfig::default()
     };
-    let p = VerbsProvider::open(vc).map_err(|e| render_error(&e))?;
-    let why = format!("transport: verbs on RDMA device {}", p.device());
-    Ok((Arc::new(p), why))
-}
-
-#[cfg(not(feature = "verbs"))]
-fn open_verbs(_config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), String> {
-    Err("this build of the native library has no verbs provider (libibverbs was not available)".into())
+    let opened = open_provider(&spec).map_err(|e| EngineError::Transport(render_error(&e)))?;
+    let why = match (&opened.fallback, config.transport) {
+        (Some(e), _) => format!("transport=auto: using tcp because verbs is unusable: {}", render_error(e)),
+        (None, Transport::Tcp) => "spark.shuffle.rdma.transport=tcp".into(),
+        (None, _) => format!("transport: {}", opened.description),
+    };
+    Ok((opened.provider, why))
 }
 
 /// An executor's engine: one driver (event loop, plus its delivery thread) runs both the
@@ -171,6 +168,7 @@ impl Engine {
                 name: config.executor_id.clone(),
                 idle_timeout: config.idle_timeout,
                 max_bytes_exposed: config.max_bytes_exposed,
+                spin: config.spin,
                 ..DriverConfig::default()
             },
         )?;

@@ -445,8 +445,8 @@ impl EngineConfig {
 }
 
 impl Default for EngineConfig {
-    /// The schema's defaults. Fields that are not settings start empty: no secret, executor
-    /// id `unknown`.
+    /// The schema's defaults. Fields that are not settings start empty (no secret, executor
+    /// id `unknown`) or at the engine's own default (`spin`).
     fn default() -> Self {
         // Placeholders only: every settings field is overwritten from the schema below.
         let mut c = EngineConfig {
@@ -469,6 +469,7 @@ impl Default for EngineConfig {
             device: None,
             gid_index: None,
             app_id: String::new(),
+            spin: rdma_shuffle_fabric::DEFAULT_SPIN,
         };
         for s in schema().iter().filter(|s| s.scope == Scope::Engine) {
             let v = s.default.map(|d| s.parse(d)).unwrap_or(Ok(Value::Unset));

@@ -5,6 +5,8 @@
 //!   transfer (spark-network-common's Netty server and client, in two JVMs) and the engine (two
 //!   processes); see [`compare`]. `scripts/bench-engine.sh` builds the Spark side and runs it.
 //! * `engine-bench serve --manifest FILE` — the engine's server process of `run`.
+//! * `engine-bench probe [...]` — the engine alone with 4 KiB blocks: latency, blocks/s,
+//!   context switches and migrations per 1,000 blocks, idle CPU; see `compare::probe`.
 //! * `engine-bench verbs-sweep [...]` (built with `--features verbs`, run on an RDMA device: the
 //!   SoftRoCE VM) compares eager SEND with rendezvous RDMA READ by block size; see
 //!   [`verbs_sweep`].
@@ -21,6 +23,7 @@ fn main() {
     let result = match args.get(1).map(String::as_str) {
         Some("run") => compare::run(rest),
         Some("serve") => compare::serve(rest),
+        Some("probe") => compare::probe(rest),
         Some("verbs-sweep") => {
             if let Err(e) = verbs_sweep::run(rest) {
                 eprintln!("{e}");

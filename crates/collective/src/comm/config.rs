@@ -4,7 +4,7 @@
 use crate::error::CollectiveError;
 use crate::policy::{parse_bytes, Overrides};
 use rdma_shuffle_fabric::mesh::MeshConfig;
-use rdma_shuffle_fabric::{PoolConfig, Provider, TcpProvider};
+use rdma_shuffle_fabric::{open_provider, PoolConfig, Provider, ProviderChoice, ProviderSpec};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
@@ -208,26 +208,19 @@ impl CommConfig {
         m
     }
 
-    /// The provider this configuration asks for.
+    /// The provider this configuration asks for (fabric's [`open_provider`], which lists the
+    /// providers).
     pub fn provider(&self) -> Result<Arc<dyn Provider>, CollectiveError> {
-        match &self.transport {
-            TransportKind::Tcp => Ok(Arc::new(TcpProvider::new())),
-            #[cfg(feature = "verbs")]
-            TransportKind::Verbs(device) => {
-                let vc = rdma_shuffle_fabric::verbs::VerbsConfig {
-                    device: device.clone(),
-                    pool_bytes: self.pool_bytes,
-                    ..Default::default()
-                };
-                let p = rdma_shuffle_fabric::verbs::VerbsProvider::open(vc)
-                    .map_err(|e| CollectiveError::Config(format!("MOBIUS_TRANSPORT=verbs: {e}")))?;
-                Ok(Arc::new(p))
-            }
-            #[cfg(not(feature = "verbs"))]
-            TransportKind::Verbs(_) => Err(CollectiveError::Config(
-                "MOBIUS_TRANSPORT=verbs: this build has no verbs provider (build with the `verbs` feature)".into(),
-            )),
-        }
+        let spec = match &self.transport {
+            TransportKind::Tcp => ProviderSpec::default(),
+            TransportKind::Verbs(device) => ProviderSpec {
+                choice: ProviderChoice::Verbs,
+                device: device.clone(),
+                pool_bytes: self.pool_bytes,
+                ..ProviderSpec::default()
+            },
+        };
+        open_provider(&spec).map(|o| o.provider).map_err(|e| CollectiveError::Config(format!("MOBIUS_TRANSPORT=verbs: {e}")))
     }
 }
 

@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 impl Loop {
     // ------------------------------------------------------------------ commands
 
-    pub(crate) fn commands(&mut self) {
+    /// Runs the commands other threads queued; whether there were any.
+    pub(crate) fn commands(&mut self) -> bool {
         let cmds: Vec<Command> = std::mem::take(&mut *self.shared.commands.lock());
+        let any = !cmds.is_empty();
         for c in cmds {
             match c {
                 Command::AddServer(a) => self.add_server(a),
@@ -33,6 +35,7 @@ impl Loop {
                 }
             }
         }
+        any
     }
 
     pub(crate) fn close_everything(&mut self, why: &str) {

@@ -131,6 +131,22 @@ impl Transport {
         }
     }
 
+    /// Holds what is sent from now on until [`uncork`](Self::uncork), which sends it together
+    /// (tcp: one `writev` for many small frames). A no-op where each send is one message.
+    pub(crate) fn cork(&mut self) {
+        if let Transport::Tcp(t) = self {
+            t.cork();
+        }
+    }
+
+    /// Ends [`cork`](Self::cork) and writes what was held.
+    pub(crate) fn uncork(&mut self) -> Result<(), FabricError> {
+        match self {
+            Transport::Tcp(t) => t.uncork().map(|_| ()),
+            _ => Ok(()),
+        }
+    }
+
     /// Sends raw bytes as one write or message (tests of a peer's decoder).
     pub(crate) fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
         let _ = &net;

@@ -1,11 +1,15 @@
-//! The delivery thread: hands block outcomes to their sinks, so a slow sink (a JVM callback)
+//! Delivery of block outcomes to their sinks: a fetched block of a cheap sink
+//! ([`BlockSink::inline`]) on the calling (loop) thread at once, everything else on the
+//! delivery thread, so a slow sink (a failure path that retries or asks another service)
 //! never stalls the loop's I/O.
 
 use super::client::{BlockSink, FetchedBlock};
+use super::stats::DriverStats;
 use crossbeam_channel::{unbounded, Sender};
 use parking_lot::Mutex;
 use rdma_shuffle_wire::BlockFailure;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -32,9 +36,20 @@ impl Delivery {
         Ok(Delivery { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
     }
 
-    /// Queues an outcome. After [`stop`](Self::stop) the outcome is delivered on the calling
-    /// thread instead, so none is ever lost.
-    pub(crate) fn send(&self, job: Job) {
+    /// Delivers an outcome: a fetched block of an [`inline`](BlockSink::inline) sink on the
+    /// calling thread now (counted in `inline`), anything else through the delivery thread's
+    /// queue (counted in `queued`). After [`stop`](Self::stop) every outcome is delivered on
+    /// the calling thread, so none is ever lost.
+    pub(crate) fn send(&self, job: Job, stats: &DriverStats) {
+        if job.2.is_ok() && job.0.inline() {
+            stats.inline_deliveries.fetch_add(1, Ordering::Relaxed);
+            let (sink, index, result) = job;
+            if catch_unwind(AssertUnwindSafe(|| sink.on_block(index, result))).is_err() {
+                tracing::error!(index, "a block sink panicked; its outcome is lost");
+            }
+            return;
+        }
+        stats.queued_deliveries.fetch_add(1, Ordering::Relaxed);
         let job = match self.tx.lock().as_ref() {
             Some(tx) => match tx.send(job) {
                 Ok(()) => return,

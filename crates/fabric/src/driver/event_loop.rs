@@ -105,10 +105,20 @@ impl Loop {
         // (verbs: the shared receive queue and the send buffers).
         self.update_registered();
         let mut events = Events::with_capacity(1024);
+        let spin = self.shared.config.spin.min(super::MAX_SPIN);
+        // Until when the loop polls without sleeping: `spin` after the last turn with work.
+        let mut spin_until: Option<Instant> = None;
         loop {
             let now = Instant::now();
             let mut timeout = self.timers.next().map(|t| t.saturating_duration_since(now));
             if !self.again.is_empty() || self.mem_dirty || self.exposure.dirty || self.shared.mem_wake.load(Ordering::Acquire) {
+                timeout = Some(Duration::ZERO);
+            }
+            // Spin (poll without sleeping) only while an answer is on its way to a request of
+            // ours: then it saves the loop a wake-up. Spinning otherwise, after a reply sent or
+            // a block delivered, only takes a core from the thread that the block woke (on
+            // two cores, measured: the one-at-a-time latency grew by about twice the spin).
+            if timeout != Some(Duration::ZERO) && spin_until.is_some_and(|u| now < u) && self.awaiting_answers() {
                 timeout = Some(Duration::ZERO);
             }
             if let Some(x) = self.exiting {
@@ -123,6 +133,7 @@ impl Loop {
                     break;
                 }
             }
+            let mut worked = !events.is_empty();
             for ev in events.iter() {
                 let t = ev.token();
                 match t.0 & KIND_MASK {
@@ -145,8 +156,9 @@ impl Loop {
                     _ => {}
                 }
             }
-            self.commands();
+            worked |= self.commands();
             let ready: Vec<u64> = std::mem::take(&mut *self.shared.ready.lock());
+            worked |= !ready.is_empty();
             for k in ready {
                 if k & (1 << 63) != 0 {
                     self.accept(k & !(1 << 63));
@@ -168,6 +180,11 @@ impl Loop {
                 self.drive(k);
             }
             self.fire_timers();
+            if worked && !spin.is_zero() {
+                spin_until = Some(Instant::now() + spin);
+            } else if spin_until.is_some_and(|u| Instant::now() >= u) {
+                spin_until = None;
+            }
         }
         self.close_everything("the engine stopped");
         tracing::debug!(driver = %self.shared.name, "loop stopped");

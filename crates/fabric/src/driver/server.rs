@@ -425,8 +425,17 @@ impl Loop {
         }
     }
 
-    /// Acts on what the session produced: frames, payloads, exposures and revocations.
+    /// Acts on what the session produced: frames, payloads, exposures and revocations. The
+    /// frames of one turn leave together (one `writev` for many small ones on tcp).
     pub(crate) fn server_after(&mut self, conn: &mut Conn) {
+        conn.transport.cork();
+        self.server_outputs(conn);
+        if let Err(e) = conn.transport.uncork() {
+            self.fail(conn, e);
+        }
+    }
+
+    fn server_outputs(&mut self, conn: &mut Conn) {
         let ep_id = server_mut(conn).ep;
         while let Some(out) = server_mut(conn).session.poll_output() {
             let r = match out {

@@ -4,7 +4,7 @@
 //! sim providers register nothing ([`NoRegistration`]); the verbs provider registers each slab
 //! with its protection domain.
 
-use super::pool::PoolError;
+use super::pool::config::PoolError;
 
 /// Keys of a registered memory region, as the provider needs them to post work on it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]

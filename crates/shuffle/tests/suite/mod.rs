@@ -303,6 +303,63 @@ pub fn unknown_blocks_get_typed_errors(f: Factory) {
     assert_eq!(got[&0].as_ref().unwrap_err().code, FailureCode::UnknownGroup);
 }
 
+/// Records on which thread each outcome arrived, for a sink that is [`BlockSink::inline`] or
+/// not.
+struct ThreadSink {
+    inline: bool,
+    got: Mutex<Vec<(usize, bool, String)>>,
+    cv: Condvar,
+}
+
+impl BlockSink for ThreadSink {
+    fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
+        let name = std::thread::current().name().unwrap_or("?").to_string();
+        let ok = result.is_ok();
+        // The buffer goes back before the outcome is seen (the test checks the pool after).
+        drop(result);
+        self.got.lock().push((index, ok, name));
+        self.cv.notify_all();
+    }
+    fn inline(&self) -> bool {
+        self.inline
+    }
+}
+
+pub fn an_inline_sink_gets_its_blocks_on_the_loop_and_its_failures_on_the_delivery_thread(f: Factory) {
+    let fx = server_with(f, server_cfg(None), 1);
+    let c = client(f, None, 64 << 20);
+    let o = &fx.outputs[0];
+    // Inline and rendezvous blocks (layout: 100 bytes, 200 000 bytes), an empty one, and one
+    // the server does not have.
+    let blocks = [
+        ShuffleBlock::single(3, o.map_id, 2),
+        ShuffleBlock::single(3, o.map_id, 6),
+        ShuffleBlock::single(3, o.map_id, 0),
+        ShuffleBlock::single(77, 1, 0),
+    ];
+    let stats = c.driver().stats();
+    for inline in [true, false] {
+        let (in0, queued0) = (stats.inline_deliveries.load(Ordering::Relaxed), stats.queued_deliveries.load(Ordering::Relaxed));
+        let sink = Arc::new(ThreadSink { inline, got: Mutex::new(Vec::new()), cv: Condvar::new() });
+        c.fetch(fx.server.local_addr(), &blocks, sink.clone());
+        let deadline = Instant::now() + T;
+        let mut got = sink.got.lock();
+        while got.len() < blocks.len() {
+            assert!(!sink.cv.wait_until(&mut got, deadline).timed_out(), "only {} outcomes: {got:?}", got.len());
+        }
+        got.sort();
+        for (i, ok, thread) in got.iter() {
+            assert_eq!(*ok, *i != 3, "block {i}: {got:?}");
+            let want = if inline && *ok { "rdma-shuffle-loop-" } else { "rdma-shuffle-deliver-" };
+            assert!(thread.starts_with(want), "inline sink {inline}, block {i} (ok {ok}) arrived on {thread}");
+        }
+        let inl = stats.inline_deliveries.load(Ordering::Relaxed) - in0;
+        let queued = stats.queued_deliveries.load(Ordering::Relaxed) - queued0;
+        assert_eq!((inl, queued), if inline { (3, 1) } else { (0, 4) }, "inline sink {inline}");
+    }
+    assert_eq!(c.pool().stats().bytes_in_use, 0, "every buffer went back to the pool");
+}
+
 pub fn corrupt_indexes_get_typed_errors(f: Factory) {
     let provider = f();
     let dir = tempfile::tempdir().unwrap();
@@ -642,6 +699,7 @@ macro_rules! provider_suite {
             wrong_secret_is_refused_and_server_keeps_serving,
             credits_run_out_and_refill,
             unknown_blocks_get_typed_errors,
+            an_inline_sink_gets_its_blocks_on_the_loop_and_its_failures_on_the_delivery_thread,
             corrupt_indexes_get_typed_errors,
             bad_input_gets_typed_errors_and_server_keeps_serving,
             client_vanishing_mid_stream_leaves_server_serving,

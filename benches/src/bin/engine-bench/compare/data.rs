@@ -73,10 +73,7 @@ pub(super) fn write_data(cfg: &Config, dir: &Path) -> R<(Vec<BlockSet>, BlockSet
         }
         sets.push(BlockSet { shuffle_id: SHUFFLE_BULK_BASE + k as u32, maps, parts, size });
     }
-    let small = write_map_output(dir, SHUFFLE_SMALL, 0, &[SMALL; SMALL_PARTS], 99)
-        .map_err(io(format!("writing the small blocks in {}", dir.display())))?;
-    let small =
-        BlockSet { shuffle_id: SHUFFLE_SMALL, maps: vec![(small.data_path, small.index_path)], parts: SMALL_PARTS, size: SMALL };
+    let small = write_small(dir)?;
     for s in sets.iter().chain([&small]) {
         for (d, i) in &s.maps {
             for p in [d, i] {
@@ -88,4 +85,11 @@ pub(super) fn write_data(cfg: &Config, dir: &Path) -> R<(Vec<BlockSet>, BlockSet
         }
     }
     Ok((sets, small))
+}
+
+/// Writes the small blocks' map output (1024 x 4 KiB).
+pub(super) fn write_small(dir: &Path) -> R<BlockSet> {
+    let small = write_map_output(dir, SHUFFLE_SMALL, 0, &[SMALL; SMALL_PARTS], 99)
+        .map_err(|e| format!("writing the small blocks in {}: {e}", dir.display()))?;
+    Ok(BlockSet { shuffle_id: SHUFFLE_SMALL, maps: vec![(small.data_path, small.index_path)], parts: SMALL_PARTS, size: SMALL })
 }

@@ -53,6 +53,11 @@ pub(super) struct EngineSide {
 }
 
 impl EngineSide {
+    /// Client (this process) and server.
+    pub(super) fn pids(&self) -> [u32; 2] {
+        [std::process::id(), self.server_pid]
+    }
+
     fn cpu(&self) -> f64 {
         procfs::cpu_seconds(std::process::id()) + procfs::cpu_seconds(self.server_pid)
     }
@@ -111,6 +116,11 @@ pub(super) struct NettySide {
 }
 
 impl NettySide {
+    /// Client and server JVMs.
+    pub(super) fn pids(&self) -> [u32; 2] {
+        [self.client.pid(), self.server.pid()]
+    }
+
     fn cpu(&self) -> f64 {
         procfs::cpu_seconds(self.client.pid()) + procfs::cpu_seconds(self.server.pid())
     }

@@ -21,7 +21,9 @@
 //!   opening RPC not timed, which flatters Spark; the engine: one whole fetch request).
 //!
 //! The report gives, per metric, the median over rounds with the range, the per-round values,
-//! and each target of issue 13 with the value reached (reported, never asserted).
+//! the context switches and CPU migrations of both processes of each system per 1,000 small
+//! blocks, and each target of issues 13 and 21 with the value reached (reported, never
+//! asserted).
 //!
 //! Layout: [`data`] writes the map outputs, [`server`] is the engine server process
 //! (`engine-bench serve`), [`measure`] times each system, [`report`] builds the JSON report and
@@ -29,9 +31,11 @@
 
 mod data;
 mod measure;
+mod probe;
 mod report;
 mod server;
 
+use rdma_shuffle_bench::procfs::{self, Sched};
 use rdma_shuffle_bench::{parse_size, percentile, Proc};
 use rdma_shuffle_shuffle::Engine;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -41,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use data::{write_data, BlockSet};
 use measure::{EngineSide, Iperf, NettySide, Transfer};
+pub use probe::probe;
 use report::{report, table};
 use server::engine_config;
 pub use server::serve;
@@ -201,7 +206,22 @@ struct Round {
     netty_small: f64,
     engine_lat: Vec<f64>,
     netty_lat: Vec<f64>,
+    /// Scheduler counts of both processes of each system during its small-block runs:
+    /// (blocks/s run, latency run).
+    engine_sched: (Sched, Sched),
+    netty_sched: (Sched, Sched),
     order: &'static str,
+}
+
+/// Runs `f`, returning its result and what the scheduler did to `pids` meanwhile.
+fn counted<T>(pids: [u32; 2], f: impl FnOnce() -> R<T>) -> R<(T, Sched)> {
+    let s = || {
+        let (a, b) = (procfs::sched(pids[0]), procfs::sched(pids[1]));
+        Sched { switches: a.switches + b.switches, migrations: a.migrations + b.migrations }
+    };
+    let before = s();
+    let v = f()?;
+    Ok((v, s().since(before)))
 }
 
 fn run_round(
@@ -229,17 +249,22 @@ fn run_round(
         };
         round.bulk.push((et, nt));
     }
+    let (ep, np) = (e.pids(), n.pids());
+    let (es, ns, el, nl);
     if engine_first {
-        round.engine_small = e.small_rate(small, cfg.small_reps)?;
-        round.netty_small = n.small_rate(small, cfg.small_reps)?;
-        round.engine_lat = e.latency(small, cfg.lat_samples)?;
-        round.netty_lat = n.latency(small, cfg.lat_samples)?;
+        es = counted(ep, || e.small_rate(small, cfg.small_reps))?;
+        ns = counted(np, || n.small_rate(small, cfg.small_reps))?;
+        el = counted(ep, || e.latency(small, cfg.lat_samples))?;
+        nl = counted(np, || n.latency(small, cfg.lat_samples))?;
     } else {
-        round.netty_small = n.small_rate(small, cfg.small_reps)?;
-        round.engine_small = e.small_rate(small, cfg.small_reps)?;
-        round.netty_lat = n.latency(small, cfg.lat_samples)?;
-        round.engine_lat = e.latency(small, cfg.lat_samples)?;
+        ns = counted(np, || n.small_rate(small, cfg.small_reps))?;
+        es = counted(ep, || e.small_rate(small, cfg.small_reps))?;
+        nl = counted(np, || n.latency(small, cfg.lat_samples))?;
+        el = counted(ep, || e.latency(small, cfg.lat_samples))?;
     }
+    (round.engine_small, round.netty_small, round.engine_lat, round.netty_lat) = (es.0, ns.0, el.0, nl.0);
+    round.engine_sched = (es.1, el.1);
+    round.netty_sched = (ns.1, nl.1);
     Ok(round)
 }
 
@@ -255,6 +280,35 @@ fn repeat(min_secs: f64, mut transfer: impl FnMut() -> R<Transfer>) -> R<Transfe
     Ok(all)
 }
 
+/// Starts the engine's server process (`engine-bench serve`) serving `sets` and opens the
+/// client's engine in this process.
+fn engine_pair<'a>(
+    dir: &std::path::Path,
+    sets: impl Iterator<Item = &'a BlockSet>,
+    spin: Option<Duration>,
+) -> R<(Proc, EngineSide)> {
+    let manifest = dir.join("manifest");
+    let mut m = String::new();
+    for set in sets {
+        for f in set.engine_files() {
+            m += &format!("{} {} {} {} {}\n", f.shuffle_id, f.map_id, set.parts, f.data_path.display(), f.index_path.display());
+        }
+    }
+    std::fs::write(&manifest, m).map_err(|e| format!("writing {}: {e}", manifest.display()))?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(["serve", "--manifest", &manifest.display().to_string()]);
+    if let Some(s) = spin {
+        cmd.args(["--spin-us", &s.as_micros().to_string()]);
+    }
+    let mut server = Proc::spawn("engine server", &mut cmd)?;
+    let port =
+        server.ready(Duration::from_secs(60))?.first().and_then(|p| p.parse::<u16>().ok()).ok_or("engine server: no port")?;
+    let engine = Engine::open(engine_config("bench-client", spin)).map_err(|e| format!("opening the client's engine: {e}"))?;
+    let side = EngineSide { engine, addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)), server_pid: server.pid() };
+    Ok((server, side))
+}
+
 /// Runs the comparison; prints progress on stderr, the table on stdout, writes the report.
 pub fn run(args: &[String]) -> R<()> {
     let cfg = Config::from_args(args)?;
@@ -268,25 +322,7 @@ pub fn run(args: &[String]) -> R<()> {
     );
     let (sets, small) = write_data(&cfg, dir.path())?;
 
-    // The engine's server process.
-    let manifest = dir.path().join("manifest");
-    let mut m = String::new();
-    for set in sets.iter().chain([&small]) {
-        for f in set.engine_files() {
-            m += &format!("{} {} {} {} {}\n", f.shuffle_id, f.map_id, set.parts, f.data_path.display(), f.index_path.display());
-        }
-    }
-    std::fs::write(&manifest, m).map_err(|e| format!("writing {}: {e}", manifest.display()))?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut engine_server =
-        Proc::spawn("engine server", Command::new(&exe).args(["serve", "--manifest", &manifest.display().to_string()]))?;
-    let port = engine_server
-        .ready(Duration::from_secs(60))?
-        .first()
-        .and_then(|p| p.parse::<u16>().ok())
-        .ok_or("engine server: no port")?;
-    let engine = Engine::open(engine_config("bench-client")).map_err(|e| format!("opening the client's engine: {e}"))?;
-    let e = EngineSide { engine, addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)), server_pid: engine_server.pid() };
+    let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), None)?;
 
     // Spark's transfer: two JVMs.
     let java = |mode: &[&str]| {

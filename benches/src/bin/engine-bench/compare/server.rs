@@ -5,17 +5,20 @@ use rdma_shuffle_shuffle::{Engine, EngineConfig, Transport};
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use super::{BYTES_IN_FLIGHT, R, SMALL_IN_FLIGHT};
 
-pub(super) fn engine_config(id: &str) -> EngineConfig {
+pub(super) fn engine_config(id: &str, spin: Option<Duration>) -> EngineConfig {
+    let base = EngineConfig::default();
     EngineConfig {
+        spin: spin.unwrap_or(base.spin),
         transport: Transport::Tcp,
         bind_host: Ipv4Addr::LOCALHOST.into(),
         executor_id: id.into(),
         credits: SMALL_IN_FLIGHT,
         max_bytes_in_flight: BYTES_IN_FLIGHT as u64,
-        ..EngineConfig::default()
+        ..base
     }
 }
 
@@ -23,12 +26,16 @@ pub(super) fn engine_config(id: &str) -> EngineConfig {
 /// (lines `shuffle map partitions data index`); prints `ready <port>`, serves until its
 /// standard input closes.
 pub fn serve(args: &[String]) -> R<()> {
-    let manifest = match args {
-        [flag, path] if flag == "--manifest" => PathBuf::from(path),
-        _ => return Err("usage: engine-bench serve --manifest FILE".into()),
+    let usage = || "usage: engine-bench serve --manifest FILE [--spin-us N]".to_string();
+    let (manifest, spin) = match args {
+        [flag, path] if flag == "--manifest" => (PathBuf::from(path), None),
+        [flag, path, s, us] if flag == "--manifest" && s == "--spin-us" => {
+            (PathBuf::from(path), Some(Duration::from_micros(us.parse().map_err(|_| usage())?)))
+        }
+        _ => return Err(usage()),
     };
     let text = std::fs::read_to_string(&manifest).map_err(|e| format!("reading {}: {e}", manifest.display()))?;
-    let engine = Engine::open(engine_config("bench-server")).map_err(|e| format!("opening the server's engine: {e}"))?;
+    let engine = Engine::open(engine_config("bench-server", spin)).map_err(|e| format!("opening the server's engine: {e}"))?;
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let w: Vec<&str> = line.split_whitespace().collect();
         let [s, m, p, d, i] = w[..] else { return Err(format!("{}: bad line '{line}'", manifest.display())) };

@@ -130,7 +130,7 @@ impl Loop {
             MemWait::Staged { ep, sink, index, bytes } => {
                 let Some(e) = self.clients.get(&ep) else {
                     let f = BlockFailure::new(FailureCode::PeerGone, "the client endpoint was shut down");
-                    self.shared.delivery.send((sink, index, Err(f)));
+                    self.shared.delivery.send((sink, index, Err(f)), &self.shared.stats);
                     return None;
                 };
                 match e.pool.try_acquire(bytes.len()) {
@@ -210,7 +210,7 @@ impl Loop {
                 }
             }
         }
-        self.shared.delivery.send((sink, index, Ok(FetchedBlock { lease, _budget: guard, block_len })));
+        self.shared.delivery.send((sink, index, Ok(FetchedBlock { lease, _budget: guard, block_len })), &self.shared.stats);
     }
 
     pub(super) fn deliver_err(&self, ep_id: u64, sink: Arc<dyn BlockSink>, index: usize, failure: BlockFailure) {
@@ -218,6 +218,6 @@ impl Loop {
             ep.stats.failed_blocks.fetch_add(1, Ordering::Relaxed);
             ep.stats.failed_by_code[code_index(failure.code)].fetch_add(1, Ordering::Relaxed);
         }
-        self.shared.delivery.send((sink, index, Err(failure)));
+        self.shared.delivery.send((sink, index, Err(failure)), &self.shared.stats);
     }
 }

@@ -1,6 +1,7 @@
 //! The fetching endpoint: one connection per server address, a [`ClientSession`] each, all
 //! run by the driver's loop. Fetched blocks land in [`TieredPool`] buffers and go to a
-//! [`BlockSink`] on the driver's delivery thread.
+//! [`BlockSink`]: on the loop thread itself when the sink is cheap ([`BlockSink::inline`]),
+//! otherwise on the driver's delivery thread.
 //!
 //! Memory: a block's buffer is taken with `try_acquire` only, never waited for. A
 //! rendezvous block that finds no buffer (or no room in the bytes-in-flight budget) waits in
@@ -33,11 +34,24 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Receives the outcome of each block of one fetch, exactly once per block, on the driver's
-/// delivery thread.
+/// Receives the outcome of each block of one fetch, exactly once per block: on the driver's
+/// delivery thread, or, for a fetched block of a sink whose [`inline`](Self::inline) says so,
+/// directly on the driver's loop thread.
 pub trait BlockSink: Send + Sync {
     /// Block `index` of the fetch's list arrived (`Ok`) or failed (`Err`).
     fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>);
+
+    /// Whether [`on_block`](Self::on_block) with a fetched block (`Ok`) is cheap and never
+    /// waits: it does no I/O, holds no lock for long, and never waits for this engine (no
+    /// fetch-and-wait, no shutdown). Then the loop calls it on its own thread as the block
+    /// completes, with no hand-off to the delivery thread (one thread wake-up less per block:
+    /// the caller that waits for the block is woken by the sink itself). Failures always go
+    /// through the delivery thread: a sink's failure path may do slow work (retries, a call
+    /// to another service). The default, `false`, keeps every outcome off the loop, so a slow
+    /// sink never stalls I/O.
+    fn inline(&self) -> bool {
+        false
+    }
 }
 
 /// A fetched block's bytes, in pool memory until dropped.
@@ -234,7 +248,8 @@ impl ClientEndpoint {
     }
 
     /// Fetches `blocks` from the server at `addr`. Returns at once; `sink` gets every block's
-    /// outcome exactly once, on the delivery thread.
+    /// outcome exactly once, on the delivery thread (fetched blocks of an
+    /// [`inline`](BlockSink::inline) sink: on the loop thread).
     pub fn fetch(&self, addr: SocketAddr, blocks: Vec<BlockSpan>, sink: Arc<dyn BlockSink>) {
         if blocks.is_empty() {
             return;
@@ -468,7 +483,7 @@ impl Loop {
                     ep.stats.failed_blocks.fetch_add(1, Ordering::Relaxed);
                     ep.stats.failed_by_code[code_index(code)].fetch_add(1, Ordering::Relaxed);
                 }
-                lp.shared.delivery.send((sink.clone(), i, Err(failure)));
+                lp.shared.delivery.send((sink.clone(), i, Err(failure)), &lp.shared.stats);
             }
         };
         let Some(ep) = self.clients.get(&client) else {
@@ -593,11 +608,17 @@ impl Loop {
                 }
             }
         }
+        // The requests, pulls and releases of one turn leave together (tcp: one writev).
+        conn.transport.cork();
+        let mut sent = Ok(());
         while let Some(f) = client_mut(conn).session.poll_transmit() {
-            if let Err(e) = conn.transport.send(&mut self.net, &f, OutPayload::None) {
-                self.fail(conn, e);
-                return;
+            sent = conn.transport.send(&mut self.net, &f, OutPayload::None);
+            if sent.is_err() {
+                break;
             }
+        }
+        if let Err(e) = sent.and(conn.transport.uncork()) {
+            self.fail(conn, e);
         }
     }
 
@@ -674,6 +695,18 @@ impl Loop {
                 ep.conns.remove(&addr);
             }
         }
+    }
+
+    /// Whether a client connection waits for answers from its server (blocks asked for and
+    /// not yet complete, and none of them waiting for local memory): what makes spinning
+    /// before sleeping worth it, since the answer is on its way.
+    pub(crate) fn awaiting_answers(&self) -> bool {
+        self.clients.values().flat_map(|ep| ep.conns.values()).any(|k| {
+            self.conn_ref(*k).is_some_and(|conn| match &conn.role {
+                Role::Client(c) => c.session.outstanding_blocks() > 0 && !c.blocked(),
+                _ => false,
+            })
+        })
     }
 
     /// Blocks of `ep` the driver still holds (for shutdown accounting in tests).

@@ -1,9 +1,31 @@
-//! The pool's configuration, errors and counters.
+//! The pool's configuration, errors and counters, and the layout the configuration gives
+//! (tier sizes, page rounding). A leaf: it imports nothing else of the pool.
 
-use super::{page_size, round_up, TierSpec};
 use rdma_shuffle_wire::Knob;
 use std::error::Error as StdError;
 use std::io;
+use std::sync::OnceLock;
+
+/// One tier's layout: buffer size and buffers per slab.
+pub(super) struct TierSpec {
+    pub(super) size: usize,
+    pub(super) per_slab: u32,
+}
+
+/// The system page size (at least [`SLAB_ALIGN`]).
+pub(super) fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(page).unwrap_or(SLAB_ALIGN).max(SLAB_ALIGN)
+    })
+}
+
+/// `n` rounded up to a multiple of `to`, and at least `to`: a mapping is never empty.
+pub(super) fn round_up(n: usize, to: usize) -> Option<usize> {
+    Some((n.checked_add(to - 1)? / to * to).max(to))
+}
 
 /// What names [`PoolConfig::cap_bytes`] in errors: the layer that owns the settings renders
 /// the key a user sets it with.

@@ -18,7 +18,9 @@
 //! `ibv_reg_mr` of a 16 MiB slab pins 4096 pages and must not stall every other acquire. The
 //! bytes are *reserved* under the lock first, so the cap holds while the lock is released.
 
-mod config;
+// Visible to `memory::registration`, whose errors are the pool's: it imports them from this leaf,
+// not through the pool (which imports registration), so the two do not import each other.
+pub(in crate::memory) mod config;
 mod slabs;
 #[cfg(test)]
 mod tests;
@@ -26,12 +28,15 @@ mod tests;
 pub use super::registration::{NoRegistration, RegionKeys, Registrar};
 pub use config::{PoolConfig, PoolError, PoolStats, CAP_KNOB, DEFAULT_TIERS, MAX_TIERS, SLAB_ALIGN};
 
+use config::page_size;
+#[cfg(test)]
+use config::round_up;
 pub use slabs::ReleaseHook;
-use slabs::{BufRef, Class, Origin, Reservation, Shared, State, Step, Taken, TierSpec, TierState};
+use slabs::{BufRef, Class, Origin, Reservation, Shared, State, Step, Taken, TierState};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
@@ -396,18 +401,4 @@ impl Drop for Lease {
             }
         }
     }
-}
-
-fn page_size() -> usize {
-    static PAGE: OnceLock<usize> = OnceLock::new();
-    *PAGE.get_or_init(|| {
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        usize::try_from(page).unwrap_or(SLAB_ALIGN).max(SLAB_ALIGN)
-    })
-}
-
-/// `n` rounded up to a multiple of `to`, and at least `to`: a mapping is never empty.
-fn round_up(n: usize, to: usize) -> Option<usize> {
-    Some((n.checked_add(to - 1)? / to * to).max(to))
 }

@@ -1,7 +1,6 @@
 //! The pool's internals: tiers of slabs, free lists, reservations under the cap, reclaim.
 
-use super::config::{PoolConfig, PoolError, PoolStats};
-use super::round_up;
+use super::config::{round_up, PoolConfig, PoolError, PoolStats, TierSpec};
 use crate::memory::registration::{RegionKeys, Registrar};
 use memmap2::{MmapMut, MmapRaw};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -31,11 +30,6 @@ pub(super) struct Shared {
     /// Told (outside the state lock) whenever a lease comes back: lets an event loop that
     /// never blocks on the pool retry its `try_acquire`s.
     pub(super) hooks: Mutex<Vec<Weak<dyn ReleaseHook>>>,
-}
-
-pub(super) struct TierSpec {
-    pub(super) size: usize,
-    pub(super) per_slab: u32,
 }
 
 pub(super) struct State {
