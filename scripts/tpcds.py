@@ -512,6 +512,7 @@ def cmd_bench(a) -> int:
             r = submit_cluster(mode, data, qdir, names, out, logs, a.cluster, kill)
         else:
             r = submit_local(mode, data, qdir, names, out, logs)
+        r["load"] = [round(x, 1) for x in os.getloadavg()]
         tot = sum(q["wall_s"] for q in r["queries"])
         errs = sum(1 for q in r["queries"] if q.get("error"))
         log(f"round {rnd} {mode:7s}: queries {tot:7.1f} s (application {r['submit_s']} s)"
@@ -519,58 +520,63 @@ def cmd_bench(a) -> int:
         return r
 
     runs = {"default": [], "plugin": []}
-    reference = None
+    reference, ref = None, None
+    json_out = out_dir / f"{tag}.json"
+
+    def report(rounds_done):
+        rep = compare(runs, names, reference)
+        problems = []
+        for i, r in enumerate(runs["plugin"], 1):
+            eng = r["engine"]
+            fetched = sum(int(v.get("blocks_fetched", 0)) for v in eng.values())
+            if not r["native_loaded"] or fetched == 0:
+                problems.append(f"plugin round {i}: the engines fetched no block (native loaded: "
+                                f"{r['native_loaded']}, executors reporting: {sorted(eng)})")
+        unequal = [q["query"] for q in rep["queries"] if not q["equal"]]
+        if unequal:
+            problems.append(f"results differ: {unequal}")
+        rep.update({
+            "workload": {"benchmark": "TPC-DS, Spark's own query texts", "sf": a.sf,
+                         "generator": generator, "spark_version": spark_version,
+                         "queries_source": f"spark-sql_{scala}:{spark_version}:tests tpcds/*.sql",
+                         "where": where, "rounds": rounds_done, "rounds_asked": a.rounds,
+                         "order": "default first in odd rounds, plugin first in even rounds",
+                         "conf": {"spark.shuffle.readHostLocalDisk": "false"},
+                         "times": "per query wall time of collect() inside one application per "
+                                  "shuffle and round; medians over rounds"},
+            "engine": [r["engine"] for r in runs["plugin"]],
+            "submit_s": {m: [r["submit_s"] for r in runs[m]] for m in runs},
+            "load_avg": {m: [r["load"] for r in runs[m]] for m in runs},
+            "problems": problems,
+            "logs": str(logs),
+        })
+        if a.kill_every:
+            rep["kill_every_s"] = a.kill_every
+            rep["faults"] = {m: {
+                "kills": [len(r.get("kills", [])) for r in runs[m]],
+                "queries_with_fetch_failed": [sum(q["fetch_failed"] for q in r["queries"]) for r in runs[m]],
+                "rerun_stages": [sum(len(q["rerun_stages"]) for q in r["queries"]) for r in runs[m]],
+                "failed_queries": [[q["query"] for q in r["queries"] if q.get("error")] for r in runs[m]],
+                "total_s": [round(sum(q["wall_s"] for q in r["queries"]), 1) for r in runs[m]],
+            } for m in runs}
+            rep["reference_default_s"] = round(sum(q["wall_s"] for q in ref["queries"]), 1)
+        # Written after every round: a long run stopped early still leaves its report.
+        json_out.write_text(json.dumps(rep, indent=1) + "\n")
+        return rep
+
     if a.kill_every:
         # The fault-free default run every faulted result must equal, then both shuffles under
         # executor loss.
         ref = submit("default", 0)
         reference = {q["query"]: q["digest"] for q in ref["queries"]}
-        for rnd in range(1, a.rounds + 1):
-            for mode in (("default", "plugin") if rnd % 2 else ("plugin", "default")):
-                runs[mode].append(submit(mode, rnd, a.kill_every))
-    else:
-        for rnd in range(1, a.rounds + 1):
-            # Odd rounds default first, even rounds plugin first: neither always runs second.
-            for mode in (("default", "plugin") if rnd % 2 else ("plugin", "default")):
-                runs[mode].append(submit(mode, rnd))
-
-    rep = compare(runs, names, reference)
-    problems = []
-    for i, r in enumerate(runs["plugin"], 1):
-        eng = r["engine"]
-        fetched = sum(int(v.get("blocks_fetched", 0)) for v in eng.values())
-        if not r["native_loaded"] or fetched == 0:
-            problems.append(f"plugin round {i}: the engines fetched no block (native loaded: "
-                            f"{r['native_loaded']}, executors reporting: {sorted(eng)})")
-    unequal = [q["query"] for q in rep["queries"] if not q["equal"]]
-    if unequal:
-        problems.append(f"results differ: {unequal}")
-    rep.update({
-        "workload": {"benchmark": "TPC-DS, Spark's own query texts", "sf": a.sf,
-                     "generator": generator, "spark_version": spark_version,
-                     "queries_source": f"spark-sql_{scala}:{spark_version}:tests tpcds/*.sql",
-                     "where": where, "rounds": a.rounds,
-                     "order": "default first in odd rounds, plugin first in even rounds",
-                     "conf": LOCAL_CONF if not a.cluster else {"spark.shuffle.readHostLocalDisk": "false"},
-                     "times": "per query wall time of collect() inside one application per "
-                              "shuffle and round; medians over rounds"},
-        "engine": {m: [r["engine"] for r in runs[m]] for m in ("plugin",)},
-        "submit_s": {m: [r["submit_s"] for r in runs[m]] for m in runs},
-        "problems": problems,
-        "logs": str(logs),
-    })
-    if a.kill_every:
-        rep["kill_every_s"] = a.kill_every
-        rep["faults"] = {m: {
-            "kills": [len(r.get("kills", [])) for r in runs[m]],
-            "queries_with_fetch_failed": [sum(q["fetch_failed"] for q in r["queries"]) for r in runs[m]],
-            "rerun_stages": [sum(len(q["rerun_stages"]) for q in r["queries"]) for r in runs[m]],
-            "failed_queries": [[q["query"] for q in r["queries"] if q.get("error")] for r in runs[m]],
-            "total_s": [round(sum(q["wall_s"] for q in r["queries"]), 1) for r in runs[m]],
-        } for m in runs}
-        rep["reference_default_s"] = round(sum(q["wall_s"] for q in ref["queries"]), 1)
-    json_out = out_dir / f"{tag}.json"
-    json_out.write_text(json.dumps(rep, indent=1) + "\n")
+    for rnd in range(1, a.rounds + 1):
+        # Odd rounds default first, even rounds plugin first: neither always runs second.
+        for mode in (("default", "plugin") if rnd % 2 else ("plugin", "default")):
+            runs[mode].append(submit(mode, rnd, a.kill_every))
+        rep = report(rnd)
+        log(f"round {rnd}: {rep['equal']}/{rep['total']} equal, sum ratio {rep['sum_ratio']}, "
+            f"geomean {rep['geomean_ratio']}; report {json_out}")
+    problems = rep["problems"]
     print_table(rep)
     print(f"\nreport: {json_out}   logs: {logs}")
     if problems:
