@@ -20,7 +20,8 @@
 # JOB is one of the jobs of jvm-plugin/jobs, run unchanged by spark-submit in the driver's namespace:
 #   ShuffleJobs:  wordcount | terasort | sql | sparse | bigblock | a comma list | all   ARGS: [scale]
 #   ShuffleBench: sortByKey | partitionBy | repartition | a comma list               ARGS: [records]
-# or a class name (ShuffleJobs | ShuffleBench | FaultJob) followed by that class's own arguments.
+# or a class name (ShuffleJobs | ShuffleBench | FaultJob) followed by that class's own arguments,
+# or a PySpark application FILE.py followed by its arguments (scripts/tpcds.py app ...).
 #
 # The plugin is installed the way a user installs it: a spark-defaults.conf in the driver's conf
 # dir (SPARK_CONF_DIR) with spark.shuffle.manager and the jar (spark.jars on Spark 4.x; on the
@@ -372,11 +373,15 @@ do_blackhole() { # HOST add|delete
 
 # --- run / compare -------------------------------------------------------------------------------
 
-# Maps JOB [ARGS] to a class and its arguments; sets JOB_CLASS and JOB_ARGS.
+# Maps JOB [ARGS] to a class and its arguments; sets JOB_CLASS, JOB_APP (what spark-submit
+# runs: --class CLASS JOBS_JAR, or a .py file) and JOB_ARGS.
 resolve_job() {
   local job=$1; shift
+  JOB_APP=()
   case "$job" in
     ShuffleJobs|ShuffleBench|FaultJob) JOB_CLASS="$JOBS_PKG.$job"; JOB_ARGS=("$@"); return ;;
+    *.py) [ -f "$job" ] || die "no PySpark application '$job'"
+          JOB_CLASS=""; JOB_APP=("$(readlink -f "$job")"); JOB_ARGS=("$@"); return ;;
   esac
   local names j k kind=""
   IFS=, read -r -a names <<< "$job"
@@ -399,7 +404,8 @@ resolve_job() {
 run_once() { # MODE JOB [ARGS...]   (extra --conf pairs in the CONFS array)
   local mode=$1; shift
   resolve_job "$@"
-  local tag; tag="$(date +%Y%m%d-%H%M%S)-$mode-$(echo "$1" | tr ',' '+')"
+  [ ${#JOB_APP[@]} -gt 0 ] || JOB_APP=(--class "$JOB_CLASS" "$JOBS_JAR")
+  local tag; tag="$(date +%Y%m%d-%H%M%S)-$mode-$(basename "$1" | tr ',' '+')"
   RUN_DIR="$STATE/runs/$tag"
   local i=1; while [ -e "$RUN_DIR" ]; do RUN_DIR="$STATE/runs/$tag.$i"; i=$((i + 1)); done
   if [ -n "${CLUSTER_RUN_DIR:-}" ]; then
@@ -422,7 +428,7 @@ run_once() { # MODE JOB [ARGS...]   (extra --conf pairs in the CONFS array)
     SPARK_CONF_DIR="$STATE/conf/$mode" SPARK_LOCAL_DIRS="$STATE/hosts/driver/local" \
     timeout --kill-after=30 "${CLUSTER_RUN_TIMEOUT:-1800}" \
     "$SPARK_HOME/bin/spark-submit" --conf "spark.eventLog.dir=file://$RUN_DIR/eventlog" \
-    ${CONFS[@]+"${CONFS[@]}"} --class "$JOB_CLASS" "$JOBS_JAR" "${JOB_ARGS[@]}" \
+    ${CONFS[@]+"${CONFS[@]}"} "${JOB_APP[@]}" "${JOB_ARGS[@]}" \
     > "$RUN_DIR/driver.out" 2> "$RUN_DIR/driver.err" < /dev/null || rc=$?
   t1=$(date +%s.%N)
   touch "$RUN_DIR/.stop"; wait "$sampler" 2>/dev/null || true; trap - EXIT

@@ -12,7 +12,9 @@ KIND is one of
   spark   target/bench/spark.json         (scripts/bench-spark.sh): plugin vs default per job,
           every round's time as a dot;
   verbs   target/bench/engine-verbs.json  (scripts/bench-engine.sh --provider verbs): SEND and
-          READ throughput and p50 latency against block size.
+          READ throughput and p50 latency against block size;
+  tpcds   target/bench/tpcds*.json        (scripts/bench-tpcds.sh): plugin/default time per
+          query, sorted, with the spread over rounds, and each query's shuffle bytes beside it.
 
 Before drawing, the report is checked: every key the report promises is present and every
 number in it is finite (speeds are never asserted). A failed check prints what is missing and
@@ -250,7 +252,53 @@ def plot_verbs(r, plt):
     return fig
 
 
-KINDS = {"engine": (check_engine, plot_engine), "scale": (check_scale, plot_scale),
+def check_tpcds(r):
+    need(r, ["equal", "total", "sum_ratio", "geomean_ratio"], "tpcds.json", positive=True)
+    qs = r.get("queries") or []
+    if len(qs) != r["total"]:
+        raise Incomplete(f"tpcds.json: {len(qs)} queries, 'total' says {r['total']}")
+    for q in qs:
+        need(q, ["default_s", "plugin_s", "ratio"], f"tpcds.json query {q.get('query')}", positive=True)
+        need(q, ["shuffle_bytes"], f"tpcds.json query {q.get('query')}")
+        if not isinstance(q.get("equal"), bool) or not q.get("ratio_per_round"):
+            raise Incomplete(f"tpcds.json query {q.get('query')}: 'equal' or 'ratio_per_round' missing")
+    if "generator" not in r.get("workload", {}):
+        raise Incomplete("tpcds.json: the data generator is not recorded (workload.generator)")
+
+
+def plot_tpcds(r, plt):
+    qs = sorted(r["queries"], key=lambda q: q["ratio"])
+    n = len(qs)
+    fig, ax = plt.subplots(1, 2, figsize=(13, max(6, 0.16 * n + 1.5)), sharey=True,
+                           gridspec_kw={"width_ratios": [3, 2]})
+    y = list(range(n))
+    med = [q["ratio"] for q in qs]
+    lo = [min(q["ratio_per_round"]) for q in qs]
+    hi = [max(q["ratio_per_round"]) for q in qs]
+    colors = ["tab:red" if q.get("slow") else ("tab:gray" if not q["equal"] else "tab:blue") for q in qs]
+    a = ax[0]
+    a.barh(y, [m - 1 for m in med], left=1, color=colors, alpha=0.75)
+    a.errorbar(med, y, xerr=[[max(0, m - l) for m, l in zip(med, lo)], [max(0, h - m) for m, h in zip(med, hi)]],
+               fmt="none", ecolor="black", capsize=2, lw=0.8)
+    a.axvline(1.0, color="black", lw=0.8)
+    a.axvline(1.10, color="tab:red", ls=":", lw=0.8, label="1.10x")
+    a.set_yticks(y, [q["query"] for q in qs], fontsize=6)
+    a.set_xlabel("plugin / default time (median over rounds; whiskers: per-round min..max)")
+    a.legend(loc="lower right")
+    a.grid(alpha=0.3, axis="x")
+    b = ax[1]
+    b.barh(y, [q["shuffle_bytes"] / 2**20 for q in qs], color="tab:green", alpha=0.75)
+    b.set_xscale("symlog", linthresh=1)
+    b.set_xlabel("shuffle bytes written by the query, MiB")
+    b.grid(alpha=0.3, axis="x")
+    wl = r.get("workload", {})
+    fig.suptitle(f"TPC-DS SF {wl.get('sf', '?')}, Spark {wl.get('spark_version', '?')}, {wl.get('where', '')}, "
+                 f"{wl.get('rounds', '?')} rounds: {r['equal']}/{r['total']} equal, sum ratio "
+                 f"{r['sum_ratio']}, geomean {r['geomean_ratio']}")
+    return fig
+
+
+KINDS = {"tpcds": (check_tpcds, plot_tpcds), "engine": (check_engine, plot_engine), "scale": (check_scale, plot_scale),
          "spark": (check_spark, plot_spark), "verbs": (check_verbs, plot_verbs)}
 
 

@@ -72,7 +72,10 @@ run_script scripts/jni-test.sh --no-build   # the library built above
 # plugin runs without its native engine.
 export RDMA_SHUFFLE_REQUIRE_NATIVE=1
 
-step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault, decommission and dynamic-allocation tests, 200-shuffle soak)"
+# test_tpcds.py runs in both Spark runs below: all of Spark's TPC-DS queries at SF 0.1 on 4.x,
+# the 20 most shuffle-heavy on 3.5, each under both shuffles (data from DuckDB's generator,
+# cached under ~/.cache/rdma-shuffle/tpcds; the query texts from Spark's tests jar via Maven).
+step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ TPC-DS SF 0.1, fault, decommission and dynamic-allocation tests, 200-shuffle soak)"
 run_script tests/spark/run.sh --no-build
 
 # Spark 3.5 differs from 4.x in how the plugin is installed (extraClassPath, not --jars) and in
@@ -86,7 +89,7 @@ run_script tests/spark/run.sh --no-build
 # decommission and dynamic allocation, two more), whose code paths have nothing specific to 3.5
 # (the resolver method the migration hook overrides is the same in both lines);
 # `RDMA_SPARK_PROFILE=spark-3.5 tests/spark/run.sh` runs them too.
-step "spark 3.5.9: the same jobs, the plugin installed on the JVMs' class path (lean run)"
+step "spark 3.5.9: the same jobs and 20 TPC-DS queries, the plugin installed on the JVMs' class path (lean run)"
 RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py --ignore=tests/spark/test_elastic.py
 
 step "cluster: Spark standalone, master + 3 workers in network namespaces, default shuffle vs the plugin"

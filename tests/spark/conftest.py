@@ -183,3 +183,9 @@ def runner() -> Runner:
         subprocess.run(args, cwd=REPO / "jvm-plugin", check=True, env=env)
     print(f"\n[spark-suite] Spark {env['SPARK_VERSION']} ({env['SPARK_HOME']}), plugin {plugin_jar}")
     return Runner(env, plugin_jar, jobs_jar)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "tpcds: Spark's TPC-DS queries at a small scale under both shuffles "
+        "(test_tpcds.py; needs Spark, TPC-DS data from DuckDB's generator, Maven for the query texts)")

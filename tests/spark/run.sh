@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the Spark job suite: every job with Spark's default shuffle and with the plugin on
-# local-cluster[2,1,1024], plus the fault tests. Needs PyPI (pyspark, pytest) and Maven Central
+# local-cluster[2,1,1024], plus the fault tests and TPC-DS at SF 0.1 (test_tpcds.py). Needs PyPI (pyspark, pytest) and Maven Central
 # on first use.
 #   tests/spark/run.sh                                 # Spark 4.2.0
 #   RDMA_SPARK_PROFILE=spark-3.5 tests/spark/run.sh    # Spark 3.5.9 (pyspark 3.5.9, -Pspark-3.5)

@@ -1,0 +1,647 @@
+#!/usr/bin/env python3
+"""TPC-DS for both shuffles: data, Spark's own query texts, the application that runs them, and
+the interleaved benchmark that compares Spark's default shuffle with the plugin.
+
+    tpcds.py data --sf SF                 generate (once) and print the parquet folder of scale SF
+    tpcds.py queries                      fetch (once) and print the folder of Spark's query texts
+    tpcds.py app --data D --queries Q --list q1,q2 --out FILE [--executors N]
+                                          the Spark application (run it with spark-submit)
+    tpcds.py bench --sf SF [--queries ..] [--rounds R] [--cluster N] [--kill-every S]
+                                          the benchmark (scripts/bench-tpcds.sh runs this)
+
+Run every subcommand with the python of the venv of scripts/spark-env.sh (its environment:
+SPARK_HOME, SPARK_VERSION, SCALA_BINARY, VENV_DIR, RDMA_PLUGIN_JAR, ...), as
+scripts/bench-tpcds.sh and tests/spark/test_tpcds.py do.
+
+Data: DuckDB's TPC-DS extension (`dsdgen`) from PyPI: packages `duckdb` and
+`duckdb-extension-tpcds` of the same version (DUCKDB_VERSION), loaded from the file the package
+ships (PyPI's duckdb has no generator built in and its `INSTALL tpcds` needs the internet). Each
+of the 24 tables is written as one parquet file under $RDMA_TPCDS_CACHE (default
+~/.cache/rdma-shuffle/tpcds)/sf<SF>/, with generator.json naming the generator and its version.
+
+Queries: `tpcds/q*.sql` of the `spark-sql_<scala>:<version>:tests` jar from Maven Central (103
+texts for Spark 4.2.0: q1..q99, with a/b variants of q14, q23, q24 and q39), cached under
+$RDMA_TPCDS_CACHE/queries-<version>/.
+
+The application registers each table as a temporary view. q30 names the TPC-DS v1.4 column
+`c_last_review_date`; the generator's `customer` has `c_last_review_date_sk`, so the view has
+both names. It waits for its executors, then runs each query once under the job group of its
+name, timing `collect()`, and writes per query: wall time, rows, an order-independent digest
+(sorted rows, floating-point and decimal values rounded to 6 significant digits: sums over
+partitions may differ in the last bits between runs) and, from Spark's REST API at the end,
+the query's shuffle bytes written/read/remote, its stage attempts, the stages that were rerun
+and whether a stage failed on a fetch failure.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import zipfile
+from decimal import Decimal
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DUCKDB_VERSION = "1.5.5"
+CACHE = Path(os.environ.get("RDMA_TPCDS_CACHE", Path.home() / ".cache/rdma-shuffle/tpcds"))
+PLUGIN_CLASS = "org.apache.spark.shuffle.rdma.RdmaShuffleManager"
+STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
+TABLES = (
+    "call_center", "catalog_page", "catalog_returns", "catalog_sales", "customer",
+    "customer_address", "customer_demographics", "date_dim", "household_demographics",
+    "income_band", "inventory", "item", "promotion", "reason", "ship_mode", "store",
+    "store_returns", "store_sales", "time_dim", "warehouse", "web_page", "web_returns",
+    "web_sales", "web_site",
+)
+
+
+def log(msg: str) -> None:
+    print(f"[tpcds {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# data and queries
+
+
+def sf_name(sf: float) -> str:
+    return f"sf{sf:g}"
+
+
+def ensure_duckdb() -> None:
+    """duckdb and its TPC-DS extension package, of the same version, in this python's venv."""
+    try:
+        import duckdb  # noqa: F401
+        import duckdb_extension_tpcds  # noqa: F401
+        if duckdb.__version__ == DUCKDB_VERSION:
+            return
+    except ImportError:
+        pass
+    log(f"installing duckdb=={DUCKDB_VERSION} and duckdb-extension-tpcds=={DUCKDB_VERSION} (PyPI)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    f"duckdb=={DUCKDB_VERSION}", f"duckdb-extension-tpcds=={DUCKDB_VERSION}"], check=True)
+
+
+def tpcds_extension_file() -> Path:
+    import duckdb_extension_tpcds
+    root = Path(duckdb_extension_tpcds.__file__).parent
+    found = sorted(root.rglob("tpcds.duckdb_extension"))
+    if not found:
+        raise SystemExit(f"no tpcds.duckdb_extension inside {root}: the package "
+                         f"duckdb-extension-tpcds=={DUCKDB_VERSION} changed its layout")
+    return found[0]
+
+
+def ensure_data(sf: float) -> Path:
+    """The parquet folder of scale `sf`, generated on first use (SF 1: ~30 s, 371 MB)."""
+    out = CACHE / sf_name(sf)
+    if (out / "generator.json").exists():
+        return out
+    ensure_duckdb()
+    import duckdb
+    ext = tpcds_extension_file()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{sf_name(sf)}-", dir=CACHE))
+    t0 = time.monotonic()
+    log(f"generating TPC-DS SF {sf:g} with duckdb {duckdb.__version__} ({ext.name}) into {out}")
+    con = duckdb.connect()
+    con.execute(f"LOAD '{ext}'")
+    con.execute(f"CALL dsdgen(sf={sf})")
+    for t in TABLES:
+        con.execute(f"COPY {t} TO '{tmp / (t + '.parquet')}' (FORMAT parquet)")
+    con.close()
+    meta = {"generator": "DuckDB tpcds extension, dsdgen", "duckdb": duckdb.__version__,
+            "extension_package": f"duckdb-extension-tpcds=={DUCKDB_VERSION}", "sf": sf,
+            "tables": len(TABLES), "seconds": round(time.monotonic() - t0, 1)}
+    (tmp / "generator.json").write_text(json.dumps(meta, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # the cache holds complete folders only
+    log(f"generated in {meta['seconds']} s")
+    return out
+
+
+def ensure_queries(spark_version: str, scala: str) -> Path:
+    """Spark's TPC-DS query texts of `spark_version`, from its spark-sql tests jar."""
+    out = CACHE / f"queries-{spark_version}"
+    if out.is_dir() and len(list(out.glob("q*.sql"))) >= 99:
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".queries-{spark_version}-", dir=CACHE))
+    artifact = f"org.apache.spark:spark-sql_{scala}:{spark_version}:jar:tests"
+    log(f"fetching {artifact} (Maven)")
+    subprocess.run(["mvn", "-q", "-B", "-Dstyle.color=never", "dependency:copy", f"-Dartifact={artifact}",
+                    f"-DoutputDirectory={tmp}"], check=True, cwd=tmp, stdout=subprocess.DEVNULL)
+    jar = next(tmp.glob("*.jar"))
+    with zipfile.ZipFile(jar) as z:
+        for name in z.namelist():
+            m = re.fullmatch(r"tpcds/(q[0-9]+[ab]?\.sql)", name)
+            if m:
+                (tmp / m.group(1)).write_bytes(z.read(name))
+    jar.unlink()
+    n = len(list(tmp.glob("q*.sql")))
+    if n < 99:
+        raise SystemExit(f"{artifact} holds {n} tpcds/q*.sql texts, expected 103")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def query_key(name: str):
+    m = re.fullmatch(r"q(\d+)([ab]?)", name)
+    return (int(m.group(1)), m.group(2)) if m else (10**6, name)
+
+
+def all_queries(qdir: Path) -> list:
+    return sorted((p.stem for p in qdir.glob("q*.sql")), key=query_key)
+
+
+# ------------------------------------------------------------------------------------------------
+# the application
+
+
+def norm(v) -> str:
+    """One value of a result row as text; floating-point and decimal values to 6 significant
+    digits (their last bits depend on the order partial sums arrive in)."""
+    if v is None:
+        return "\\N"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, (float, Decimal)):
+        f = float(v)
+        if math.isnan(f):
+            return "nan"
+        if f == 0:
+            return "0"
+        return f"{f:.6g}"
+    return str(v)
+
+
+def digest(rows) -> str:
+    lines = sorted("\x1f".join(norm(v) for v in r) for r in rows)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def rest(ui: str, path: str):
+    with urllib.request.urlopen(f"{ui}/api/v1{path}", timeout=60) as r:
+        return json.loads(r.read())
+
+
+def stage_metrics(ui: str, app_id: str, names: list) -> dict:
+    """Per query (job group): shuffle bytes and what failed/reran, from the REST API of the
+    application's own UI. Waits until the status store has seen every job end (its listener
+    runs behind the jobs)."""
+    deadline = time.monotonic() + 120
+    while True:
+        jobs = rest(ui, f"/applications/{app_id}/jobs")
+        if all(j["status"] != "RUNNING" for j in jobs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    stages = rest(ui, f"/applications/{app_id}/stages")
+    group_of = {}
+    for j in sorted(jobs, key=lambda j: j["jobId"]):
+        for s in j.get("stageIds", []):
+            group_of.setdefault(s, j.get("jobGroup"))
+    out = {n: {"shuffle_write_bytes": 0, "shuffle_read_bytes": 0, "shuffle_remote_bytes": 0,
+               "shuffle_remote_blocks": 0, "shuffle_local_blocks": 0, "fetch_wait_ms": 0,
+               "stages": 0, "stage_attempts": 0, "rerun_stages": [], "fetch_failed": False,
+               "failed_tasks": 0} for n in names}
+    for s in stages:
+        q = out.get(group_of.get(s["stageId"]))
+        if q is None or s["status"] in ("SKIPPED", "PENDING"):
+            continue
+        q["stage_attempts"] += 1
+        if s["attemptId"] == 0:
+            q["stages"] += 1
+        else:
+            q["rerun_stages"].append(s["stageId"])
+        q["shuffle_write_bytes"] += s.get("shuffleWriteBytes", 0)
+        q["shuffle_read_bytes"] += s.get("shuffleReadBytes", 0)
+        q["shuffle_remote_bytes"] += s.get("shuffleRemoteBytesRead", 0)
+        q["shuffle_remote_blocks"] += s.get("shuffleRemoteBlocksFetched", 0)
+        q["shuffle_local_blocks"] += s.get("shuffleLocalBlocksFetched", 0)
+        q["fetch_wait_ms"] += s.get("shuffleFetchWaitTime", 0)
+        q["failed_tasks"] += s.get("numFailedTasks", 0)
+        if "FetchFailed" in (s.get("failureReason") or ""):
+            q["fetch_failed"] = True
+    for q in out.values():
+        q["rerun_stages"] = sorted(set(q["rerun_stages"]))
+    return out
+
+
+def cmd_app(a) -> int:
+    from pyspark.sql import SparkSession
+    spark = (SparkSession.builder.appName(f"tpcds-{a.label}")
+             .config("spark.ui.enabled", "true")
+             .config("spark.ui.retainedJobs", "100000")
+             .config("spark.ui.retainedStages", "100000")
+             .config("spark.sql.ui.retainedExecutions", "200")
+             .config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
+    sc = spark.sparkContext
+    t_wait = time.monotonic()
+    while len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1 < a.executors:
+        if time.monotonic() - t_wait > 300:
+            raise SystemExit(f"only {len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1} of "
+                             f"{a.executors} executors registered within 300 s")
+        time.sleep(0.2)
+    for t in TABLES:
+        df = spark.read.parquet(str(Path(a.data) / f"{t}.parquet"))
+        if t == "customer":
+            # Spark's q30 names the TPC-DS v1.4 column; the generator has the v2+ name.
+            df = df.withColumn("c_last_review_date", df["c_last_review_date_sk"])
+        df.createOrReplaceTempView(t)
+    names = a.list.split(",")
+    results = []
+    for n in names:
+        text = (Path(a.queries) / f"{n}.sql").read_text()
+        sc.setJobGroup(n, f"TPC-DS {n}")
+        t0 = time.monotonic()
+        try:
+            rows = spark.sql(text).collect()
+            wall = time.monotonic() - t0
+            r = {"query": n, "wall_s": round(wall, 3), "rows": len(rows), "digest": digest(rows)}
+        except Exception as e:  # a failed query is a result (under executor loss, too)
+            wall = time.monotonic() - t0
+            r = {"query": n, "wall_s": round(wall, 3), "rows": None, "digest": None,
+                 "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        results.append(r)
+        print(f"DIGEST job={n} rows={r['rows']} digest={r['digest']} wall_s={r['wall_s']}", flush=True)
+    sc.setJobGroup("tpcds-end", "metrics")
+    metrics = stage_metrics(sc.uiWebUrl, sc.applicationId, names)
+    for r in results:
+        r.update(metrics[r["query"]])
+    report = {"label": a.label, "app_id": sc.applicationId, "spark_version": spark.version,
+              "conf": {k: v for k, v in sc.getConf().getAll()
+                       if k.startswith(("spark.shuffle.", "spark.master", "spark.executor.memory",
+                                        "spark.driver.memory", "spark.sql.adaptive"))},
+              "queries": results}
+    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    spark.stop()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# running the application
+
+
+def engine_totals(stderr: str) -> dict:
+    """executor id -> its engine's counters from the driver's RDMA_SHUFFLE_ENGINE_STATS lines
+    (each counter only grows, so its total is the largest value seen)."""
+    totals: dict = {}
+    for m in STATS_RE.finditer(stderr):
+        kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
+        mine = totals.setdefault(kv.pop("executor", "?"), {})
+        for k, v in kv.items():
+            mine[k] = max(mine.get(k, 0), int(v)) if v.isdigit() else v
+    return totals
+
+
+# Settings of every local-cluster run, the same for both shuffles. All executors of local-cluster
+# are on 127.0.0.1: with readHostLocalDisk Spark would read the other executor's blocks from its
+# files and no block would cross the transport, unlike on separate hosts.
+LOCAL_CONF = {"spark.shuffle.readHostLocalDisk": "false"}
+
+
+def plugin_args(env: dict) -> list:
+    """spark-submit arguments installing the plugin (the one definition in spark-env.sh)."""
+    out = subprocess.run(
+        ["bash", "-c", f". '{REPO}/scripts/spark-env.sh' >&2 && rdma_plugin_submit_args \"$1\"", "_",
+         env["RDMA_PLUGIN_JAR"]], check=True, capture_output=True, text=True, env=env).stdout
+    return out.splitlines()
+
+
+def submit_local(mode: str, data: Path, qdir: Path, names: list, out: Path, logs: Path,
+                 master: str = "local-cluster[2,1,3072]", driver_memory: str = "3g",
+                 executors: int = 2, conf: dict | None = None, timeout: int = 3600,
+                 env: dict | None = None) -> dict:
+    """One application of `names` on local-cluster in `mode` (default | plugin), in `env` (that
+    of scripts/spark-env.sh; default: this process's). Returns the app's report with the
+    engines' counters, whether the native library loaded, and the submit wall time."""
+    env = dict(env or os.environ)
+    cmd = [f"{env['SPARK_HOME']}/bin/spark-submit", "--master", master,
+           "--driver-memory", driver_memory]
+    for k, v in {**LOCAL_CONF, **(conf or {})}.items():
+        cmd += ["--conf", f"{k}={v}"]
+    if mode == "plugin":
+        cmd += plugin_args(env)
+    cmd += [str(Path(__file__).resolve()), "app", "--data", str(data), "--queries", str(qdir),
+            "--list", ",".join(names), "--out", str(out), "--executors", str(executors),
+            "--label", mode]
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(logs / f"{out.stem}.stdout", "w") as so, open(logs / f"{out.stem}.stderr", "w") as se:
+        p = subprocess.run(cmd, stdout=so, stderr=se, env=env, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    stderr = (logs / f"{out.stem}.stderr").read_text(errors="replace")
+    if p.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{mode} application failed (rc={p.returncode}); log "
+                           f"{logs / (out.stem + '.stderr')}:\n{stderr[-3000:]}")
+    rep = json.loads(out.read_text())
+    rep["engine"] = engine_totals(stderr)
+    rep["submit_s"] = round(wall, 1)
+    rep["native_loaded"] = _executors_loaded(env, rep["app_id"])
+    return rep
+
+
+def _executors_loaded(env: dict, app_id: str) -> bool:
+    """Whether every executor of local-cluster app `app_id` loaded the native library (its
+    RdmaShuffleManager says `native=loaded` in the executor's log)."""
+    logs = list(Path(env["SPARK_HOME"], "work", app_id).glob("*/stderr"))
+    return bool(logs) and all("native=loaded" in f.read_text(errors="replace") for f in logs)
+
+
+class Killer(threading.Thread):
+    """Kills one executor (kill -9, by PID, through scripts/cluster.sh) every `every` seconds,
+    the workers in turn, until stopped. The worker starts a new executor each time."""
+
+    def __init__(self, every: float, workers: int, logf: Path):
+        super().__init__(daemon=True)
+        self.every, self.workers, self.logf = every, workers, logf
+        self.stop = threading.Event()
+        self.kills = []
+
+    def run(self):
+        i = 0
+        while not self.stop.wait(self.every):
+            host = f"w{i % self.workers + 1}"
+            i += 1
+            p = subprocess.run(["bash", str(REPO / "scripts/cluster.sh"), "kill-executor", host],
+                               capture_output=True, text=True)
+            self.kills.append({"t": time.time(), "host": host, "rc": p.returncode,
+                               "out": (p.stdout + p.stderr).strip()[-200:]})
+            with open(self.logf, "a") as f:
+                f.write(json.dumps(self.kills[-1]) + "\n")
+
+
+def submit_cluster(mode: str, data: Path, qdir: Path, names: list, out: Path, logs: Path,
+                   workers: int, kill_every: float = 0, timeout: int = 7200) -> dict:
+    """One application on the namespace cluster of scripts/cluster.sh (up already), the
+    plugin installed through the driver's spark-defaults.conf (`cluster.sh run --plugin`)."""
+    run_dir = logs / out.stem
+    shutil.rmtree(run_dir, ignore_errors=True)
+    env = {**os.environ, "CLUSTER_RUN_DIR": str(run_dir), "CLUSTER_RUN_TIMEOUT": str(timeout)}
+    cmd = ["bash", str(REPO / "scripts/cluster.sh"), "run", f"--{mode}",
+           "--conf", "spark.shuffle.readHostLocalDisk=false",
+           str(Path(__file__).resolve()), "app", "--data", str(data), "--queries", str(qdir),
+           "--list", ",".join(names), "--out", str(out), "--executors", str(workers),
+           "--label", mode]
+    killer = Killer(kill_every, workers, logs / f"{out.stem}.kills.jsonl") if kill_every else None
+    t0 = time.monotonic()
+    if killer:
+        killer.start()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    finally:
+        if killer:
+            killer.stop.set()
+            killer.join()
+    wall = time.monotonic() - t0
+    (logs / f"{out.stem}.cluster.log").write_text(p.stdout + p.stderr)
+    if not out.exists():
+        err = (run_dir / "driver.err").read_text(errors="replace") if (run_dir / "driver.err").exists() else ""
+        raise RuntimeError(f"{mode} cluster application failed (rc={p.returncode}); "
+                           f"{run_dir}/driver.err:\n{err[-3000:]}\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
+    rep = json.loads(out.read_text())
+    stderr = (run_dir / "driver.err").read_text(errors="replace")
+    rep["engine"] = engine_totals(stderr)
+    rep["submit_s"] = round(wall, 1)
+    rep["native_loaded"] = any("native=loaded" in f.read_text(errors="replace")
+                               for f in (run_dir / "executors").glob("*.stderr"))
+    if killer:
+        rep["kills"] = killer.kills
+    return rep
+
+
+# ------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def spread(xs):
+    return {"min": round(min(xs), 3), "max": round(max(xs), 3)}
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def compare(runs: dict, names: list, reference: dict | None = None) -> dict:
+    """The report over every round's application of each mode. `reference`: query -> digest of
+    a fault-free default run that every result must equal (the executor-loss run)."""
+    rows = []
+    for n in names:
+        per = {m: [next(q for q in r["queries"] if q["query"] == n) for r in runs[m]] for m in runs}
+        digests = {q["digest"] for m in per for q in per[m]}
+        if reference is not None:
+            digests.add(reference.get(n))
+        d = [q["wall_s"] for q in per["default"]]
+        p = [q["wall_s"] for q in per["plugin"]]
+        ratios = [b / a for a, b in zip(d, p) if a > 0]
+        first = per["default"][0]
+        row = {
+            "query": n,
+            "default_s": round(statistics.median(d), 3),
+            "plugin_s": round(statistics.median(p), 3),
+            "default_runs_s": d, "plugin_runs_s": p,
+            "ratio": round(statistics.median(p) / statistics.median(d), 3),
+            "ratio_per_round": [round(x, 3) for x in ratios],
+            "ratio_spread": spread(ratios) if ratios else None,
+            "equal": len(digests) == 1 and None not in digests,
+            "rows": first["rows"],
+            "shuffle_bytes": first["shuffle_write_bytes"],
+            "shuffle_read_bytes": first["shuffle_read_bytes"],
+            "remote_bytes": {m: [q["shuffle_remote_bytes"] for q in per[m]] for m in per},
+            "remote_blocks": {m: [q["shuffle_remote_blocks"] for q in per[m]] for m in per},
+            "fetch_wait_ms": {m: [q["fetch_wait_ms"] for q in per[m]] for m in per},
+            "stages": first["stages"],
+            "errors": [q["error"] for m in per for q in per[m] if q.get("error")],
+        }
+        if reference is not None or any(q["rerun_stages"] or q["fetch_failed"] for m in per for q in per[m]):
+            row["fetch_failed"] = {m: [q["fetch_failed"] for q in per[m]] for m in per}
+            row["rerun_stages"] = {m: [len(q["rerun_stages"]) for q in per[m]] for m in per}
+        # Slower beyond its spread: slower than 1.10x in every round.
+        row["slow"] = bool(ratios) and min(ratios) > 1.10
+        rows.append(row)
+    sums = {m: [sum(q["wall_s"] for q in r["queries"]) for r in runs[m]] for m in runs}
+    sum_ratios = [b / a for a, b in zip(sums["default"], sums["plugin"])]
+    ratios = [r["ratio"] for r in rows if r["ratio"] > 0]
+    return {
+        "queries": rows,
+        "equal": sum(r["equal"] for r in rows),
+        "total": len(rows),
+        "default_sum_s": round(statistics.median(sums["default"]), 2),
+        "plugin_sum_s": round(statistics.median(sums["plugin"]), 2),
+        "sum_ratio": round(sum(r["plugin_s"] for r in rows) / sum(r["default_s"] for r in rows), 3),
+        "sum_ratio_per_round": [round(x, 3) for x in sum_ratios],
+        "sum_ratio_spread": spread(sum_ratios),
+        "sums_per_round_s": {m: [round(x, 1) for x in sums[m]] for m in sums},
+        "geomean_ratio": round(geomean(ratios), 3),
+        "slow_queries": [r["query"] for r in rows if r["slow"]],
+    }
+
+
+def cmd_bench(a) -> int:
+    spark_version, scala = os.environ["SPARK_VERSION"], os.environ["SCALA_BINARY"]
+    data = ensure_data(a.sf)
+    qdir = ensure_queries(spark_version, scala)
+    names = a.queries.split(",") if a.queries else all_queries(qdir)
+    missing = [n for n in names if not (qdir / f"{n}.sql").exists()]
+    if missing:
+        raise SystemExit(f"no query text for {missing} in {qdir}")
+    out_dir = REPO / "target/bench"
+    tag = "tpcds" + (f"-cluster{a.cluster}" if a.cluster else "") + ("-kill" if a.kill_every else "")
+    logs = out_dir / f"{tag}-logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    generator = json.loads((data / "generator.json").read_text())
+    where = f"namespace cluster, {a.cluster} workers" if a.cluster else "local-cluster[2,1,3072]"
+    log(f"{len(names)} queries, SF {a.sf:g}, {a.rounds} round(s), {where}, Spark {spark_version}"
+        + (f", an executor killed every {a.kill_every:g} s" if a.kill_every else ""))
+
+    def submit(mode, rnd, kill=0.0):
+        out = logs / f"round{rnd}-{mode}{'-kill' if kill else ''}.json"
+        if a.cluster:
+            r = submit_cluster(mode, data, qdir, names, out, logs, a.cluster, kill)
+        else:
+            r = submit_local(mode, data, qdir, names, out, logs)
+        r["load"] = [round(x, 1) for x in os.getloadavg()]
+        tot = sum(q["wall_s"] for q in r["queries"])
+        errs = sum(1 for q in r["queries"] if q.get("error"))
+        log(f"round {rnd} {mode:7s}: queries {tot:7.1f} s (application {r['submit_s']} s)"
+            + (f", {errs} failed" if errs else "") + (f", {len(r.get('kills', []))} kills" if kill else ""))
+        return r
+
+    runs = {"default": [], "plugin": []}
+    reference, ref = None, None
+    json_out = out_dir / f"{tag}.json"
+
+    def report(rounds_done):
+        rep = compare(runs, names, reference)
+        problems = []
+        for i, r in enumerate(runs["plugin"], 1):
+            eng = r["engine"]
+            fetched = sum(int(v.get("blocks_fetched", 0)) for v in eng.values())
+            if not r["native_loaded"] or fetched == 0:
+                problems.append(f"plugin round {i}: the engines fetched no block (native loaded: "
+                                f"{r['native_loaded']}, executors reporting: {sorted(eng)})")
+        unequal = [q["query"] for q in rep["queries"] if not q["equal"]]
+        if unequal:
+            problems.append(f"results differ: {unequal}")
+        rep.update({
+            "workload": {"benchmark": "TPC-DS, Spark's own query texts", "sf": a.sf,
+                         "generator": generator, "spark_version": spark_version,
+                         "queries_source": f"spark-sql_{scala}:{spark_version}:tests tpcds/*.sql",
+                         "where": where, "rounds": rounds_done, "rounds_asked": a.rounds,
+                         "order": "default first in odd rounds, plugin first in even rounds",
+                         "conf": {"spark.shuffle.readHostLocalDisk": "false"},
+                         "times": "per query wall time of collect() inside one application per "
+                                  "shuffle and round; medians over rounds"},
+            "engine": [r["engine"] for r in runs["plugin"]],
+            "submit_s": {m: [r["submit_s"] for r in runs[m]] for m in runs},
+            "load_avg": {m: [r["load"] for r in runs[m]] for m in runs},
+            "problems": problems,
+            "logs": str(logs),
+        })
+        if a.kill_every:
+            rep["kill_every_s"] = a.kill_every
+            rep["faults"] = {m: {
+                "kills": [len(r.get("kills", [])) for r in runs[m]],
+                "queries_with_fetch_failed": [sum(q["fetch_failed"] for q in r["queries"]) for r in runs[m]],
+                "rerun_stages": [sum(len(q["rerun_stages"]) for q in r["queries"]) for r in runs[m]],
+                "failed_queries": [[q["query"] for q in r["queries"] if q.get("error")] for r in runs[m]],
+                "total_s": [round(sum(q["wall_s"] for q in r["queries"]), 1) for r in runs[m]],
+            } for m in runs}
+            rep["reference_default_s"] = round(sum(q["wall_s"] for q in ref["queries"]), 1)
+        # Written after every round: a long run stopped early still leaves its report.
+        json_out.write_text(json.dumps(rep, indent=1) + "\n")
+        return rep
+
+    if a.kill_every:
+        # The fault-free default run every faulted result must equal, then both shuffles under
+        # executor loss.
+        ref = submit("default", 0)
+        reference = {q["query"]: q["digest"] for q in ref["queries"]}
+    for rnd in range(1, a.rounds + 1):
+        # Odd rounds default first, even rounds plugin first: neither always runs second.
+        for mode in (("default", "plugin") if rnd % 2 else ("plugin", "default")):
+            runs[mode].append(submit(mode, rnd, a.kill_every))
+        rep = report(rnd)
+        log(f"round {rnd}: {rep['equal']}/{rep['total']} equal, sum ratio {rep['sum_ratio']}, "
+            f"geomean {rep['geomean_ratio']}; report {json_out}")
+    problems = rep["problems"]
+    print_table(rep)
+    print(f"\nreport: {json_out}   logs: {logs}")
+    if problems:
+        print("PROBLEMS:\n  " + "\n  ".join(problems))
+        return 1
+    return 0
+
+
+def mib(b) -> str:
+    return f"{b / 1048576:.1f}"
+
+
+def print_table(rep: dict) -> None:
+    rows = rep["queries"]
+    print(f"\n{'query':6s} {'default s':>9s} {'plugin s':>9s} {'ratio':>6s} {'per round':>14s} "
+          f"{'shuffle MiB':>11s} {'equal':>5s}")
+    for r in sorted(rows, key=lambda r: -r["ratio"]):
+        pr = "/".join(f"{x:.2f}" for x in r["ratio_per_round"])
+        print(f"{r['query']:6s} {r['default_s']:9.2f} {r['plugin_s']:9.2f} {r['ratio']:6.2f} {pr:>14s} "
+              f"{mib(r['shuffle_bytes']):>11s} {'yes' if r['equal'] else 'NO':>5s}")
+    print(f"\n{rep['equal']}/{rep['total']} equal; sum default {rep['default_sum_s']} s, plugin "
+          f"{rep['plugin_sum_s']} s, sum ratio {rep['sum_ratio']} (per round "
+          f"{rep['sum_ratio_per_round']}), geomean of ratios {rep['geomean_ratio']}; slower than "
+          f"1.10x in every round: {rep['slow_queries'] or 'none'}")
+    if "faults" in rep:
+        for m, f in rep["faults"].items():
+            print(f"{m}: kills {f['kills']}, queries with a FetchFailed {f['queries_with_fetch_failed']}, "
+                  f"stages rerun {f['rerun_stages']}, failed queries {f['failed_queries']}, total {f['total_s']} s "
+                  f"(fault-free default {rep['reference_default_s']} s)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("--sf", type=float, required=True)
+    sub.add_parser("queries")
+    p = sub.add_parser("app")
+    p.add_argument("--data", required=True)
+    p.add_argument("--queries", required=True)
+    p.add_argument("--list", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--executors", type=int, default=2)
+    p.add_argument("--label", default="")
+    b = sub.add_parser("bench")
+    b.add_argument("--sf", type=float, default=1.0)
+    b.add_argument("--queries", default="")
+    b.add_argument("--rounds", type=int, default=2)
+    b.add_argument("--cluster", type=int, default=0)
+    b.add_argument("--kill-every", type=float, default=0.0)
+    a = ap.parse_args()
+    if a.cmd == "data":
+        print(ensure_data(a.sf))
+    elif a.cmd == "queries":
+        print(ensure_queries(os.environ["SPARK_VERSION"], os.environ["SCALA_BINARY"]))
+    elif a.cmd == "app":
+        return cmd_app(a)
+    elif a.cmd == "bench":
+        if a.rounds < 1:
+            raise SystemExit("--rounds needs a positive integer")
+        if a.kill_every and not a.cluster:
+            raise SystemExit("--kill-every needs --cluster N (it kills executors of the namespace cluster)")
+        return cmd_bench(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
