@@ -442,7 +442,10 @@ def compare(runs: dict, names: list, reference: dict | None = None) -> dict:
     rows = []
     for n in names:
         per = {m: [next(q for q in r["queries"] if q["query"] == n) for r in runs[m]] for m in runs}
-        digests = {q["digest"] for m in per for q in per[m]}
+        # A run that failed (a Spark error: out of memory, a job aborted) has no result to
+        # compare: it is counted in `failed_runs`, apart from results that differ.
+        ok = {m: [q["digest"] for q in per[m] if not q.get("error")] for m in per}
+        digests = {d for m in ok for d in ok[m]}
         if reference is not None:
             digests.add(reference.get(n))
         d = [q["wall_s"] for q in per["default"]]
@@ -457,7 +460,11 @@ def compare(runs: dict, names: list, reference: dict | None = None) -> dict:
             "ratio": round(statistics.median(p) / statistics.median(d), 3),
             "ratio_per_round": [round(x, 3) for x in ratios],
             "ratio_spread": spread(ratios) if ratios else None,
-            "equal": len(digests) == 1 and None not in digests,
+            # Every successful result of both shuffles (and the reference) is the same, and each
+            # shuffle has at least one.
+            "equal": len(digests) == 1 and None not in digests and all(ok.values()),
+            "differ": len(digests - {None}) > 1,
+            "failed_runs": {m: sum(1 for q in per[m] if q.get("error")) for m in per},
             "rows": first["rows"],
             "shuffle_bytes": first["shuffle_write_bytes"],
             "shuffle_read_bytes": first["shuffle_read_bytes"],
@@ -535,9 +542,17 @@ def cmd_bench(a) -> int:
             if not r["native_loaded"] or fetched == 0:
                 problems.append(f"plugin round {i}: the engines fetched no block (native loaded: "
                                 f"{r['native_loaded']}, executors reporting: {sorted(eng)})")
-        unequal = [q["query"] for q in rep["queries"] if not q["equal"]]
-        if unequal:
-            problems.append(f"results differ: {unequal}")
+        differ = [q["query"] for q in rep["queries"] if q["differ"]]
+        if differ:
+            problems.append(f"results differ: {differ}")
+        no_result = [q["query"] for q in rep["queries"] if not q["equal"] and not q["differ"]]
+        if no_result:
+            problems.append(f"no successful result under a shuffle to compare: {no_result}")
+        # Runs that failed while another run of the same shuffle succeeded with the common
+        # result: Spark errors of that run (the bench's memory, a kill), not a wrong result.
+        partly = {q["query"]: q["failed_runs"] for q in rep["queries"]
+                  if q["equal"] and any(q["failed_runs"].values())}
+        rep["failed_runs"] = partly
         rep.update({
             "workload": {"benchmark": "TPC-DS, Spark's own query texts", "sf": a.sf,
                          "generator": generator, "spark_version": spark_version,
@@ -604,6 +619,8 @@ def print_table(rep: dict) -> None:
           f"{rep['plugin_sum_s']} s, sum ratio {rep['sum_ratio']} (per round "
           f"{rep['sum_ratio_per_round']}), geomean of ratios {rep['geomean_ratio']}; slower than "
           f"1.10x in every round: {rep['slow_queries'] or 'none'}")
+    if rep.get("failed_runs"):
+        print(f"runs that failed (a Spark error) while the others agree: {rep['failed_runs']}")
     if "faults" in rep:
         for m, f in rep["faults"].items():
             print(f"{m}: kills {f['kills']}, queries with a FetchFailed {f['queries_with_fetch_failed']}, "
