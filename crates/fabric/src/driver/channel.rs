@@ -7,7 +7,7 @@
 //! persistent peer channels, pipelined chunks) builds on. Authentication is the caller's: run
 //! a `wire` session's handshake over the channel first, then attach.
 
-use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
@@ -293,16 +293,40 @@ pub(crate) struct ChannelConn {
 }
 
 fn chan_mut(conn: &mut Conn) -> &mut ChannelConn {
-    match &mut conn.role {
-        Role::Channel(c) => c,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<ChannelConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from channel handlers, which the loop dispatches on `Role::Channel`.
+    // Only called from the channel's handler, which the loop calls for channel roles only.
     panic!("channel handler called on a connection of another role")
+}
+
+/// The raw channel's [`Handler`]: frames in and out, no session.
+pub(crate) struct ChannelHandler;
+
+impl Handler for ChannelHandler {
+    fn limits(&self, conn: &Conn) -> Limits {
+        conn.role.get::<ChannelConn>().map(|c| c.limits).unwrap_or_default()
+    }
+
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.channel_connected(conn)
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.channel_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.channel_failed(conn, error.to_string());
+        false
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        let why = format!("connection to {} closed", conn.peer);
+        lp.channel_failed(conn, why)
+    }
 }
 
 impl Loop {
@@ -317,16 +341,19 @@ impl Loop {
                     }
                 };
                 let connected = transport.is_connected();
-                let role = Role::Channel(ChannelConn {
-                    shared,
-                    limits,
-                    pending: None,
-                    reads: HashMap::new(),
-                    next_tag: 1,
-                    connect_reply: Some(reply),
-                    attach_reply: None,
-                    accepted: false,
-                });
+                let role = Role::new(
+                    &ChannelHandler,
+                    ChannelConn {
+                        shared,
+                        limits,
+                        pending: None,
+                        reads: HashMap::new(),
+                        next_tag: 1,
+                        connect_reply: Some(reply),
+                        attach_reply: None,
+                        accepted: false,
+                    },
+                );
                 let key = self.insert(addr.to_string(), transport, role);
                 if connected {
                     if let Some(mut conn) = self.take(key) {
@@ -401,7 +428,7 @@ impl Loop {
 
     fn with_channel(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
         let Some(mut conn) = self.take(key) else { return };
-        if matches!(conn.role, Role::Channel(_)) {
+        if conn.role.is::<ChannelConn>() {
             f(self, &mut conn);
         }
         let k = conn.key;
@@ -439,16 +466,19 @@ impl Loop {
         let Some(l) = self.chan_listeners.get(&id) else { return };
         let accepted = l.accepted.clone();
         let shared = ChannelShared::new();
-        let role = Role::Channel(ChannelConn {
-            shared: shared.clone(),
-            limits: Limits::default(),
-            pending: None,
-            reads: HashMap::new(),
-            next_tag: 1,
-            connect_reply: None,
-            attach_reply: None,
-            accepted: true,
-        });
+        let role = Role::new(
+            &ChannelHandler,
+            ChannelConn {
+                shared: shared.clone(),
+                limits: Limits::default(),
+                pending: None,
+                reads: HashMap::new(),
+                next_tag: 1,
+                connect_reply: None,
+                attach_reply: None,
+                accepted: true,
+            },
+        );
         let key = self.insert(peer.clone(), transport, role);
         accepted.queue.lock().push_back((key, peer, shared));
         accepted.cv.notify_all();

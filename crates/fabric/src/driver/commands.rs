@@ -27,6 +27,7 @@ impl Loop {
                     let _ = done.send(());
                 }
                 Command::Fetch(f) => self.fetch(f),
+                #[cfg(any(test, feature = "testing"))]
                 Command::Channel(c) => self.channel_command(c),
                 Command::Mesh(c) => self.mesh_command(c),
                 Command::Shutdown => {
@@ -47,9 +48,12 @@ impl Loop {
         for id in clients {
             self.remove_client(id);
         }
-        let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
-        for id in listeners {
-            self.remove_chan_listener(id);
+        #[cfg(any(test, feature = "testing"))]
+        {
+            let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
+            for id in listeners {
+                self.remove_chan_listener(id);
+            }
         }
         let meshes: Vec<u64> = self.meshes.keys().copied().collect();
         for id in meshes {

@@ -1,10 +1,11 @@
 //! One connection inside the loop: its transport (a provider's [`Link`]), its role (block client, block server, raw
 //! channel), and the state every role shares (timers, liveness, closing).
 
-use super::channel::ChannelConn;
-use super::client::ClientConn;
-use super::server::ServerConn;
+use super::Loop;
+use crate::error::FabricError;
 pub(crate) use crate::providers::link::{Incoming, Link, MsgPayload, Placement};
+use rdma_shuffle_wire::Limits;
+use std::any::Any;
 use std::time::Instant;
 
 /// Index and generation of a connection slot; the generation makes stale references (a
@@ -24,12 +25,79 @@ impl ConnKey {
     }
 }
 
-/// What a connection does.
-pub(crate) enum Role {
-    Client(Box<ClientConn>),
-    Server(Box<ServerConn>),
-    Channel(ChannelConn),
-    Mesh(Box<super::mesh::MeshConn>),
+/// What a connection does: the protocol that runs on it (a block client or server, a raw
+/// channel, a mesh link...). The loop calls these for every connection and never asks which
+/// protocol it is; a new protocol is a new implementation, not a new arm in the loop.
+///
+/// Implementations are stateless markers (`&'static`); a connection's protocol state lives
+/// in its [`Role`] and is reached with [`Role::get`] / [`Role::get_mut`]. The hooks take the
+/// loop and the connection (taken out of the table while it is handled), so a handler can
+/// send, expose and revoke memory, post reads and arm timers through them.
+pub(crate) trait Handler: Sync {
+    /// Limits for decoding what arrives on the connection.
+    fn limits(&self, conn: &Conn) -> Limits;
+    /// Whether the connection reads nothing more for now (its payload waits for memory).
+    fn blocked(&self, conn: &Conn) -> bool {
+        let _ = conn;
+        false
+    }
+    /// A pending outgoing connect completed.
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        let _ = (lp, conn);
+    }
+    /// Something arrived.
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming);
+    /// The transport failed (or the peer went away): fail the protocol's work. Answers
+    /// whether frames still queued (an `Error` for the peer) should be flushed first.
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool;
+    /// After the connection was handled (and is not closing): send what was queued.
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        let _ = (lp, conn);
+    }
+    /// The protocol's next deadline, if any.
+    fn deadline(&self, lp: &Loop, conn: &Conn) -> Option<Instant> {
+        let _ = (lp, conn);
+        None
+    }
+    /// The deadline armed from [`deadline`](Handler::deadline) passed.
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        let _ = (lp, conn, now);
+    }
+    /// The connection is removed: give back what the protocol held for it.
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn);
+}
+
+/// A connection's protocol: its [`Handler`] and its state.
+pub(crate) struct Role {
+    handler: &'static dyn Handler,
+    state: Box<dyn Any + Send>,
+}
+
+impl Role {
+    /// A role run by `handler` with `state`.
+    pub(crate) fn new<S: Any + Send>(handler: &'static dyn Handler, state: S) -> Role {
+        Role { handler, state: Box::new(state) }
+    }
+
+    /// The protocol's handler.
+    pub(crate) fn handler(&self) -> &'static dyn Handler {
+        self.handler
+    }
+
+    /// The state, if it is an `S`.
+    pub(crate) fn get<S: Any>(&self) -> Option<&S> {
+        self.state.downcast_ref()
+    }
+
+    /// The state, if it is an `S`.
+    pub(crate) fn get_mut<S: Any>(&mut self) -> Option<&mut S> {
+        self.state.downcast_mut()
+    }
+
+    /// Whether the state is an `S`.
+    pub(crate) fn is<S: Any>(&self) -> bool {
+        self.state.is::<S>()
+    }
 }
 
 /// The transport of a connection: its provider's link (the driver never asks which).

@@ -1,6 +1,7 @@
 //! The loop thread: its state ([`Loop`]), the `mio` tokens, the table of connections, and
 //! what drives one connection (I/O, sessions, timers, closing).
 
+#[cfg(any(test, feature = "testing"))]
 use super::channel::ChanListenerEp;
 use super::client::ClientEp;
 use super::conn::{Closing, Conn, ConnKey, Role, Transport};
@@ -68,6 +69,8 @@ pub(crate) struct Loop {
     pub(super) free: Vec<u32>,
     pub(crate) servers: HashMap<u64, ServerEp>,
     pub(crate) clients: HashMap<u64, ClientEp>,
+    /// Raw channel listeners (tests).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) chan_listeners: HashMap<u64, ChanListenerEp>,
     pub(crate) meshes: HashMap<u64, mesh::MeshEp>,
     /// Mesh links parked until receive memory comes back.
@@ -257,6 +260,7 @@ impl Loop {
         slot.conn.as_ref()
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn contains(&self, key: ConnKey) -> bool {
         self.conns.get(key.index as usize).is_some_and(|s| s.gen == key.gen && s.conn.is_some())
     }
@@ -340,39 +344,20 @@ impl Loop {
 
     /// A pending connect completed.
     fn connected(&mut self, conn: &mut Conn) {
-        match &mut conn.role {
-            Role::Client(_) => self.client_connected(conn),
-            Role::Channel(_) => self.channel_connected(conn),
-            Role::Mesh(_) => self.mesh_connected(conn),
-            Role::Server(_) => {}
-        }
+        conn.role.handler().connected(self, conn);
     }
 
     /// Whether the connection cannot read on for now (its payload waits for memory).
     fn blocked(&self, conn: &Conn) -> bool {
-        match &conn.role {
-            Role::Client(c) => c.blocked(),
-            Role::Mesh(m) => m.starved.is_some(),
-            _ => false,
-        }
+        conn.role.handler().blocked(conn)
     }
 
     fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
-        match &conn.role {
-            Role::Client(c) => c.session.limits(),
-            Role::Server(s) => s.session.limits(),
-            Role::Channel(c) => c.limits,
-            Role::Mesh(m) => m.limits,
-        }
+        conn.role.handler().limits(conn)
     }
 
     fn incoming(&mut self, conn: &mut Conn, inc: conn::Incoming) {
-        match conn.role {
-            Role::Client(_) => self.client_incoming(conn, inc),
-            Role::Server(_) => self.server_incoming(conn, inc),
-            Role::Channel(_) => self.channel_incoming(conn, inc),
-            Role::Mesh(_) => self.mesh_incoming(conn, inc),
-        }
+        conn.role.handler().incoming(self, conn, inc);
     }
 
     /// The transport failed (or the peer went away): the role fails its work, the
@@ -381,21 +366,7 @@ impl Loop {
         if conn.closing.is_some() {
             return;
         }
-        let flush = match conn.role {
-            Role::Client(_) => {
-                self.client_failed(conn, &error);
-                false
-            }
-            Role::Server(_) => self.server_failed(conn, &error),
-            Role::Channel(_) => {
-                self.channel_failed(conn, error.to_string());
-                false
-            }
-            Role::Mesh(_) => {
-                self.mesh_failed(conn, &error);
-                false
-            }
-        };
+        let flush = conn.role.handler().failed(self, conn, &error);
         self.close(conn, format!("{error}"), flush);
     }
 
@@ -436,12 +407,7 @@ impl Loop {
     /// After a connection was handled: send what its role queued, arm its next deadline.
     fn after(&mut self, conn: &mut Conn) {
         if conn.closing.is_none() {
-            match conn.role {
-                Role::Client(_) => self.client_after(conn),
-                Role::Server(_) => self.server_after(conn),
-                Role::Channel(_) => {}
-                Role::Mesh(_) => self.mesh_after(conn),
-            }
+            conn.role.handler().after(self, conn);
         }
         let deadline = self.deadline(conn);
         if let Some(d) = deadline {
@@ -453,12 +419,7 @@ impl Loop {
         if let Some(c) = &conn.closing {
             return Some(c.deadline);
         }
-        match &conn.role {
-            Role::Client(c) => self.client_deadline(conn, c),
-            Role::Server(s) => self.server_deadline(conn, s),
-            Role::Mesh(_) => Self::mesh_deadline(conn),
-            Role::Channel(_) => None,
-        }
+        conn.role.handler().deadline(self, conn)
     }
 
     fn fire_timers(&mut self) {
@@ -470,12 +431,7 @@ impl Loop {
                 conn.armed = None;
             }
             if conn.closing.is_none() {
-                match conn.role {
-                    Role::Client(_) => self.client_timeout(&mut conn, now),
-                    Role::Server(_) => self.server_timeout(&mut conn, now),
-                    Role::Mesh(_) => self.mesh_timeout(&mut conn, now),
-                    Role::Channel(_) => {}
-                }
+                conn.role.handler().timeout(self, &mut conn, now);
             }
             self.put(conn);
         }
@@ -483,11 +439,6 @@ impl Loop {
 
     /// A removed connection: its role gives back what it held.
     fn role_removed(&mut self, conn: &mut Conn) {
-        match conn.role {
-            Role::Client(_) => self.client_removed(conn),
-            Role::Server(_) => self.server_removed(conn),
-            Role::Channel(_) => self.channel_failed(conn, format!("connection to {} closed", conn.peer)),
-            Role::Mesh(_) => self.mesh_removed(conn),
-        }
+        conn.role.handler().removed(self, conn);
     }
 }

@@ -43,12 +43,13 @@
 //! Every connection has a transport (a provider's [`Link`](crate::providers::link::Link):
 //! tcp, sim, verbs, whatever `providers/` holds; the driver never asks which) and a role: a
 //! block client ([`ClientEndpoint`]), a block server ([`ServerEndpoint`]), or a raw
-//! [`Channel`] — frames in and out, one-sided reads, with no session: the provider-level
+//! `Channel` (feature `testing`) — frames in and out, one-sided reads, with no session: the provider-level
 //! primitives other protocols (tests) build on — or a link of a collective group's
 //! [mesh](crate::mesh): persistent, tagged, full-duplex messages with eager and rendezvous
 //! protocols ([`mesh`]).
 
 mod budget;
+#[cfg(any(test, feature = "testing"))]
 pub(crate) mod channel;
 pub(crate) mod client;
 mod commands;
@@ -63,6 +64,7 @@ mod stats;
 mod timers;
 
 pub use budget::BudgetGuard;
+#[cfg(any(test, feature = "testing"))]
 pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use client::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
 pub(crate) use event_loop::{ListenSocket, Loop, MemWaiter};
@@ -139,10 +141,17 @@ const DRIVE_BUDGET: usize = 128;
 /// Work for the loop from other threads.
 pub(crate) enum Command {
     AddServer(server::AddServer),
-    RemoveServer { id: u64, done: crossbeam_channel::Sender<()> },
+    RemoveServer {
+        id: u64,
+        done: crossbeam_channel::Sender<()>,
+    },
     AddClient(client::AddClient),
-    RemoveClient { id: u64, done: crossbeam_channel::Sender<()> },
+    RemoveClient {
+        id: u64,
+        done: crossbeam_channel::Sender<()>,
+    },
     Fetch(client::FetchCmd),
+    #[cfg(any(test, feature = "testing"))]
     Channel(channel::ChannelCmd),
     Mesh(mesh::MeshCmd),
     Shutdown,
@@ -266,6 +275,7 @@ impl Driver {
             free: Vec::new(),
             servers: HashMap::new(),
             clients: HashMap::new(),
+            #[cfg(any(test, feature = "testing"))]
             chan_listeners: HashMap::new(),
             meshes: HashMap::new(),
             mesh_mem: VecDeque::new(),

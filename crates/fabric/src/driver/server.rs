@@ -8,7 +8,7 @@
 //! [`DriverConfig::max_pending_handshakes`](super::DriverConfig) such connections exist: a
 //! new one evicts the oldest.
 
-use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
 use super::exposure;
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
@@ -234,16 +234,46 @@ struct Deferred {
 }
 
 fn server_mut(conn: &mut Conn) -> &mut ServerConn {
-    match &mut conn.role {
-        Role::Server(s) => s,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<ServerConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from server handlers, which the loop dispatches on `Role::Server`.
+    // Only called from the server's handler, which the loop calls for server roles only.
     panic!("server handler called on a connection of another role")
+}
+
+/// The block server's [`Handler`]: serves one client connection.
+pub(crate) struct ServerHandler;
+
+impl Handler for ServerHandler {
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        conn.role.get::<ServerConn>().map(|s| s.session.limits()).unwrap_or_default()
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.server_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.server_failed(conn, error)
+    }
+
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.server_after(conn)
+    }
+
+    fn deadline(&self, lp: &Loop, conn: &Conn) -> Option<Instant> {
+        lp.server_deadline(conn, conn.role.get::<ServerConn>()?)
+    }
+
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        lp.server_timeout(conn, now)
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.server_removed(conn)
+    }
 }
 
 /// What the session asks of the loop while it handles a frame.
@@ -307,16 +337,19 @@ impl Loop {
             sc.caps &= !rdma_shuffle_wire::caps::RDMA_READ;
         }
         let session = ServerSession::new(sc, Instant::now());
-        let role = Role::Server(Box::new(ServerConn {
-            ep: id,
-            stats: ep.stats.clone(),
-            session,
-            exposures: HashMap::new(),
-            exposed: 0,
-            deferred: VecDeque::new(),
-            published: ServerCounters::default(),
-            pending: true,
-        }));
+        let role = Role::new(
+            &ServerHandler,
+            ServerConn {
+                ep: id,
+                stats: ep.stats.clone(),
+                session,
+                exposures: HashMap::new(),
+                exposed: 0,
+                deferred: VecDeque::new(),
+                published: ServerCounters::default(),
+                pending: true,
+            },
+        );
         ep.stats.connections.fetch_add(1, Ordering::Relaxed);
         ep.stats.connections_open.fetch_add(1, Ordering::Relaxed);
         let key = self.insert(peer, transport, role);
@@ -393,7 +426,7 @@ impl Loop {
             let net = &mut self.net;
             let mut grant = |max: u32| transport.grant_credits(net, max);
             let mut hooks = Hooks { source: &*source, grant: &mut grant };
-            let Role::Server(s) = role else { unreachable_role() };
+            let s = role.get_mut::<ServerConn>().unwrap_or_else(|| unreachable_role());
             s.session.handle_frame(frame, &mut hooks)
         };
         if server_mut(conn).session.is_ready() && !conn.authenticated {
@@ -515,7 +548,7 @@ impl Loop {
                     i += 1;
                     continue;
                 };
-                if conn.closing.is_some() || !matches!(conn.role, Role::Server(_)) {
+                if conn.closing.is_some() || !conn.role.is::<ServerConn>() {
                     self.put(conn);
                     i += 1;
                     continue;
@@ -555,10 +588,7 @@ impl Loop {
     }
 
     fn server_exposed(&self, key: ConnKey) -> Option<u64> {
-        match &self.conn_ref(key)?.role {
-            Role::Server(s) => Some(s.exposed),
-            _ => None,
-        }
+        self.conn_ref(key)?.role.get::<ServerConn>().map(|s| s.exposed)
     }
 
     pub(crate) fn server_deadline(&self, conn: &Conn, s: &ServerConn) -> Option<Instant> {

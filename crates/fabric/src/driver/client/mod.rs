@@ -18,7 +18,7 @@ mod stream;
 pub use stream::{ChunkSink, StreamConfig};
 
 use super::budget::{BudgetGuard, ByteBudget};
-use super::conn::{Conn, ConnKey, Role};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Role};
 use super::{Command, Driver, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, TieredPool};
@@ -436,16 +436,55 @@ impl ClientConn {
 }
 
 fn client_mut(conn: &mut Conn) -> &mut ClientConn {
-    match &mut conn.role {
-        Role::Client(c) => c,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<ClientConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from client handlers, which the loop dispatches on `Role::Client`.
+    // Only called from the client's handler, which the loop calls for client roles only.
     panic!("client handler called on a connection of another role")
+}
+
+/// The block client's [`Handler`]: fetches over one connection to a server.
+pub(crate) struct ClientHandler;
+
+impl Handler for ClientHandler {
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        conn.role.get::<ClientConn>().map(|c| c.session.limits()).unwrap_or_default()
+    }
+
+    fn blocked(&self, conn: &Conn) -> bool {
+        conn.role.get::<ClientConn>().is_some_and(|c| c.blocked())
+    }
+
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.client_connected(conn)
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.client_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.client_failed(conn, error);
+        false
+    }
+
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.client_after(conn)
+    }
+
+    fn deadline(&self, lp: &Loop, conn: &Conn) -> Option<Instant> {
+        lp.client_deadline(conn, conn.role.get::<ClientConn>()?)
+    }
+
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        lp.client_timeout(conn, now)
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.client_removed(conn)
+    }
 }
 
 fn code_index(code: FailureCode) -> usize {
@@ -557,22 +596,25 @@ impl Loop {
             sc.caps &= !caps::RDMA_READ;
         }
         let connect_deadline = now + cfg.connect_timeout;
-        let role = Role::Client(Box::new(ClientConn {
-            ep: ep_id,
-            stats: ep.stats.clone(),
-            addr,
-            session: ClientSession::new(sc, now),
-            sinks: HashMap::new(),
-            pull_leases: HashMap::new(),
-            pull_guards: HashMap::new(),
-            reads: HashMap::new(),
-            block_lens: HashMap::new(),
-            next_tag: 1,
-            payload: PayloadState::None,
-            connected: !transport.is_stream() || transport.is_connected(),
-            connect_deadline,
-            counted: false,
-        }));
+        let role = Role::new(
+            &ClientHandler,
+            ClientConn {
+                ep: ep_id,
+                stats: ep.stats.clone(),
+                addr,
+                session: ClientSession::new(sc, now),
+                sinks: HashMap::new(),
+                pull_leases: HashMap::new(),
+                pull_guards: HashMap::new(),
+                reads: HashMap::new(),
+                block_lens: HashMap::new(),
+                next_tag: 1,
+                payload: PayloadState::None,
+                connected: !transport.is_stream() || transport.is_connected(),
+                connect_deadline,
+                counted: false,
+            },
+        );
         let stats = ep.stats.clone();
         let key = self.insert(addr.to_string(), transport, role);
         stats.connections_open.fetch_add(1, Ordering::Relaxed);
@@ -590,10 +632,7 @@ impl Loop {
     /// Sends what the session queued (where answers take room in a shared receive queue,
     /// verbs, first the requests it has room to answer).
     pub(crate) fn client_after(&mut self, conn: &mut Conn) {
-        let c = match &mut conn.role {
-            Role::Client(c) => c,
-            _ => return,
-        };
+        let Some(c) = conn.role.get_mut::<ClientConn>() else { return };
         if c.session.queued_blocks() > 0 {
             if let Some(room) = conn.transport.answer_room(&mut self.net) {
                 let sent = c.session.flush_requests(room, Instant::now());
@@ -695,10 +734,9 @@ impl Loop {
     /// before sleeping worth it, since the answer is on its way.
     pub(crate) fn awaiting_answers(&self) -> bool {
         self.clients.values().flat_map(|ep| ep.conns.values()).any(|k| {
-            self.conn_ref(*k).is_some_and(|conn| match &conn.role {
-                Role::Client(c) => c.session.outstanding_blocks() > 0 && !c.blocked(),
-                _ => false,
-            })
+            self.conn_ref(*k)
+                .and_then(|conn| conn.role.get::<ClientConn>())
+                .is_some_and(|c| c.session.outstanding_blocks() > 0 && !c.blocked())
         })
     }
 

@@ -14,7 +14,7 @@
 
 mod incoming;
 
-use super::conn::{Conn, ConnKey, Role, Transport};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Role, Transport};
 use super::{ListenSocket, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::ReleaseHook;
@@ -149,16 +149,55 @@ fn handshake_limits() -> Limits {
 }
 
 pub(crate) fn mesh_mut(conn: &mut Conn) -> &mut MeshConn {
-    match &mut conn.role {
-        Role::Mesh(m) => m,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<MeshConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from mesh handlers, which the loop dispatches on `Role::Mesh`.
+    // Only called from the mesh's handler, which the loop calls for mesh links only.
     panic!("mesh handler called on a connection of another role")
+}
+
+/// The mesh link's [`Handler`]: one link of a collective group.
+pub(crate) struct MeshHandler;
+
+impl Handler for MeshHandler {
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        conn.role.get::<MeshConn>().map(|m| m.limits).unwrap_or_default()
+    }
+
+    fn blocked(&self, conn: &Conn) -> bool {
+        conn.role.get::<MeshConn>().is_some_and(|m| m.starved.is_some())
+    }
+
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_connected(conn)
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.mesh_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.mesh_failed(conn, error);
+        false
+    }
+
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_after(conn)
+    }
+
+    fn deadline(&self, _lp: &Loop, conn: &Conn) -> Option<Instant> {
+        Loop::mesh_deadline(conn)
+    }
+
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        lp.mesh_timeout(conn, now)
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_removed(conn)
+    }
 }
 
 /// A control message on a link.
@@ -329,7 +368,7 @@ impl Loop {
 
     pub(crate) fn with_mesh(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
         let Some(mut conn) = self.take(key) else { return };
-        if matches!(conn.role, Role::Mesh(_)) {
+        if conn.role.is::<MeshConn>() {
             f(self, &mut conn);
         }
         let k = conn.key;
@@ -352,23 +391,26 @@ impl Loop {
         };
         let connected = transport.is_connected();
         let (hs, hello) = shared.hs.client_hello(peer);
-        let role = Role::Mesh(Box::new(MeshConn {
-            ep: id,
-            shared,
-            limits: handshake_limits(),
-            peer: Some(peer),
-            outgoing: true,
-            connected,
-            phase: Phase::Welcome(hs),
-            rx: None,
-            starved: None,
-            marks: VecDeque::new(),
-            exposures: HashMap::new(),
-            rts: VecDeque::new(),
-            reads: HashMap::new(),
-            next_read: 1,
-            opened: Instant::now(),
-        }));
+        let role = Role::new(
+            &MeshHandler,
+            MeshConn {
+                ep: id,
+                shared,
+                limits: handshake_limits(),
+                peer: Some(peer),
+                outgoing: true,
+                connected,
+                phase: Phase::Welcome(hs),
+                rx: None,
+                starved: None,
+                marks: VecDeque::new(),
+                exposures: HashMap::new(),
+                rts: VecDeque::new(),
+                reads: HashMap::new(),
+                next_read: 1,
+                opened: Instant::now(),
+            },
+        );
         let key = self.insert(addr.to_string(), transport, role);
         if let Some(ep) = self.meshes.get_mut(&id) {
             ep.conns.push(key);
@@ -388,23 +430,26 @@ impl Loop {
         let Some(ep) = self.meshes.get(&id) else { return };
         let Some(shared) = ep.shared.clone() else { return };
         let cap = 2 * shared.world + 16;
-        let role = Role::Mesh(Box::new(MeshConn {
-            ep: id,
-            shared,
-            limits: handshake_limits(),
-            peer: None,
-            outgoing: false,
-            connected: true,
-            phase: Phase::Hello,
-            rx: None,
-            starved: None,
-            marks: VecDeque::new(),
-            exposures: HashMap::new(),
-            rts: VecDeque::new(),
-            reads: HashMap::new(),
-            next_read: 1,
-            opened: Instant::now(),
-        }));
+        let role = Role::new(
+            &MeshHandler,
+            MeshConn {
+                ep: id,
+                shared,
+                limits: handshake_limits(),
+                peer: None,
+                outgoing: false,
+                connected: true,
+                phase: Phase::Hello,
+                rx: None,
+                starved: None,
+                marks: VecDeque::new(),
+                exposures: HashMap::new(),
+                rts: VecDeque::new(),
+                reads: HashMap::new(),
+                next_read: 1,
+                opened: Instant::now(),
+            },
+        );
         let key = self.insert(peer, transport, role);
         let mut evict = None;
         if let Some(ep) = self.meshes.get_mut(&id) {
@@ -488,7 +533,7 @@ impl Loop {
 
     /// When a connection still in its handshake must have finished it.
     pub(crate) fn mesh_deadline(conn: &Conn) -> Option<Instant> {
-        let Role::Mesh(m) = &conn.role else { return None };
+        let m = conn.role.get::<MeshConn>()?;
         match m.phase {
             Phase::Up | Phase::Attaching => None,
             _ => Some(m.opened + m.shared.handshake_timeout),
