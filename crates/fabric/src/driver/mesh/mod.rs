@@ -144,6 +144,31 @@ pub(crate) struct MeshConn {
     opened: Instant,
 }
 
+impl MeshConn {
+    /// A link's role for mesh `ep`: outgoing to `peer` (a lower rank), or accepted (`None`:
+    /// the peer names itself in its hello).
+    fn role(ep: u64, shared: Arc<MeshShared>, peer: Option<usize>, connected: bool, phase: Phase) -> Role {
+        let conn = MeshConn {
+            ep,
+            shared,
+            limits: handshake_limits(),
+            peer,
+            outgoing: peer.is_some(),
+            connected,
+            phase,
+            rx: None,
+            starved: None,
+            marks: VecDeque::new(),
+            exposures: HashMap::new(),
+            rts: VecDeque::new(),
+            reads: HashMap::new(),
+            next_read: 1,
+            opened: Instant::now(),
+        };
+        Role::new(&MeshHandler, conn)
+    }
+}
+
 fn handshake_limits() -> Limits {
     Limits { max_control: CONTROL_MAX as u32, max_eager: CONTROL_MAX as u32, max_pull: 0, max_blocks_per_fetch: 0 }
 }
@@ -391,26 +416,7 @@ impl Loop {
         };
         let connected = transport.is_connected();
         let (hs, hello) = shared.hs.client_hello(peer);
-        let role = Role::new(
-            &MeshHandler,
-            MeshConn {
-                ep: id,
-                shared,
-                limits: handshake_limits(),
-                peer: Some(peer),
-                outgoing: true,
-                connected,
-                phase: Phase::Welcome(hs),
-                rx: None,
-                starved: None,
-                marks: VecDeque::new(),
-                exposures: HashMap::new(),
-                rts: VecDeque::new(),
-                reads: HashMap::new(),
-                next_read: 1,
-                opened: Instant::now(),
-            },
-        );
+        let role = MeshConn::role(id, shared, Some(peer), connected, Phase::Welcome(hs));
         let key = self.insert(addr.to_string(), transport, role);
         if let Some(ep) = self.meshes.get_mut(&id) {
             ep.conns.push(key);
@@ -430,26 +436,7 @@ impl Loop {
         let Some(ep) = self.meshes.get(&id) else { return };
         let Some(shared) = ep.shared.clone() else { return };
         let cap = 2 * shared.world + 16;
-        let role = Role::new(
-            &MeshHandler,
-            MeshConn {
-                ep: id,
-                shared,
-                limits: handshake_limits(),
-                peer: None,
-                outgoing: false,
-                connected: true,
-                phase: Phase::Hello,
-                rx: None,
-                starved: None,
-                marks: VecDeque::new(),
-                exposures: HashMap::new(),
-                rts: VecDeque::new(),
-                reads: HashMap::new(),
-                next_read: 1,
-                opened: Instant::now(),
-            },
-        );
+        let role = MeshConn::role(id, shared, None, true, Phase::Hello);
         let key = self.insert(peer, transport, role);
         let mut evict = None;
         if let Some(ep) = self.meshes.get_mut(&id) {
