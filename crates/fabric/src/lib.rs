@@ -22,14 +22,13 @@ pub mod mesh;
 pub mod providers;
 
 pub use driver::{
-    BlockSink, BlockSource, BudgetGuard, Channel, ChannelListener, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats,
-    Driver, DriverConfig, DriverStats, FetchedBlock, PendingRead, Received, ServerEndpoint, ServerEndpointConfig, ServerStats,
-    StreamConfig, DEFAULT_SPIN, MAX_SPIN,
+    BlockSink, BlockSource, BudgetGuard, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver, DriverConfig,
+    DriverStats, FetchedBlock, ServerEndpoint, ServerEndpointConfig, ServerStats, StreamConfig, DEFAULT_SPIN, MAX_SPIN,
 };
+#[cfg(any(test, feature = "testing"))]
+pub use driver::{Channel, ChannelListener, PendingRead, Received};
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
 pub use providers::verbs;
-pub use providers::{
-    open_provider, OpenedProvider, Provider, ProviderChoice, ProviderKind, ProviderSpec, SimProvider, Source, TcpProvider,
-};
+pub use providers::{open_provider, OpenedProvider, Provider, ProviderChoice, ProviderSpec, SimProvider, Source, TcpProvider};

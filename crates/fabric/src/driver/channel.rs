@@ -7,11 +7,11 @@
 //! persistent peer channels, pipelined chunks) builds on. Authentication is the caller's: run
 //! a `wire` session's handshake over the channel first, then attach.
 
-use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
@@ -293,16 +293,40 @@ pub(crate) struct ChannelConn {
 }
 
 fn chan_mut(conn: &mut Conn) -> &mut ChannelConn {
-    match &mut conn.role {
-        Role::Channel(c) => c,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<ChannelConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from channel handlers, which the loop dispatches on `Role::Channel`.
+    // Only called from the channel's handler, which the loop calls for channel roles only.
     panic!("channel handler called on a connection of another role")
+}
+
+/// The raw channel's [`Handler`]: frames in and out, no session.
+pub(crate) struct ChannelHandler;
+
+impl Handler for ChannelHandler {
+    fn limits(&self, conn: &Conn) -> Limits {
+        conn.role.get::<ChannelConn>().map(|c| c.limits).unwrap_or_default()
+    }
+
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.channel_connected(conn)
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.channel_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.channel_failed(conn, error.to_string());
+        false
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        let why = format!("connection to {} closed", conn.peer);
+        lp.channel_failed(conn, why)
+    }
 }
 
 impl Loop {
@@ -316,22 +340,20 @@ impl Loop {
                         return;
                     }
                 };
-                let connected = match &transport {
-                    Transport::Tcp(t) => t.is_connected(),
-                    #[cfg(feature = "verbs")]
-                    Transport::Verbs(v) => v.control_connected(),
-                    Transport::Sim(_) => true,
-                };
-                let role = Role::Channel(ChannelConn {
-                    shared,
-                    limits,
-                    pending: None,
-                    reads: HashMap::new(),
-                    next_tag: 1,
-                    connect_reply: Some(reply),
-                    attach_reply: None,
-                    accepted: false,
-                });
+                let connected = transport.is_connected();
+                let role = Role::new(
+                    &ChannelHandler,
+                    ChannelConn {
+                        shared,
+                        limits,
+                        pending: None,
+                        reads: HashMap::new(),
+                        next_tag: 1,
+                        connect_reply: Some(reply),
+                        attach_reply: None,
+                        accepted: false,
+                    },
+                );
                 let key = self.insert(addr.to_string(), transport, role);
                 if connected {
                     if let Some(mut conn) = self.take(key) {
@@ -406,7 +428,7 @@ impl Loop {
 
     fn with_channel(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
         let Some(mut conn) = self.take(key) else { return };
-        if matches!(conn.role, Role::Channel(_)) {
+        if conn.role.is::<ChannelConn>() {
             f(self, &mut conn);
         }
         let k = conn.key;
@@ -415,16 +437,14 @@ impl Loop {
         self.drive_again(k);
     }
 
-    #[allow(unused_variables)]
     fn channel_attach(&mut self, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
-        #[cfg(feature = "verbs")]
-        if matches!(conn.transport, Transport::Verbs(_)) {
+        if conn.transport.needs_attach() {
             // The caller ran the handshake itself: it vouches for the peer.
             conn.authenticated = true;
             let accepted = chan_mut(conn).accepted;
             let key = conn.key.to_u64();
-            let Transport::Verbs(v) = &mut conn.transport else { return };
-            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, &self.shared.stats, key) };
+            let v = &mut conn.transport;
+            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, key) };
             match r {
                 Ok(()) => chan_mut(conn).attach_reply = Some(reply),
                 Err(e) => {
@@ -446,16 +466,19 @@ impl Loop {
         let Some(l) = self.chan_listeners.get(&id) else { return };
         let accepted = l.accepted.clone();
         let shared = ChannelShared::new();
-        let role = Role::Channel(ChannelConn {
-            shared: shared.clone(),
-            limits: Limits::default(),
-            pending: None,
-            reads: HashMap::new(),
-            next_tag: 1,
-            connect_reply: None,
-            attach_reply: None,
-            accepted: true,
-        });
+        let role = Role::new(
+            &ChannelHandler,
+            ChannelConn {
+                shared: shared.clone(),
+                limits: Limits::default(),
+                pending: None,
+                reads: HashMap::new(),
+                next_tag: 1,
+                connect_reply: None,
+                attach_reply: None,
+                accepted: true,
+            },
+        );
         let key = self.insert(peer.clone(), transport, role);
         accepted.queue.lock().push_back((key, peer, shared));
         accepted.cv.notify_all();
@@ -494,15 +517,14 @@ impl Loop {
                     let _ = reply.send((lease, result));
                 }
             }
-            #[cfg(feature = "verbs")]
             Incoming::Attach(data) => {
                 let accepted = chan_mut(conn).accepted;
                 let key = conn.key.to_u64();
-                let Transport::Verbs(v) = &mut conn.transport else { return };
+                let v = &mut conn.transport;
                 // An accepting channel attaches only when its owner asked (after running the
                 // handshake it trusts); the connecting side only answers its own request.
                 let r = if accepted && conn.authenticated {
-                    v.accept_attach(&mut self.net, &self.shared.stats, key, &data)
+                    v.accept_attach(&mut self.net, key, &data)
                 } else if accepted {
                     Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
                 } else {
@@ -515,7 +537,6 @@ impl Loop {
                     self.fail(conn, e);
                 }
             }
-            #[cfg(feature = "verbs")]
             Incoming::Attached => {
                 if let Some(reply) = chan_mut(conn).attach_reply.take() {
                     let _ = reply.send(Ok(()));

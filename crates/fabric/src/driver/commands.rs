@@ -27,6 +27,7 @@ impl Loop {
                     let _ = done.send(());
                 }
                 Command::Fetch(f) => self.fetch(f),
+                #[cfg(any(test, feature = "testing"))]
                 Command::Channel(c) => self.channel_command(c),
                 Command::Mesh(c) => self.mesh_command(c),
                 Command::Shutdown => {
@@ -47,9 +48,12 @@ impl Loop {
         for id in clients {
             self.remove_client(id);
         }
-        let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
-        for id in listeners {
-            self.remove_chan_listener(id);
+        #[cfg(any(test, feature = "testing"))]
+        {
+            let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
+            for id in listeners {
+                self.remove_chan_listener(id);
+            }
         }
         let meshes: Vec<u64> = self.meshes.keys().copied().collect();
         for id in meshes {
@@ -73,16 +77,13 @@ impl Loop {
         self.service_memory();
     }
 
-    // ------------------------------------------------------------------ verbs
+    // ------------------------------------------------------------------ provider engine
 
-    pub(crate) fn verbs_events(&mut self) {
-        #[cfg(feature = "verbs")]
-        {
-            let Some(v) = self.net.verbs.as_mut() else { return };
-            let touched = v.poll_completions(&self.shared.stats);
-            for k in touched {
-                self.drive(ConnKey::from_u64(k));
-            }
+    /// Collects the provider engine's completions and drives the connections they concern.
+    pub(crate) fn engine_events(&mut self) {
+        let touched = self.net.engine.poll_completions();
+        for k in touched {
+            self.drive(ConnKey::from_u64(k));
         }
     }
 

@@ -1,6 +1,7 @@
 //! The loop thread: its state ([`Loop`]), the `mio` tokens, the table of connections, and
 //! what drives one connection (I/O, sessions, timers, closing).
 
+#[cfg(any(test, feature = "testing"))]
 use super::channel::ChanListenerEp;
 use super::client::ClientEp;
 use super::conn::{Closing, Conn, ConnKey, Role, Transport};
@@ -9,17 +10,17 @@ use super::timers::Timers;
 use super::{client, conn, exposure, mesh};
 use super::{Shared, CLOSE_LINGER, DRIVE_BUDGET};
 use crate::error::FabricError;
-use crate::providers::sim::{Notify, SimAcceptQueue};
-#[cfg(feature = "verbs")]
-use crate::providers::ProviderKind;
-use mio::{Events, Interest, Poll, Token};
+pub(crate) use crate::providers::link::Net;
+use crate::providers::link::{EngineCtx, Listener, Notify};
+use mio::{Events, Poll, Token};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(super) const WAKER: Token = Token(0);
-const VERBS_EVENTS: Token = Token(1);
+/// The provider engine's own descriptors (the verbs completion channel).
+const ENGINE_EVENTS: Token = Token(1);
 const LISTENER_BIT: usize = 1 << 62;
 const CONN_BIT: usize = 2 << 62;
 const KIND_MASK: usize = 3 << 62;
@@ -32,33 +33,22 @@ pub(super) fn listener_token(id: u64) -> Token {
     Token(LISTENER_BIT | (id as usize & !KIND_MASK))
 }
 
-/// Per-loop provider state: what the providers keep per engine.
-pub(crate) struct Net {
-    /// Bytes exposed to peers now (sim and verbs regions).
-    pub(crate) exposed_bytes: u64,
-    #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<crate::providers::verbs::engine::VerbsEngine>,
+/// Builds the loop's per-loop provider state: the provider's engine, its descriptors (a
+/// completion channel) registered under [`ENGINE_EVENTS`].
+pub(super) fn new_net(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricError> {
+    let notify: Arc<dyn Notify> = shared.clone();
+    let ctx = EngineCtx {
+        name: &shared.name,
+        registry: poll.registry(),
+        token: ENGINE_EVENTS,
+        notify,
+        counters: shared.stats.provider.clone(),
+    };
+    Ok(Net { exposed_bytes: 0, engine: shared.provider.engine(ctx)? })
 }
 
-impl Net {
-    pub(super) fn new(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricError> {
-        let _ = (shared, poll);
-        Ok(Net {
-            exposed_bytes: 0,
-            #[cfg(feature = "verbs")]
-            verbs: match shared.provider.kind() {
-                ProviderKind::Verbs(p) => Some(crate::providers::verbs::engine::VerbsEngine::new(p, shared, poll, VERBS_EVENTS)?),
-                _ => None,
-            },
-        })
-    }
-}
-
-/// A listening socket of a server endpoint or channel listener.
-pub(crate) enum ListenSocket {
-    Tcp(mio::net::TcpListener),
-    Sim(Arc<SimAcceptQueue>),
-}
+/// A listening socket of a server endpoint, mesh or channel listener.
+pub(crate) type ListenSocket = Box<dyn Listener>;
 
 /// A block waiting for local memory.
 pub(crate) struct MemWaiter {
@@ -79,6 +69,8 @@ pub(crate) struct Loop {
     pub(super) free: Vec<u32>,
     pub(crate) servers: HashMap<u64, ServerEp>,
     pub(crate) clients: HashMap<u64, ClientEp>,
+    /// Raw channel listeners (tests).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) chan_listeners: HashMap<u64, ChanListenerEp>,
     pub(crate) meshes: HashMap<u64, mesh::MeshEp>,
     /// Mesh links parked until receive memory comes back.
@@ -138,7 +130,7 @@ impl Loop {
                 let t = ev.token();
                 match t.0 & KIND_MASK {
                     _ if t == WAKER => {}
-                    _ if t == VERBS_EVENTS => self.verbs_events(),
+                    _ if t == ENGINE_EVENTS => self.engine_events(),
                     LISTENER_BIT => self.accept((t.0 & !KIND_MASK) as u64),
                     CONN_BIT => {
                         let index = (t.0 & 0xffff_ffff) as u32;
@@ -166,9 +158,9 @@ impl Loop {
                     self.drive(ConnKey::from_u64(k));
                 }
             }
-            // The verbs completion channel is edge-like (one event per arm): poll the queue
-            // on every turn too, it is cheap and catches completions of work posted above.
-            self.verbs_events();
+            // A completion channel is edge-like (one event per arm): poll the engine on every
+            // turn too, it is cheap and catches completions of work posted above.
+            self.engine_events();
             if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
                 self.service_memory();
             }
@@ -224,18 +216,9 @@ impl Loop {
     pub(crate) fn activate(&mut self, key: ConnKey) {
         let Some(mut conn) = self.take(key) else { return };
         let token = conn_token(key);
-        let notify: Arc<dyn Notify> = self.shared.clone();
-        let res = match &mut conn.transport {
-            Transport::Tcp(t) => self.poll.registry().register(t.stream_mut(), token, Interest::READABLE | Interest::WRITABLE),
-            Transport::Sim(s) => {
-                s.conn.set_notify(notify, key.to_u64());
-                Ok(())
-            }
-            #[cfg(feature = "verbs")]
-            Transport::Verbs(v) => self.poll.registry().register(v.control_mut(), token, Interest::READABLE | Interest::WRITABLE),
-        };
+        let res = conn.transport.register(self.poll.registry(), token, key.to_u64());
         match res {
-            Ok(()) => conn.registered = !matches!(conn.transport, Transport::Sim(_)),
+            Ok(registered) => conn.registered = registered,
             Err(e) => {
                 let err = FabricError::io(&conn.peer, "register", e);
                 self.fail(&mut conn, err);
@@ -277,6 +260,7 @@ impl Loop {
         slot.conn.as_ref()
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn contains(&self, key: ConnKey) -> bool {
         self.conns.get(key.index as usize).is_some_and(|s| s.gen == key.gen && s.conn.is_some())
     }
@@ -291,21 +275,12 @@ impl Loop {
     fn remove(&mut self, mut conn: Conn) {
         let key = conn.key;
         if conn.registered {
-            let r = match &mut conn.transport {
-                Transport::Tcp(t) => self.poll.registry().deregister(t.stream_mut()),
-                #[cfg(feature = "verbs")]
-                Transport::Verbs(v) => self.poll.registry().deregister(v.control_mut()),
-                Transport::Sim(_) => Ok(()),
-            };
-            let _ = r;
+            let _ = conn.transport.deregister(self.poll.registry());
         }
         self.pending.retain(|k| *k != key);
         self.role_removed(&mut conn);
         conn.transport.shutdown(&mut self.net);
-        #[cfg(feature = "verbs")]
-        if let Transport::Verbs(v) = &mut conn.transport {
-            v.destroy(&mut self.net, &self.shared.stats);
-        }
+        conn.transport.destroy(&mut self.net);
         self.shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
         if let Some(slot) = self.conns.get_mut(key.index as usize) {
             if slot.gen == key.gen {
@@ -317,13 +292,7 @@ impl Loop {
     }
 
     pub(crate) fn update_registered(&self) {
-        #[allow(unused_mut)]
-        let mut bytes = self.net.exposed_bytes;
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.net.verbs {
-            bytes += v.registered_bytes();
-        }
-        self.shared.stats.registered_bytes.store(bytes, Ordering::Relaxed);
+        self.shared.stats.registered_bytes.store(self.net.registered_bytes(), Ordering::Relaxed);
     }
 
     // ------------------------------------------------------------------ driving
@@ -365,13 +334,7 @@ impl Loop {
 
     fn on_writable(&mut self, key: ConnKey) {
         let Some(mut conn) = self.take(key) else { return };
-        let r = match &mut conn.transport {
-            Transport::Tcp(t) => t.on_writable(),
-            #[cfg(feature = "verbs")]
-            Transport::Verbs(v) => v.on_writable(),
-            Transport::Sim(_) => Ok(false),
-        };
-        match r {
+        match conn.transport.on_writable() {
             Ok(true) => self.connected(&mut conn),
             Ok(false) => {}
             Err(e) => self.fail(&mut conn, e),
@@ -381,39 +344,20 @@ impl Loop {
 
     /// A pending connect completed.
     fn connected(&mut self, conn: &mut Conn) {
-        match &mut conn.role {
-            Role::Client(_) => self.client_connected(conn),
-            Role::Channel(_) => self.channel_connected(conn),
-            Role::Mesh(_) => self.mesh_connected(conn),
-            Role::Server(_) => {}
-        }
+        conn.role.handler().connected(self, conn);
     }
 
     /// Whether the connection cannot read on for now (its payload waits for memory).
     fn blocked(&self, conn: &Conn) -> bool {
-        match &conn.role {
-            Role::Client(c) => c.blocked(),
-            Role::Mesh(m) => m.starved.is_some(),
-            _ => false,
-        }
+        conn.role.handler().blocked(conn)
     }
 
     fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
-        match &conn.role {
-            Role::Client(c) => c.session.limits(),
-            Role::Server(s) => s.session.limits(),
-            Role::Channel(c) => c.limits,
-            Role::Mesh(m) => m.limits,
-        }
+        conn.role.handler().limits(conn)
     }
 
     fn incoming(&mut self, conn: &mut Conn, inc: conn::Incoming) {
-        match conn.role {
-            Role::Client(_) => self.client_incoming(conn, inc),
-            Role::Server(_) => self.server_incoming(conn, inc),
-            Role::Channel(_) => self.channel_incoming(conn, inc),
-            Role::Mesh(_) => self.mesh_incoming(conn, inc),
-        }
+        conn.role.handler().incoming(self, conn, inc);
     }
 
     /// The transport failed (or the peer went away): the role fails its work, the
@@ -422,21 +366,7 @@ impl Loop {
         if conn.closing.is_some() {
             return;
         }
-        let flush = match conn.role {
-            Role::Client(_) => {
-                self.client_failed(conn, &error);
-                false
-            }
-            Role::Server(_) => self.server_failed(conn, &error),
-            Role::Channel(_) => {
-                self.channel_failed(conn, error.to_string());
-                false
-            }
-            Role::Mesh(_) => {
-                self.mesh_failed(conn, &error);
-                false
-            }
-        };
+        let flush = conn.role.handler().failed(self, conn, &error);
         self.close(conn, format!("{error}"), flush);
     }
 
@@ -477,12 +407,7 @@ impl Loop {
     /// After a connection was handled: send what its role queued, arm its next deadline.
     fn after(&mut self, conn: &mut Conn) {
         if conn.closing.is_none() {
-            match conn.role {
-                Role::Client(_) => self.client_after(conn),
-                Role::Server(_) => self.server_after(conn),
-                Role::Channel(_) => {}
-                Role::Mesh(_) => self.mesh_after(conn),
-            }
+            conn.role.handler().after(self, conn);
         }
         let deadline = self.deadline(conn);
         if let Some(d) = deadline {
@@ -494,12 +419,7 @@ impl Loop {
         if let Some(c) = &conn.closing {
             return Some(c.deadline);
         }
-        match &conn.role {
-            Role::Client(c) => self.client_deadline(conn, c),
-            Role::Server(s) => self.server_deadline(conn, s),
-            Role::Mesh(_) => Self::mesh_deadline(conn),
-            Role::Channel(_) => None,
-        }
+        conn.role.handler().deadline(self, conn)
     }
 
     fn fire_timers(&mut self) {
@@ -511,12 +431,7 @@ impl Loop {
                 conn.armed = None;
             }
             if conn.closing.is_none() {
-                match conn.role {
-                    Role::Client(_) => self.client_timeout(&mut conn, now),
-                    Role::Server(_) => self.server_timeout(&mut conn, now),
-                    Role::Mesh(_) => self.mesh_timeout(&mut conn, now),
-                    Role::Channel(_) => {}
-                }
+                conn.role.handler().timeout(self, &mut conn, now);
             }
             self.put(conn);
         }
@@ -524,11 +439,6 @@ impl Loop {
 
     /// A removed connection: its role gives back what it held.
     fn role_removed(&mut self, conn: &mut Conn) {
-        match conn.role {
-            Role::Client(_) => self.client_removed(conn),
-            Role::Server(_) => self.server_removed(conn),
-            Role::Channel(_) => self.channel_failed(conn, format!("connection to {} closed", conn.peer)),
-            Role::Mesh(_) => self.mesh_removed(conn),
-        }
+        conn.role.handler().removed(self, conn);
     }
 }

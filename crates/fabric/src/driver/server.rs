@@ -8,11 +8,11 @@
 //! [`DriverConfig::max_pending_handshakes`](super::DriverConfig) such connections exist: a
 //! new one evicts the oldest.
 
-use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
 use super::exposure;
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use crate::providers::Source;
 use rdma_shuffle_wire::server::ServerCounters;
 use rdma_shuffle_wire::{
@@ -234,16 +234,46 @@ struct Deferred {
 }
 
 fn server_mut(conn: &mut Conn) -> &mut ServerConn {
-    match &mut conn.role {
-        Role::Server(s) => s,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<ServerConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from server handlers, which the loop dispatches on `Role::Server`.
+    // Only called from the server's handler, which the loop calls for server roles only.
     panic!("server handler called on a connection of another role")
+}
+
+/// The block server's [`Handler`]: serves one client connection.
+pub(crate) struct ServerHandler;
+
+impl Handler for ServerHandler {
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        conn.role.get::<ServerConn>().map(|s| s.session.limits()).unwrap_or_default()
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.server_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.server_failed(conn, error)
+    }
+
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.server_after(conn)
+    }
+
+    fn deadline(&self, lp: &Loop, conn: &Conn) -> Option<Instant> {
+        lp.server_deadline(conn, conn.role.get::<ServerConn>()?)
+    }
+
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        lp.server_timeout(conn, now)
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.server_removed(conn)
+    }
 }
 
 /// What the session asks of the loop while it handles a frame.
@@ -307,16 +337,19 @@ impl Loop {
             sc.caps &= !rdma_shuffle_wire::caps::RDMA_READ;
         }
         let session = ServerSession::new(sc, Instant::now());
-        let role = Role::Server(Box::new(ServerConn {
-            ep: id,
-            stats: ep.stats.clone(),
-            session,
-            exposures: HashMap::new(),
-            exposed: 0,
-            deferred: VecDeque::new(),
-            published: ServerCounters::default(),
-            pending: true,
-        }));
+        let role = Role::new(
+            &ServerHandler,
+            ServerConn {
+                ep: id,
+                stats: ep.stats.clone(),
+                session,
+                exposures: HashMap::new(),
+                exposed: 0,
+                deferred: VecDeque::new(),
+                published: ServerCounters::default(),
+                pending: true,
+            },
+        );
         ep.stats.connections.fetch_add(1, Ordering::Relaxed);
         ep.stats.connections_open.fetch_add(1, Ordering::Relaxed);
         let key = self.insert(peer, transport, role);
@@ -360,14 +393,11 @@ impl Loop {
             }
             Incoming::Message(frame, _) => self.server_frame(conn, frame),
             Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } => {}
-            #[cfg(feature = "verbs")]
             Incoming::Attach(data) => self.server_attach(conn, data),
-            #[cfg(feature = "verbs")]
             Incoming::Attached => {}
         }
     }
 
-    #[cfg(feature = "verbs")]
     fn server_attach(&mut self, conn: &mut Conn, data: Vec<u8>) {
         // The queue pair is created only now, and only for a peer that authenticated.
         if !conn.authenticated || !server_mut(conn).session.is_ready() {
@@ -378,8 +408,7 @@ impl Loop {
             return;
         }
         let key = conn.key.to_u64();
-        let Transport::Verbs(v) = &mut conn.transport else { return };
-        if let Err(e) = v.accept_attach(&mut self.net, &self.shared.stats, key, &data) {
+        if let Err(e) = conn.transport.accept_attach(&mut self.net, key, &data) {
             self.fail(conn, e);
         }
     }
@@ -391,26 +420,20 @@ impl Loop {
             return;
         };
         let source = ep.source.clone();
-        #[cfg(feature = "verbs")]
-        let mut grant = {
+        let r = {
+            // Credits come from the provider (verbs: a share of the shared receive queue).
+            let Conn { transport, role, .. } = &mut *conn;
             let net = &mut self.net;
-            let is_verbs = matches!(conn.transport, Transport::Verbs(_));
-            move |max: u32| if is_verbs { net.verbs.as_mut().map(|v| v.grant(max)).unwrap_or(max) } else { max }
+            let mut grant = |max: u32| transport.grant_credits(net, max);
+            let mut hooks = Hooks { source: &*source, grant: &mut grant };
+            let s = role.get_mut::<ServerConn>().unwrap_or_else(|| unreachable_role());
+            s.session.handle_frame(frame, &mut hooks)
         };
-        #[cfg(not(feature = "verbs"))]
-        let mut grant = |max: u32| max;
-        let mut hooks = Hooks { source: &*source, grant: &mut grant };
-        let r = server_mut(conn).session.handle_frame(frame, &mut hooks);
         if server_mut(conn).session.is_ready() && !conn.authenticated {
             conn.authenticated = true;
             self.leave_pending(conn);
-            #[cfg(feature = "verbs")]
-            {
-                let live = server_mut(conn).session.live_credits();
-                if let Transport::Verbs(v) = &mut conn.transport {
-                    v.granted(live);
-                }
-            }
+            let live = server_mut(conn).session.live_credits();
+            conn.transport.credits_granted(live);
         }
         if let Err(e) = r {
             if let Some(ep) = self.servers.get(&ep_id) {
@@ -525,7 +548,7 @@ impl Loop {
                     i += 1;
                     continue;
                 };
-                if conn.closing.is_some() || !matches!(conn.role, Role::Server(_)) {
+                if conn.closing.is_some() || !conn.role.is::<ServerConn>() {
                     self.put(conn);
                     i += 1;
                     continue;
@@ -565,10 +588,7 @@ impl Loop {
     }
 
     fn server_exposed(&self, key: ConnKey) -> Option<u64> {
-        match &self.conn_ref(key)?.role {
-            Role::Server(s) => Some(s.exposed),
-            _ => None,
-        }
+        self.conn_ref(key)?.role.get::<ServerConn>().map(|s| s.exposed)
     }
 
     pub(crate) fn server_deadline(&self, conn: &Conn, s: &ServerConn) -> Option<Instant> {

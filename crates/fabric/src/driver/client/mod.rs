@@ -18,11 +18,11 @@ mod stream;
 pub use stream::{ChunkSink, StreamConfig};
 
 use super::budget::{BudgetGuard, ByteBudget};
-use super::conn::{Conn, ConnKey, Role};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Role};
 use super::{Command, Driver, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, TieredPool};
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use rdma_shuffle_wire::{
     caps, BlockFailure, BlockRange, BlockSpan, ClientConfig, ClientSession, Descriptor, FailureCode, Knob, Limits, ProtocolError,
     RequestId, Secret, Token,
@@ -436,16 +436,55 @@ impl ClientConn {
 }
 
 fn client_mut(conn: &mut Conn) -> &mut ClientConn {
-    match &mut conn.role {
-        Role::Client(c) => c,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<ClientConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from client handlers, which the loop dispatches on `Role::Client`.
+    // Only called from the client's handler, which the loop calls for client roles only.
     panic!("client handler called on a connection of another role")
+}
+
+/// The block client's [`Handler`]: fetches over one connection to a server.
+pub(crate) struct ClientHandler;
+
+impl Handler for ClientHandler {
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        conn.role.get::<ClientConn>().map(|c| c.session.limits()).unwrap_or_default()
+    }
+
+    fn blocked(&self, conn: &Conn) -> bool {
+        conn.role.get::<ClientConn>().is_some_and(|c| c.blocked())
+    }
+
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.client_connected(conn)
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.client_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.client_failed(conn, error);
+        false
+    }
+
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.client_after(conn)
+    }
+
+    fn deadline(&self, lp: &Loop, conn: &Conn) -> Option<Instant> {
+        lp.client_deadline(conn, conn.role.get::<ClientConn>()?)
+    }
+
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        lp.client_timeout(conn, now)
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.client_removed(conn)
+    }
 }
 
 fn code_index(code: FailureCode) -> usize {
@@ -542,38 +581,40 @@ impl Loop {
         let mut sc = ClientConfig::new(addr.to_string(), rand::random());
         sc.secret = cfg.secret.clone();
         sc.app_id = cfg.app_id.clone();
-        sc.max_eager = cfg.max_eager.min(transport_max_eager(&transport));
+        sc.max_eager = cfg.max_eager.min(transport.max_eager());
         sc.limits = cfg.limits;
         sc.handshake_timeout = cfg.handshake_timeout;
         sc.fetch_timeout = cfg.fetch_timeout;
-        #[cfg(feature = "verbs")]
-        if let crate::driver::conn::Transport::Verbs(v) = &transport {
-            // Answers land in the shared receive queue: the driver sends requests only as far
+        if transport.bounded_answers() {
+            // Answers land in a shared receive queue: the driver sends requests only as far
             // as the queue has room for their answers, and a Fetch must fit one buffer.
             sc.auto_flush = false;
-            let fit = (v.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
+            let fit = (transport.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
             sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
         }
         if !transport.one_sided() {
             sc.caps &= !caps::RDMA_READ;
         }
         let connect_deadline = now + cfg.connect_timeout;
-        let role = Role::Client(Box::new(ClientConn {
-            ep: ep_id,
-            stats: ep.stats.clone(),
-            addr,
-            session: ClientSession::new(sc, now),
-            sinks: HashMap::new(),
-            pull_leases: HashMap::new(),
-            pull_guards: HashMap::new(),
-            reads: HashMap::new(),
-            block_lens: HashMap::new(),
-            next_tag: 1,
-            payload: PayloadState::None,
-            connected: !transport.is_stream() || is_connected(&transport),
-            connect_deadline,
-            counted: false,
-        }));
+        let role = Role::new(
+            &ClientHandler,
+            ClientConn {
+                ep: ep_id,
+                stats: ep.stats.clone(),
+                addr,
+                session: ClientSession::new(sc, now),
+                sinks: HashMap::new(),
+                pull_leases: HashMap::new(),
+                pull_guards: HashMap::new(),
+                reads: HashMap::new(),
+                block_lens: HashMap::new(),
+                next_tag: 1,
+                payload: PayloadState::None,
+                connected: !transport.is_stream() || transport.is_connected(),
+                connect_deadline,
+                counted: false,
+            },
+        );
         let stats = ep.stats.clone();
         let key = self.insert(addr.to_string(), transport, role);
         stats.connections_open.fetch_add(1, Ordering::Relaxed);
@@ -588,24 +629,15 @@ impl Loop {
         client_mut(conn).connected = true;
     }
 
-    /// Sends what the session queued (on verbs, first the requests the shared receive queue
-    /// has room to answer).
+    /// Sends what the session queued (where answers take room in a shared receive queue,
+    /// verbs, first the requests it has room to answer).
     pub(crate) fn client_after(&mut self, conn: &mut Conn) {
-        #[cfg(feature = "verbs")]
-        if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
-            let c = match &mut conn.role {
-                Role::Client(c) => c,
-                _ => return,
-            };
-            if let (true, Some(e)) = (v.is_open(), self.net.verbs.as_mut()) {
-                if c.session.queued_blocks() > 0 {
-                    let sent = c.session.flush_requests(e.client_room(), Instant::now());
-                    e.take_client_room(sent);
-                    v.requested(sent);
-                    if c.session.queued_blocks() > 0 {
-                        e.starve(conn.key.to_u64());
-                    }
-                }
+        let Some(c) = conn.role.get_mut::<ClientConn>() else { return };
+        if c.session.queued_blocks() > 0 {
+            if let Some(room) = conn.transport.answer_room(&mut self.net) {
+                let sent = c.session.flush_requests(room, Instant::now());
+                let starved = c.session.queued_blocks() > 0;
+                conn.transport.answers_requested(&mut self.net, sent, starved, conn.key.to_u64());
             }
         }
         // The requests, pulls and releases of one turn leave together (tcp: one writev).
@@ -702,10 +734,9 @@ impl Loop {
     /// before sleeping worth it, since the answer is on its way.
     pub(crate) fn awaiting_answers(&self) -> bool {
         self.clients.values().flat_map(|ep| ep.conns.values()).any(|k| {
-            self.conn_ref(*k).is_some_and(|conn| match &conn.role {
-                Role::Client(c) => c.session.outstanding_blocks() > 0 && !c.blocked(),
-                _ => false,
-            })
+            self.conn_ref(*k)
+                .and_then(|conn| conn.role.get::<ClientConn>())
+                .is_some_and(|c| c.session.outstanding_blocks() > 0 && !c.blocked())
         })
     }
 
@@ -722,20 +753,4 @@ enum Path {
     Eager,
     Read,
     Stream,
-}
-
-fn is_connected(t: &crate::driver::conn::Transport) -> bool {
-    match t {
-        crate::driver::conn::Transport::Tcp(t) => t.is_connected(),
-        _ => true,
-    }
-}
-
-/// The largest eager payload a transport's receive buffers hold (unbounded for streams).
-fn transport_max_eager(t: &crate::driver::conn::Transport) -> u32 {
-    match t {
-        #[cfg(feature = "verbs")]
-        crate::driver::conn::Transport::Verbs(v) => v.max_eager(),
-        _ => u32::MAX,
-    }
 }

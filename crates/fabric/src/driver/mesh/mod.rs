@@ -14,14 +14,14 @@
 
 mod incoming;
 
-use super::conn::{Conn, ConnKey, Role, Transport};
+use super::conn::{Conn, ConnKey, Handler, Incoming, Role, Transport};
 use super::{ListenSocket, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::ReleaseHook;
 use crate::mesh::handshake::{ClientHs, ServerHs};
 use crate::mesh::shared::MeshShared;
 use crate::mesh::{MeshError, Tag, UserMemory, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_HELLO, KIND_REFUSE, KIND_RTS};
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use crate::providers::Source;
 use crossbeam_channel::Sender;
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
@@ -144,21 +144,85 @@ pub(crate) struct MeshConn {
     opened: Instant,
 }
 
+impl MeshConn {
+    /// A link's role for mesh `ep`: outgoing to `peer` (a lower rank), or accepted (`None`:
+    /// the peer names itself in its hello).
+    fn role(ep: u64, shared: Arc<MeshShared>, peer: Option<usize>, connected: bool, phase: Phase) -> Role {
+        let conn = MeshConn {
+            ep,
+            shared,
+            limits: handshake_limits(),
+            peer,
+            outgoing: peer.is_some(),
+            connected,
+            phase,
+            rx: None,
+            starved: None,
+            marks: VecDeque::new(),
+            exposures: HashMap::new(),
+            rts: VecDeque::new(),
+            reads: HashMap::new(),
+            next_read: 1,
+            opened: Instant::now(),
+        };
+        Role::new(&MeshHandler, conn)
+    }
+}
+
 fn handshake_limits() -> Limits {
     Limits { max_control: CONTROL_MAX as u32, max_eager: CONTROL_MAX as u32, max_pull: 0, max_blocks_per_fetch: 0 }
 }
 
 pub(crate) fn mesh_mut(conn: &mut Conn) -> &mut MeshConn {
-    match &mut conn.role {
-        Role::Mesh(m) => m,
-        _ => unreachable_role(),
-    }
+    conn.role.get_mut::<MeshConn>().unwrap_or_else(|| unreachable_role())
 }
 
 #[cold]
 fn unreachable_role() -> ! {
-    // Only called from mesh handlers, which the loop dispatches on `Role::Mesh`.
+    // Only called from the mesh's handler, which the loop calls for mesh links only.
     panic!("mesh handler called on a connection of another role")
+}
+
+/// The mesh link's [`Handler`]: one link of a collective group.
+pub(crate) struct MeshHandler;
+
+impl Handler for MeshHandler {
+    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
+        conn.role.get::<MeshConn>().map(|m| m.limits).unwrap_or_default()
+    }
+
+    fn blocked(&self, conn: &Conn) -> bool {
+        conn.role.get::<MeshConn>().is_some_and(|m| m.starved.is_some())
+    }
+
+    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_connected(conn)
+    }
+
+    fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+        lp.mesh_incoming(conn, inc)
+    }
+
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        lp.mesh_failed(conn, error);
+        false
+    }
+
+    fn after(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_after(conn)
+    }
+
+    fn deadline(&self, _lp: &Loop, conn: &Conn) -> Option<Instant> {
+        Loop::mesh_deadline(conn)
+    }
+
+    fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
+        lp.mesh_timeout(conn, now)
+    }
+
+    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_removed(conn)
+    }
 }
 
 /// A control message on a link.
@@ -234,12 +298,9 @@ impl Loop {
                     return;
                 }
                 if let Some(token) = mark {
-                    let written_at = match &conn.transport {
-                        // The socket writes from the caller's memory until the frame is out.
-                        Transport::Tcp(t) => Some(t.queued_total()),
-                        // Message transports copied the bytes.
-                        _ => None,
-                    };
+                    // A stream writes from the caller's memory until the frame is out; message
+                    // transports copied the bytes.
+                    let written_at = conn.transport.write_progress().map(|(queued, _)| queued);
                     let m = mesh_mut(conn);
                     match (written_at, m.peer) {
                         (Some(pos), _) => m.marks.push_back((pos, token)),
@@ -332,7 +393,7 @@ impl Loop {
 
     pub(crate) fn with_mesh(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
         let Some(mut conn) = self.take(key) else { return };
-        if matches!(conn.role, Role::Mesh(_)) {
+        if conn.role.is::<MeshConn>() {
             f(self, &mut conn);
         }
         let k = conn.key;
@@ -353,30 +414,9 @@ impl Loop {
                 return;
             }
         };
-        let connected = match &transport {
-            Transport::Tcp(t) => t.is_connected(),
-            #[cfg(feature = "verbs")]
-            Transport::Verbs(v) => v.control_connected(),
-            Transport::Sim(_) => true,
-        };
+        let connected = transport.is_connected();
         let (hs, hello) = shared.hs.client_hello(peer);
-        let role = Role::Mesh(Box::new(MeshConn {
-            ep: id,
-            shared,
-            limits: handshake_limits(),
-            peer: Some(peer),
-            outgoing: true,
-            connected,
-            phase: Phase::Welcome(hs),
-            rx: None,
-            starved: None,
-            marks: VecDeque::new(),
-            exposures: HashMap::new(),
-            rts: VecDeque::new(),
-            reads: HashMap::new(),
-            next_read: 1,
-            opened: Instant::now(),
-        }));
+        let role = MeshConn::role(id, shared, Some(peer), connected, Phase::Welcome(hs));
         let key = self.insert(addr.to_string(), transport, role);
         if let Some(ep) = self.meshes.get_mut(&id) {
             ep.conns.push(key);
@@ -396,23 +436,7 @@ impl Loop {
         let Some(ep) = self.meshes.get(&id) else { return };
         let Some(shared) = ep.shared.clone() else { return };
         let cap = 2 * shared.world + 16;
-        let role = Role::Mesh(Box::new(MeshConn {
-            ep: id,
-            shared,
-            limits: handshake_limits(),
-            peer: None,
-            outgoing: false,
-            connected: true,
-            phase: Phase::Hello,
-            rx: None,
-            starved: None,
-            marks: VecDeque::new(),
-            exposures: HashMap::new(),
-            rts: VecDeque::new(),
-            reads: HashMap::new(),
-            next_read: 1,
-            opened: Instant::now(),
-        }));
+        let role = MeshConn::role(id, shared, None, true, Phase::Hello);
         let key = self.insert(peer, transport, role);
         let mut evict = None;
         if let Some(ep) = self.meshes.get_mut(&id) {
@@ -437,10 +461,10 @@ impl Loop {
         mesh_mut(conn).connected = true;
     }
 
-    /// After a mesh connection was handled: completes tcp sends whose bytes are all written.
+    /// After a mesh connection was handled: completes stream sends whose bytes are all
+    /// written.
     pub(crate) fn mesh_after(&mut self, conn: &mut Conn) {
-        let Transport::Tcp(t) = &conn.transport else { return };
-        let sent = t.sent_total();
+        let Some((_, sent)) = conn.transport.write_progress() else { return };
         let m = mesh_mut(conn);
         if m.marks.is_empty() {
             return;
@@ -496,7 +520,7 @@ impl Loop {
 
     /// When a connection still in its handshake must have finished it.
     pub(crate) fn mesh_deadline(conn: &Conn) -> Option<Instant> {
-        let Role::Mesh(m) = &conn.role else { return None };
+        let m = conn.role.get::<MeshConn>()?;
         match m.phase {
             Phase::Up | Phase::Attaching => None,
             _ => Some(m.opened + m.shared.handshake_timeout),
