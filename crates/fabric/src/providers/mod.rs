@@ -14,6 +14,7 @@
 //! queue, shared receive queue). The set of providers is closed: [`Provider::kind`] tells the
 //! driver which one it has.
 
+pub mod shm;
 pub mod sim;
 pub mod tcp;
 pub mod verbs;
