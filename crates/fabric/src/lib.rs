@@ -30,6 +30,4 @@ pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
 pub use providers::verbs;
-pub use providers::{
-    open_provider, OpenedProvider, Provider, ProviderChoice, ProviderKind, ProviderSpec, SimProvider, Source, TcpProvider,
-};
+pub use providers::{open_provider, OpenedProvider, Provider, ProviderChoice, ProviderSpec, SimProvider, Source, TcpProvider};

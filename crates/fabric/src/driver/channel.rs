@@ -11,7 +11,7 @@ use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
@@ -316,12 +316,7 @@ impl Loop {
                         return;
                     }
                 };
-                let connected = match &transport {
-                    Transport::Tcp(t) => t.is_connected(),
-                    #[cfg(feature = "verbs")]
-                    Transport::Verbs(v) => v.control_connected(),
-                    Transport::Sim(_) => true,
-                };
+                let connected = transport.is_connected();
                 let role = Role::Channel(ChannelConn {
                     shared,
                     limits,
@@ -415,16 +410,14 @@ impl Loop {
         self.drive_again(k);
     }
 
-    #[allow(unused_variables)]
     fn channel_attach(&mut self, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
-        #[cfg(feature = "verbs")]
-        if matches!(conn.transport, Transport::Verbs(_)) {
+        if conn.transport.needs_attach() {
             // The caller ran the handshake itself: it vouches for the peer.
             conn.authenticated = true;
             let accepted = chan_mut(conn).accepted;
             let key = conn.key.to_u64();
-            let Transport::Verbs(v) = &mut conn.transport else { return };
-            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, &self.shared.stats, key) };
+            let v = &mut conn.transport;
+            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, key) };
             match r {
                 Ok(()) => chan_mut(conn).attach_reply = Some(reply),
                 Err(e) => {
@@ -494,15 +487,14 @@ impl Loop {
                     let _ = reply.send((lease, result));
                 }
             }
-            #[cfg(feature = "verbs")]
             Incoming::Attach(data) => {
                 let accepted = chan_mut(conn).accepted;
                 let key = conn.key.to_u64();
-                let Transport::Verbs(v) = &mut conn.transport else { return };
+                let v = &mut conn.transport;
                 // An accepting channel attaches only when its owner asked (after running the
                 // handshake it trusts); the connecting side only answers its own request.
                 let r = if accepted && conn.authenticated {
-                    v.accept_attach(&mut self.net, &self.shared.stats, key, &data)
+                    v.accept_attach(&mut self.net, key, &data)
                 } else if accepted {
                     Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
                 } else {
@@ -515,7 +507,6 @@ impl Loop {
                     self.fail(conn, e);
                 }
             }
-            #[cfg(feature = "verbs")]
             Incoming::Attached => {
                 if let Some(reply) = chan_mut(conn).attach_reply.take() {
                     let _ = reply.send(Ok(()));

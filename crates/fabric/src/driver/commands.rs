@@ -73,16 +73,13 @@ impl Loop {
         self.service_memory();
     }
 
-    // ------------------------------------------------------------------ verbs
+    // ------------------------------------------------------------------ provider engine
 
-    pub(crate) fn verbs_events(&mut self) {
-        #[cfg(feature = "verbs")]
-        {
-            let Some(v) = self.net.verbs.as_mut() else { return };
-            let touched = v.poll_completions(&self.shared.stats);
-            for k in touched {
-                self.drive(ConnKey::from_u64(k));
-            }
+    /// Collects the provider engine's completions and drives the connections they concern.
+    pub(crate) fn engine_events(&mut self) {
+        let touched = self.net.engine.poll_completions();
+        for k in touched {
+            self.drive(ConnKey::from_u64(k));
         }
     }
 

@@ -9,17 +9,17 @@ use super::timers::Timers;
 use super::{client, conn, exposure, mesh};
 use super::{Shared, CLOSE_LINGER, DRIVE_BUDGET};
 use crate::error::FabricError;
-use crate::providers::sim::{Notify, SimAcceptQueue};
-#[cfg(feature = "verbs")]
-use crate::providers::ProviderKind;
-use mio::{Events, Interest, Poll, Token};
+pub(crate) use crate::providers::link::Net;
+use crate::providers::link::{EngineCtx, Listener, Notify};
+use mio::{Events, Poll, Token};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(super) const WAKER: Token = Token(0);
-const VERBS_EVENTS: Token = Token(1);
+/// The provider engine's own descriptors (the verbs completion channel).
+const ENGINE_EVENTS: Token = Token(1);
 const LISTENER_BIT: usize = 1 << 62;
 const CONN_BIT: usize = 2 << 62;
 const KIND_MASK: usize = 3 << 62;
@@ -32,33 +32,22 @@ pub(super) fn listener_token(id: u64) -> Token {
     Token(LISTENER_BIT | (id as usize & !KIND_MASK))
 }
 
-/// Per-loop provider state: what the providers keep per engine.
-pub(crate) struct Net {
-    /// Bytes exposed to peers now (sim and verbs regions).
-    pub(crate) exposed_bytes: u64,
-    #[cfg(feature = "verbs")]
-    pub(crate) verbs: Option<crate::providers::verbs::engine::VerbsEngine>,
+/// Builds the loop's per-loop provider state: the provider's engine, its descriptors (a
+/// completion channel) registered under [`ENGINE_EVENTS`].
+pub(super) fn new_net(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricError> {
+    let notify: Arc<dyn Notify> = shared.clone();
+    let ctx = EngineCtx {
+        name: &shared.name,
+        registry: poll.registry(),
+        token: ENGINE_EVENTS,
+        notify,
+        counters: shared.stats.provider.clone(),
+    };
+    Ok(Net { exposed_bytes: 0, engine: shared.provider.engine(ctx)? })
 }
 
-impl Net {
-    pub(super) fn new(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricError> {
-        let _ = (shared, poll);
-        Ok(Net {
-            exposed_bytes: 0,
-            #[cfg(feature = "verbs")]
-            verbs: match shared.provider.kind() {
-                ProviderKind::Verbs(p) => Some(crate::providers::verbs::engine::VerbsEngine::new(p, shared, poll, VERBS_EVENTS)?),
-                _ => None,
-            },
-        })
-    }
-}
-
-/// A listening socket of a server endpoint or channel listener.
-pub(crate) enum ListenSocket {
-    Tcp(mio::net::TcpListener),
-    Sim(Arc<SimAcceptQueue>),
-}
+/// A listening socket of a server endpoint, mesh or channel listener.
+pub(crate) type ListenSocket = Box<dyn Listener>;
 
 /// A block waiting for local memory.
 pub(crate) struct MemWaiter {
@@ -138,7 +127,7 @@ impl Loop {
                 let t = ev.token();
                 match t.0 & KIND_MASK {
                     _ if t == WAKER => {}
-                    _ if t == VERBS_EVENTS => self.verbs_events(),
+                    _ if t == ENGINE_EVENTS => self.engine_events(),
                     LISTENER_BIT => self.accept((t.0 & !KIND_MASK) as u64),
                     CONN_BIT => {
                         let index = (t.0 & 0xffff_ffff) as u32;
@@ -166,9 +155,9 @@ impl Loop {
                     self.drive(ConnKey::from_u64(k));
                 }
             }
-            // The verbs completion channel is edge-like (one event per arm): poll the queue
-            // on every turn too, it is cheap and catches completions of work posted above.
-            self.verbs_events();
+            // A completion channel is edge-like (one event per arm): poll the engine on every
+            // turn too, it is cheap and catches completions of work posted above.
+            self.engine_events();
             if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
                 self.service_memory();
             }
@@ -224,18 +213,9 @@ impl Loop {
     pub(crate) fn activate(&mut self, key: ConnKey) {
         let Some(mut conn) = self.take(key) else { return };
         let token = conn_token(key);
-        let notify: Arc<dyn Notify> = self.shared.clone();
-        let res = match &mut conn.transport {
-            Transport::Tcp(t) => self.poll.registry().register(t.stream_mut(), token, Interest::READABLE | Interest::WRITABLE),
-            Transport::Sim(s) => {
-                s.conn.set_notify(notify, key.to_u64());
-                Ok(())
-            }
-            #[cfg(feature = "verbs")]
-            Transport::Verbs(v) => self.poll.registry().register(v.control_mut(), token, Interest::READABLE | Interest::WRITABLE),
-        };
+        let res = conn.transport.register(self.poll.registry(), token, key.to_u64());
         match res {
-            Ok(()) => conn.registered = !matches!(conn.transport, Transport::Sim(_)),
+            Ok(registered) => conn.registered = registered,
             Err(e) => {
                 let err = FabricError::io(&conn.peer, "register", e);
                 self.fail(&mut conn, err);
@@ -291,21 +271,12 @@ impl Loop {
     fn remove(&mut self, mut conn: Conn) {
         let key = conn.key;
         if conn.registered {
-            let r = match &mut conn.transport {
-                Transport::Tcp(t) => self.poll.registry().deregister(t.stream_mut()),
-                #[cfg(feature = "verbs")]
-                Transport::Verbs(v) => self.poll.registry().deregister(v.control_mut()),
-                Transport::Sim(_) => Ok(()),
-            };
-            let _ = r;
+            let _ = conn.transport.deregister(self.poll.registry());
         }
         self.pending.retain(|k| *k != key);
         self.role_removed(&mut conn);
         conn.transport.shutdown(&mut self.net);
-        #[cfg(feature = "verbs")]
-        if let Transport::Verbs(v) = &mut conn.transport {
-            v.destroy(&mut self.net, &self.shared.stats);
-        }
+        conn.transport.destroy(&mut self.net);
         self.shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
         if let Some(slot) = self.conns.get_mut(key.index as usize) {
             if slot.gen == key.gen {
@@ -317,13 +288,7 @@ impl Loop {
     }
 
     pub(crate) fn update_registered(&self) {
-        #[allow(unused_mut)]
-        let mut bytes = self.net.exposed_bytes;
-        #[cfg(feature = "verbs")]
-        if let Some(v) = &self.net.verbs {
-            bytes += v.registered_bytes();
-        }
-        self.shared.stats.registered_bytes.store(bytes, Ordering::Relaxed);
+        self.shared.stats.registered_bytes.store(self.net.registered_bytes(), Ordering::Relaxed);
     }
 
     // ------------------------------------------------------------------ driving
@@ -365,13 +330,7 @@ impl Loop {
 
     fn on_writable(&mut self, key: ConnKey) {
         let Some(mut conn) = self.take(key) else { return };
-        let r = match &mut conn.transport {
-            Transport::Tcp(t) => t.on_writable(),
-            #[cfg(feature = "verbs")]
-            Transport::Verbs(v) => v.on_writable(),
-            Transport::Sim(_) => Ok(false),
-        };
-        match r {
+        match conn.transport.on_writable() {
             Ok(true) => self.connected(&mut conn),
             Ok(false) => {}
             Err(e) => self.fail(&mut conn, e),

@@ -40,7 +40,8 @@
 //!
 //! # Connection kinds
 //!
-//! Every connection has a transport ([`conn::Transport`]: tcp, sim, verbs) and a role: a
+//! Every connection has a transport (a provider's [`Link`](crate::providers::link::Link):
+//! tcp, sim, verbs, whatever `providers/` holds; the driver never asks which) and a role: a
 //! block client ([`ClientEndpoint`]), a block server ([`ServerEndpoint`]), or a raw
 //! [`Channel`] — frames in and out, one-sided reads, with no session: the provider-level
 //! primitives other protocols (tests) build on — or a link of a collective group's
@@ -64,15 +65,15 @@ mod timers;
 pub use budget::BudgetGuard;
 pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use client::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
-pub(crate) use event_loop::{ListenSocket, Loop, MemWaiter, Net};
+pub(crate) use event_loop::{ListenSocket, Loop, MemWaiter};
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
 pub(crate) use sockets::connect;
 pub use stats::DriverStats;
 
 use crate::error::FabricError;
 use crate::memory::pool::ReleaseHook;
-use crate::providers::sim::Notify;
-use crate::providers::{Provider, ProviderKind};
+use crate::providers::link::Notify;
+use crate::providers::Provider;
 use delivery::Delivery;
 use event_loop::{listener_token, WAKER};
 use mio::{Poll, Waker};
@@ -256,7 +257,7 @@ impl Driver {
             stats: DriverStats::default(),
             next_id: AtomicU64::new(1),
         });
-        let net = Net::new(&shared, &poll)?;
+        let net = event_loop::new_net(&shared, &poll)?;
         let exposure = exposure::ExposureBudget::new(shared.config.max_bytes_exposed);
         let mut lp = Loop {
             shared: shared.clone(),
@@ -313,31 +314,8 @@ impl Driver {
 
     /// Provider-specific counters as `(name, value)` pairs (empty on tcp).
     pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
-        #[cfg(feature = "verbs")]
-        let s = &self.owner.shared.stats.provider;
-        #[cfg(feature = "verbs")]
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        match self.owner.shared.provider.kind() {
-            ProviderKind::Tcp(_) => Vec::new(),
-            ProviderKind::Sim(p) => {
-                let (reads, bytes) = p.read_counters();
-                vec![("sim_reads", reads), ("sim_read_bytes", bytes)]
-            }
-            #[cfg(feature = "verbs")]
-            ProviderKind::Verbs(_) => vec![
-                ("verbs_sends", r(&s.sends)),
-                ("verbs_send_bytes", r(&s.send_bytes)),
-                ("verbs_recvs", r(&s.recvs)),
-                ("rdma_reads", r(&s.reads)),
-                ("rdma_read_bytes", r(&s.read_bytes)),
-                ("qps_created", r(&s.qps_created)),
-                ("qps_open", r(&s.qps_open)),
-                ("flushed_completions", r(&s.flushed_completions)),
-                ("windows_bound", r(&s.windows_bound)),
-                ("windows_revoked", r(&s.windows_revoked)),
-                ("rnr_errors", r(&s.rnr_errors)),
-            ],
-        }
+        let s = &self.owner.shared;
+        s.provider.counters(&s.stats.provider)
     }
 
     /// Stops the loop: every connection closes (outstanding blocks fail), posted device work

@@ -12,7 +12,7 @@ use super::conn::{Conn, ConnKey, Incoming, Placement, Role, Transport};
 use super::exposure;
 use super::{Command, Driver, ListenSocket, Loop};
 use crate::error::FabricError;
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use crate::providers::Source;
 use rdma_shuffle_wire::server::ServerCounters;
 use rdma_shuffle_wire::{
@@ -360,14 +360,11 @@ impl Loop {
             }
             Incoming::Message(frame, _) => self.server_frame(conn, frame),
             Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } => {}
-            #[cfg(feature = "verbs")]
             Incoming::Attach(data) => self.server_attach(conn, data),
-            #[cfg(feature = "verbs")]
             Incoming::Attached => {}
         }
     }
 
-    #[cfg(feature = "verbs")]
     fn server_attach(&mut self, conn: &mut Conn, data: Vec<u8>) {
         // The queue pair is created only now, and only for a peer that authenticated.
         if !conn.authenticated || !server_mut(conn).session.is_ready() {
@@ -378,8 +375,7 @@ impl Loop {
             return;
         }
         let key = conn.key.to_u64();
-        let Transport::Verbs(v) = &mut conn.transport else { return };
-        if let Err(e) = v.accept_attach(&mut self.net, &self.shared.stats, key, &data) {
+        if let Err(e) = conn.transport.accept_attach(&mut self.net, key, &data) {
             self.fail(conn, e);
         }
     }
@@ -391,26 +387,20 @@ impl Loop {
             return;
         };
         let source = ep.source.clone();
-        #[cfg(feature = "verbs")]
-        let mut grant = {
+        let r = {
+            // Credits come from the provider (verbs: a share of the shared receive queue).
+            let Conn { transport, role, .. } = &mut *conn;
             let net = &mut self.net;
-            let is_verbs = matches!(conn.transport, Transport::Verbs(_));
-            move |max: u32| if is_verbs { net.verbs.as_mut().map(|v| v.grant(max)).unwrap_or(max) } else { max }
+            let mut grant = |max: u32| transport.grant_credits(net, max);
+            let mut hooks = Hooks { source: &*source, grant: &mut grant };
+            let Role::Server(s) = role else { unreachable_role() };
+            s.session.handle_frame(frame, &mut hooks)
         };
-        #[cfg(not(feature = "verbs"))]
-        let mut grant = |max: u32| max;
-        let mut hooks = Hooks { source: &*source, grant: &mut grant };
-        let r = server_mut(conn).session.handle_frame(frame, &mut hooks);
         if server_mut(conn).session.is_ready() && !conn.authenticated {
             conn.authenticated = true;
             self.leave_pending(conn);
-            #[cfg(feature = "verbs")]
-            {
-                let live = server_mut(conn).session.live_credits();
-                if let Transport::Verbs(v) = &mut conn.transport {
-                    v.granted(live);
-                }
-            }
+            let live = server_mut(conn).session.live_credits();
+            conn.transport.credits_granted(live);
         }
         if let Err(e) = r {
             if let Some(ep) = self.servers.get(&ep_id) {

@@ -1,6 +1,8 @@
 //! The driver's counters and gauges.
 
+use crate::providers::link::ProviderCounters;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Counters and gauges of a driver, summed over its endpoints.
 #[derive(Debug, Default)]
@@ -41,26 +43,9 @@ pub struct DriverStats {
     pub inline_deliveries: AtomicU64,
     /// Block outcomes handed to the delivery thread.
     pub queued_deliveries: AtomicU64,
-    /// Provider-specific counters (verbs: sends, receives, reads, queue pairs...).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) provider: ProviderCounters,
-}
-
-/// Counters of the verbs data plane (zero elsewhere).
-#[derive(Debug, Default)]
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-pub(crate) struct ProviderCounters {
-    pub(crate) sends: AtomicU64,
-    pub(crate) send_bytes: AtomicU64,
-    pub(crate) recvs: AtomicU64,
-    pub(crate) reads: AtomicU64,
-    pub(crate) read_bytes: AtomicU64,
-    pub(crate) qps_created: AtomicU64,
-    pub(crate) qps_open: AtomicU64,
-    pub(crate) flushed_completions: AtomicU64,
-    pub(crate) windows_bound: AtomicU64,
-    pub(crate) windows_revoked: AtomicU64,
-    pub(crate) rnr_errors: AtomicU64,
+    /// Provider-specific counters (verbs: sends, receives, reads, queue pairs...), shared
+    /// with the provider's engine in the loop.
+    pub(crate) provider: Arc<ProviderCounters>,
 }
 
 impl DriverStats {

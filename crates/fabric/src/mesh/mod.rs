@@ -71,7 +71,7 @@ use crate::driver::mesh::{MeshCmd, OutBody, RtsSource};
 use crate::driver::{Command, Driver, DriverConfig};
 use crate::error::FabricError;
 use crate::memory::pool::{PoolError, TieredPool};
-use crate::providers::{Provider, ProviderKind};
+use crate::providers::Provider;
 use handshake::Handshaker;
 use parking_lot::Mutex;
 use rdma_shuffle_wire::{Frame, Limits};
@@ -229,16 +229,7 @@ impl fmt::Debug for Mesh {
 /// Whether the provider reads rendezvous messages one-sidedly, and its largest eager
 /// payload (verbs: what its message buffers hold).
 fn provider_shape(p: &dyn Provider) -> (bool, Option<usize>) {
-    match p.kind() {
-        ProviderKind::Tcp(_) => (false, None),
-        ProviderKind::Sim(s) => (s.one_sided(), None),
-        #[cfg(feature = "verbs")]
-        ProviderKind::Verbs(v) => {
-            // The message buffer holds the frame header, the eager fixed part and the payload.
-            let max = v.config().max_message as usize - rdma_shuffle_wire::frame::HEADER_LEN - 64;
-            (true, Some(max))
-        }
-    }
+    (p.one_sided(), p.max_eager())
 }
 
 impl Mesh {
@@ -507,8 +498,7 @@ impl Mesh {
                         _ if len == 0 => RtsSource::Keys { addr: 0, rkey: 0 },
                         // Sim exposes a window per message, as the shuffle server does.
                         UserReg::Plain => RtsSource::Expose(memory),
-                        #[cfg(feature = "verbs")]
-                        UserReg::Verbs(v) => RtsSource::Keys { addr: data.as_ptr() as u64, rkey: v.rkey() },
+                        UserReg::Region(v) => RtsSource::Keys { addr: data.as_ptr() as u64, rkey: v.rkey() },
                     };
                     self.command(MeshCmd::Rts { key, tag, token, len: len as u64, source })?;
                 }

@@ -4,9 +4,7 @@
 use super::regcache::RegCache;
 use super::shared::bump;
 use super::{Mesh, MeshError};
-#[cfg(feature = "verbs")]
-use crate::providers::ProviderKind;
-use crate::providers::Source;
+use crate::providers::{Source, UserRegion};
 use parking_lot::Mutex;
 use std::fmt;
 use std::sync::{Arc, Weak};
@@ -16,9 +14,8 @@ use std::sync::{Arc, Weak};
 pub(crate) enum UserReg {
     /// Nothing to register (sim exposes each message; tcp streams).
     Plain,
-    /// A verbs memory region over the user's pages.
-    #[cfg(feature = "verbs")]
-    Verbs(Arc<crate::providers::verbs::UserRegion>),
+    /// A provider's registration of the user's pages (verbs: a memory region).
+    Region(Arc<dyn UserRegion>),
 }
 
 pub(super) struct Regs {
@@ -55,21 +52,14 @@ impl Mesh {
         Ok(Registration { ptr: key.0, len, reg, owner: Some((Arc::downgrade(&self.regs), id)) })
     }
 
-    #[allow(unused_variables)]
     fn provider_register(&self, ptr: *const u8, len: usize) -> Result<UserReg, MeshError> {
-        match self.driver.provider().kind() {
-            #[cfg(feature = "verbs")]
-            ProviderKind::Verbs(v) => {
-                // SAFETY: forwarded contract of `register`: the memory stays mapped while the
-                // registration lives.
-                let r = unsafe { v.register_user(ptr, len) }.map_err(|e| MeshError::Memory {
-                    rank: self.shared.rank,
-                    message: format!("registering a {len}-byte user buffer: {e}"),
-                })?;
-                Ok(UserReg::Verbs(Arc::new(r)))
-            }
-            _ => Ok(UserReg::Plain),
-        }
+        // SAFETY: forwarded contract of `register`: the memory stays mapped while the
+        // registration lives.
+        let r = unsafe { self.driver.provider().register_user(ptr, len) }.map_err(|e| MeshError::Memory {
+            rank: self.shared.rank,
+            message: format!("registering a {len}-byte user buffer: {e}"),
+        })?;
+        Ok(r.map(UserReg::Region).unwrap_or(UserReg::Plain))
     }
 
     /// Drops cached registrations overlapping `[ptr, ptr + len)` (the memory is about to be
@@ -121,8 +111,7 @@ impl Registration {
     fn rkey(&self) -> u32 {
         match &self.reg {
             UserReg::Plain => 0,
-            #[cfg(feature = "verbs")]
-            UserReg::Verbs(r) => r.rkey(),
+            UserReg::Region(r) => r.rkey(),
         }
     }
 }

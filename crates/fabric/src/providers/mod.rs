@@ -11,9 +11,18 @@
 //!
 //! A provider value is the device-level part (a verbs context and protection domain, the sim
 //! network); each driver loop builds its own per-engine state from it (sockets, completion
-//! queue, shared receive queue). The set of providers is closed: [`Provider::kind`] tells the
-//! driver which one it has.
+//! queue, shared receive queue): a [`ProviderEngine`](link::ProviderEngine), whose connections
+//! are [`Link`](link::Link)s. The driver sees only those traits (see [`link`]); nothing
+//! outside this folder asks which provider it runs.
+//!
+//! # Adding a provider
+//!
+//! A new provider is a new module here (`providers/<name>.rs` or `providers/<name>/`) that
+//! implements [`Provider`], [`ProviderEngine`](link::ProviderEngine), [`Link`](link::Link)
+//! and [`Listener`](link::Listener), plus its `mod` line below and its arm in
+//! [`open_provider`] (with the [`ProviderChoice`] variant that asks for it).
 
+pub mod link;
 pub mod shm;
 pub mod sim;
 pub mod tcp;
@@ -77,32 +86,50 @@ pub fn read_vec(source: &dyn Source, offset: u64, len: u64) -> io::Result<Vec<u8
     Ok(v)
 }
 
-/// Which provider a [`Provider`] is.
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub enum ProviderKind<'a> {
-    /// Sockets.
-    Tcp(&'a TcpProvider),
-    /// The in-memory network.
-    Sim(&'a SimProvider),
-    /// RDMA verbs.
-    #[cfg(feature = "verbs")]
-    Verbs(&'a verbs::VerbsProvider),
-}
-
 /// A transport: tcp, verbs or sim.
 pub trait Provider: Send + Sync + fmt::Debug {
     /// Short name: `"tcp"`, `"verbs"`, `"sim"`.
     fn name(&self) -> &'static str;
     /// Registers pool memory with the device (no-op where nothing needs registering).
     fn registrar(&self) -> Arc<dyn Registrar>;
-    /// Which provider this is, for the driver.
-    fn kind(&self) -> ProviderKind<'_>;
+    /// Builds this provider's state for one driver loop (the loop calls it once, on start).
+    fn engine(&self, ctx: link::EngineCtx<'_>) -> Result<Box<dyn link::ProviderEngine>, crate::error::FabricError>;
+    /// Whether rendezvous regions are read one-sidedly (verbs, sim with one-sided reads on);
+    /// otherwise the receiver pulls them over the connection (tcp).
+    fn one_sided(&self) -> bool {
+        false
+    }
+    /// The largest eager payload one message holds, where the provider's message buffers
+    /// bound it (verbs); `None` for streams.
+    fn max_eager(&self) -> Option<usize> {
+        None
+    }
+    /// Provider-specific counters as `(name, value)` pairs, from the driver's data-plane
+    /// counters `driver` and the provider's own (empty on tcp).
+    fn counters(&self, driver: &link::ProviderCounters) -> Vec<(&'static str, u64)> {
+        let _ = driver;
+        Vec::new()
+    }
+    /// Registers `len` bytes of caller memory at `ptr` for one-sided access by peers
+    /// (mesh rendezvous from user buffers). `Ok(None)` where nothing needs registering.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must stay mapped until the returned region is dropped.
+    unsafe fn register_user(&self, ptr: *const u8, len: usize) -> Result<Option<Arc<dyn UserRegion>>, crate::error::FabricError> {
+        let _ = (ptr, len);
+        Ok(None)
+    }
     /// Bytes of pool memory currently registered through [`registrar`](Provider::registrar)
     /// (0 where nothing is registered).
     fn registered_bytes(&self) -> u64 {
         0
     }
+}
+
+/// Caller memory registered with a provider for one-sided access ([`Provider::register_user`]).
+pub trait UserRegion: Send + Sync {
+    /// The key a peer names the region with.
+    fn rkey(&self) -> u32;
 }
 
 /// Which provider [`open_provider`] opens.

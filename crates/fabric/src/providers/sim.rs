@@ -16,20 +16,19 @@
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, NoRegistration};
 use crate::memory::registration::Registrar;
-use crate::providers::{Provider, ProviderKind, Source};
+pub(crate) use crate::providers::link::Notify;
+use crate::providers::link::ProviderCounters;
+use crate::providers::link::{
+    encode_message, EngineCtx, FailedRead, Incoming, Link, Listener, MsgPayload, Net, OutPayload, ProviderEngine,
+};
+use crate::providers::{Provider, Source};
+use mio::{Registry, Token};
 use parking_lot::Mutex;
-use rdma_shuffle_wire::Descriptor;
+use rdma_shuffle_wire::{Descriptor, Frame, Limits};
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
-
-/// Something a sim endpoint wakes when a message or connection arrives for it: the owning
-/// driver loop, with the key it gave the endpoint.
-pub(crate) trait Notify: Send + Sync {
-    /// `key` has something to read.
-    fn notify(&self, key: u64);
-}
 
 #[derive(Default)]
 struct Network {
@@ -128,8 +127,153 @@ impl Provider for SimProvider {
         Arc::new(NoRegistration)
     }
 
-    fn kind(&self) -> ProviderKind<'_> {
-        ProviderKind::Sim(self)
+    fn engine(&self, ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
+        Ok(Box::new(SimEngine { provider: self.clone(), notify: ctx.notify }))
+    }
+
+    fn one_sided(&self) -> bool {
+        self.one_sided
+    }
+
+    fn counters(&self, _driver: &ProviderCounters) -> Vec<(&'static str, u64)> {
+        let (reads, bytes) = self.read_counters();
+        vec![("sim_reads", reads), ("sim_read_bytes", bytes)]
+    }
+}
+
+/// A sim network as one driver loop sees it: connections and listeners wake the loop through
+/// its notifier (they are not sockets in its poll).
+struct SimEngine {
+    provider: SimProvider,
+    notify: Arc<dyn Notify>,
+}
+
+impl SimEngine {
+    fn link(&self, conn: SimConn) -> Box<dyn Link> {
+        Box::new(SimLink { conn, notify: self.notify.clone(), reads_done: VecDeque::new(), exposed: HashMap::new() })
+    }
+}
+
+impl ProviderEngine for SimEngine {
+    fn connect(&mut self, addr: SocketAddr) -> Result<Box<dyn Link>, FabricError> {
+        let c = self.provider.connect(addr)?;
+        Ok(self.link(c))
+    }
+
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        _registry: &Registry,
+        _token: Token,
+        notify_key: u64,
+    ) -> Result<(SocketAddr, Box<dyn Listener>), FabricError> {
+        let (addr, queue) = self.provider.listen(addr)?;
+        queue.set_notify(self.notify.clone(), notify_key);
+        let l = SimListener { provider: self.provider.clone(), notify: self.notify.clone(), addr, queue };
+        Ok((addr, Box::new(l)))
+    }
+}
+
+/// A sim listener of one driver loop.
+struct SimListener {
+    provider: SimProvider,
+    notify: Arc<dyn Notify>,
+    addr: SocketAddr,
+    queue: Arc<SimAcceptQueue>,
+}
+
+impl Listener for SimListener {
+    fn accept(&mut self) -> Option<(String, Box<dyn Link>)> {
+        let conn = self.queue.accept()?;
+        let peer = conn.peer_name().to_string();
+        let link = SimLink { conn, notify: self.notify.clone(), reads_done: VecDeque::new(), exposed: HashMap::new() };
+        Some((peer, Box::new(link)))
+    }
+
+    fn close(&mut self, _registry: &Registry) {
+        self.provider.unlisten(self.addr);
+    }
+}
+
+/// A sim connection in a driver loop, and its completed one-sided reads (sim reads finish at
+/// once; they are handed back through [`Link::next`] like verbs completions).
+struct SimLink {
+    conn: SimConn,
+    notify: Arc<dyn Notify>,
+    reads_done: VecDeque<(u64, Lease, Result<(), FabricError>)>,
+    /// Exposures by region key, for revocation and the registered-bytes gauge.
+    exposed: HashMap<u32, u64>,
+}
+
+impl Link for SimLink {
+    fn is_stream(&self) -> bool {
+        false
+    }
+
+    fn one_sided(&self) -> bool {
+        self.conn.one_sided()
+    }
+
+    fn register(&mut self, _registry: &Registry, _token: Token, key: u64) -> std::io::Result<bool> {
+        self.conn.set_notify(self.notify.clone(), key);
+        Ok(false)
+    }
+
+    fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        self.conn.send(encode_message(frame, payload)?)
+    }
+
+    fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
+        self.conn.send(bytes)
+    }
+
+    fn next(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        if let Some((tag, lease, result)) = self.reads_done.pop_front() {
+            return Ok(Some(Incoming::ReadDone { tag, lease, result }));
+        }
+        match self.conn.recv()? {
+            None => Ok(None),
+            Some(buf) => {
+                let peer = self.conn.peer_name();
+                let (frame, at) =
+                    Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: peer.into(), source: e })?;
+                Ok(Some(Incoming::Message(frame, MsgPayload { buf, at })))
+            }
+        }
+    }
+
+    fn expose(&mut self, net: &mut Net, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
+        if !self.conn.one_sided() {
+            return Ok((offset, 0));
+        }
+        let (addr, rkey) = self.conn.expose(source, offset, len);
+        self.exposed.insert(rkey, len);
+        net.exposed_bytes += len;
+        Ok((addr, rkey))
+    }
+
+    fn revoke(&mut self, net: &mut Net, rkey: u32) {
+        if let Some(len) = self.exposed.remove(&rkey) {
+            self.conn.revoke(rkey);
+            net.exposed_bytes -= len;
+        }
+    }
+
+    fn start_read(&mut self, _net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
+        let mut lease = lease;
+        let r = self.conn.read(desc, &mut lease);
+        self.reads_done.push_back((tag, lease, r));
+        Ok(())
+    }
+
+    fn sends_done(&self) -> bool {
+        true
+    }
+
+    fn shutdown(&mut self, net: &mut Net) {
+        let bytes: u64 = self.exposed.drain().map(|(_, len)| len).sum();
+        net.exposed_bytes -= bytes;
+        self.conn.shutdown();
     }
 }
 

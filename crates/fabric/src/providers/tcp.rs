@@ -13,7 +13,10 @@
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, NoRegistration};
 use crate::memory::registration::Registrar;
-use crate::providers::{Provider, ProviderKind, Source};
+use crate::providers::link::{EngineCtx, Incoming, Link, Listener, Net, ProviderEngine};
+pub(crate) use crate::providers::link::{OutPayload, Placement};
+use crate::providers::Provider;
+use mio::{Interest, Registry, Token};
 use rdma_shuffle_wire::frame::HEADER_LEN;
 use rdma_shuffle_wire::{Frame, Header, Limits};
 use std::collections::VecDeque;
@@ -52,8 +55,139 @@ impl Provider for TcpProvider {
         Arc::new(NoRegistration)
     }
 
-    fn kind(&self) -> ProviderKind<'_> {
-        ProviderKind::Tcp(self)
+    fn engine(&self, _ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
+        Ok(Box::new(TcpEngine))
+    }
+}
+
+/// The tcp provider keeps nothing per loop: its connections are sockets in the loop's poll.
+struct TcpEngine;
+
+impl ProviderEngine for TcpEngine {
+    fn connect(&mut self, addr: SocketAddr) -> Result<Box<dyn Link>, FabricError> {
+        Ok(Box::new(TcpConn::connect(addr)?))
+    }
+
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        registry: &Registry,
+        token: Token,
+        _notify_key: u64,
+    ) -> Result<(SocketAddr, Box<dyn Listener>), FabricError> {
+        let (local, l) = TcpListener::bind(addr, registry, token, Box::new(|c| Box::new(c)))?;
+        Ok((local, Box::new(l)))
+    }
+}
+
+/// Turns an accepted socket into a provider's link (tcp: the framed connection itself;
+/// verbs: its control plane).
+pub(crate) type MakeLink = Box<dyn Fn(TcpConn) -> Box<dyn Link> + Send>;
+
+/// A listening socket in the loop's poll, shared by the socket providers (tcp, verbs).
+pub(crate) struct TcpListener {
+    listener: mio::net::TcpListener,
+    local: SocketAddr,
+    make: MakeLink,
+}
+
+impl TcpListener {
+    /// Binds `addr` and registers the socket under `token`.
+    pub(crate) fn bind(
+        addr: SocketAddr,
+        registry: &Registry,
+        token: Token,
+        make: MakeLink,
+    ) -> Result<(SocketAddr, Self), FabricError> {
+        let mut l = mio::net::TcpListener::bind(addr).map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
+        let local = l.local_addr().map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
+        registry.register(&mut l, token, Interest::READABLE).map_err(|e| FabricError::io(&addr.to_string(), "listen on", e))?;
+        Ok((local, TcpListener { listener: l, local, make }))
+    }
+}
+
+impl Listener for TcpListener {
+    fn accept(&mut self) -> Option<(String, Box<dyn Link>)> {
+        loop {
+            return match self.listener.accept() {
+                Ok((s, peer)) => Some((peer.to_string(), (self.make)(TcpConn::accepted(s, peer)))),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::Interrupted) => continue,
+                Err(e) => {
+                    // EMFILE and friends: the backlog keeps the peers; try again on the next
+                    // turn instead of spinning.
+                    tracing::warn!(listener = %self.local, error = %e, "accept failed; retrying later");
+                    None
+                }
+            };
+        }
+    }
+
+    fn close(&mut self, registry: &Registry) {
+        let _ = registry.deregister(&mut self.listener);
+    }
+}
+
+impl Link for TcpConn {
+    fn is_stream(&self) -> bool {
+        true
+    }
+
+    fn is_connected(&self) -> bool {
+        self.connected
+    }
+
+    fn register(&mut self, registry: &Registry, token: Token, _key: u64) -> io::Result<bool> {
+        registry.register(&mut self.stream, token, Interest::READABLE | Interest::WRITABLE).map(|()| true)
+    }
+
+    fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
+        registry.deregister(&mut self.stream)
+    }
+
+    fn on_writable(&mut self) -> Result<bool, FabricError> {
+        TcpConn::on_writable(self)
+    }
+
+    fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        TcpConn::send(self, frame, payload)
+    }
+
+    fn cork(&mut self) {
+        TcpConn::cork(self)
+    }
+
+    fn uncork(&mut self) -> Result<(), FabricError> {
+        TcpConn::uncork(self).map(|_| ())
+    }
+
+    fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
+        TcpConn::send_raw(self, bytes)
+    }
+
+    fn write_progress(&self) -> Option<(u64, u64)> {
+        Some((self.queued_total, self.sent_total))
+    }
+
+    fn next(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        Ok(match TcpConn::next(self, limits)? {
+            TcpRead::Frame(f) => Some(Incoming::Frame(f)),
+            TcpRead::Payload(l) => Some(Incoming::Payload(l)),
+            TcpRead::PayloadVec(v) => Some(Incoming::PayloadVec(v)),
+            TcpRead::Idle => None,
+        })
+    }
+
+    fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
+        TcpConn::place(self, placement)
+    }
+
+    fn sends_done(&self) -> bool {
+        self.queued_bytes() == 0
+    }
+
+    fn shutdown(&mut self, _net: &mut Net) {
+        TcpConn::shutdown(self)
     }
 }
 
@@ -72,64 +206,11 @@ pub(crate) fn tune(stream: &mio::net::TcpStream) {
     }
 }
 
-/// What follows a frame on the stream.
-pub(crate) enum OutPayload {
-    /// Nothing.
-    None,
-    /// These bytes.
-    Bytes(Vec<u8>),
-    /// `len` bytes of `source` from `offset`. [`TcpConn::send`] turns a file-backed source
-    /// into [`OutPayload::File`] (sendfile) or [`OutPayload::Bytes`] (pread); only memory
-    /// sources are written from as they are.
-    Source {
-        /// Where the bytes are.
-        source: Arc<dyn Source>,
-        /// Offset in the source.
-        offset: u64,
-        /// Length.
-        len: u64,
-    },
-    /// `len` bytes of an open file from `offset`, sent with sendfile(2).
-    File {
-        /// The file (kept open until sent).
-        file: Arc<std::fs::File>,
-        /// Offset in the file.
-        offset: u64,
-        /// Length.
-        len: u64,
-    },
-}
-
-impl OutPayload {
-    fn len(&self) -> u64 {
-        match self {
-            OutPayload::None => 0,
-            OutPayload::Bytes(b) => b.len() as u64,
-            OutPayload::Source { len, .. } | OutPayload::File { len, .. } => *len,
-        }
-    }
-}
-
 struct OutFrame {
     head: Vec<u8>,
     payload: OutPayload,
     /// Bytes of `head` then `payload` already written.
     pos: u64,
-}
-
-/// Where the payload of the frame just returned by [`TcpConn::next`] goes.
-pub(crate) enum TcpPlacement {
-    /// Read and drop it.
-    Discard,
-    /// Into `lease` from byte `at`.
-    Into {
-        /// Destination.
-        lease: Lease,
-        /// Offset in it.
-        at: usize,
-    },
-    /// Into a new vector (raw channels).
-    Vec,
 }
 
 enum ReadState {
@@ -250,11 +331,13 @@ impl TcpConn {
     }
 
     /// The socket, for registration with the poll.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn stream_mut(&mut self) -> &mut mio::net::TcpStream {
         &mut self.stream
     }
 
     /// Whether the connect completed.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn is_connected(&self) -> bool {
         self.connected
     }
@@ -262,16 +345,6 @@ impl TcpConn {
     /// Bytes queued and not yet written.
     pub(crate) fn queued_bytes(&self) -> u64 {
         self.out_bytes
-    }
-
-    /// Bytes ever queued on this connection (the stream position after the last frame).
-    pub(crate) fn queued_total(&self) -> u64 {
-        self.queued_total
-    }
-
-    /// Bytes ever written to the socket.
-    pub(crate) fn sent_total(&self) -> u64 {
-        self.sent_total
     }
 
     /// The socket became writable: completes a pending connect (`Ok(true)` the first time),
@@ -462,13 +535,13 @@ impl TcpConn {
     }
 
     /// Places the payload of the frame [`next`](Self::next) just returned.
-    pub(crate) fn place(&mut self, placement: TcpPlacement) -> Result<(), FabricError> {
+    pub(crate) fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
         let ReadState::AwaitPlacement { remaining } = self.rstate else {
             return Err(FabricError::Unsupported(format!("{}: no payload awaits placement", self.peer)));
         };
         self.rstate = match placement {
-            TcpPlacement::Discard => ReadState::Skip { remaining },
-            TcpPlacement::Into { lease, at } => {
+            Placement::Discard => ReadState::Skip { remaining },
+            Placement::Into { lease, at } => {
                 if (at as u64).saturating_add(remaining) > lease.len() as u64 {
                     return Err(FabricError::Unsupported(format!(
                         "{}: payload of {remaining} bytes at {at} does not fit a buffer of {}",
@@ -478,7 +551,7 @@ impl TcpConn {
                 }
                 ReadState::Fill { lease, at, done: 0, total: remaining }
             }
-            TcpPlacement::Vec => ReadState::FillVec { buf: Vec::with_capacity(remaining as usize), total: remaining },
+            Placement::Vec => ReadState::FillVec { buf: Vec::with_capacity(remaining as usize), total: remaining },
         };
         Ok(())
     }
@@ -739,7 +812,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
             done = conn.flush().unwrap();
         }
-        assert_eq!(conn.sent_total(), want.len() as u64);
+        assert_eq!(conn.sent_total, want.len() as u64);
         conn.shutdown();
         drop(conn);
         let got = reader.join().unwrap();

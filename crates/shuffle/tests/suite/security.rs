@@ -3,16 +3,12 @@
 //! reach another peer's region — whatever address and key a peer tries.
 
 use super::*;
-use rdma_shuffle_fabric::{FabricError, ProviderKind};
+use rdma_shuffle_fabric::FabricError;
 use rdma_shuffle_wire::{BlockSpan, Descriptor};
 
 /// Whether rendezvous regions of this provider are read one-sidedly (else pulled).
 pub fn one_sided(p: &Arc<dyn Provider>) -> bool {
-    match p.kind() {
-        ProviderKind::Tcp(_) => false,
-        ProviderKind::Sim(s) => s.one_sided(),
-        _ => true,
-    }
+    p.one_sided()
 }
 
 fn secret_cfg(addr: SocketAddr, secret: &str, app: &str) -> ClientConfig {

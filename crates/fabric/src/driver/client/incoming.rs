@@ -2,15 +2,11 @@
 //! session makes of it.
 
 use super::{client_mut, BlockSink, MemWait, Path, PayloadState};
-#[cfg(feature = "verbs")]
-use crate::driver::conn::ConnKey;
-use crate::driver::conn::{Conn, Incoming, MsgPayload, Placement};
+use crate::driver::conn::{Conn, ConnKey, Incoming, MsgPayload, Placement};
 use crate::driver::{Loop, MemWaiter};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
-#[cfg(feature = "verbs")]
-use rdma_shuffle_wire::Frame;
-use rdma_shuffle_wire::{BlockFailure, ClientEvent, FailureCode, Token};
+use rdma_shuffle_wire::{BlockFailure, ClientEvent, FailureCode, Frame, Token};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,7 +23,6 @@ impl Loop {
                 }
             }
             Incoming::Message(frame, payload) => {
-                #[cfg(feature = "verbs")]
                 if matches!(frame, Frame::Eager { .. } | Frame::Rendezvous { .. } | Frame::BlockFailed { .. }) {
                     self.client_answer(conn);
                 }
@@ -40,32 +35,20 @@ impl Loop {
             Incoming::Payload(lease) => self.client_payload(conn, lease),
             Incoming::PayloadVec(_) => {}
             Incoming::ReadDone { tag, lease, result } => self.client_read_done(conn, tag, lease, result),
-            #[cfg(feature = "verbs")]
             Incoming::Attach(data) => {
-                let r = match &mut conn.transport {
-                    crate::driver::conn::Transport::Verbs(v) => v.complete_attach(&mut self.net, &data),
-                    _ => Ok(()),
-                };
-                if let Err(e) = r {
+                if let Err(e) = conn.transport.complete_attach(&mut self.net, &data) {
                     self.fail(conn, e);
                 }
             }
-            #[cfg(feature = "verbs")]
             Incoming::Attached => {}
         }
     }
 
-    /// (verbs) An answer arrived: its room in the shared receive queue is free again, and
-    /// connections that waited for room go on.
-    #[cfg(feature = "verbs")]
+    /// An answer arrived: where answers take room in a shared receive queue (verbs), its
+    /// room is free again, and connections that waited for room go on.
     pub(super) fn client_answer(&mut self, conn: &mut Conn) {
-        if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
-            if v.answered() {
-                let woken = self.net.verbs.as_mut().map(|e| e.return_client_room(1)).unwrap_or_default();
-                for k in woken {
-                    self.drive_again(ConnKey::from_u64(k));
-                }
-            }
+        for k in conn.transport.answer_arrived(&mut self.net) {
+            self.drive_again(ConnKey::from_u64(k));
         }
     }
 
@@ -154,11 +137,11 @@ impl Loop {
                     }
                     conn.authenticated = true;
                     tracing::debug!(peer = %conn.peer, version, eager_threshold, credits, "connected");
-                    #[cfg(feature = "verbs")]
-                    if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
-                        // Authenticated: only now is a queue pair created for this peer.
+                    if conn.transport.needs_attach() {
+                        // Authenticated: only now is a data plane (a queue pair) created for
+                        // this peer.
                         let key = conn.key.to_u64();
-                        if let Err(e) = v.begin_attach(&mut self.net, &self.shared.stats, key) {
+                        if let Err(e) = conn.transport.begin_attach(&mut self.net, key) {
                             self.fail(conn, e);
                             return;
                         }

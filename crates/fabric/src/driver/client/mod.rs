@@ -22,7 +22,7 @@ use super::conn::{Conn, ConnKey, Role};
 use super::{Command, Driver, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, TieredPool};
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use rdma_shuffle_wire::{
     caps, BlockFailure, BlockRange, BlockSpan, ClientConfig, ClientSession, Descriptor, FailureCode, Knob, Limits, ProtocolError,
     RequestId, Secret, Token,
@@ -542,16 +542,15 @@ impl Loop {
         let mut sc = ClientConfig::new(addr.to_string(), rand::random());
         sc.secret = cfg.secret.clone();
         sc.app_id = cfg.app_id.clone();
-        sc.max_eager = cfg.max_eager.min(transport_max_eager(&transport));
+        sc.max_eager = cfg.max_eager.min(transport.max_eager());
         sc.limits = cfg.limits;
         sc.handshake_timeout = cfg.handshake_timeout;
         sc.fetch_timeout = cfg.fetch_timeout;
-        #[cfg(feature = "verbs")]
-        if let crate::driver::conn::Transport::Verbs(v) = &transport {
-            // Answers land in the shared receive queue: the driver sends requests only as far
+        if transport.bounded_answers() {
+            // Answers land in a shared receive queue: the driver sends requests only as far
             // as the queue has room for their answers, and a Fetch must fit one buffer.
             sc.auto_flush = false;
-            let fit = (v.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
+            let fit = (transport.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
             sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
         }
         if !transport.one_sided() {
@@ -570,7 +569,7 @@ impl Loop {
             block_lens: HashMap::new(),
             next_tag: 1,
             payload: PayloadState::None,
-            connected: !transport.is_stream() || is_connected(&transport),
+            connected: !transport.is_stream() || transport.is_connected(),
             connect_deadline,
             counted: false,
         }));
@@ -588,24 +587,18 @@ impl Loop {
         client_mut(conn).connected = true;
     }
 
-    /// Sends what the session queued (on verbs, first the requests the shared receive queue
-    /// has room to answer).
+    /// Sends what the session queued (where answers take room in a shared receive queue,
+    /// verbs, first the requests it has room to answer).
     pub(crate) fn client_after(&mut self, conn: &mut Conn) {
-        #[cfg(feature = "verbs")]
-        if let crate::driver::conn::Transport::Verbs(v) = &mut conn.transport {
-            let c = match &mut conn.role {
-                Role::Client(c) => c,
-                _ => return,
-            };
-            if let (true, Some(e)) = (v.is_open(), self.net.verbs.as_mut()) {
-                if c.session.queued_blocks() > 0 {
-                    let sent = c.session.flush_requests(e.client_room(), Instant::now());
-                    e.take_client_room(sent);
-                    v.requested(sent);
-                    if c.session.queued_blocks() > 0 {
-                        e.starve(conn.key.to_u64());
-                    }
-                }
+        let c = match &mut conn.role {
+            Role::Client(c) => c,
+            _ => return,
+        };
+        if c.session.queued_blocks() > 0 {
+            if let Some(room) = conn.transport.answer_room(&mut self.net) {
+                let sent = c.session.flush_requests(room, Instant::now());
+                let starved = c.session.queued_blocks() > 0;
+                conn.transport.answers_requested(&mut self.net, sent, starved, conn.key.to_u64());
             }
         }
         // The requests, pulls and releases of one turn leave together (tcp: one writev).
@@ -722,20 +715,4 @@ enum Path {
     Eager,
     Read,
     Stream,
-}
-
-fn is_connected(t: &crate::driver::conn::Transport) -> bool {
-    match t {
-        crate::driver::conn::Transport::Tcp(t) => t.is_connected(),
-        _ => true,
-    }
-}
-
-/// The largest eager payload a transport's receive buffers hold (unbounded for streams).
-fn transport_max_eager(t: &crate::driver::conn::Transport) -> u32 {
-    match t {
-        #[cfg(feature = "verbs")]
-        crate::driver::conn::Transport::Verbs(v) => v.max_eager(),
-        _ => u32::MAX,
-    }
 }

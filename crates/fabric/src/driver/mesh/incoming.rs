@@ -2,8 +2,6 @@
 //! completions, and the memory a payload waits for.
 
 use super::{control, mesh_mut, MeshConn, Phase, ReadJob, RtsJob, Rx};
-#[cfg(feature = "verbs")]
-use crate::driver::conn::Transport;
 use crate::driver::conn::{Conn, ConnKey, Incoming, Placement};
 use crate::driver::Loop;
 use crate::error::FabricError;
@@ -31,9 +29,7 @@ impl Loop {
             },
             Incoming::Message(frame, p) => self.mesh_message(conn, frame, p.buf, p.at),
             Incoming::ReadDone { tag, lease, result } => self.mesh_read_done(conn, tag, lease, result),
-            #[cfg(feature = "verbs")]
             Incoming::Attach(data) => self.mesh_attach(conn, &data),
-            #[cfg(feature = "verbs")]
             Incoming::Attached => {
                 self.mesh_up(conn);
                 Ok(())
@@ -280,24 +276,22 @@ impl Loop {
         }
     }
 
-    /// The peer authenticated: attach the verbs data plane, or the link is up.
+    /// The peer authenticated: attach the provider's data plane (verbs), or the link is up.
     fn mesh_authenticated(&mut self, conn: &mut Conn) -> Result<(), FabricError> {
-        #[cfg(feature = "verbs")]
-        if matches!(conn.transport, Transport::Verbs(_)) {
+        if conn.transport.needs_attach() {
             let key = conn.key.to_u64();
             let outgoing = mesh_mut(conn).outgoing;
             mesh_mut(conn).phase = Phase::Attaching;
-            let Transport::Verbs(v) = &mut conn.transport else { return Ok(()) };
+            let v = &mut conn.transport;
             // Both sides of a mesh link send rendezvous messages: both queue pairs let the
             // (authenticated) peer read.
-            v.grant_remote_read();
-            return if outgoing { v.begin_attach(&mut self.net, &self.shared.stats, key) } else { v.expect_attach() };
+            v.allow_remote_read();
+            return if outgoing { v.begin_attach(&mut self.net, key) } else { v.expect_attach() };
         }
         self.mesh_up(conn);
         Ok(())
     }
 
-    #[cfg(feature = "verbs")]
     fn mesh_attach(&mut self, conn: &mut Conn, data: &[u8]) -> Result<(), FabricError> {
         let (outgoing, attaching) = {
             let m = mesh_mut(conn);
@@ -307,13 +301,14 @@ impl Loop {
             return Err(protocol(conn, "an attach record before the handshake completed".into()));
         }
         let key = conn.key.to_u64();
-        let Transport::Verbs(v) = &mut conn.transport else {
+        if !conn.transport.needs_attach() {
             return Err(protocol(conn, "an attach record on a connection without a data plane".into()));
-        };
+        }
+        let v = &mut conn.transport;
         if outgoing {
             v.complete_attach(&mut self.net, data)
         } else {
-            v.accept_attach(&mut self.net, &self.shared.stats, key, data)
+            v.accept_attach(&mut self.net, key, data)
         }
     }
 

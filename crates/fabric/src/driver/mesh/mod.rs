@@ -21,7 +21,7 @@ use crate::memory::pool::ReleaseHook;
 use crate::mesh::handshake::{ClientHs, ServerHs};
 use crate::mesh::shared::MeshShared;
 use crate::mesh::{MeshError, Tag, UserMemory, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_HELLO, KIND_REFUSE, KIND_RTS};
-use crate::providers::tcp::OutPayload;
+use crate::providers::link::OutPayload;
 use crate::providers::Source;
 use crossbeam_channel::Sender;
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
@@ -234,12 +234,9 @@ impl Loop {
                     return;
                 }
                 if let Some(token) = mark {
-                    let written_at = match &conn.transport {
-                        // The socket writes from the caller's memory until the frame is out.
-                        Transport::Tcp(t) => Some(t.queued_total()),
-                        // Message transports copied the bytes.
-                        _ => None,
-                    };
+                    // A stream writes from the caller's memory until the frame is out; message
+                    // transports copied the bytes.
+                    let written_at = conn.transport.write_progress().map(|(queued, _)| queued);
                     let m = mesh_mut(conn);
                     match (written_at, m.peer) {
                         (Some(pos), _) => m.marks.push_back((pos, token)),
@@ -353,12 +350,7 @@ impl Loop {
                 return;
             }
         };
-        let connected = match &transport {
-            Transport::Tcp(t) => t.is_connected(),
-            #[cfg(feature = "verbs")]
-            Transport::Verbs(v) => v.control_connected(),
-            Transport::Sim(_) => true,
-        };
+        let connected = transport.is_connected();
         let (hs, hello) = shared.hs.client_hello(peer);
         let role = Role::Mesh(Box::new(MeshConn {
             ep: id,
@@ -437,10 +429,10 @@ impl Loop {
         mesh_mut(conn).connected = true;
     }
 
-    /// After a mesh connection was handled: completes tcp sends whose bytes are all written.
+    /// After a mesh connection was handled: completes stream sends whose bytes are all
+    /// written.
     pub(crate) fn mesh_after(&mut self, conn: &mut Conn) {
-        let Transport::Tcp(t) = &conn.transport else { return };
-        let sent = t.sent_total();
+        let Some((_, sent)) = conn.transport.write_progress() else { return };
         let m = mesh_mut(conn);
         if m.marks.is_empty() {
             return;

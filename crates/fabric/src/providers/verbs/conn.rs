@@ -4,14 +4,14 @@
 #![forbid(unsafe_code)]
 
 use super::bootstrap::AttachRecord;
-use super::engine::Event;
+use super::engine::{Event, VerbsEngine};
 use super::sys::{Completed, Exposure, Qp};
-use crate::driver::conn::{encode_message, FailedRead, Incoming, MsgPayload};
-use crate::driver::{DriverStats, Net};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
-use crate::providers::tcp::{OutPayload, TcpConn, TcpPlacement, TcpRead};
+use crate::providers::link::{encode_message, FailedRead, Incoming, Link, MsgPayload, Net, Placement, ProviderCounters};
+use crate::providers::tcp::{OutPayload, TcpConn, TcpRead};
 use crate::providers::Source;
+use mio::{Interest, Registry, Token};
 use rdma_shuffle_wire::{Descriptor, Frame, Knob, Limits};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -107,10 +107,6 @@ impl VerbsConn {
         self.phase == Phase::Open
     }
 
-    pub(crate) fn max_eager(&self) -> u32 {
-        self.max_eager
-    }
-
     /// Server side: the credits its session granted (given back when the connection goes).
     pub(crate) fn granted(&mut self, n: u32) {
         self.granted = n;
@@ -131,8 +127,8 @@ impl VerbsConn {
         }
     }
 
-    fn engine<'a>(&self, net: &'a mut Net) -> Result<&'a mut super::engine::VerbsEngine, FabricError> {
-        net.verbs.as_mut().ok_or_else(|| dead("no verbs engine in this driver"))
+    fn engine<'a>(&self, net: &'a mut Net) -> Result<&'a mut VerbsEngine, FabricError> {
+        net.engine_mut::<VerbsEngine>().ok_or_else(|| dead("no verbs engine in this driver"))
     }
 
     fn record(&self, net: &mut Net, qp: &Qp, psn: u32) -> Result<AttachRecord, FabricError> {
@@ -147,11 +143,11 @@ impl VerbsConn {
         })
     }
 
-    fn count_qp(&mut self, stats: &DriverStats) {
+    fn count_qp(&mut self, stats: &ProviderCounters) {
         if !self.qp_counted {
             self.qp_counted = true;
-            stats.provider.qps_created.fetch_add(1, Ordering::Relaxed);
-            stats.provider.qps_open.fetch_add(1, Ordering::Relaxed);
+            stats.qps_created.fetch_add(1, Ordering::Relaxed);
+            stats.qps_open.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -164,7 +160,7 @@ impl VerbsConn {
 
     /// (connecting side, after the handshake) Creates the queue pair and sends our attach
     /// record; frames wait until the peer's answers.
-    pub(crate) fn begin_attach(&mut self, net: &mut Net, stats: &DriverStats, key: u64) -> Result<(), FabricError> {
+    pub(crate) fn begin_attach(&mut self, net: &mut Net, key: u64) -> Result<(), FabricError> {
         if self.phase != Phase::Control {
             return Ok(());
         }
@@ -175,7 +171,8 @@ impl VerbsConn {
         let rec = self.record(net, &qp, psn)?;
         self.qp = Some(qp);
         self.psn = psn;
-        self.count_qp(stats);
+        let counters = self.engine(net)?.counters.clone();
+        self.count_qp(&counters);
         self.control.send(&Frame::Attach { data: rec.encode().to_vec() }, OutPayload::None)?;
         self.phase = Phase::Attaching;
         Ok(())
@@ -209,7 +206,7 @@ impl VerbsConn {
     /// (accepting side) The peer's record arrived and the peer is authenticated: create and
     /// connect our queue pair — with remote read, since it is ours that exposes windows —
     /// and answer with our record.
-    pub(crate) fn accept_attach(&mut self, net: &mut Net, stats: &DriverStats, key: u64, data: &[u8]) -> Result<(), FabricError> {
+    pub(crate) fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8]) -> Result<(), FabricError> {
         if self.phase != Phase::Control {
             return Err(dead("a second attach record"));
         }
@@ -223,7 +220,8 @@ impl VerbsConn {
         qp.connect(&dev, psn, &remote, true, timers)?;
         self.qp = Some(qp);
         self.psn = psn;
-        self.count_qp(stats);
+        let counters = self.engine(net)?.counters.clone();
+        self.count_qp(&counters);
         self.peer_max_message = remote.max_message as usize;
         // The record goes over the control socket before any message: the peer connects
         // its queue pair when it reads it, and sends nothing on it before.
@@ -306,7 +304,7 @@ impl VerbsConn {
         if !qp.has_room() {
             return Ok(false);
         }
-        let e = net.verbs.as_mut().ok_or_else(|| dead("no verbs engine"))?;
+        let e = net.engine_mut::<VerbsEngine>().ok_or_else(|| dead("no verbs engine"))?;
         let Some((slot, len)) = e.send.fill(parts) else {
             e.wait_for_send_slot(key);
             return Ok(false);
@@ -317,7 +315,7 @@ impl VerbsConn {
             return Err(err);
         }
         self.sends_posted += 1;
-        let c = &e.shared.stats.provider;
+        let c = &e.counters;
         c.sends.fetch_add(1, Ordering::Relaxed);
         c.send_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(true)
@@ -337,7 +335,7 @@ impl VerbsConn {
         Ok(())
     }
 
-    pub(crate) fn place(&mut self, p: TcpPlacement) -> Result<(), FabricError> {
+    pub(crate) fn place(&mut self, p: Placement) -> Result<(), FabricError> {
         self.control.place(p)
     }
 
@@ -354,7 +352,7 @@ impl VerbsConn {
             if let Some(i) = self.ready.pop_front() {
                 return Ok(Some(i));
             }
-            let ev = match net.verbs.as_mut() {
+            let ev = match net.engine_mut::<VerbsEngine>() {
                 Some(e) if self.qp.is_some() => e.take_event(self.key),
                 _ => None,
             };
@@ -409,12 +407,12 @@ impl VerbsConn {
                     }
                     Some(Completed::Read { tag, lease }) => {
                         self.reads -= 1;
-                        if let Some(e) = net.verbs.as_mut() {
+                        if let Some(e) = net.engine_mut::<VerbsEngine>() {
                             e.reads -= 1;
                         }
                         let result = if wc.ok() {
-                            if let Some(e) = net.verbs.as_ref() {
-                                let c = &e.shared.stats.provider;
+                            if let Some(e) = net.engine_ref::<VerbsEngine>() {
+                                let c = &e.counters;
                                 c.reads.fetch_add(1, Ordering::Relaxed);
                                 c.read_bytes.fetch_add(lease.len() as u64, Ordering::Relaxed);
                             }
@@ -431,7 +429,7 @@ impl VerbsConn {
                         self.ready.push_back(Incoming::ReadDone { tag, lease, result });
                     }
                     Some(Completed::Bind) => {
-                        if let Some(e) = net.verbs.as_mut() {
+                        if let Some(e) = net.engine_mut::<VerbsEngine>() {
                             e.binds -= 1;
                         }
                         if !wc.ok() && !wc.flushed() {
@@ -467,7 +465,7 @@ impl VerbsConn {
         offset: u64,
         len: u64,
     ) -> Result<(u64, u32), FabricError> {
-        let e = net.verbs.as_mut().ok_or_else(|| dead("no verbs engine"))?;
+        let e = net.engine_mut::<VerbsEngine>().ok_or_else(|| dead("no verbs engine"))?;
         if !e.bind_room() {
             return Err(dead("too many windows being bound at once"));
         }
@@ -475,7 +473,7 @@ impl VerbsConn {
         let exposure = Arc::new(Exposure::new(&e.dev, &*source, offset, len)?);
         let (addr, rkey) = qp.poster()?.bind(&exposure)?;
         e.binds += 1;
-        e.shared.stats.provider.windows_bound.fetch_add(1, Ordering::Relaxed);
+        e.counters.windows_bound.fetch_add(1, Ordering::Relaxed);
         e.exposed_bytes += exposure.bytes();
         self.exposures.insert(rkey, exposure);
         Ok((addr, rkey))
@@ -485,16 +483,17 @@ impl VerbsConn {
     /// outstanding.
     pub(crate) fn revoke(&mut self, net: &mut Net, rkey: u32) {
         if let Some(x) = self.exposures.remove(&rkey) {
-            if let Some(e) = net.verbs.as_mut() {
+            if let Some(e) = net.engine_mut::<VerbsEngine>() {
                 e.exposed_bytes -= x.bytes();
-                e.shared.stats.provider.windows_revoked.fetch_add(1, Ordering::Relaxed);
+                e.counters.windows_revoked.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
 
     /// Whether another read may be posted now (queue pair and engine caps).
     pub(crate) fn can_read(&self, net: &Net) -> bool {
-        let engine_room = net.verbs.as_ref().is_some_and(|e| e.read_room() && self.reads < e.cfg.max_reads_per_qp as usize);
+        let engine_room =
+            net.engine_ref::<VerbsEngine>().is_some_and(|e| e.read_room() && self.reads < e.cfg.max_reads_per_qp as usize);
         engine_room && self.qp.as_ref().is_some_and(|q| q.has_room()) && self.phase == Phase::Open && self.failed.is_none()
     }
 
@@ -508,7 +507,7 @@ impl VerbsConn {
         };
         poster.read(tag, desc, lease)?;
         self.reads += 1;
-        if let Some(e) = net.verbs.as_mut() {
+        if let Some(e) = net.engine_mut::<VerbsEngine>() {
             e.reads += 1;
         }
         Ok(())
@@ -540,9 +539,10 @@ impl VerbsConn {
 
     /// The connection is removed: credits and room go back, the queue pair is destroyed
     /// (after its posted work completed, or past the close limit, leaking its buffers).
-    pub(crate) fn destroy(&mut self, net: &mut Net, stats: &DriverStats) {
+    pub(crate) fn destroy(&mut self, net: &mut Net) {
         let key = self.key;
-        if let Some(e) = net.verbs.as_mut() {
+        let counters = net.engine_ref::<VerbsEngine>().map(|e| e.counters.clone());
+        if let Some(e) = net.engine_mut::<VerbsEngine>() {
             e.return_grant(std::mem::take(&mut self.granted));
             let _ = e.return_client_room(std::mem::take(&mut self.window));
             if let Some(qp) = &self.qp {
@@ -552,7 +552,148 @@ impl VerbsConn {
         }
         self.reads = 0;
         if self.qp.take().is_some() && self.qp_counted {
-            stats.provider.qps_open.fetch_sub(1, Ordering::Relaxed);
+            if let Some(c) = counters {
+                c.qps_open.fetch_sub(1, Ordering::Relaxed);
+            }
         }
+    }
+}
+
+impl Link for VerbsConn {
+    fn is_stream(&self) -> bool {
+        VerbsConn::is_stream(self)
+    }
+
+    fn one_sided(&self) -> bool {
+        true
+    }
+
+    fn is_connected(&self) -> bool {
+        self.control_connected()
+    }
+
+    fn register(&mut self, registry: &Registry, token: Token, _key: u64) -> std::io::Result<bool> {
+        registry.register(self.control_mut(), token, Interest::READABLE | Interest::WRITABLE).map(|()| true)
+    }
+
+    fn deregister(&mut self, registry: &Registry) -> std::io::Result<()> {
+        registry.deregister(self.control_mut())
+    }
+
+    fn on_writable(&mut self) -> Result<bool, FabricError> {
+        VerbsConn::on_writable(self)
+    }
+
+    fn send(&mut self, net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        VerbsConn::send(self, net, frame, payload)
+    }
+
+    fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
+        VerbsConn::send_raw(self, net, bytes)
+    }
+
+    fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        VerbsConn::next(self, net, limits)
+    }
+
+    fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
+        VerbsConn::place(self, placement)
+    }
+
+    fn expose(&mut self, net: &mut Net, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
+        VerbsConn::expose(self, net, source, offset, len)
+    }
+
+    fn revoke(&mut self, net: &mut Net, rkey: u32) {
+        VerbsConn::revoke(self, net, rkey)
+    }
+
+    fn can_read(&self, net: &Net) -> bool {
+        VerbsConn::can_read(self, net)
+    }
+
+    fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
+        VerbsConn::start_read(self, net, tag, desc, lease)
+    }
+
+    fn sends_done(&self) -> bool {
+        VerbsConn::sends_done(self)
+    }
+
+    fn busy(&self) -> bool {
+        VerbsConn::busy(self)
+    }
+
+    fn shutdown(&mut self, net: &mut Net) {
+        VerbsConn::shutdown(self, net)
+    }
+
+    fn destroy(&mut self, net: &mut Net) {
+        VerbsConn::destroy(self, net)
+    }
+
+    fn max_eager(&self) -> u32 {
+        self.max_eager
+    }
+
+    fn needs_attach(&self) -> bool {
+        true
+    }
+
+    fn allow_remote_read(&mut self) {
+        self.grant_remote_read()
+    }
+
+    fn begin_attach(&mut self, net: &mut Net, key: u64) -> Result<(), FabricError> {
+        VerbsConn::begin_attach(self, net, key)
+    }
+
+    fn expect_attach(&mut self) -> Result<(), FabricError> {
+        VerbsConn::expect_attach(self)
+    }
+
+    fn complete_attach(&mut self, net: &mut Net, data: &[u8]) -> Result<(), FabricError> {
+        VerbsConn::complete_attach(self, net, data)
+    }
+
+    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8]) -> Result<(), FabricError> {
+        VerbsConn::accept_attach(self, net, key, data)
+    }
+
+    /// Answers land in the shared receive queue: requests go out only as far as it has
+    /// room for their answers, and a `Fetch` must fit one buffer.
+    fn bounded_answers(&self) -> bool {
+        true
+    }
+
+    fn answer_room(&mut self, net: &mut Net) -> Option<u32> {
+        if !self.is_open() {
+            return None;
+        }
+        net.engine_ref::<VerbsEngine>().map(|e| e.client_room())
+    }
+
+    fn answers_requested(&mut self, net: &mut Net, sent: u32, starved: bool, key: u64) {
+        let Some(e) = net.engine_mut::<VerbsEngine>() else { return };
+        e.take_client_room(sent);
+        self.requested(sent);
+        if starved {
+            e.starve(key);
+        }
+    }
+
+    fn answer_arrived(&mut self, net: &mut Net) -> Vec<u64> {
+        if !self.answered() {
+            return Vec::new();
+        }
+        net.engine_mut::<VerbsEngine>().map(|e| e.return_client_room(1)).unwrap_or_default()
+    }
+
+    fn grant_credits(&mut self, net: &mut Net, max: u32) -> u32 {
+        net.engine_mut::<VerbsEngine>().map(|e| e.grant(max)).unwrap_or(max)
+    }
+
+    fn credits_granted(&mut self, n: u32) {
+        self.granted(n)
     }
 }

@@ -3,14 +3,12 @@
 //! completions to connections, and the credit budgets against the shared receive queue.
 #![forbid(unsafe_code)]
 
-use super::conn::VerbsConn;
 use super::sys::{CompChannel, Cq, Device, Qp, QpTimers, SendBuffers, Srq, Wc, WR_RECV, WR_SEND};
 use super::{VerbsConfig, VerbsProvider};
-use crate::driver::{DriverStats, Shared};
 use crate::error::FabricError;
-use crate::providers::tcp::TcpConn;
+use crate::providers::link::{EngineCtx, ProviderCounters};
 use mio::unix::SourceFd;
-use mio::{Interest, Poll, Token};
+use mio::Interest;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -30,7 +28,8 @@ const MAX_READS: usize = 1024;
 const MAX_BINDS: usize = 1024;
 
 pub(crate) struct VerbsEngine {
-    pub(crate) shared: Arc<Shared>,
+    /// The driver's data-plane counters.
+    pub(crate) counters: Arc<ProviderCounters>,
     pub(crate) dev: Arc<Device>,
     pub(crate) cfg: VerbsConfig,
     _channel: Arc<CompChannel>,
@@ -55,7 +54,7 @@ pub(crate) struct VerbsEngine {
 }
 
 impl VerbsEngine {
-    pub(crate) fn new(p: &VerbsProvider, shared: &Arc<Shared>, poll: &Poll, token: Token) -> Result<Self, FabricError> {
+    pub(crate) fn new(p: &VerbsProvider, ctx: EngineCtx<'_>) -> Result<Self, FabricError> {
         let cfg = p.config.clone();
         let dev = p.dev.clone();
         let channel = Arc::new(CompChannel::new(&dev)?);
@@ -64,14 +63,14 @@ impl VerbsEngine {
         let srq = Srq::new(&dev, cfg.recv_buffers, cfg.max_message as usize)?;
         let send = SendBuffers::new(&dev, cfg.send_buffers, cfg.max_message as usize)?;
         let fd = channel.fd();
-        poll.registry()
-            .register(&mut SourceFd(&fd), token, Interest::READABLE)
+        ctx.registry
+            .register(&mut SourceFd(&fd), ctx.token, Interest::READABLE)
             .map_err(|e| FabricError::io("local", "register the completion channel of", e))?;
         let half = (cfg.recv_buffers / 2) as i64;
-        tracing::debug!(driver = %shared.name, recv_buffers = cfg.recv_buffers, send_buffers = cfg.send_buffers,
+        tracing::debug!(driver = %ctx.name, recv_buffers = cfg.recv_buffers, send_buffers = cfg.send_buffers,
             max_message = cfg.max_message, "verbs engine ready");
         Ok(VerbsEngine {
-            shared: shared.clone(),
+            counters: ctx.counters,
             dev,
             _channel: channel,
             cq,
@@ -128,16 +127,6 @@ impl VerbsEngine {
         self.starved.retain(|k| *k != key);
     }
 
-    /// A connection for an accepted control socket.
-    pub(crate) fn accepted(&self, control: TcpConn) -> VerbsConn {
-        VerbsConn::new(control, self.max_eager())
-    }
-
-    /// A connection whose control socket is connecting.
-    pub(crate) fn connecting(&self, control: TcpConn) -> VerbsConn {
-        VerbsConn::new(control, self.max_eager())
-    }
-
     /// The server's credit grant for a client that just authenticated: half of what is left
     /// of the server's share of receive buffers, at least 1 (so a flood of peers can
     /// overcommit the queue by at most one message each; receiver-not-ready retries cover
@@ -191,7 +180,7 @@ impl VerbsEngine {
     /// Collects completions: acknowledges channel events, re-arms, polls. Receives are
     /// copied out and reposted at once (the shared queue never waits for a connection to be
     /// handled). Returns the connections that have something to handle.
-    pub(crate) fn poll_completions(&mut self, stats: &DriverStats) -> Vec<u64> {
+    pub(crate) fn collect(&mut self) -> Vec<u64> {
         let _ = self.cq.take_events();
         if let Err(e) = self.cq.arm() {
             tracing::error!(error = %e, "re-arming the completion queue failed");
@@ -199,7 +188,7 @@ impl VerbsEngine {
         let mut wcs = std::mem::take(&mut self.wcs);
         self.cq.poll(&mut wcs);
         let mut touched = Vec::new();
-        let p = &stats.provider;
+        let p = &*self.counters;
         for wc in wcs.drain(..) {
             if !wc.ok() && wc.flushed() {
                 p.flushed_completions.fetch_add(1, Ordering::Relaxed);

@@ -43,22 +43,24 @@ pub(crate) mod conn;
 #[cfg(feature = "verbs")]
 pub(crate) mod engine;
 #[cfg(feature = "verbs")]
+mod link;
+#[cfg(feature = "verbs")]
 mod sys;
 
 pub use memlock::{can_lock_unlimited, check_memlock, memlock_limit};
 
 #[cfg(feature = "verbs")]
 pub use provider::{VerbsConfig, VerbsProvider};
-#[cfg(feature = "verbs")]
-pub(crate) use sys::UserRegion;
 
 #[cfg(feature = "verbs")]
 mod provider {
+    use super::engine::VerbsEngine;
     use super::memlock::{can_lock_unlimited, check_memlock, memlock_limit};
     use super::sys::{self, Device, PoolRegistrar};
     use crate::error::FabricError;
     use crate::memory::registration::Registrar;
-    use crate::providers::{Provider, ProviderKind};
+    use crate::providers::link::{EngineCtx, ProviderCounters, ProviderEngine};
+    use crate::providers::{Provider, UserRegion};
     use rdma_shuffle_wire::Knob;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Arc;
@@ -190,6 +192,12 @@ mod provider {
         }
     }
 
+    impl UserRegion for sys::UserRegion {
+        fn rkey(&self) -> u32 {
+            sys::UserRegion::rkey(self)
+        }
+    }
+
     impl Provider for VerbsProvider {
         fn name(&self) -> &'static str {
             "verbs"
@@ -199,8 +207,40 @@ mod provider {
             Arc::new(PoolRegistrar::new(&self.dev, self.registered.clone()))
         }
 
-        fn kind(&self) -> ProviderKind<'_> {
-            ProviderKind::Verbs(self)
+        fn engine(&self, ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
+            Ok(Box::new(VerbsEngine::new(self, ctx)?))
+        }
+
+        fn one_sided(&self) -> bool {
+            true
+        }
+
+        fn max_eager(&self) -> Option<usize> {
+            // The message buffer holds the frame header, the eager fixed part and the payload.
+            Some(self.config.max_message as usize - rdma_shuffle_wire::frame::HEADER_LEN - 64)
+        }
+
+        fn counters(&self, c: &ProviderCounters) -> Vec<(&'static str, u64)> {
+            let r = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            vec![
+                ("verbs_sends", r(&c.sends)),
+                ("verbs_send_bytes", r(&c.send_bytes)),
+                ("verbs_recvs", r(&c.recvs)),
+                ("rdma_reads", r(&c.reads)),
+                ("rdma_read_bytes", r(&c.read_bytes)),
+                ("qps_created", r(&c.qps_created)),
+                ("qps_open", r(&c.qps_open)),
+                ("flushed_completions", r(&c.flushed_completions)),
+                ("windows_bound", r(&c.windows_bound)),
+                ("windows_revoked", r(&c.windows_revoked)),
+                ("rnr_errors", r(&c.rnr_errors)),
+            ]
+        }
+
+        unsafe fn register_user(&self, ptr: *const u8, len: usize) -> Result<Option<Arc<dyn UserRegion>>, FabricError> {
+            // SAFETY: forwarded contract: the memory stays mapped while the region lives.
+            let r = unsafe { VerbsProvider::register_user(self, ptr, len) }?;
+            Ok(Some(Arc::new(r)))
         }
 
         fn registered_bytes(&self) -> u64 {

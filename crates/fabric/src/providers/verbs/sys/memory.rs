@@ -1,7 +1,7 @@
 //! Registered memory: memory regions, the provider's own slabs, the pool's registrar, and
 //! exposed rendezvous regions with their memory windows.
 
-use super::{err, err_knob, os_err, Device, Pd};
+use super::device::{err, err_knob, os_err, Device, Pd};
 use crate::error::FabricError;
 use crate::memory::pool::{PoolError, RegionKeys, Registrar};
 use crate::providers::verbs::memlock::memlock_advice;

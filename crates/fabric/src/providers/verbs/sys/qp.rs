@@ -1,11 +1,11 @@
 //! Queue pairs and the guard that posting requires.
 
+use super::device::{err, os_err, rc_err, Device, Pd, WR_RECV, WR_SEND};
 use super::memory::Exposure;
 use super::queues::{Cq, SendBuffers, Srq, SrqHandle, Wc};
-use super::{err, os_err, rc_err, Device, Pd, WR_RECV, WR_SEND};
-use crate::driver::conn::FailedRead;
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
+use crate::providers::link::FailedRead;
 use crate::providers::verbs::bootstrap::AttachRecord;
 use rdma_shuffle_wire::Descriptor;
 use rdma_sys::*;

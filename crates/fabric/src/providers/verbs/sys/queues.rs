@@ -1,8 +1,8 @@
 //! Completions (channel, queue, work completions), the shared receive queue and the send
 //! buffers.
 
+use super::device::{os_err, rc_err, Context, Device, Pd, WR_RECV, WR_SEND};
 use super::memory::Slab;
-use super::{os_err, rc_err, Context, Device, Pd, WR_RECV, WR_SEND};
 use crate::error::FabricError;
 use rdma_sys::*;
 use std::ffi::CStr;
