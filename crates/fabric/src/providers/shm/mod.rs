@@ -62,6 +62,7 @@
 
 pub mod conn;
 pub mod handshake;
+pub mod link;
 pub(crate) mod ring;
 pub(crate) mod segment;
 mod sys;
@@ -70,6 +71,7 @@ mod tests;
 
 pub use conn::{LargeMessages, ShmConn, ShmConnStats};
 pub use handshake::{unique_name, ShmAccepting, ShmConnecting, ShmListener};
+pub use link::ShmProvider;
 
 use rdma_shuffle_wire::Secret;
 use std::time::Duration;
