@@ -210,7 +210,7 @@ mod tests {
         // SAFETY: the ring lives in `ring`, kept by both threads; one producer, one consumer.
         let mut p = unsafe { Producer::new(ring.ptrs) };
         let max = p.max_record();
-        let count = 20_000u32;
+        let count = 5_000u32;
         let consumer = std::thread::spawn(move || {
             // SAFETY: as above.
             let mut c = unsafe { Consumer::new(r2.ptrs) };
@@ -218,7 +218,8 @@ mod tests {
             while i < count {
                 let got = c.pop(|kind, bytes| (kind, bytes.to_vec())).unwrap();
                 let Some((kind, bytes)) = got else {
-                    std::hint::spin_loop();
+                    // Two cores shared with other jobs: let the producer run.
+                    std::thread::yield_now();
                     continue;
                 };
                 assert_eq!(kind, i + 1);
@@ -235,7 +236,7 @@ mod tests {
             let (a, b) = body.split_at(len / 3);
             while !p.push(i + 1, &[a, b]) {
                 full += 1;
-                std::hint::spin_loop();
+                std::thread::yield_now();
             }
         }
         consumer.join().unwrap();
