@@ -447,18 +447,31 @@ impl ShmConn {
         Ok(())
     }
 
-    /// Sends everything queued, waiting (up to `timeout`) while the ring is full; also takes in
-    /// what arrives meanwhile, returning it, so two sides that both send cannot deadlock.
+    /// Sends everything queued, waiting (up to `timeout`) while the ring is full and until the
+    /// peer has copied every message lent to it by reference; also takes in what arrives
+    /// meanwhile, returning it, so two sides that both send cannot deadlock.
     pub fn send_all(&mut self, timeout: Duration) -> Result<Vec<Vec<u8>>, FabricError> {
+        self.send_until(timeout, true)
+    }
+
+    /// Like [`send_all`](Self::send_all), but returns once every queued message is in the
+    /// ring: messages lent by reference may still wait for the peer's copy (the connection
+    /// keeps them), so a sender of many large messages keeps several in flight.
+    pub fn push_all(&mut self, timeout: Duration) -> Result<Vec<Vec<u8>>, FabricError> {
+        self.send_until(timeout, false)
+    }
+
+    fn send_until(&mut self, timeout: Duration, lent_too: bool) -> Result<Vec<Vec<u8>>, FabricError> {
         let deadline = Instant::now() + timeout;
         let mut got = Vec::new();
-        while !self.out.is_empty() || !self.lent.is_empty() {
+        let busy = |c: &ShmConn| !c.out.is_empty() || (lent_too && !c.lent.is_empty());
+        while busy(self) {
             if let Some(m) = self.recv()? {
                 got.push(m);
                 continue;
             }
             self.flush()?;
-            if self.out.is_empty() && self.lent.is_empty() {
+            if !busy(self) {
                 break;
             }
             if self.peer_gone {
