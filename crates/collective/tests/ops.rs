@@ -1,6 +1,6 @@
 //! Every collective × dtype × reduce op against a reference computed here, on worlds of 1–4
-//! ranks (threads in one process), over the sim provider (one-sided rendezvous, as verbs)
-//! and real tcp sockets, with every algorithm forced in turn and with the policy's choice.
+//! ranks (threads in one process), over the sim provider (one-sided rendezvous, as verbs),
+//! real tcp sockets and shared memory (shm), with every algorithm forced in turn and with the policy's choice.
 //!
 //! Inputs are small integers, so every reduction is exact in every dtype (f16/bf16 included)
 //! and results are compared bit for bit; tolerance tests with random floats are in the
@@ -15,7 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn providers() -> Vec<(&'static str, Arc<dyn Provider>)> {
-    vec![("sim", Arc::new(SimProvider::new(true))), ("tcp", Arc::new(TcpProvider::new()))]
+    vec![
+        ("sim", Arc::new(SimProvider::new(true))),
+        ("tcp", Arc::new(TcpProvider::new())),
+        ("shm", Arc::new(rdma_shuffle_fabric::providers::shm::ShmProvider::default())),
+    ]
 }
 
 fn matrix_for(world: usize) {

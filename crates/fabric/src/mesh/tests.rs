@@ -1,4 +1,4 @@
-//! The mesh over tcp and sim (both one-sided and streamed rendezvous): ordering, both
+//! The mesh over tcp, sim (both one-sided and streamed rendezvous) and shm: ordering, both
 //! protocols, authentication, refusals, dead and departing peers, abort, the registration
 //! cache.
 
@@ -33,7 +33,12 @@ fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConf
 }
 
 fn providers() -> Vec<Arc<dyn Provider>> {
-    vec![Arc::new(TcpProvider::new()), Arc::new(SimProvider::new(true)), Arc::new(SimProvider::new(false))]
+    vec![
+        Arc::new(TcpProvider::new()),
+        Arc::new(SimProvider::new(true)),
+        Arc::new(SimProvider::new(false)),
+        Arc::new(crate::providers::shm::ShmProvider::default()),
+    ]
 }
 
 fn soon() -> Instant {

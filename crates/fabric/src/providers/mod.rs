@@ -23,6 +23,7 @@
 //! [`open_provider`] (with the [`ProviderChoice`] variant that asks for it).
 
 pub mod link;
+pub mod shm;
 pub mod sim;
 pub mod tcp;
 pub mod verbs;
@@ -141,6 +142,8 @@ pub enum ProviderChoice {
     Verbs,
     /// verbs when a usable device exists, tcp otherwise (the reason is kept).
     Auto,
+    /// shared memory, between processes of one host.
+    Shm,
 }
 
 /// What [`open_provider`] needs: the choice, and for verbs the device settings (each `None`
@@ -182,6 +185,9 @@ pub fn open_provider(spec: &ProviderSpec) -> Result<OpenedProvider, crate::error
         ProviderChoice::Tcp => Ok(tcp(None)),
         ProviderChoice::Verbs => open_verbs(spec).map(verbs),
         ProviderChoice::Auto => Ok(open_verbs(spec).map(verbs).unwrap_or_else(|e| tcp(Some(e)))),
+        ProviderChoice::Shm => {
+            Ok(OpenedProvider { provider: Arc::new(shm::ShmProvider::default()), description: "shm".into(), fallback: None })
+        }
     }
 }
 

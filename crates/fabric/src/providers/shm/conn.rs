@@ -1,0 +1,520 @@
+//! One shm connection: whole messages through the segment's rings, large ones by single copy
+//! (process_vm_readv) or in fragments, doorbells, and the liveness of the peer.
+
+use super::ring::{Consumer, Producer};
+use super::segment::{Segment, Side};
+use super::sys;
+use super::ShmConfig;
+use crate::error::FabricError;
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
+/// A whole message.
+const KIND_MSG: u32 = 1;
+/// A fragment of a message; more follow.
+const KIND_FRAG: u32 = 2;
+/// The last fragment of a message.
+const KIND_FRAG_END: u32 = 3;
+/// A message left in the sender's memory: `{id, addr, len}`; the receiver copies it with
+/// process_vm_readv and answers [`KIND_ACK`].
+const KIND_REF: u32 = 4;
+/// `{id}`: the message sent by reference was copied; the sender may free it.
+const KIND_ACK: u32 = 5;
+
+/// Flag bit: the side sleeps until a record arrives for it.
+const WANT_DATA: u32 = 1;
+/// Flag bit: the side sleeps until its outgoing ring has room.
+const WANT_SPACE: u32 = 2;
+
+/// How large messages travel on a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LargeMessages {
+    /// The receiver copies them straight out of the sender's memory (process_vm_readv).
+    SingleCopy,
+    /// In fragments through the ring (copy in, copy out): the peer may not read this
+    /// process's memory (no ptrace permission, or single copy turned off).
+    CopyThroughSegment,
+}
+
+struct Out {
+    msg: Vec<u8>,
+    /// Bytes already pushed (fragments).
+    sent: usize,
+}
+
+/// Counters of one connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShmConnStats {
+    /// Messages sent inline (one record).
+    pub inline: u64,
+    /// Messages sent by reference (the peer copied them out of our memory).
+    pub single_copy: u64,
+    /// Messages sent in fragments through the ring.
+    pub fragmented: u64,
+    /// Times the peer's doorbell was rung.
+    pub doorbells: u64,
+}
+
+/// An established shm connection.
+pub struct ShmConn {
+    peer: String,
+    sock: OwnedFd,
+    side: Side,
+    tx: Producer,
+    rx: Consumer,
+    /// Our doorbell (we sleep on it) and the peer's (we ring it).
+    bell: OwnedFd,
+    peer_bell: OwnedFd,
+    peer_pid: libc::pid_t,
+    large: LargeMessages,
+    single_copy_min: usize,
+    max_message: usize,
+    spin: Duration,
+    out: VecDeque<Out>,
+    /// Acknowledgements waiting for room in the ring (they go before messages).
+    acks: VecDeque<u64>,
+    /// Messages sent by reference, kept until the peer acknowledges them.
+    lent: HashMap<u64, Vec<u8>>,
+    next_id: u64,
+    /// A message arriving in fragments.
+    partial: Option<Vec<u8>>,
+    peer_gone: bool,
+    stats: ShmConnStats,
+    // Last: the rings point into it.
+    seg: Segment,
+}
+
+impl std::fmt::Debug for ShmConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmConn").field("peer", &self.peer).field("large", &self.large).field("stats", &self.stats).finish()
+    }
+}
+
+/// What the handshake hands over to build a connection.
+pub(crate) struct Parts {
+    pub(crate) peer: String,
+    pub(crate) sock: OwnedFd,
+    pub(crate) side: Side,
+    pub(crate) seg: Segment,
+    pub(crate) bell: OwnedFd,
+    pub(crate) peer_bell: OwnedFd,
+    pub(crate) peer_pid: libc::pid_t,
+    /// Whether the peer proved it can read our memory (and single copy is on here).
+    pub(crate) peer_reads_us: bool,
+}
+
+impl ShmConn {
+    pub(crate) fn new(p: Parts, cfg: &ShmConfig) -> ShmConn {
+        // SAFETY: the rings point into `seg`, which the connection owns and drops last; this
+        // side is the only producer of its tx ring and the only consumer of its rx ring.
+        let (tx, rx) = unsafe { (Producer::new(p.seg.tx(p.side)), Consumer::new(p.seg.rx(p.side))) };
+        let large =
+            if p.peer_reads_us && cfg.single_copy { LargeMessages::SingleCopy } else { LargeMessages::CopyThroughSegment };
+        ShmConn {
+            peer: p.peer,
+            sock: p.sock,
+            side: p.side,
+            tx,
+            rx,
+            bell: p.bell,
+            peer_bell: p.peer_bell,
+            peer_pid: p.peer_pid,
+            large,
+            single_copy_min: cfg.single_copy_min,
+            max_message: cfg.max_message,
+            spin: cfg.spin,
+            out: VecDeque::new(),
+            acks: VecDeque::new(),
+            lent: HashMap::new(),
+            next_id: 1,
+            partial: None,
+            peer_gone: false,
+            stats: ShmConnStats::default(),
+            seg: p.seg,
+        }
+    }
+
+    /// The peer's name (`shm:<address>` or `shm:pid <n>`).
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// How this side sends large messages.
+    pub fn large_messages(&self) -> LargeMessages {
+        self.large
+    }
+
+    /// The segment's memfd name (`/memfd:<name> (deleted)` in `/proc/<pid>/maps` while mapped).
+    pub fn segment_name(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ShmConnStats {
+        self.stats
+    }
+
+    /// The descriptors to poll: the doorbell (readable when the peer rang) and the control
+    /// socket (readable or hung up when the peer closed or died).
+    pub fn poll_fds(&self) -> [RawFd; 2] {
+        [self.bell.as_raw_fd(), self.sock.as_raw_fd()]
+    }
+
+    /// Bytes of messages queued and not yet in the ring, plus those lent by reference and
+    /// not yet copied by the peer.
+    pub fn queued_bytes(&self) -> usize {
+        self.out.iter().map(|o| o.msg.len() - o.sent).sum::<usize>() + self.lent.values().map(|v| v.len()).sum::<usize>()
+    }
+
+    fn closed(&self) -> FabricError {
+        FabricError::Closed { peer: self.peer.clone() }
+    }
+
+    fn corrupt(&self, what: String) -> FabricError {
+        FabricError::Provider {
+            provider: "shm",
+            message: format!("peer {} broke the shared segment: {what}", self.peer),
+            knob: None,
+        }
+    }
+
+    /// Queues one whole message and puts as much of the queue into the ring as fits.
+    pub fn send(&mut self, msg: Vec<u8>) -> Result<(), FabricError> {
+        if self.peer_gone {
+            return Err(self.closed());
+        }
+        if msg.len() > self.max_message {
+            return Err(FabricError::Unsupported(format!(
+                "{}: message of {} bytes is larger than the shm provider's limit of {} bytes",
+                self.peer,
+                msg.len(),
+                self.max_message
+            )));
+        }
+        self.out.push_back(Out { msg, sent: 0 });
+        self.flush()
+    }
+
+    /// Moves queued acknowledgements and messages into the ring while it has room, and rings
+    /// the peer's doorbell if it sleeps waiting for data.
+    pub fn flush(&mut self) -> Result<(), FabricError> {
+        let mut pushed = false;
+        loop {
+            let progressed = self.flush_once();
+            pushed |= progressed;
+            if self.acks.is_empty() && self.out.is_empty() {
+                break;
+            }
+            if !progressed {
+                // Full: ask the peer to ring us when it frees space, then look once more (it
+                // may have freed space before it could see the flag).
+                self.seg.sleep_flag(self.side).fetch_or(WANT_SPACE, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                if !self.flush_once() {
+                    break;
+                }
+                pushed = true;
+            }
+        }
+        if pushed {
+            self.wake_peer(WANT_DATA)?;
+        }
+        Ok(())
+    }
+
+    /// One pass of pushes; whether anything went into the ring.
+    fn flush_once(&mut self) -> bool {
+        let mut any = false;
+        while let Some(&id) = self.acks.front() {
+            if !self.tx.push(KIND_ACK, &[&id.to_le_bytes()]) {
+                return any;
+            }
+            self.acks.pop_front();
+            any = true;
+        }
+        let max = self.tx.max_record();
+        while let Some(o) = self.out.front_mut() {
+            let len = o.msg.len();
+            if o.sent == 0 && len <= max && (len < self.single_copy_min || self.large == LargeMessages::CopyThroughSegment) {
+                if !self.tx.push(KIND_MSG, &[&o.msg]) {
+                    return any;
+                }
+                self.stats.inline += 1;
+            } else if o.sent == 0 && self.large == LargeMessages::SingleCopy {
+                let id = self.next_id;
+                let mut rec = [0u8; 24];
+                rec[..8].copy_from_slice(&id.to_le_bytes());
+                rec[8..16].copy_from_slice(&(o.msg.as_ptr() as u64).to_le_bytes());
+                rec[16..].copy_from_slice(&(len as u64).to_le_bytes());
+                if !self.tx.push(KIND_REF, &[&rec]) {
+                    return any;
+                }
+                self.next_id += 1;
+                self.stats.single_copy += 1;
+                // The vector's heap buffer does not move with the vector: the address stays
+                // valid until the peer's acknowledgement frees it.
+                let Some(o) = self.out.pop_front() else { return true };
+                self.lent.insert(id, o.msg);
+                any = true;
+                continue;
+            } else {
+                let n = (len - o.sent).min(max);
+                let last = o.sent + n == len;
+                if !self.tx.push(if last { KIND_FRAG_END } else { KIND_FRAG }, &[&o.msg[o.sent..o.sent + n]]) {
+                    return any;
+                }
+                any = true;
+                o.sent += n;
+                if !last {
+                    continue;
+                }
+                self.stats.fragmented += 1;
+            }
+            self.out.pop_front();
+            any = true;
+        }
+        any
+    }
+
+    /// Rings the peer's doorbell if it sleeps for `what` (clearing that wish).
+    fn wake_peer(&mut self, what: u32) -> Result<(), FabricError> {
+        // Pairs with the fence the sleeper runs between setting its flag and looking at the
+        // ring once more: either it sees what we just did, or we see its flag.
+        fence(Ordering::SeqCst);
+        let flag = self.seg.sleep_flag(self.side.other());
+        if flag.load(Ordering::Relaxed) & what != 0 && flag.fetch_and(!what, Ordering::SeqCst) & what != 0 {
+            self.stats.doorbells += 1;
+            sys::eventfd_ring(self.peer_bell.as_raw_fd()).map_err(|e| FabricError::io(&self.peer, "ring the doorbell of", e))?;
+        }
+        Ok(())
+    }
+
+    /// The next whole message, if one has arrived. `Ok(None)` leaves the doorbell armed: the
+    /// descriptors of [`poll_fds`](Self::poll_fds) become readable when something arrives.
+    /// Once the peer is gone and everything it sent was read: [`FabricError::Closed`].
+    pub fn recv(&mut self) -> Result<Option<Vec<u8>>, FabricError> {
+        self.flush()?;
+        let mut freed = false;
+        let got = loop {
+            match self.pop()? {
+                Popped::Msg(m) => break Some(m),
+                Popped::Freed => freed = true,
+                Popped::Empty => {
+                    self.seg.sleep_flag(self.side).fetch_or(WANT_DATA, Ordering::SeqCst);
+                    fence(Ordering::SeqCst);
+                    if self.rx.has_data() {
+                        continue;
+                    }
+                    break None;
+                }
+            }
+        };
+        if freed || got.is_some() {
+            // We consumed records: a producer waiting for room may go on.
+            self.wake_peer(WANT_SPACE)?;
+        }
+        if !self.acks.is_empty() {
+            self.flush()?;
+        }
+        match got {
+            None if self.peer_gone => Err(self.closed()),
+            g => Ok(g),
+        }
+    }
+
+    fn pop(&mut self) -> Result<Popped, FabricError> {
+        let max = self.max_message;
+        let partial = &mut self.partial;
+        let r = self.rx.pop(|kind, bytes| -> Result<Record, String> {
+            match kind {
+                KIND_MSG => Ok(Record::Msg(bytes.to_vec())),
+                KIND_FRAG | KIND_FRAG_END => {
+                    let p = partial.get_or_insert_with(Vec::new);
+                    if p.len() + bytes.len() > max {
+                        return Err(format!("a fragmented message grows past the {max}-byte limit"));
+                    }
+                    p.extend_from_slice(bytes);
+                    if kind == KIND_FRAG_END {
+                        Ok(Record::Msg(partial.take().unwrap_or_default()))
+                    } else {
+                        Ok(Record::Freed)
+                    }
+                }
+                KIND_REF if bytes.len() == 24 => Ok(Record::Ref(le(&bytes[..8]), le(&bytes[8..16]), le(&bytes[16..]))),
+                KIND_ACK if bytes.len() == 8 => Ok(Record::Ack(le(bytes))),
+                k => Err(format!("record of kind {k} and {} bytes", bytes.len())),
+            }
+        });
+        match r {
+            Err(what) => Err(self.corrupt(what)),
+            Ok(None) => Ok(Popped::Empty),
+            Ok(Some(Err(what))) => Err(self.corrupt(what)),
+            Ok(Some(Ok(Record::Ref(id, addr, len)))) => {
+                if len > max as u64 {
+                    return Err(self.corrupt(format!("a message of {len} bytes by reference, past the {max}-byte limit")));
+                }
+                let mut buf = vec![0u8; len as usize];
+                sys::vm_read(self.peer_pid, addr, &mut buf).map_err(|e| match e.raw_os_error() {
+                    // The process is gone (its socket's hangup may not have been seen yet).
+                    Some(libc::ESRCH) => self.closed(),
+                    _ => FabricError::io(&self.peer, "copy a message (process_vm_readv) from", e),
+                })?;
+                self.acks.push_back(id);
+                Ok(Popped::Msg(buf))
+            }
+            Ok(Some(Ok(Record::Ack(id)))) => {
+                if self.lent.remove(&id).is_none() {
+                    return Err(self.corrupt(format!("acknowledgement of message {id}, which was never lent")));
+                }
+                Ok(Popped::Freed)
+            }
+            Ok(Some(Ok(Record::Msg(m)))) => Ok(Popped::Msg(m)),
+            Ok(Some(Ok(Record::Freed))) => Ok(Popped::Freed),
+        }
+    }
+
+    /// Whether the peer is still there: reads the control socket, on which a live peer never
+    /// sends anything after the handshake. Call it when that socket polls readable.
+    pub fn check_peer(&mut self) -> Result<(), FabricError> {
+        match sys::recv_msg(&self.sock, 64) {
+            Ok(sys::Recv::Empty) => Ok(()),
+            Ok(sys::Recv::Closed) => {
+                self.peer_gone = true;
+                Ok(())
+            }
+            Ok(sys::Recv::Msg(..)) => {
+                Err(FabricError::Unsupported(format!("{} sent bytes on its shm control socket after the handshake", self.peer)))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ECONNRESET) => {
+                self.peer_gone = true;
+                Ok(())
+            }
+            Err(e) => Err(FabricError::io(&self.peer, "read from", e)),
+        }
+    }
+
+    /// Whether the peer's end is known to be closed.
+    pub fn peer_gone(&self) -> bool {
+        self.peer_gone
+    }
+
+    /// Resets the doorbell after a wakeup (level-triggered polls would wake at once again).
+    pub fn drain_doorbell(&self) {
+        sys::eventfd_drain(self.bell.as_raw_fd());
+    }
+
+    /// Waits for the next message up to `timeout`: spins for the configured time, then sleeps
+    /// on the doorbell and the control socket. A dead peer is an error (Closed), not a hang.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Vec<u8>, FabricError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(m) = self.recv()? {
+                return Ok(m);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(FabricError::io(
+                    &self.peer,
+                    "receive from",
+                    io::Error::new(io::ErrorKind::TimedOut, format!("no message within {timeout:?}")),
+                ));
+            }
+            self.wait(deadline - now)?;
+        }
+    }
+
+    /// Blocks until the peer rang, the control socket has news, or `max` passed (a bounded
+    /// spin on the ring first).
+    pub fn wait(&mut self, max: Duration) -> Result<(), FabricError> {
+        let spin_until = Instant::now() + self.spin.min(max);
+        while Instant::now() < spin_until {
+            if self.rx.has_data() {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        let ev = sys::poll_in(&self.poll_fds(), max.saturating_sub(self.spin))
+            .map_err(|e| FabricError::io(&self.peer, "wait for", e))?;
+        if ev[0] != 0 {
+            self.drain_doorbell();
+        }
+        if ev[1] != 0 {
+            self.check_peer()?;
+        }
+        Ok(())
+    }
+
+    /// Sends everything queued, waiting (up to `timeout`) while the ring is full and until the
+    /// peer has copied every message lent to it by reference; also takes in what arrives
+    /// meanwhile, returning it, so two sides that both send cannot deadlock.
+    pub fn send_all(&mut self, timeout: Duration) -> Result<Vec<Vec<u8>>, FabricError> {
+        self.send_until(timeout, true)
+    }
+
+    /// Like [`send_all`](Self::send_all), but returns once every queued message is in the
+    /// ring: messages lent by reference may still wait for the peer's copy (the connection
+    /// keeps them), so a sender of many large messages keeps several in flight.
+    pub fn push_all(&mut self, timeout: Duration) -> Result<Vec<Vec<u8>>, FabricError> {
+        self.send_until(timeout, false)
+    }
+
+    fn send_until(&mut self, timeout: Duration, lent_too: bool) -> Result<Vec<Vec<u8>>, FabricError> {
+        let deadline = Instant::now() + timeout;
+        let mut got = Vec::new();
+        let busy = |c: &ShmConn| !c.out.is_empty() || (lent_too && !c.lent.is_empty());
+        while busy(self) {
+            if let Some(m) = self.recv()? {
+                got.push(m);
+                continue;
+            }
+            self.flush()?;
+            if !busy(self) {
+                break;
+            }
+            if self.peer_gone {
+                return Err(self.closed());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(FabricError::io(
+                    &self.peer,
+                    "send to",
+                    io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("{} bytes still queued after {timeout:?}", self.queued_bytes()),
+                    ),
+                ));
+            }
+            self.wait(deadline - now)?;
+        }
+        Ok(got)
+    }
+}
+
+/// What one record of the ring is.
+enum Record {
+    Msg(Vec<u8>),
+    /// A fragment that completes no message yet.
+    Freed,
+    /// `{id, addr, len}` of a message to copy out of the peer.
+    Ref(u64, u64, u64),
+    /// The peer copied the message lent under this id.
+    Ack(u64),
+}
+
+/// What one step of reading gave.
+enum Popped {
+    Msg(Vec<u8>),
+    /// A record that frees something (fragment, acknowledgement) but no message yet.
+    Freed,
+    Empty,
+}
+
+fn le(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}

@@ -1,0 +1,285 @@
+//! The shm provider behind the driver's seam: [`ShmProvider`], its per-loop engine, listener
+//! and [`Link`].
+//!
+//! Addresses stay `SocketAddr`s, as for every provider: `ip:port` names the abstract socket
+//! `rdma-shuffle-shm/ip:port` (so a peer known by its tcp-shaped address is reached the same
+//! way, and the namespace test hosts, each with its own network namespace, stay apart).
+//! Listening on port 0 picks a free name. A connection is a message link (whole frames, like
+//! sim without one-sided reads): rendezvous regions are pulled, and their large answers go by
+//! single copy or through the segment (see the module docs of [`shm`](super)).
+//!
+//! Sends made while the shm handshake is still running are queued and go out once it is
+//! done, so a link is "connected" at once for the protocol above it.
+
+use super::{ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener};
+use crate::error::FabricError;
+use crate::memory::pool::NoRegistration;
+use crate::memory::registration::Registrar;
+use crate::providers::link::{encode_message, EngineCtx, Incoming, Link, Listener, MsgPayload, Net, OutPayload, ProviderEngine};
+use crate::providers::Provider;
+use mio::unix::SourceFd;
+use mio::{Interest, Registry, Token};
+use rdma_shuffle_wire::{Frame, Limits};
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+/// The shm provider: connections between processes of one host through shared memory.
+#[derive(Debug, Clone, Default)]
+pub struct ShmProvider {
+    config: ShmConfig,
+}
+
+impl ShmProvider {
+    /// A provider with these settings.
+    pub fn new(config: ShmConfig) -> Self {
+        ShmProvider { config }
+    }
+
+    /// The abstract socket name of the shm listener at `addr`.
+    pub fn socket_name(addr: SocketAddr) -> String {
+        format!("rdma-shuffle-shm/{addr}")
+    }
+}
+
+impl Provider for ShmProvider {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn registrar(&self) -> Arc<dyn Registrar> {
+        Arc::new(NoRegistration)
+    }
+
+    fn engine(&self, _ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
+        Ok(Box::new(ShmEngine { config: self.config.clone() }))
+    }
+}
+
+/// Nothing per loop but the settings: connections are descriptors in the loop's poll.
+struct ShmEngine {
+    config: ShmConfig,
+}
+
+/// Tries for a free name when listening on port 0.
+const PORT_TRIES: usize = 64;
+
+impl ProviderEngine for ShmEngine {
+    fn connect(&mut self, addr: SocketAddr) -> Result<Box<dyn Link>, FabricError> {
+        let c = ShmConnecting::start(&ShmProvider::socket_name(addr), &self.config)?;
+        Ok(Box::new(ShmLink::new(format!("shm:{addr}"), State::Connecting(c))))
+    }
+
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        registry: &Registry,
+        token: Token,
+        _notify_key: u64,
+    ) -> Result<(SocketAddr, Box<dyn Listener>), FabricError> {
+        let mut tries = 0;
+        let (local, l) = loop {
+            let mut a = addr;
+            if addr.port() == 0 {
+                a.set_port(rand::random::<u16>().max(1024));
+            }
+            match ShmListener::bind(&ShmProvider::socket_name(a)) {
+                Ok(l) => break (a, l),
+                Err(FabricError::Io { source, .. })
+                    if addr.port() == 0 && source.kind() == std::io::ErrorKind::AddrInUse && tries < PORT_TRIES =>
+                {
+                    tries += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        registry
+            .register(&mut SourceFd(&l.fd()), token, Interest::READABLE)
+            .map_err(|e| FabricError::io(&local.to_string(), "listen on", e))?;
+        Ok((local, Box::new(ShmLinkListener { listener: l, config: self.config.clone() })))
+    }
+}
+
+struct ShmLinkListener {
+    listener: ShmListener,
+    config: ShmConfig,
+}
+
+impl Listener for ShmLinkListener {
+    fn accept(&mut self) -> Option<(String, Box<dyn Link>)> {
+        loop {
+            match self.listener.accept(&self.config) {
+                Ok(Some(a)) => {
+                    let peer = a.peer().to_string();
+                    return Some((peer.clone(), Box::new(ShmLink::new(peer, State::Accepting(a)))));
+                }
+                Ok(None) => return None,
+                Err(e) => {
+                    // A process of another user (refused and told why), or a peer that
+                    // vanished at once: nothing to hand to the driver; look for the next one.
+                    tracing::warn!(listener = %self.listener.name(), error = %e, "shm connection refused");
+                }
+            }
+        }
+    }
+
+    fn close(&mut self, registry: &Registry) {
+        let _ = registry.deregister(&mut SourceFd(&self.listener.fd()));
+    }
+}
+
+enum State {
+    Accepting(ShmAccepting),
+    Connecting(ShmConnecting),
+    Up(Box<ShmConn>),
+    Closed,
+}
+
+struct ShmLink {
+    peer: String,
+    state: State,
+    /// Messages sent before the handshake finished.
+    pending: VecDeque<Vec<u8>>,
+    /// The loop's poll and this link's token, to move the registration from the handshake's
+    /// socket to the connection's descriptors when it comes up.
+    reg: Option<(Registry, Token)>,
+    /// Descriptors registered now.
+    registered: Vec<RawFd>,
+}
+
+impl ShmLink {
+    fn new(peer: String, state: State) -> Self {
+        ShmLink { peer, state, pending: VecDeque::new(), reg: None, registered: Vec::new() }
+    }
+
+    fn fds(&self) -> Vec<RawFd> {
+        match &self.state {
+            State::Accepting(a) => vec![a.fd()],
+            State::Connecting(c) => vec![c.fd()],
+            State::Up(c) => c.poll_fds().to_vec(),
+            State::Closed => Vec::new(),
+        }
+    }
+
+    fn deregister_all(&mut self) {
+        if let Some((r, _)) = &self.reg {
+            for fd in self.registered.drain(..) {
+                let _ = r.deregister(&mut SourceFd(&fd));
+            }
+        }
+        self.registered.clear();
+    }
+
+    fn register_all(&mut self) -> std::io::Result<()> {
+        let fds = self.fds();
+        if let Some((r, token)) = &self.reg {
+            for fd in fds {
+                r.register(&mut SourceFd(&fd), *token, Interest::READABLE)?;
+                self.registered.push(fd);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drives the handshake; `Ok(true)` once the connection is up.
+    fn progress(&mut self) -> Result<bool, FabricError> {
+        let conn = match &mut self.state {
+            State::Up(_) => return Ok(true),
+            State::Closed => return Err(FabricError::Closed { peer: self.peer.clone() }),
+            State::Accepting(a) => a.poll()?,
+            State::Connecting(c) => c.poll()?,
+        };
+        let Some(conn) = conn else { return Ok(false) };
+        // The handshake's socket is closed with it: deregister it while its number is ours.
+        self.deregister_all();
+        self.state = State::Up(Box::new(conn));
+        self.register_all().map_err(|e| FabricError::io(&self.peer, "poll", e))?;
+        if let State::Up(c) = &mut self.state {
+            while let Some(m) = self.pending.pop_front() {
+                c.send(m)?;
+            }
+        }
+        Ok(true)
+    }
+
+    fn send_msg(&mut self, msg: Vec<u8>) -> Result<(), FabricError> {
+        match &mut self.state {
+            State::Up(c) => c.send(msg),
+            State::Closed => Err(FabricError::Closed { peer: self.peer.clone() }),
+            _ => {
+                self.pending.push_back(msg);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Link for ShmLink {
+    fn is_stream(&self) -> bool {
+        false
+    }
+
+    fn register(&mut self, registry: &Registry, token: Token, _key: u64) -> std::io::Result<bool> {
+        self.reg = Some((registry.try_clone()?, token));
+        self.register_all()?;
+        Ok(true)
+    }
+
+    fn deregister(&mut self, _registry: &Registry) -> std::io::Result<()> {
+        self.deregister_all();
+        Ok(())
+    }
+
+    fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        let m = encode_message(frame, payload)?;
+        self.send_msg(m)
+    }
+
+    fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
+        self.send_msg(bytes)
+    }
+
+    fn next(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        if !self.progress()? {
+            return Ok(None);
+        }
+        let State::Up(c) = &mut self.state else { return Ok(None) };
+        let buf = match c.recv()? {
+            Some(b) => b,
+            None => {
+                // Nothing in the ring: has the peer gone? (its socket hung up; the loop woke
+                // us for it, or for the doorbell: one nonblocking read tells.) Then whatever
+                // it sent before was delivered, and recv reports the end.
+                c.check_peer()?;
+                if !c.peer_gone() {
+                    return Ok(None);
+                }
+                match c.recv()? {
+                    Some(b) => b,
+                    None => return Err(FabricError::Closed { peer: self.peer.clone() }),
+                }
+            }
+        };
+        let (frame, at) =
+            Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
+        Ok(Some(Incoming::Message(frame, MsgPayload { buf, at })))
+    }
+
+    fn sends_done(&self) -> bool {
+        self.pending.is_empty()
+            && match &self.state {
+                State::Up(c) => c.queued_bytes() == 0,
+                _ => true,
+            }
+    }
+
+    fn shutdown(&mut self, _net: &mut Net) {
+        // Deregister first: dropping the connection closes the descriptors, and a number
+        // reused afterwards must not be deregistered by mistake.
+        self.deregister_all();
+        self.pending.clear();
+        // Unmaps the segment and closes the socket: the peer sees the hangup.
+        self.state = State::Closed;
+    }
+}

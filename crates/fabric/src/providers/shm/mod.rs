@@ -1,0 +1,109 @@
+//! The shm provider: peers on the same host exchange messages through shared memory.
+//!
+//! # How a connection is made, and why it is safe
+//!
+//! The listener is a Unix-domain `SOCK_SEQPACKET` socket in the **abstract namespace**: it has
+//! no file, so nothing is left behind when a process dies, and it is scoped to the network
+//! namespace, so the namespace "hosts" of the test cluster stay apart even on one kernel. Its
+//! name carries a random part (see [`unique_name`]); the connection is set up by the
+//! [`handshake`](ShmConnecting) in four messages:
+//!
+//! * Both sides read the other's uid **from the kernel** (`SO_PEERCRED`), not from the peer,
+//!   and refuse a process of another user — before anything is created for it.
+//! * With a shared secret (the same one the tcp handshake uses: the application's or the
+//!   Mobius group's), both sides prove they know it with HMAC-SHA256 over the exchanged
+//!   nonces (wire's transcript and labels), the acceptor first. A process of another job —
+//!   same user, other secret — is refused.
+//! * Only then does the acceptor create the **segment**: a `memfd` (anonymous memory, no name
+//!   in any filesystem, so no permission bits another user could get around), sealed against
+//!   shrinking and growing (a peer that could shrink it could make our next access a SIGBUS),
+//!   and sends it with two eventfd doorbells by `SCM_RIGHTS`. The connector checks the seals
+//!   and the size before it maps it.
+//! * Both sides close their memfd descriptor as soon as the segment is mapped. From then on
+//!   nothing but the two mappings refers to the memory: there is no name to unlink and no
+//!   descriptor another process could reach. The kernel frees it with the last mapping, so a
+//!   rank that dies — `kill -9` included — leaves nothing behind once its peer drops the
+//!   connection. (A process of the same user with ptrace rights over a rank can always read
+//!   that rank's memory; that is the same trust boundary as for everything else in it.)
+//!
+//! The control socket stays open for the connection's lifetime and carries nothing more: when
+//! the peer exits or dies the kernel closes its end, the socket polls as hung up, and the
+//! connection fails with [`FabricError::Closed`](crate::FabricError::Closed) naming the peer
+//! after everything the peer sent before was delivered — an error, not a hang.
+//!
+//! # Messages
+//!
+//! Each direction is a single-producer/single-consumer ring of records in the segment
+//! ([`ring`]): cache-line-separated head and tail, release/acquire ordering, every value read
+//! from the peer bounds-checked. A message up to half a ring goes as one record.
+//!
+//! Larger messages (from [`ShmConfig::single_copy_min`]) go by **single copy** where the
+//! kernel allows it: the sender leaves the message in its own memory and sends its address;
+//! the receiver copies it with `process_vm_readv` (cross-memory attach, as Open MPI's sm
+//! does) and acknowledges, and only then does the sender free it. The receiver pulls, so
+//! nobody ever writes into another process's memory. CMA needs ptrace permission over the
+//! sender, which containers (no `CAP_SYS_PTRACE`, seccomp) and Yama often deny: the handshake
+//! tests it once per connection by reading a probe word of the peer, and where it fails the
+//! message is **copied through the segment** in fragments of half a ring (copy in, copy out).
+//! Which one is used is logged once per process (`tracing`, with the reason) and reported by
+//! [`ShmConn::large_messages`].
+//!
+//! # Waiting: eventfd doorbells
+//!
+//! A side that finds nothing to read spins for [`ShmConfig::spin`] (a message of a busy peer
+//! typically arrives within it, and a wakeup costs more than the spin), then sets a "sleeping"
+//! bit in the segment, looks at the ring once more (a sequentially consistent fence on both
+//! sides orders the bit against the ring's head, so no wakeup is lost), and sleeps on its
+//! **eventfd**. The peer rings it (one 8-byte `write`) only when that bit is set. An eventfd
+//! rather than a futex because the driver waits for all its connections, sockets and timers in
+//! one `epoll`: an eventfd is just another readable descriptor there (mio `SourceFd`),
+//! whereas a futex would need a thread of its own per connection. The same bit, for "waiting
+//! for room", wakes a producer whose ring was full.
+
+pub mod conn;
+pub mod handshake;
+pub mod link;
+pub(crate) mod ring;
+pub(crate) mod segment;
+mod sys;
+#[cfg(test)]
+mod tests;
+
+pub use conn::{LargeMessages, ShmConn, ShmConnStats};
+pub use handshake::{unique_name, ShmAccepting, ShmConnecting, ShmListener};
+pub use link::ShmProvider;
+
+use rdma_shuffle_wire::Secret;
+use std::time::Duration;
+
+/// Settings of shm connections.
+#[derive(Clone, Debug)]
+pub struct ShmConfig {
+    /// Bytes of each direction's ring (a power of two, 8 KiB–256 MiB). Chosen by the accepting
+    /// side. Messages up to half of it travel inline; larger ones by single copy or fragments.
+    pub ring_bytes: usize,
+    /// Whether large messages may go by single copy (process_vm_readv) where the kernel
+    /// allows it. Off: always through the segment.
+    pub single_copy: bool,
+    /// Messages at least this large go by single copy (when it is available).
+    pub single_copy_min: usize,
+    /// Largest message; a peer announcing a larger one is an error, nothing is allocated.
+    pub max_message: usize,
+    /// The shared secret both sides must prove (the one the tcp handshake uses), or none.
+    pub secret: Option<Secret>,
+    /// How long a waiting side spins on its ring before it sleeps on the doorbell.
+    pub spin: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            ring_bytes: 1 << 20,
+            single_copy: true,
+            single_copy_min: 64 * 1024,
+            max_message: 1 << 30,
+            secret: None,
+            spin: Duration::from_micros(50),
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! A lock-free single-producer/single-consumer ring of records in shared memory.
+//!
+//! The producer owns `head`, the consumer `tail`; both are monotonic byte counters on cache
+//! lines of their own (so the two processes do not bounce one line on every record). A record
+//! is an 8-byte header `{len: u32, kind: u32}` and `len` bytes, padded to 8; a record never
+//! wraps: when it does not fit before the end, a padding record fills the rest and it starts
+//! at offset 0. The producer writes the bytes, then publishes them with a release store of
+//! `head`; the consumer's acquire load of `head` makes them visible. Symmetrically the
+//! consumer releases space with a release store of `tail`.
+//!
+//! The peer is another process and may be buggy or hostile: every value read from shared
+//! memory (`head`, a record header) is checked before use, and a violation is an error of the
+//! connection, never an out-of-bounds access. (A peer can still change a record's bytes while
+//! they are copied out; that gives it garbage of its own making, nothing more.)
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes of a record header.
+pub(crate) const RECORD_HEADER: u64 = 8;
+/// Record kind of padding (skipped by the consumer).
+pub(crate) const KIND_PAD: u32 = 0;
+
+fn padded(len: u64) -> u64 {
+    RECORD_HEADER + len.div_ceil(8) * 8
+}
+
+/// The writing end of a ring.
+pub(crate) struct Producer {
+    head: *const AtomicU64,
+    tail: *const AtomicU64,
+    data: *mut u8,
+    cap: u64,
+    /// Our copy of `head` (only we write it).
+    pos: u64,
+}
+
+/// The reading end of a ring.
+pub(crate) struct Consumer {
+    head: *const AtomicU64,
+    tail: *const AtomicU64,
+    data: *mut u8,
+    cap: u64,
+    /// Our copy of `tail` (only we write it).
+    pos: u64,
+}
+
+// SAFETY: the pointers point into a shared mapping that the owning connection keeps alive as
+// long as the ring; each end is used by one thread at a time (`&mut self` methods).
+unsafe impl Send for Producer {}
+// SAFETY: as above.
+unsafe impl Send for Consumer {}
+
+/// The shared locations of one ring.
+#[derive(Clone, Copy)]
+pub(crate) struct RingPtrs {
+    pub(crate) head: *const AtomicU64,
+    pub(crate) tail: *const AtomicU64,
+    pub(crate) data: *mut u8,
+    /// Bytes of `data`; a power of two.
+    pub(crate) cap: u64,
+}
+
+impl Producer {
+    /// # Safety
+    /// `p` must point into a live mapping that outlives the producer, with `cap` bytes of
+    /// data, and no other producer may exist for the ring.
+    pub(crate) unsafe fn new(p: RingPtrs) -> Producer {
+        // SAFETY: the caller guarantees `head` is live.
+        let pos = unsafe { (*p.head).load(Ordering::Relaxed) };
+        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos }
+    }
+
+    /// Largest payload one record carries (so a record and its padding fit an empty ring).
+    pub(crate) fn max_record(&self) -> usize {
+        (self.cap / 2 - RECORD_HEADER) as usize
+    }
+
+    /// Appends one record of `kind` whose payload is `parts` concatenated, or returns `false`
+    /// when the ring has no room now. Parts longer than [`max_record`](Self::max_record)
+    /// together are a caller bug.
+    pub(crate) fn push(&mut self, kind: u32, parts: &[&[u8]]) -> bool {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        debug_assert!(len <= self.max_record() && kind != KIND_PAD);
+        let need = padded(len as u64);
+        let at = self.pos & (self.cap - 1);
+        let to_end = self.cap - at;
+        let total = if need > to_end { to_end + need } else { need };
+        // SAFETY: `tail` is live (constructor contract).
+        let tail = unsafe { (*self.tail).load(Ordering::Acquire) };
+        // A hostile consumer could move `tail` past `head`; then this wraps to a huge number
+        // and we see no room, which only stalls our own sends to it.
+        if self.pos.wrapping_sub(tail).saturating_add(total) > self.cap {
+            return false;
+        }
+        let mut at = at;
+        if need > to_end {
+            self.write_header(at, (to_end - RECORD_HEADER) as u32, KIND_PAD);
+            self.pos += to_end;
+            at = 0;
+        }
+        self.write_header(at, len as u32, kind);
+        let mut off = (at + RECORD_HEADER) as usize;
+        for p in parts {
+            // SAFETY: `off + p.len()` stays inside the data area: the record fits before its
+            // end (checked above) and the consumer has released these bytes.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), self.data.add(off), p.len()) };
+            off += p.len();
+        }
+        self.pos += need;
+        // SAFETY: `head` is live; the release store publishes the bytes written above.
+        unsafe { (*self.head).store(self.pos, Ordering::Release) };
+        true
+    }
+
+    fn write_header(&self, at: u64, len: u32, kind: u32) {
+        let mut h = [0u8; 8];
+        h[..4].copy_from_slice(&len.to_le_bytes());
+        h[4..].copy_from_slice(&kind.to_le_bytes());
+        // SAFETY: `at` is 8-aligned and at least 8 bytes before the end of the data area.
+        unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), self.data.add(at as usize), 8) };
+    }
+}
+
+impl Consumer {
+    /// # Safety
+    /// As [`Producer::new`], for the one consumer of the ring.
+    pub(crate) unsafe fn new(p: RingPtrs) -> Consumer {
+        // SAFETY: the caller guarantees `tail` is live.
+        let pos = unsafe { (*p.tail).load(Ordering::Relaxed) };
+        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos }
+    }
+
+    /// Whether a record is waiting.
+    pub(crate) fn has_data(&self) -> bool {
+        // SAFETY: `head` is live (constructor contract).
+        unsafe { (*self.head).load(Ordering::Acquire) != self.pos }
+    }
+
+    /// Hands the next record to `f` (kind and payload, valid only during the call), then frees
+    /// its space. `Ok(None)` when the ring is empty; `Err` names what the peer corrupted.
+    pub(crate) fn pop<R>(&mut self, f: impl FnOnce(u32, &[u8]) -> R) -> Result<Option<R>, String> {
+        loop {
+            // SAFETY: `head` is live; acquire pairs with the producer's release.
+            let head = unsafe { (*self.head).load(Ordering::Acquire) };
+            if head == self.pos {
+                return Ok(None);
+            }
+            let avail = head.wrapping_sub(self.pos);
+            if avail > self.cap || avail < RECORD_HEADER {
+                return Err(format!("ring head {head} is not within {} bytes after tail {}", self.cap, self.pos));
+            }
+            let at = self.pos & (self.cap - 1);
+            let mut h = [0u8; 8];
+            // SAFETY: `at` is 8-aligned (positions advance by multiples of 8), so 8 bytes fit.
+            unsafe { std::ptr::copy_nonoverlapping(self.data.add(at as usize), h.as_mut_ptr(), 8) };
+            let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as u64;
+            let kind = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+            let need = padded(len);
+            if need > avail || need > self.cap - at {
+                return Err(format!("record of {len} bytes at {at} runs past the published data or the ring's end"));
+            }
+            if kind == KIND_PAD {
+                self.release(need);
+                continue;
+            }
+            // SAFETY: the record lies inside the data area and inside what the producer
+            // published (both checked above).
+            let payload = unsafe { std::slice::from_raw_parts(self.data.add((at + RECORD_HEADER) as usize), len as usize) };
+            let r = f(kind, payload);
+            self.release(need);
+            return Ok(Some(r));
+        }
+    }
+
+    fn release(&mut self, n: u64) {
+        self.pos += n;
+        // SAFETY: `tail` is live; release orders our reads of the record before the producer
+        // may overwrite it.
+        unsafe { (*self.tail).store(self.pos, Ordering::Release) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ring in ordinary memory (the layout of one ring of a segment).
+    struct Local {
+        _ctl: Box<[AtomicU64; 16]>,
+        _data: Vec<u64>,
+        ptrs: RingPtrs,
+    }
+
+    // SAFETY: test rings are moved to one producer and one consumer thread.
+    unsafe impl Send for Local {}
+    // SAFETY: as above.
+    unsafe impl Sync for Local {}
+
+    fn local(cap: usize) -> Local {
+        let ctl: Box<[AtomicU64; 16]> = Box::new(std::array::from_fn(|_| AtomicU64::new(0)));
+        let mut data = vec![0u64; cap / 8];
+        let ptrs = RingPtrs { head: &ctl[0], tail: &ctl[8], data: data.as_mut_ptr() as *mut u8, cap: cap as u64 };
+        Local { _ctl: ctl, _data: data, ptrs }
+    }
+
+    #[test]
+    fn records_of_every_size_cross_in_order_with_wraparound_and_backpressure() {
+        let ring = std::sync::Arc::new(local(4096));
+        let r2 = ring.clone();
+        // SAFETY: the ring lives in `ring`, kept by both threads; one producer, one consumer.
+        let mut p = unsafe { Producer::new(ring.ptrs) };
+        let max = p.max_record();
+        let count = 5_000u32;
+        let consumer = std::thread::spawn(move || {
+            // SAFETY: as above.
+            let mut c = unsafe { Consumer::new(r2.ptrs) };
+            let mut i = 0u32;
+            while i < count {
+                let got = c.pop(|kind, bytes| (kind, bytes.to_vec())).unwrap();
+                let Some((kind, bytes)) = got else {
+                    // Two cores shared with other jobs: let the producer run.
+                    std::thread::yield_now();
+                    continue;
+                };
+                assert_eq!(kind, i + 1);
+                let len = (i as usize * 37) % (max + 1);
+                assert_eq!(bytes.len(), len, "record {i}");
+                assert!(bytes.iter().enumerate().all(|(j, b)| *b == (i as usize + j) as u8), "record {i} bytes");
+                i += 1;
+            }
+        });
+        let mut full = 0u64;
+        for i in 0..count {
+            let len = (i as usize * 37) % (max + 1);
+            let body: Vec<u8> = (0..len).map(|j| (i as usize + j) as u8).collect();
+            let (a, b) = body.split_at(len / 3);
+            while !p.push(i + 1, &[a, b]) {
+                full += 1;
+                std::thread::yield_now();
+            }
+        }
+        consumer.join().unwrap();
+        assert!(full > 0, "a 4 KiB ring must have pushed back at some point");
+    }
+
+    #[test]
+    fn a_corrupt_head_or_record_is_an_error_not_an_out_of_bounds_read() {
+        let ring = local(4096);
+        // SAFETY: one producer and one consumer over `ring`, which outlives both.
+        let (mut p, mut c) = unsafe { (Producer::new(ring.ptrs), Consumer::new(ring.ptrs)) };
+        assert!(p.push(7, &[b"hello"]));
+        // SAFETY: the head is live; the test plays a hostile producer.
+        unsafe { (*ring.ptrs.head).store(1 << 20, Ordering::Release) };
+        assert!(c.pop(|_, _| ()).unwrap_err().contains("not within"));
+        // SAFETY: as above.
+        unsafe {
+            (*ring.ptrs.head).store(16, Ordering::Release);
+            // A header claiming 4000 bytes where 8 were published.
+            std::ptr::copy_nonoverlapping(4000u32.to_le_bytes().as_ptr(), ring.ptrs.data, 4);
+        }
+        assert!(c.pop(|_, _| ()).unwrap_err().contains("runs past"));
+    }
+}

@@ -1,0 +1,272 @@
+//! Tests of the shm provider's connections: in one process (two threads) and across real
+//! processes (this test binary re-executed as a child: security and death cases).
+
+use super::*;
+use crate::error::FabricError;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(30);
+
+fn cfg(single_copy: bool) -> ShmConfig {
+    ShmConfig { ring_bytes: 64 * 1024, single_copy, single_copy_min: 8 * 1024, ..ShmConfig::default() }
+}
+
+fn body(len: usize, seed: usize) -> Vec<u8> {
+    (0..len).map(|i| (i.wrapping_mul(31) ^ seed) as u8).collect()
+}
+
+/// Sizes around every boundary: empty, inline, the single-copy threshold, half a ring (the
+/// largest record), and many rings' worth.
+const SIZES: [usize; 9] = [0, 1, 100, 8 * 1024 - 1, 8 * 1024, 32 * 1024 - 8, 32 * 1024, 200_000, 3 << 20];
+
+/// A pair of connected ends in this process (the acceptor on a thread).
+fn pair(c: &ShmConfig) -> (ShmConn, ShmConn) {
+    let l = ShmListener::bind(&unique_name()).unwrap();
+    let name = l.name().to_string();
+    let cc = c.clone();
+    let acceptor = std::thread::spawn(move || l.accept_blocking(&cc, T));
+    let conn = ShmConnecting::connect_blocking(&name, c, T).unwrap();
+    (acceptor.join().unwrap().unwrap(), conn)
+}
+
+fn echo_both_ways(single_copy: bool) -> (ShmConnStats, LargeMessages) {
+    let (mut a, mut b) = pair(&cfg(single_copy));
+    let echo = std::thread::spawn(move || {
+        // What arrives while an echo waits to go out (the next message can come in with the
+        // acknowledgement of a message lent by reference) is echoed in turn.
+        let mut waiting = std::collections::VecDeque::new();
+        for _ in 0..SIZES.len() * 3 {
+            let m = match waiting.pop_front() {
+                Some(m) => m,
+                None => a.recv_timeout(T).unwrap(),
+            };
+            a.send(m).unwrap();
+            waiting.extend(a.send_all(T).unwrap());
+        }
+        assert!(waiting.is_empty());
+        a
+    });
+    let mut sent = 0usize;
+    for round in 0..3 {
+        for (i, &len) in SIZES.iter().enumerate() {
+            let m = body(len, round * 100 + i);
+            b.send(m.clone()).unwrap();
+            let mut got = b.send_all(T).unwrap();
+            let back = if got.is_empty() { b.recv_timeout(T).unwrap() } else { got.remove(0) };
+            assert!(got.is_empty());
+            assert_eq!(back.len(), len, "round {round}, size {len}");
+            assert!(back == m, "round {round}, size {len}: bytes differ");
+            sent += 1;
+        }
+    }
+    let a = echo.join().unwrap();
+    assert_eq!(sent, SIZES.len() * 3);
+    assert_eq!(a.queued_bytes() + b.queued_bytes(), 0, "every lent message was acknowledged");
+    (b.stats(), b.large_messages())
+}
+
+#[test]
+fn shm_messages_of_every_size_cross_both_ways_by_single_copy() {
+    let (stats, large) = echo_both_ways(true);
+    // Within one process ptrace permission is never in question.
+    assert_eq!(large, LargeMessages::SingleCopy);
+    assert!(stats.single_copy >= 3 * 5, "{stats:?}");
+    assert_eq!(stats.fragmented, 0, "{stats:?}");
+}
+
+#[test]
+fn shm_messages_of_every_size_cross_both_ways_through_the_segment() {
+    let (stats, large) = echo_both_ways(false);
+    assert_eq!(large, LargeMessages::CopyThroughSegment);
+    assert_eq!(stats.single_copy, 0, "{stats:?}");
+    // 32 KiB and more is past half of a 64 KiB ring.
+    assert_eq!(stats.fragmented, 3 * 3, "{stats:?}");
+}
+
+#[test]
+fn shm_a_flood_in_one_direction_sleeps_and_wakes_on_the_doorbells() {
+    let (mut a, mut b) = pair(&ShmConfig { spin: Duration::ZERO, ..cfg(false) });
+    let n = 5000usize;
+    let reader = std::thread::spawn(move || {
+        for i in 0..n {
+            let m = a.recv_timeout(T).unwrap();
+            assert_eq!(m, body(i % 3000, i), "message {i}");
+        }
+        a
+    });
+    for i in 0..n {
+        b.send(body(i % 3000, i)).unwrap();
+    }
+    b.send_all(T).unwrap();
+    reader.join().unwrap();
+    // Without a spin every wait sleeps; the ring (64 KiB) holds far less than the ~7 MiB sent,
+    // so the sender waited for room too.
+    assert!(b.stats().doorbells > 0, "{:?}", b.stats());
+}
+
+#[test]
+fn shm_secrets_must_match_and_the_refusal_says_why() {
+    let with = |s: Option<&str>| ShmConfig { secret: s.map(rdma_shuffle_wire::Secret::new), ..cfg(true) };
+    let (a, b) = pair(&with(Some("k")));
+    drop((a, b));
+    for (server, client, want) in [
+        (Some("k"), Some("wrong"), "does not know the shared secret"),
+        (Some("k"), None, "shared secret"),
+        (None, Some("k"), "shared secret"),
+    ] {
+        let l = ShmListener::bind(&unique_name()).unwrap();
+        let name = l.name().to_string();
+        let sc = with(server);
+        let acceptor = std::thread::spawn(move || l.accept_blocking(&sc, T).map(|_| ()));
+        let e = ShmConnecting::connect_blocking(&name, &with(client), T).unwrap_err().to_string();
+        let ae = acceptor.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains(want) || ae.contains(want), "{server:?}/{client:?}: {e} / {ae}");
+    }
+}
+
+#[test]
+fn shm_connecting_to_nothing_is_a_typed_error() {
+    let e = ShmConnecting::connect_blocking(&unique_name(), &cfg(true), T).unwrap_err();
+    assert!(matches!(e, FabricError::Io { .. } | FabricError::Closed { .. }), "{e}");
+}
+
+// ---- across processes -------------------------------------------------------------------
+
+/// The child side of the cross-process tests; does nothing unless this binary was started
+/// by one of them.
+#[test]
+fn shm_child_process() {
+    let Ok(mode) = std::env::var("RSSHM_CHILD") else { return };
+    let name = std::env::var("RSSHM_NAME").unwrap();
+    let secret = std::env::var("RSSHM_SECRET").ok().map(rdma_shuffle_wire::Secret::new);
+    let c = ShmConfig { secret, ..cfg(true) };
+    match mode.as_str() {
+        "hold" => {
+            let mut conn = ShmConnecting::connect_blocking(&name, &c, T).unwrap();
+            conn.send(b"ready".to_vec()).unwrap();
+            conn.send_all(T).unwrap();
+            // Hold the segment (never read again) until killed.
+            loop {
+                std::thread::park();
+            }
+        }
+        "intrude" => {
+            let r = ShmConnecting::connect_blocking(&name, &c, T);
+            println!("RSSHM-RESULT {}", r.as_ref().map(|_| "connected".to_string()).unwrap_or_else(|e| e.to_string()));
+            println!("RSSHM-MEMFDS {}", memfds_open());
+        }
+        m => panic!("unknown child mode {m}"),
+    }
+}
+
+fn child(mode: &str, name: &str, secret: Option<&str>) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "providers::shm::tests::shm_child_process", "--nocapture", "--test-threads=1"])
+        .env("RSSHM_CHILD", mode)
+        .env("RSSHM_NAME", name)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(s) = secret {
+        c.env("RSSHM_SECRET", s);
+    }
+    c
+}
+
+/// memfd descriptors open in this process.
+fn memfds_open() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|p| p.to_string_lossy().starts_with("/memfd:"))
+        .count()
+}
+
+/// Whether the segment named `seg` is mapped in this process.
+fn mapped(seg: &str) -> bool {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().any(|l| l.contains(&format!("/memfd:{seg} ")))
+}
+
+/// Accepts on `l` while the child runs, returning the acceptor's result.
+fn accept_while(l: &ShmListener, c: &ShmConfig, child: &mut std::process::Child) -> Result<ShmConn, FabricError> {
+    let deadline = Instant::now() + T;
+    loop {
+        match l.accept_blocking(c, Duration::from_millis(200)) {
+            Err(FabricError::ConnectTimeout { .. }) if Instant::now() < deadline && child.try_wait().unwrap().is_none() => {}
+            r => return r,
+        }
+    }
+}
+
+fn intrude(secret: Option<&str>, uid: Option<u32>) -> (String, String, Result<ShmConn, FabricError>) {
+    let l = ShmListener::bind(&unique_name()).unwrap();
+    let server = ShmConfig { secret: Some(rdma_shuffle_wire::Secret::new("job-secret")), ..cfg(true) };
+    let mut cmd = child("intrude", l.name(), secret);
+    if let Some(uid) = uid {
+        std::os::unix::process::CommandExt::uid(&mut cmd, uid);
+    }
+    let mut ch = cmd.spawn().unwrap();
+    let accepted = accept_while(&l, &server, &mut ch);
+    let out = ch.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = |tag: &str| stdout.lines().find_map(|l| Some(l.split_once(tag)?.1)).unwrap_or_default().to_string();
+    assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    (line("RSSHM-RESULT "), line("RSSHM-MEMFDS "), accepted)
+}
+
+#[test]
+fn shm_a_process_with_the_wrong_secret_gets_no_segment() {
+    let (result, memfds, accepted) = intrude(Some("other-job"), None);
+    assert!(result.contains("does not know the shared secret"), "{result}");
+    assert_eq!(memfds, "0", "the refused process holds no segment descriptor");
+    let e = accepted.unwrap_err().to_string();
+    assert!(e.contains("does not know the shared secret"), "{e}");
+    // And the control: the right secret connects.
+    let (result, _, accepted) = intrude(Some("job-secret"), None);
+    assert_eq!(result, "connected");
+    assert!(accepted.is_ok());
+}
+
+#[test]
+fn shm_a_process_of_another_user_gets_no_segment() {
+    if super::sys::euid() != 0 {
+        // Starting a process as another user needs root; as a non-root user the test
+        // process itself is "the other user" of every root-owned rank, covered by the check.
+        eprintln!("shm_a_process_of_another_user_gets_no_segment: not root, cannot start a process as another user");
+        return;
+    }
+    // nobody, with the right secret: the uid check alone refuses it.
+    let (result, memfds, accepted) = intrude(Some("job-secret"), Some(65534));
+    assert!(result.contains("uid"), "{result}");
+    assert_eq!(memfds, "0");
+    let e = accepted.unwrap_err().to_string();
+    assert!(e.contains("uid 65534"), "{e}");
+}
+
+#[test]
+fn shm_a_killed_peer_is_an_error_within_the_timeout_and_leaves_no_segment() {
+    for sending in [false, true] {
+        let l = ShmListener::bind(&unique_name()).unwrap();
+        let c = cfg(false);
+        let mut ch = child("hold", l.name(), None).spawn().unwrap();
+        let mut conn = accept_while(&l, &c, &mut ch).unwrap();
+        let seg = conn.segment_name().to_string();
+        assert_eq!(conn.recv_timeout(T).unwrap(), b"ready");
+        assert!(mapped(&seg));
+        let killed = Instant::now();
+        ch.kill().unwrap(); // SIGKILL
+        let r = if sending {
+            // More than the ring holds: the child never reads, so this waits for room until
+            // the child's death is seen.
+            conn.send(vec![7u8; 1 << 20]).and_then(|_| conn.send_all(T).map(|_| ()))
+        } else {
+            conn.recv_timeout(T).map(|_| ())
+        };
+        let e = r.unwrap_err();
+        assert!(matches!(&e, FabricError::Closed { peer } if peer.contains("pid")), "{e}");
+        assert!(killed.elapsed() < T, "the death was seen only after {:?}", killed.elapsed());
+        ch.wait().unwrap();
+        drop(conn);
+        assert!(!mapped(&seg), "segment {seg} still mapped after the connection was dropped");
+    }
+}
