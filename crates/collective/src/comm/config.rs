@@ -60,6 +60,10 @@ pub struct CommConfig {
     /// Keep user-buffer registrations between calls (`MOBIUS_REGCACHE=1`; the caller must
     /// invalidate buffers it frees).
     pub cache_registrations: bool,
+    /// This rank's host identity (`MOBIUS_HOST_ID`); `None`: [`host_identity`], the kernel's
+    /// boot id and this process's network namespace. Ranks with equal identities share a host
+    /// for the hierarchical algorithms and the cost model's same-host links.
+    pub host_id: Option<String>,
 }
 
 impl CommConfig {
@@ -82,6 +86,7 @@ impl CommConfig {
             ifname: None,
             group: None,
             cache_registrations: false,
+            host_id: None,
         }
     }
 
@@ -162,6 +167,9 @@ impl CommConfig {
         }
         if let Some(c) = var("MOBIUS_REGCACHE") {
             self.cache_registrations = matches!(c.trim(), "1" | "on" | "true" | "yes");
+        }
+        if let Some(h) = var("MOBIUS_HOST_ID") {
+            self.host_id = Some(h.trim().to_string());
         }
         Ok(())
     }
@@ -255,6 +263,30 @@ impl CommConfig {
         Ok(route_to(default_route)
             .or_else(|| interface_addrs().into_iter().map(|(_, ip)| ip).find(usable))
             .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+    }
+}
+
+/// This host's identity as ranks compare it: the kernel's boot id (one per booted kernel, so
+/// per machine or VM) joined with the network namespace of this process (its inode), so that
+/// namespace "hosts" sharing one kernel, as the test cluster's, count as different hosts —
+/// they reach each other through the network, not loopback. Falls back to the host name.
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).ok();
+    let netns = std::fs::read_link("/proc/self/ns/net").ok().map(|p| p.to_string_lossy().into_owned());
+    match (boot, netns) {
+        (Some(b), Some(n)) => format!("{b}/{n}"),
+        (Some(b), None) => b,
+        _ => {
+            let mut name = [0u8; 256];
+            // SAFETY: gethostname writes at most `name.len()` bytes into the live buffer.
+            let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+            let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+            if rc == 0 {
+                String::from_utf8_lossy(&name[..end]).into_owned()
+            } else {
+                "unknown-host".into()
+            }
+        }
     }
 }
 
