@@ -260,8 +260,9 @@ impl<T: Transport> Communicator<T> {
             let mine = config.host_id.clone().unwrap_or_else(host_identity);
             let ids = comm.exchange_hosts(&mine).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
             comm.policy.topology = Topology::from_ids(&ids);
-            let (model, links) =
-                comm.agree_model(config.tune).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
+            let (model, links) = comm
+                .agree_model(config.tune, config.local_link)
+                .map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
             comm.policy.model = model;
             comm.links = links;
         }
@@ -353,7 +354,12 @@ impl<T: Transport> Communicator<T> {
     /// (rounds of disjoint pairs, [`measured_links`]), the lower rank of each link sends what
     /// it found to rank 0, and rank 0 sends the model — the worst link's α, β and rendezvous
     /// latency, with its own γ and copy speed — to every rank, so all choose alike.
-    fn agree_model(&self, tune: bool) -> Result<(CostModel, Vec<LinkCost>), crate::transport::TransportError> {
+    /// `local_link` (rank 0's `MOBIUS_LOCAL_LINK`) replaces the same-host α and β.
+    fn agree_model(
+        &self,
+        tune: bool,
+        local_link: Option<(f64, f64)>,
+    ) -> Result<(CostModel, Vec<LinkCost>), crate::transport::TransportError> {
         let deadline = Instant::now() + self.timeout;
         let rank = self.rank;
         if rank == 0 {
@@ -429,6 +435,9 @@ impl<T: Transport> Communicator<T> {
             }
         }
         if rank == 0 {
+            if let Some((alpha, beta)) = local_link {
+                (model.local_alpha, model.local_beta) = (alpha, beta);
+            }
             let bytes = model.to_bytes();
             for peer in 1..self.world {
                 let tk = self.t.send(peer, Self::init_tag(INIT_MODEL, 0), &bytes, Proto::Eager, None)?;
