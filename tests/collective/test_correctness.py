@@ -21,9 +21,9 @@ ALGOS = {
     "tree": ["reduce", "broadcast"],
     "direct": ["alltoall"],
     "pairwise": ["alltoall"],
-    # On one host (no MOBIUS_HOST_ID): only the in-host reduce and broadcast run; the
-    # several-host cases are test_hierarchical_allreduce_on_faked_hosts.
-    "hier": ["allreduce"],
+    # On one host (no MOBIUS_HOST_ID): only the in-host phases run; the several-host cases
+    # are test_hierarchical_collectives_on_faked_hosts.
+    "hier": ["allreduce", "allgather", "reduce_scatter"],
 }
 # 1 element up to 64k+1 (odd: never divides by the world); blocks split into 32 KiB segments
 # and messages above 4 KiB go rendezvous, so both protocols and pipelining run.
@@ -63,19 +63,21 @@ HOST_LAYOUTS = [[0, 1], [0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 1], [0, 0, 0, 1, 1], 
 
 
 @pytest.mark.parametrize("hosts", HOST_LAYOUTS, ids=lambda h: "".join(map(str, h)))
-def test_hierarchical_allreduce_on_faked_hosts(hosts, tmp_path):
+def test_hierarchical_collectives_on_faked_hosts(hosts, tmp_path):
     """Forced hierarchical allreduce (reduce in each host, leaders' allreduce, broadcast in
-    each host) on every dtype × reduce op × size of the matrix, against numpy."""
+    each host), allgather and reduce-scatter on every dtype × reduce op × size of the matrix,
+    against numpy."""
     world = len(hosts)
     res = run("matrix", world, tmp_path, {
-        "algo": "hier", "ops": ["allreduce"], "dtypes": DTYPES, "reduce_ops": REDUCE_OPS, "sizes": SIZES,
+        "algo": "hier", "ops": ALGOS["hier"], "dtypes": DTYPES, "reduce_ops": REDUCE_OPS, "sizes": SIZES,
         "settings": SETTINGS, "hosts": [f"host{h}" for h in hosts],
     })
     failures = [f for r in res.values() for f in r["failures"]]
     assert not failures, "\n".join(failures[:30])
     assert all(r["hosts"] == res[0]["hosts"] for r in res.values())
     assert len(set(res[0]["hosts"])) == len(set(hosts)), res[0]["hosts"]
-    assert res[0]["stats"]["calls"].get("allreduce.hier", 0) > 0, res[0]["stats"]["calls"]
+    for op in ALGOS["hier"]:
+        assert res[0]["stats"]["calls"].get(f"{op}.hier", 0) > 0, res[0]["stats"]["calls"]
 
 
 # Between the matrix's 256 KiB and the 64 MiB test: ~1 MiB and ~16 MiB of f32 (odd counts), every

@@ -69,8 +69,8 @@ impl Op {
             Op::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling, Algo::Hierarchical],
             Op::Broadcast => &[Algo::Tree, Algo::Ring],
             Op::Reduce => &[Algo::Tree, Algo::Ring],
-            Op::AllGather => &[Algo::Ring, Algo::RecursiveDoubling],
-            Op::ReduceScatter => &[Algo::Ring, Algo::HalvingDoubling],
+            Op::AllGather => &[Algo::Ring, Algo::RecursiveDoubling, Algo::Hierarchical],
+            Op::ReduceScatter => &[Algo::Ring, Algo::HalvingDoubling, Algo::Hierarchical],
             Op::AllToAll => &[Algo::Direct, Algo::Pairwise],
             Op::Barrier => &[Algo::Dissemination],
         }
@@ -107,10 +107,11 @@ pub enum Algo {
     Pairwise = 6,
     /// Dissemination barrier.
     Dissemination = 7,
-    /// Hierarchical (allreduce): reduce inside each host to its leader (binomial tree over the
-    /// same-host links), allreduce among the host leaders (ring, recursive doubling or
+    /// Hierarchical: allreduce reduces inside each host to its leader (binomial tree over the
+    /// same-host links), allreduces among the host leaders (ring, recursive doubling or
     /// Rabenseifner, as the model chooses for that many hosts over the network links), then
-    /// broadcast inside each host.
+    /// broadcasts inside each host; allgather and reduce-scatter gather or reduce to the
+    /// leader, run the leaders' ring over whole hosts' blocks, then broadcast or scatter.
     Hierarchical = 8,
 }
 
@@ -434,18 +435,33 @@ impl Policy {
     /// policy considers it only with at least two hosts and at least one host of two ranks.
     pub fn cost(&self, op: Op, algo: Algo, bytes: usize, p: usize, seg: usize) -> Option<f64> {
         if algo == Algo::Hierarchical {
-            if op != Op::AllReduce || self.topology.hosts() < 2 || self.topology.max_local() < 2 {
+            if self.topology.hosts() < 2 || self.topology.max_local() < 2 {
                 return None;
             }
-            return Some(self.hier_cost(bytes, seg).0);
+            return self.hier_cost(op, bytes, p, seg).map(|c| c.0);
         }
         self.cost_in(&self.model, op, algo, bytes, p, seg)
     }
 
-    /// Estimated seconds of a hierarchical allreduce, and the leaders' algorithm.
-    fn hier_cost(&self, bytes: usize, seg: usize) -> (f64, Algo) {
+    /// Estimated seconds of a hierarchical `op`, and the leaders' algorithm; `None` for ops
+    /// without one.
+    fn hier_cost(&self, op: Op, bytes: usize, p: usize, seg: usize) -> Option<(f64, Algo)> {
         let (h, m) = (self.topology.hosts().max(1), self.topology.max_local().max(1));
         let local = self.model.local();
+        let CostModel { alpha: a, beta: b, gamma: g, copy: c, local_alpha: la, local_beta: lb, .. } = self.model;
+        let n = bytes as f64;
+        let (hf, mf, pf) = (h as f64, m as f64, p.max(1) as f64);
+        // The leader takes (or hands out) m − 1 blocks of n/p bytes, one at a time.
+        let gather = (mf - 1.0) * (la + n / pf * lb);
+        let leaders_ring = |reduce: bool| (hf - 1.0) * a + (hf - 1.0) / hf * n * (b + if reduce { g } else { 0.0 });
+        let bcast = if m > 1 { self.cost_in(&local, Op::Broadcast, Algo::Tree, bytes, m, seg).unwrap_or(0.0) } else { 0.0 };
+        let reduce = if m > 1 { self.cost_in(&local, Op::Reduce, Algo::Tree, bytes, m, seg).unwrap_or(0.0) } else { 0.0 };
+        match op {
+            Op::AllReduce => {}
+            Op::AllGather => return Some((gather + leaders_ring(false) + bcast + n * c, Algo::Ring)),
+            Op::ReduceScatter => return Some((n * c + reduce + leaders_ring(true) + gather, Algo::Ring)),
+            _ => return None,
+        }
         let inside = if m > 1 {
             self.cost_in(&local, Op::Reduce, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
                 + self.cost_in(&local, Op::Broadcast, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
@@ -463,7 +479,7 @@ impl Policy {
                 }
             }
         }
-        (inside + best.0, best.1)
+        Some((inside + best.0, best.1))
     }
 
     fn cost_in(&self, model: &CostModel, op: Op, algo: Algo, bytes: usize, p: usize, seg: usize) -> Option<f64> {
@@ -539,11 +555,12 @@ impl Policy {
             _ => 2 * p,
         };
         let seg = self.segment(bytes, steps, elem);
-        let inner = |algo: Algo| (algo == Algo::Hierarchical).then(|| self.hier_cost(bytes, seg).1);
+        let inner =
+            |algo: Algo| (algo == Algo::Hierarchical).then(|| self.hier_cost(op, bytes, p, seg).map_or(Algo::Ring, |c| c.1));
         if let Some(&algo) = self.overrides.algo.get(&op) {
             let estimate = match self.cost(op, algo, bytes, p, seg) {
                 Some(t) => t,
-                None if algo == Algo::Hierarchical => self.hier_cost(bytes, seg).0,
+                None if algo == Algo::Hierarchical => self.hier_cost(op, bytes, p, seg).map_or(f64::NAN, |c| c.0),
                 None => f64::NAN,
             };
             let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
@@ -672,7 +689,8 @@ mod tests {
         p.overrides = Overrides::parse(Some("hier"), None, None).unwrap();
         let d = p.choose(Op::AllReduce, 4096, DType::F32, 4);
         assert!(d.forced && d.algo == Algo::Hierarchical && d.estimate.is_finite(), "{d:?}");
-        assert!(!p.overrides.algo.contains_key(&Op::Broadcast), "hier is an allreduce algorithm only");
+        assert!(!p.overrides.algo.contains_key(&Op::Broadcast), "hier is for allreduce, allgather and reduce-scatter");
+        assert_eq!(p.overrides.algo[&Op::AllGather], Algo::Hierarchical);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The hierarchical allreduce (`MOBIUS_ALGO=hier`): ranks given host identities
+//! The hierarchical allreduce, allgather and reduce-scatter (`MOBIUS_ALGO=hier`): ranks given host identities
 //! (`CommConfig::host_id`, as `MOBIUS_HOST_ID` sets it) that make 2 or 3 "hosts" of equal and
 //! unequal sizes, interleaved with rank order, on worlds of 2–6 ranks over sim and tcp. Every
 //! op × dtype × reduce op of the shared matrix runs (the other ops take the policy's choice)
@@ -33,7 +33,7 @@ fn hier_group(provider: Arc<dyn Provider>, hosts: &'static [usize], algo: &str) 
 }
 
 #[test]
-fn hierarchical_allreduce_equals_the_reference_on_two_and_three_hosts() {
+fn hierarchical_collectives_equal_the_reference_on_two_and_three_hosts() {
     let providers: Vec<(&str, Arc<dyn Provider>)> =
         vec![("sim", Arc::new(SimProvider::new(true))), ("tcp", Arc::new(TcpProvider::new()))];
     let mut fails = Vec::new();
@@ -45,7 +45,9 @@ fn hierarchical_allreduce_equals_the_reference_on_two_and_three_hosts() {
             assert!(comms.iter().all(|c| *c.topology() == topo), "every rank sees the same hosts");
             fails.extend(run_matrix(&comms, &format!("{pname} hosts {hosts:?}")));
             let calls = comms[0].stats().calls;
-            assert!(calls.get("allreduce.hier").copied().unwrap_or(0) > 0, "{pname} {hosts:?}: {calls:?}");
+            for op in ["allreduce", "allgather", "reduce_scatter"] {
+                assert!(calls.get(&format!("{op}.hier")).copied().unwrap_or(0) > 0, "{pname} {hosts:?}: {calls:?}");
+            }
         }
     }
     assert!(fails.is_empty(), "{} failures:\n{}", fails.len(), fails.iter().take(40).cloned().collect::<Vec<_>>().join("\n"));

@@ -100,6 +100,7 @@ impl<T: Transport> Communicator<T> {
             if world > 1 {
                 match algo {
                     Algo::RecursiveDoubling => exchange::allgather_rd(ctx, ptr, count)?,
+                    Algo::Hierarchical => hier::allgather_hier(ctx, ptr, count, &self.policy.topology)?,
                     _ => exchange::allgather_ring(ctx, ptr, count)?,
                 }
             }
@@ -132,6 +133,7 @@ impl<T: Transport> Communicator<T> {
             if world > 1 {
                 match algo {
                     Algo::HalvingDoubling => reducing::reduce_scatter_rhd(ctx, ptr, count)?,
+                    Algo::Hierarchical => hier::reduce_scatter_hier(ctx, ptr, count, &self.policy.topology)?,
                     _ => reducing::reduce_scatter_ring(ctx, ptr, count)?,
                 }
             }
