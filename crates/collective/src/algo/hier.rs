@@ -106,8 +106,8 @@ pub(crate) fn allgather_hier<T: Transport>(
         rooted::broadcast_tree(ctx, packed, p * cb, 0)?;
     }
     ctx.finish()?;
-    for r in 0..p {
-        unsafe { std::ptr::copy_nonoverlapping(packed.add(pos[r] * cb), buf.add(r * cb), cb) };
+    for (r, &at) in pos.iter().enumerate() {
+        unsafe { std::ptr::copy_nonoverlapping(packed.add(at * cb), buf.add(r * cb), cb) };
     }
     Ok(())
 }
@@ -131,8 +131,8 @@ pub(crate) fn reduce_scatter_hier<T: Transport>(
     let packed = ctx.scratch(p * cb);
     ctx.register(packed, p * cb)?;
     // SAFETY (every `add`): block offsets inside the `p`-block buffers.
-    for r in 0..p {
-        unsafe { std::ptr::copy_nonoverlapping(work.add(r * cb), packed.add(pos[r] * cb), cb) };
+    for (r, &at) in pos.iter().enumerate() {
+        unsafe { std::ptr::copy_nonoverlapping(work.add(r * cb), packed.add(at * cb), cb) };
     }
     if local.len() > 1 {
         ctx.view(&local, 0);
