@@ -166,33 +166,10 @@ def scenario_ddp_hosts(args):
     """DDP of one model under mobius (the default group) and under gloo (a subgroup of every
     rank), same data; reports the largest relative parameter difference and the addresses
     mobius published."""
-    import torch
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
     dist = _init(args)
     gloo = dist.new_group(backend="gloo")
-
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-
-    runs = {}
-    for name, group in (("mobius", None), ("gloo", gloo)):
-        m = model()
-        ddp = DDP(m, process_group=group, bucket_cap_mb=0.001)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(1000 + RANK)
-        for _ in range(args.get("steps", 30)):
-            x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
-            opt.zero_grad()
-            ((ddp(x) - y) ** 2).mean().backward()
-            opt.step()
-        runs[name] = [p.detach().double() for p in m.parameters()]
-    rel = max(float((a - b).norm() / b.norm()) for a, b in zip(runs["mobius"], runs["gloo"]))
-    same = torch.tensor([float(sum(p.sum() for p in runs["mobius"]))], dtype=torch.float64)
-    ref = same.clone()
-    dist.broadcast(ref, src=0)
-    report({"rel": rel, "replicas_equal": bool(same.item() == ref.item()),
+    rel, equal = _ddp_rel(dist, gloo, args.get("steps", 30))
+    report({"rel": rel, "replicas_equal": equal,
             "addresses": _backend(dist).comm._c.addresses, "host": host_ip()})
     dist.barrier()
     # Leave mobius cleanly (its last sends flushed, then BYE), then skip the rest of the

@@ -50,22 +50,48 @@ pub(crate) fn allreduce_hier<T: Transport>(
     ctx.finish()
 }
 
-/// Rank order → host order: the position of each rank when hosts' ranks are laid out host
-/// after host (each host's ranks in rank order), and each host's byte span of `cb`-byte
-/// blocks in that layout.
-fn packing(topo: &Topology, cb: usize) -> (Vec<usize>, Vec<(usize, usize)>) {
-    let mut pos = vec![0; topo.host_of.len()];
-    let mut spans = Vec::with_capacity(topo.hosts());
-    let mut at = 0;
-    for h in 0..topo.hosts() {
-        let m = topo.members(h);
-        for (i, &r) in m.iter().enumerate() {
-            pos[r] = at + i;
+/// A call's blocks laid out host after host (each host's ranks in rank order), in scratch
+/// memory of the call.
+struct Packed {
+    /// The position of each rank's block in the layout.
+    pos: Vec<usize>,
+    /// Each host's byte span in the layout.
+    spans: Vec<(usize, usize)>,
+    /// This rank's host, the ranks on it (the leader first) and every host's leader.
+    host: usize,
+    local: Vec<usize>,
+    leaders: Vec<usize>,
+    /// Bytes per block.
+    cb: usize,
+    /// The scratch holding the layout (registered for sends).
+    at: *mut u8,
+}
+
+impl Packed {
+    fn new<T: Transport>(ctx: &mut Ctx<'_, T>, topo: &Topology, count: usize) -> Result<Self, CollectiveError> {
+        let cb = count * ctx.elem();
+        let mut pos = vec![0; topo.host_of.len()];
+        let mut spans = Vec::with_capacity(topo.hosts());
+        let mut n = 0;
+        for h in 0..topo.hosts() {
+            let m = topo.members(h);
+            for (i, &r) in m.iter().enumerate() {
+                pos[r] = n + i;
+            }
+            spans.push((n * cb, m.len() * cb));
+            n += m.len();
         }
-        spans.push((at * cb, m.len() * cb));
-        at += m.len();
+        let at = ctx.scratch(n * cb);
+        ctx.register(at, n * cb)?;
+        let host = topo.host_of[ctx.rank];
+        Ok(Packed { pos, spans, host, local: topo.members(host), leaders: topo.leaders(), cb, at })
     }
-    (pos, spans)
+
+    /// Where rank `r`'s block is in the layout.
+    fn block(&self, r: usize) -> *mut u8 {
+        // SAFETY: `pos[r] < p`, and the scratch holds `p` blocks.
+        unsafe { self.at.add(self.pos[r] * self.cb) }
+    }
 }
 
 /// Hierarchical allgather of `p` blocks of `count` elements in `buf` (this rank's block
@@ -79,35 +105,30 @@ pub(crate) fn allgather_hier<T: Transport>(
     topo: &Topology,
 ) -> Result<(), CollectiveError> {
     let (me, p) = (ctx.rank, ctx.world);
-    let cb = count * ctx.elem();
-    let (pos, spans) = packing(topo, cb);
-    let host = topo.host_of[me];
-    let local = topo.members(host);
-    let leaders = topo.leaders();
-    let packed = ctx.scratch(p * cb);
-    ctx.register(packed, p * cb)?;
+    let k = Packed::new(ctx, topo, count)?;
+    let cb = k.cb;
     ctx.register(buf, p * cb)?;
-    // SAFETY (every `add`): block offsets inside the `p`-block buffers.
-    ctx.view(&local, 0);
-    if local[0] == me {
-        unsafe { std::ptr::copy_nonoverlapping(buf.add(me * cb), packed.add(pos[me] * cb), cb) };
-        for (v, &r) in local.iter().enumerate().skip(1) {
-            ctx.recv_copy_all(v, 0, unsafe { packed.add(pos[r] * cb) }, cb)?;
+    // SAFETY (every `add`): block offsets inside the `p`-block buffer.
+    ctx.view(&k.local, 0);
+    if k.local[0] == me {
+        unsafe { std::ptr::copy_nonoverlapping(buf.add(me * cb), k.block(me), cb) };
+        for (v, &r) in k.local.iter().enumerate().skip(1) {
+            ctx.recv_copy_all(v, 0, k.block(r), cb)?;
         }
     } else {
         ctx.send_all(0, 0, unsafe { buf.add(me * cb) }, cb)?;
     }
-    if local[0] == me && leaders.len() > 1 {
-        ctx.view(&leaders, 1);
-        ctx.ring_pass(packed, &spans, host, 0, false, true, false)?;
+    if k.local[0] == me && k.leaders.len() > 1 {
+        ctx.view(&k.leaders, 1);
+        ctx.ring_pass(k.at, &k.spans, k.host, 0, false, true, false)?;
     }
-    if local.len() > 1 {
-        ctx.view(&local, MAX_STEP);
-        rooted::broadcast_tree(ctx, packed, p * cb, 0)?;
+    if k.local.len() > 1 {
+        ctx.view(&k.local, MAX_STEP);
+        rooted::broadcast_tree(ctx, k.at, p * cb, 0)?;
     }
     ctx.finish()?;
-    for (r, &at) in pos.iter().enumerate() {
-        unsafe { std::ptr::copy_nonoverlapping(packed.add(at * cb), buf.add(r * cb), cb) };
+    for r in 0..p {
+        unsafe { std::ptr::copy_nonoverlapping(k.block(r), buf.add(r * cb), cb) };
     }
     Ok(())
 }
@@ -123,34 +144,29 @@ pub(crate) fn reduce_scatter_hier<T: Transport>(
     topo: &Topology,
 ) -> Result<(), CollectiveError> {
     let (me, p) = (ctx.rank, ctx.world);
-    let cb = count * ctx.elem();
-    let (pos, spans) = packing(topo, cb);
-    let host = topo.host_of[me];
-    let (local, leaders) = (topo.members(host), topo.leaders());
-    let h = leaders.len();
-    let packed = ctx.scratch(p * cb);
-    ctx.register(packed, p * cb)?;
-    // SAFETY (every `add`): block offsets inside the `p`-block buffers.
-    for (r, &at) in pos.iter().enumerate() {
-        unsafe { std::ptr::copy_nonoverlapping(work.add(r * cb), packed.add(at * cb), cb) };
+    let k = Packed::new(ctx, topo, count)?;
+    let (cb, h) = (k.cb, k.leaders.len());
+    // SAFETY (every `add`): block offsets inside the `p`-block buffer.
+    for r in 0..p {
+        unsafe { std::ptr::copy_nonoverlapping(work.add(r * cb), k.block(r), cb) };
     }
-    if local.len() > 1 {
-        ctx.view(&local, 0);
-        rooted::reduce_tree(ctx, packed, p * cb, 0)?;
+    if k.local.len() > 1 {
+        ctx.view(&k.local, 0);
+        rooted::reduce_tree(ctx, k.at, p * cb, 0)?;
     }
-    if local[0] == me && h > 1 {
-        ctx.view(&leaders, 1);
-        ctx.ring_pass(packed, &spans, (host + h - 1) % h, 0, true, true, false)?;
+    if k.local[0] == me && h > 1 {
+        ctx.view(&k.leaders, 1);
+        ctx.ring_pass(k.at, &k.spans, (k.host + h - 1) % h, 0, true, true, false)?;
     }
-    ctx.view(&local, MAX_STEP);
-    if local[0] == me {
-        for (v, &r) in local.iter().enumerate().skip(1) {
-            ctx.send_all(v, 0, unsafe { packed.add(pos[r] * cb) }, cb)?;
+    ctx.view(&k.local, MAX_STEP);
+    if k.local[0] == me {
+        for (v, &r) in k.local.iter().enumerate().skip(1) {
+            ctx.send_all(v, 0, k.block(r), cb)?;
         }
     } else {
-        ctx.recv_copy_all(0, 0, unsafe { packed.add(pos[me] * cb) }, cb)?;
+        ctx.recv_copy_all(0, 0, k.block(me), cb)?;
     }
     ctx.finish()?;
-    unsafe { std::ptr::copy_nonoverlapping(packed.add(pos[me] * cb), work.add(me * cb), cb) };
+    unsafe { std::ptr::copy_nonoverlapping(k.block(me), work.add(me * cb), cb) };
     Ok(())
 }
