@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mobius vs torch gloo vs Open MPI (TCP) vs a plain TCP ring ceiling: allreduce on 2 and 4
+# Mobius vs torch gloo vs Open MPI (TCP, and shared memory) vs a plain TCP ring ceiling: allreduce on 2 and 4
 # ranks over loopback. Writes target/bench/collective.json (rows: library, op, bytes, world,
 # time_us, algbw_gbs, busbw_gbs; nccl-tests definitions), prints the nccl-tests-style table
 # and draws target/bench/collective.png (busbw against size, one line per library).
@@ -10,7 +10,11 @@
 #   scripts/bench-collective.sh --ddp      DDP training steps/s, gloo vs mobius, 2 and 4 ranks
 #                                          (tests/collective/bench_ddp.py; target/bench/ddp.json,
 #                                          ddp.png)
-#   extra arguments go to tests/collective/bench.py (e.g. --ops allreduce,allgather)
+#   scripts/bench-collective.sh --hosts    hierarchical vs flat ring allreduce on 2 namespace hosts
+#                                          x 2 ranks (tests/collective/bench_hosts.py, root;
+#                                          target/bench/hier-hosts.json)
+#   extra arguments go to tests/collective/bench.py (e.g. --ops allreduce,allgather,
+#   --libs mobius,openmpi-sm; openmpi-sm is Open MPI over its shared-memory BTL, mpi over tcp)
 #
 # Installs what it needs: Open MPI (apt), and a venv with torch, mpi4py, matplotlib (cached in
 # ~/.cache/rdma-shuffle/torch-venv); builds the mobius wheel from this tree.
@@ -23,6 +27,10 @@ args=()
 if [ "${1:-}" = "--ddp" ]; then
   shift
   exec "$MOBIUS_PY" tests/collective/bench_ddp.py run --out target/bench "$@"
+fi
+if [ "${1:-}" = "--hosts" ]; then
+  shift
+  exec "$MOBIUS_PY" tests/collective/bench_hosts.py --out target/bench "$@"
 fi
 if [ "${1:-}" = "--tiny" ]; then
   shift

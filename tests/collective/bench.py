@@ -15,6 +15,9 @@ Libraries:
 * ``mobius`` — this project (policy on, α/β measured at start, tcp);
 * ``gloo`` — torch.distributed's gloo backend (torch from PyPI);
 * ``mpi`` — Open MPI (Debian) through mpi4py, TCP only: ``--mca pml ob1 --mca btl tcp,self``;
+* ``openmpi-sm`` — the same with Open MPI's default same-host transport, its shared-memory BTL
+  (``--mca btl self,vader``: 4.x calls it vader, 5.x sm), single-copy through CMA where the
+  kernel allows it;
 * ``ring`` — plain Python sockets doing a ring allreduce's sends and receives (each step
   sends one chunk right while receiving one from the left), without reducing: the data
   movement any TCP ring must do, an upper bound for TCP rings on this machine.
@@ -36,7 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-LIBRARIES = ("mobius", "gloo", "mpi", "ring")
+LIBRARIES = ("mobius", "gloo", "mpi", "openmpi-sm", "ring")
+MPI_LIBS = ("mpi", "openmpi-sm")
 
 
 def parse_size(s: str) -> int:
@@ -149,10 +153,11 @@ def rank_ring(cfg, rank, world):
 
 def rank_main(lib, cfg_path, rank=None, world=None):
     cfg = json.loads(Path(cfg_path).read_text())
-    if lib == "mpi":
+    if lib in MPI_LIBS:
         from mpi4py import MPI
         rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    res, extra = {"mobius": rank_mobius, "gloo": rank_gloo, "mpi": rank_mpi, "ring": rank_ring}[lib](cfg, rank, world)
+    res, extra = {"mobius": rank_mobius, "gloo": rank_gloo, "mpi": rank_mpi, "openmpi-sm": rank_mpi,
+                  "ring": rank_ring}[lib](cfg, rank, world)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"times": {str(k): v for k, v in res.items()}, **extra}))
     if lib == "gloo":
         # torch 2.15's gloo can abort in teardown ("terminate called without an active
@@ -169,9 +174,10 @@ def launch(lib, world, cfg, workdir: Path, timeout: float):
     cfg_path.write_text(json.dumps(cfg))
     env = dict(os.environ, PYTHONUNBUFFERED="1", RING_DIR=str(workdir), MOBIUS_TUNE="on")
     log = open(workdir / "log.txt", "w")
-    if lib == "mpi":
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world), "--mca", "pml", "ob1",
-               "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
+    if lib in MPI_LIBS:
+        btl = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"] if lib == "mpi" else \
+            ["--mca", "btl", "self,vader"]
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world), "--mca", "pml", "ob1", *btl,
                sys.executable, __file__, "rank", lib, str(cfg_path)]
         procs = [subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)]
     else:

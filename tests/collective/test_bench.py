@@ -18,7 +18,7 @@ def test_tiny_benchmark_yields_rows_for_every_library(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "collective.json").read_text())
     rows = report["rows"]
-    assert {r["library"] for r in rows} == {"mobius", "gloo", "mpi", "ring"}
+    assert {r["library"] for r in rows} == {"mobius", "gloo", "mpi", "openmpi-sm", "ring"}
     for r in rows:
         assert set(r) >= {"library", "op", "bytes", "world", "time_us", "algbw_gbs", "busbw_gbs"}
         assert r["time_us"] > 0

@@ -21,6 +21,9 @@ ALGOS = {
     "tree": ["reduce", "broadcast"],
     "direct": ["alltoall"],
     "pairwise": ["alltoall"],
+    # On one host (no MOBIUS_HOST_ID): only the in-host phases run; the several-host cases
+    # are test_hierarchical_collectives_on_faked_hosts.
+    "hier": ["allreduce", "allgather", "reduce_scatter"],
 }
 # 1 element up to 64k+1 (odd: never divides by the world); blocks split into 32 KiB segments
 # and messages above 4 KiB go rendezvous, so both protocols and pipelining run.
@@ -51,6 +54,30 @@ def test_every_op_dtype_and_reduce_op(world, algo, tmp_path):
                 assert calls.get(f"{op}.{algo}", 0) > 0, f"{op} did not run {algo}: {calls}"
         s = res[0]["stats"]
         assert s["eager_messages"] > 0 and s["rendezvous_messages"] > 0, s
+
+
+# Host of each rank (MOBIUS_HOST_ID per rank): 2 and 3 hosts, equal and unequal, ranks of a host
+# consecutive and interleaved.
+HOST_LAYOUTS = [[0, 1], [0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 1], [0, 0, 0, 1, 1], [0, 1, 2, 0, 1],
+                [0, 0, 1, 1, 2, 2], [1, 0, 0, 2, 0, 1]]
+
+
+@pytest.mark.parametrize("hosts", HOST_LAYOUTS, ids=lambda h: "".join(map(str, h)))
+def test_hierarchical_collectives_on_faked_hosts(hosts, tmp_path):
+    """Forced hierarchical allreduce (reduce in each host, leaders' allreduce, broadcast in
+    each host), allgather and reduce-scatter on every dtype × reduce op × size of the matrix,
+    against numpy."""
+    world = len(hosts)
+    res = run("matrix", world, tmp_path, {
+        "algo": "hier", "ops": ALGOS["hier"], "dtypes": DTYPES, "reduce_ops": REDUCE_OPS, "sizes": SIZES,
+        "settings": SETTINGS, "hosts": [f"host{h}" for h in hosts],
+    })
+    failures = [f for r in res.values() for f in r["failures"]]
+    assert not failures, "\n".join(failures[:30])
+    assert all(r["hosts"] == res[0]["hosts"] for r in res.values())
+    assert len(set(res[0]["hosts"])) == len(set(hosts)), res[0]["hosts"]
+    for op in ALGOS["hier"]:
+        assert res[0]["stats"]["calls"].get(f"{op}.hier", 0) > 0, res[0]["stats"]["calls"]
 
 
 # Between the matrix's 256 KiB and the 64 MiB test: ~1 MiB and ~16 MiB of f32 (odd counts), every

@@ -79,7 +79,10 @@ def comm_for(**settings):
 
 # ---------------------------------------------------------------------------------------------
 def scenario_matrix(args):
-    """Every op × dtype × reduce op × size that `args["ops"]` names, under one algorithm."""
+    """Every op × dtype × reduce op × size that `args["ops"]` names, under one algorithm;
+    `args["hosts"]` (a host name per rank) fakes hosts through MOBIUS_HOST_ID."""
+    if "hosts" in args:
+        os.environ["MOBIUS_HOST_ID"] = str(args["hosts"][RANK])
     comm = comm_for(timeout=120, algo=args["algo"], **args.get("settings", {}))
     seed, ops, fails, cases = args.get("seed", 1), set(args["ops"]), [], 0
     root = WORLD - 1
@@ -127,7 +130,7 @@ def scenario_matrix(args):
                 comm.alltoall(np.concatenate(blocks(RANK)), out, dtype=dtype)
                 check(f"alltoall {dtype} n={n}", out, np.concatenate([blocks(j)[RANK] for j in range(WORLD)]))
     comm.barrier()
-    report({"failures": fails, "cases": cases, "stats": comm.stats()})
+    report({"failures": fails, "cases": cases, "stats": comm.stats(), "hosts": comm.hosts})
     comm.close()
 
 

@@ -166,11 +166,24 @@ def scenario_ddp_hosts(args):
     """DDP of one model under mobius (the default group) and under gloo (a subgroup of every
     rank), same data; reports the largest relative parameter difference and the addresses
     mobius published."""
+    dist = _init(args)
+    gloo = dist.new_group(backend="gloo")
+    rel, equal = _ddp_rel(dist, gloo, args.get("steps", 30))
+    report({"rel": rel, "replicas_equal": equal,
+            "addresses": _backend(dist).comm._c.addresses, "host": host_ip()})
+    dist.barrier()
+    # Leave mobius cleanly (its last sends flushed, then BYE), then skip the rest of the
+    # teardown: gloo's can abort in torch 2.15 (see worker.py), and the run is done.
+    _backend(dist).comm.close()
+    os._exit(0)
+
+
+def _ddp_rel(dist, gloo, steps):
+    """DDP of one model under mobius (the default group) and under gloo, same data: the largest
+    relative parameter difference, and whether every rank's mobius replica is the same."""
     import torch
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    dist = _init(args)
-    gloo = dist.new_group(backend="gloo")
 
     def model():
         torch.manual_seed(0)
@@ -182,7 +195,7 @@ def scenario_ddp_hosts(args):
         ddp = DDP(m, process_group=group, bucket_cap_mb=0.001)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(1000 + RANK)
-        for _ in range(args.get("steps", 30)):
+        for _ in range(steps):
             x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
             opt.zero_grad()
             ((ddp(x) - y) ** 2).mean().backward()
@@ -192,11 +205,60 @@ def scenario_ddp_hosts(args):
     same = torch.tensor([float(sum(p.sum() for p in runs["mobius"]))], dtype=torch.float64)
     ref = same.clone()
     dist.broadcast(ref, src=0)
-    report({"rel": rel, "replicas_equal": bool(same.item() == ref.item()),
-            "addresses": _backend(dist).comm._c.addresses, "host": host_ip()})
+    return rel, bool(same.item() == ref.item())
+
+
+def scenario_hier_hosts(args):
+    """Several ranks per host on several hosts: the hosts every rank sees, the cost model and
+    the policy's allreduce choices; 1 MiB and 16 MiB allreduces (the policy's choice) checked
+    exactly; the hierarchical allreduce against the flat ring, both forced in groups of their
+    own, timed in interleaved rounds (an iteration's time is the slowest rank's); DDP under
+    mobius against gloo."""
+    import torch
+    dist = _init(args)
+    gloo = dist.new_group(backend="gloo")
+    comm = _backend(dist).comm
+    out = {"hosts": comm.hosts, "model": comm.cost_model(), "links": comm.link_costs(),
+           "decisions": {str(n): list(comm.decide("allreduce", n)) for n in (4096, 1 << 20, 16 << 20)}}
+    checked = {}
+    for n in (1 << 18, 4 << 20):
+        base = torch.arange(n, dtype=torch.float32) % 1000
+        t = base + RANK
+        dist.all_reduce(t)
+        checked[str(n * 4)] = bool(torch.equal(t, base * WORLD + sum(range(WORLD))))
+    out["checked"] = checked
+    out["calls"] = comm.stats()["calls"]
+    groups = {}
+    for algo in ("hier", "ring"):
+        os.environ["MOBIUS_ALGO"] = algo
+        groups[algo] = dist.new_group(backend="mobius")
+    os.environ.pop("MOBIUS_ALGO")
+    sizes, iters, rounds = args.get("bench_sizes", []), args.get("iters", 5), args.get("rounds", 2)
+    times = {a: {str(s): [] for s in sizes} for a in groups}
+    for rnd in range(rounds):
+        order = list(groups) if rnd % 2 == 0 else list(groups)[::-1]
+        for algo in order:
+            g = groups[algo]
+            for s in sizes:
+                t = torch.ones(s // 4)
+                dist.all_reduce(t, group=g)
+                its = []
+                for _ in range(iters):
+                    dist.barrier(group=gloo)
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t, group=g)
+                    its.append(time.perf_counter() - t0)
+                slowest = torch.tensor(its, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=gloo)
+                times[algo][str(s)].append(sorted(slowest.tolist())[iters // 2])
+                assert float(t[0]) == float(WORLD ** (iters + 1)), (algo, s, float(t[0]))
+    out["bench"] = times
+    out["bench_calls"] = {a: _backend(dist, g).comm.stats()["calls"] for a, g in groups.items()}
+    out["rel"], out["replicas_equal"] = _ddp_rel(dist, gloo, args.get("steps", 20))
+    report(out)
     dist.barrier()
-    # Leave mobius cleanly (its last sends flushed, then BYE), then skip the rest of the
-    # teardown: gloo's can abort in torch 2.15 (see worker.py), and the run is done.
+    for g in groups.values():
+        _backend(dist, g).comm.close()
     _backend(dist).comm.close()
     os._exit(0)
 

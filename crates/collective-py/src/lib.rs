@@ -267,6 +267,12 @@ impl PyComm {
         Ok(self.inner.get()?.link_costs().iter().map(|l| (l.a, l.b, l.alpha, l.beta, l.alpha_rndv)).collect())
     }
 
+    /// The host index of each rank, in rank order.
+    #[getter]
+    fn hosts(&self) -> PyResult<Vec<usize>> {
+        Ok(self.inner.get()?.topology().host_of.clone())
+    }
+
     /// Every rank's published mesh address (`ip:port`), in rank order.
     #[getter]
     fn addresses(&self) -> PyResult<Vec<String>> {
@@ -390,7 +396,8 @@ impl PyComm {
         Ok((d.algo.name().to_string(), d.segment, proto.name().to_string()))
     }
 
-    /// The cost model every rank uses: alpha, beta, gamma, copy, alpha_rndv (seconds, s/B).
+    /// The cost model every rank uses: alpha, beta, gamma, copy, alpha_rndv, local_alpha,
+    /// local_beta (seconds, s/B).
     fn cost_model<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = self.inner.get()?.policy().model;
         let d = PyDict::new(py);
@@ -399,6 +406,8 @@ impl PyComm {
         d.set_item("gamma", m.gamma)?;
         d.set_item("copy", m.copy)?;
         d.set_item("alpha_rndv", m.alpha_rndv)?;
+        d.set_item("local_alpha", m.local_alpha)?;
+        d.set_item("local_beta", m.local_beta)?;
         Ok(d)
     }
 

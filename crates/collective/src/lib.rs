@@ -35,11 +35,13 @@ mod policy;
 mod store;
 mod transport;
 
-pub use comm::{CommConfig, CommStats, Communicator, GroupKey, LinkCost, Rendezvous, StoreRendezvous, TransportKind, MAX_WORLD};
+pub use comm::{
+    host_identity, CommConfig, CommStats, Communicator, GroupKey, LinkCost, Rendezvous, StoreRendezvous, TransportKind, MAX_WORLD,
+};
 pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::CollectiveError;
 pub use mesh_transport::MeshTransport;
-pub use policy::{parse_bytes, Algo, CostModel, Decision, Op, Overrides, Policy};
+pub use policy::{parse_bytes, Algo, CostModel, Decision, Op, Overrides, Policy, Topology};
 pub use store::{StoreClient, StoreServer};
 pub use transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
 

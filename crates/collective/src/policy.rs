@@ -66,11 +66,11 @@ impl Op {
     /// The algorithms implemented for this op, the default first.
     pub fn algorithms(self) -> &'static [Algo] {
         match self {
-            Op::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling],
+            Op::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling, Algo::Hierarchical],
             Op::Broadcast => &[Algo::Tree, Algo::Ring],
             Op::Reduce => &[Algo::Tree, Algo::Ring],
-            Op::AllGather => &[Algo::Ring, Algo::RecursiveDoubling],
-            Op::ReduceScatter => &[Algo::Ring, Algo::HalvingDoubling],
+            Op::AllGather => &[Algo::Ring, Algo::RecursiveDoubling, Algo::Hierarchical],
+            Op::ReduceScatter => &[Algo::Ring, Algo::HalvingDoubling, Algo::Hierarchical],
             Op::AllToAll => &[Algo::Direct, Algo::Pairwise],
             Op::Barrier => &[Algo::Dissemination],
         }
@@ -107,11 +107,17 @@ pub enum Algo {
     Pairwise = 6,
     /// Dissemination barrier.
     Dissemination = 7,
+    /// Hierarchical: allreduce reduces inside each host to its leader (binomial tree over the
+    /// same-host links), allreduces among the host leaders (ring, recursive doubling or
+    /// Rabenseifner, as the model chooses for that many hosts over the network links), then
+    /// broadcasts inside each host; allgather and reduce-scatter gather or reduce to the
+    /// leader, run the leaders' ring over whole hosts' blocks, then broadcast or scatter.
+    Hierarchical = 8,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 7] = [
+    pub const ALL: [Algo; 8] = [
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::HalvingDoubling,
@@ -119,6 +125,7 @@ impl Algo {
         Algo::Direct,
         Algo::Pairwise,
         Algo::Dissemination,
+        Algo::Hierarchical,
     ];
 
     /// Name as in `MOBIUS_ALGO`.
@@ -131,6 +138,7 @@ impl Algo {
             Algo::Direct => "direct",
             Algo::Pairwise => "pairwise",
             Algo::Dissemination => "dissemination",
+            Algo::Hierarchical => "hier",
         }
     }
 
@@ -145,6 +153,7 @@ impl Algo {
             "rabenseifner" | "halving_doubling" => Some(Algo::HalvingDoubling),
             "binomial" => Some(Algo::Tree),
             "chain" => Some(Algo::Ring),
+            "hierarchical" => Some(Algo::Hierarchical),
             _ => None,
         })
     }
@@ -157,11 +166,17 @@ impl fmt::Display for Algo {
 }
 
 /// Parameters of the cost model, in seconds and seconds per byte.
+///
+/// `alpha`, `beta` and `alpha_rndv` are the network's: the worst link between ranks on
+/// different hosts (all links when every rank is on one host, or when there is no rank to
+/// share a host with). `local_alpha` and `local_beta` are those of links between ranks on the
+/// same host, which the hierarchical algorithms use inside a host; on tcp both kinds are
+/// sockets, and a same-host provider (shared memory) changes only the local pair.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
-    /// Latency of one eager message.
+    /// Latency of one eager message (network links).
     pub alpha: f64,
-    /// Wire time per byte.
+    /// Wire time per byte (network links).
     pub beta: f64,
     /// Reduction time per byte (`f32` sum).
     pub gamma: f64,
@@ -169,6 +184,10 @@ pub struct CostModel {
     pub copy: f64,
     /// Latency of one rendezvous message.
     pub alpha_rndv: f64,
+    /// Latency of one eager message between ranks on the same host.
+    pub local_alpha: f64,
+    /// Time per byte between ranks on the same host.
+    pub local_beta: f64,
 }
 
 impl CostModel {
@@ -176,24 +195,103 @@ impl CostModel {
     /// TCP on one host.
     pub fn assumed() -> Self {
         // A rendezvous costs a request, the READ and a completion: about three latencies.
-        CostModel { alpha: 30e-6, beta: 1.0 / 2.0e9, gamma: 1.0 / 4.0e9, copy: 1.0 / 8.0e9, alpha_rndv: 90e-6 }
+        // Same-host links are assumed no faster than the network: on tcp both are sockets.
+        CostModel {
+            alpha: 30e-6,
+            beta: 1.0 / 2.0e9,
+            gamma: 1.0 / 4.0e9,
+            copy: 1.0 / 8.0e9,
+            alpha_rndv: 90e-6,
+            local_alpha: 30e-6,
+            local_beta: 1.0 / 2.0e9,
+        }
     }
 
-    pub(crate) fn to_bytes(self) -> [u8; 40] {
-        let mut b = [0u8; 40];
-        for (i, v) in [self.alpha, self.beta, self.gamma, self.copy, self.alpha_rndv].iter().enumerate() {
+    /// The same model with the same-host links' α and β in place of the network's: what an
+    /// algorithm running only inside a host pays.
+    pub fn local(self) -> Self {
+        CostModel { alpha: self.local_alpha, beta: self.local_beta, ..self }
+    }
+
+    fn fields(&self) -> [f64; 7] {
+        [self.alpha, self.beta, self.gamma, self.copy, self.alpha_rndv, self.local_alpha, self.local_beta]
+    }
+
+    pub(crate) fn to_bytes(self) -> [u8; 56] {
+        let mut b = [0u8; 56];
+        for (i, v) in self.fields().iter().enumerate() {
             b[i * 8..i * 8 + 8].copy_from_slice(&v.to_be_bytes());
         }
         b
     }
 
     pub(crate) fn from_bytes(b: &[u8]) -> Option<Self> {
-        if b.len() != 40 {
+        if b.len() != 56 {
             return None;
         }
         let v = |i: usize| f64::from_be_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
-        let m = CostModel { alpha: v(0), beta: v(1), gamma: v(2), copy: v(3), alpha_rndv: v(4) };
-        [m.alpha, m.beta, m.gamma, m.copy, m.alpha_rndv].iter().all(|x| x.is_finite() && *x >= 0.0).then_some(m)
+        let m =
+            CostModel { alpha: v(0), beta: v(1), gamma: v(2), copy: v(3), alpha_rndv: v(4), local_alpha: v(5), local_beta: v(6) };
+        m.fields().iter().all(|x| x.is_finite() && *x >= 0.0).then_some(m)
+    }
+}
+
+/// Which host each rank is on, as found when the communicator starts (every rank publishes
+/// its host identity; see `CommConfig::host_id`).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Topology {
+    /// Host index of each rank (hosts numbered in the order of their lowest rank).
+    pub host_of: Vec<usize>,
+}
+
+impl Topology {
+    /// Every rank on one host.
+    pub fn single(world: usize) -> Self {
+        Topology { host_of: vec![0; world] }
+    }
+
+    /// From each rank's host identity.
+    pub fn from_ids<S: AsRef<str>>(ids: &[S]) -> Self {
+        let mut seen: Vec<&str> = Vec::new();
+        let host_of = ids
+            .iter()
+            .map(|id| {
+                let id = id.as_ref();
+                match seen.iter().position(|s| *s == id) {
+                    Some(i) => i,
+                    None => {
+                        seen.push(id);
+                        seen.len() - 1
+                    }
+                }
+            })
+            .collect();
+        Topology { host_of }
+    }
+
+    /// Number of hosts.
+    pub fn hosts(&self) -> usize {
+        self.host_of.iter().copied().max().map_or(0, |m| m + 1)
+    }
+
+    /// The ranks on `host`, in rank order (the first is the host's leader).
+    pub fn members(&self, host: usize) -> Vec<usize> {
+        (0..self.host_of.len()).filter(|&r| self.host_of[r] == host).collect()
+    }
+
+    /// Each host's leader (its lowest rank), in host order.
+    pub fn leaders(&self) -> Vec<usize> {
+        (0..self.hosts()).filter_map(|h| self.host_of.iter().position(|&x| x == h)).collect()
+    }
+
+    /// The most ranks any host has.
+    pub fn max_local(&self) -> usize {
+        (0..self.hosts()).map(|h| self.host_of.iter().filter(|&&x| x == h).count()).max().unwrap_or(0)
+    }
+
+    /// Whether ranks `a` and `b` share a host.
+    pub fn same_host(&self, a: usize, b: usize) -> bool {
+        self.host_of.get(a).is_some() && self.host_of.get(a) == self.host_of.get(b)
     }
 }
 
@@ -293,6 +391,8 @@ pub struct Decision {
     pub estimate: f64,
     /// Whether the algorithm was forced.
     pub forced: bool,
+    /// For [`Algo::Hierarchical`]: the algorithm the host leaders run among themselves.
+    pub inner: Option<Algo>,
 }
 
 /// The policy of one communicator.
@@ -304,6 +404,8 @@ pub struct Policy {
     pub overrides: Overrides,
     /// Log every decision.
     pub debug: bool,
+    /// Which host each rank is on.
+    pub topology: Topology,
     pub(crate) eager_limit: usize,
     pub(crate) max_message: usize,
     pub(crate) one_sided: bool,
@@ -326,8 +428,62 @@ impl Policy {
     /// `seg` bytes (`bytes` is the buffer for allreduce/broadcast/reduce, the whole output for
     /// allgather, the whole input for reduce-scatter and alltoall). `None` where the
     /// algorithm does not apply.
+    ///
+    /// The flat algorithms pay the network's α and β (the worst link sets a ring's pace).
+    /// [`Algo::Hierarchical`] pays the same-host α and β for its reduce and broadcast inside
+    /// the largest host, and the network's for the leaders' allreduce among the hosts; the
+    /// policy considers it only with at least two hosts and at least one host of two ranks.
     pub fn cost(&self, op: Op, algo: Algo, bytes: usize, p: usize, seg: usize) -> Option<f64> {
-        let CostModel { alpha: a, beta: b, gamma: g, copy: c, .. } = self.model;
+        if algo == Algo::Hierarchical {
+            if self.topology.hosts() < 2 || self.topology.max_local() < 2 {
+                return None;
+            }
+            return self.hier_cost(op, bytes, p, seg).map(|c| c.0);
+        }
+        self.cost_in(&self.model, op, algo, bytes, p, seg)
+    }
+
+    /// Estimated seconds of a hierarchical `op`, and the leaders' algorithm; `None` for ops
+    /// without one.
+    fn hier_cost(&self, op: Op, bytes: usize, p: usize, seg: usize) -> Option<(f64, Algo)> {
+        let (h, m) = (self.topology.hosts().max(1), self.topology.max_local().max(1));
+        let local = self.model.local();
+        let CostModel { alpha: a, beta: b, gamma: g, copy: c, local_alpha: la, local_beta: lb, .. } = self.model;
+        let n = bytes as f64;
+        let (hf, mf, pf) = (h as f64, m as f64, p.max(1) as f64);
+        // The leader takes (or hands out) m − 1 blocks of n/p bytes, one at a time.
+        let gather = (mf - 1.0) * (la + n / pf * lb);
+        let leaders_ring = |reduce: bool| (hf - 1.0) * a + (hf - 1.0) / hf * n * (b + if reduce { g } else { 0.0 });
+        let bcast = if m > 1 { self.cost_in(&local, Op::Broadcast, Algo::Tree, bytes, m, seg).unwrap_or(0.0) } else { 0.0 };
+        let reduce = if m > 1 { self.cost_in(&local, Op::Reduce, Algo::Tree, bytes, m, seg).unwrap_or(0.0) } else { 0.0 };
+        match op {
+            Op::AllReduce => {}
+            Op::AllGather => return Some((gather + leaders_ring(false) + bcast + n * c, Algo::Ring)),
+            Op::ReduceScatter => return Some((n * c + reduce + leaders_ring(true) + gather, Algo::Ring)),
+            _ => return None,
+        }
+        let inside = if m > 1 {
+            self.cost_in(&local, Op::Reduce, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
+                + self.cost_in(&local, Op::Broadcast, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        let mut best = (0.0, Algo::Ring);
+        if h > 1 {
+            best = (f64::INFINITY, Algo::Ring);
+            for a in [Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling] {
+                if let Some(t) = self.cost_in(&self.model, Op::AllReduce, a, bytes, h, seg) {
+                    if t < best.0 {
+                        best = (t, a);
+                    }
+                }
+            }
+        }
+        Some((inside + best.0, best.1))
+    }
+
+    fn cost_in(&self, model: &CostModel, op: Op, algo: Algo, bytes: usize, p: usize, seg: usize) -> Option<f64> {
+        let CostModel { alpha: a, beta: b, gamma: g, copy: c, .. } = *model;
         let n = bytes as f64;
         let pf = p as f64;
         let lg = log2_ceil(p) as f64;
@@ -399,10 +555,16 @@ impl Policy {
             _ => 2 * p,
         };
         let seg = self.segment(bytes, steps, elem);
+        let inner =
+            |algo: Algo| (algo == Algo::Hierarchical).then(|| self.hier_cost(op, bytes, p, seg).map_or(Algo::Ring, |c| c.1));
         if let Some(&algo) = self.overrides.algo.get(&op) {
-            let estimate = self.cost(op, algo, bytes, p, seg).unwrap_or(f64::NAN);
+            let estimate = match self.cost(op, algo, bytes, p, seg) {
+                Some(t) => t,
+                None if algo == Algo::Hierarchical => self.hier_cost(op, bytes, p, seg).map_or(f64::NAN, |c| c.0),
+                None => f64::NAN,
+            };
             let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
-            return Decision { algo, segment, estimate, forced: true };
+            return Decision { algo, segment, estimate, forced: true, inner: inner(algo) };
         }
         let mut best: Option<(Algo, f64)> = None;
         for &algo in op.algorithms() {
@@ -414,14 +576,14 @@ impl Policy {
         }
         let (algo, estimate) = best.unwrap_or((op.algorithms()[0], f64::NAN));
         let segment = if self.overrides.segment.is_some() { seg } else { self.whole_if_unpipelined(algo, seg, bytes, elem) };
-        Decision { algo, segment, estimate, forced: false }
+        Decision { algo, segment, estimate, forced: false, inner: inner(algo) }
     }
 
     /// Algorithms that send a whole buffer per step gain nothing from segments below the
     /// eager limit: such a buffer goes as one message.
     fn whole_if_unpipelined(&self, algo: Algo, seg: usize, bytes: usize, elem: usize) -> usize {
         match algo {
-            Algo::Ring | Algo::Tree => seg,
+            Algo::Ring | Algo::Tree | Algo::Hierarchical => seg,
             _ => {
                 let whole = bytes.min(self.eager_limit).min(self.max_message);
                 seg.max((whole / elem).max(1) * elem)
@@ -477,6 +639,7 @@ mod tests {
             model: CostModel::assumed(),
             overrides: Overrides::default(),
             debug: false,
+            topology: Topology::default(),
             eager_limit: 64 << 10,
             max_message: 16 << 20,
             one_sided,
@@ -495,6 +658,39 @@ mod tests {
         assert_eq!(p.choose(Op::Broadcast, 256 << 20, DType::F32, 8).algo, Algo::Ring);
         assert_eq!(p.choose(Op::AllToAll, 4 << 10, DType::F32, 4).algo, Algo::Direct);
         assert_eq!(p.choose(Op::AllToAll, 64 << 20, DType::F32, 4).algo, Algo::Pairwise);
+    }
+
+    #[test]
+    fn hierarchy_is_chosen_for_large_buffers_only_when_same_host_links_are_faster() {
+        let mut p = policy(false);
+        p.topology = Topology::from_ids(&["a", "a", "b", "b"]);
+        // Same-host links as fast as the network (tcp everywhere): the flat algorithms win.
+        for bytes in [4 << 10, 1 << 20, 64 << 20] {
+            assert_ne!(p.choose(Op::AllReduce, bytes, DType::F32, 4).algo, Algo::Hierarchical, "{bytes}");
+        }
+        // A 10 Gb/s network, shared memory inside the hosts (Open MPI sm's 7.6 GB/s and 2 µs
+        // here), and the f32 sum at 10 GB/s: the leader reduces n more bytes than a flat
+        // Rabenseifner rank, but sends 1.0·n instead of 1.5·n over the network.
+        p.model.beta = 1.0 / 1.25e9;
+        p.model.gamma = 1.0 / 10e9;
+        p.model.local_beta = 1.0 / 7.6e9;
+        p.model.local_alpha = 2e-6;
+        for bytes in [1 << 20, 16 << 20, 256 << 20] {
+            let d = p.choose(Op::AllReduce, bytes, DType::F32, 4);
+            assert_eq!(d.algo, Algo::Hierarchical, "{bytes}");
+            assert!(d.inner.is_some() && !d.forced);
+        }
+        // One rank per host, or one host: nothing to gain, never chosen.
+        for ids in [&["a", "b", "c", "d"][..], &["a", "a", "a", "a"][..]] {
+            p.topology = Topology::from_ids(ids);
+            assert_ne!(p.choose(Op::AllReduce, 64 << 20, DType::F32, 4).algo, Algo::Hierarchical, "{ids:?}");
+        }
+        // Forced, it runs whatever the hosts (and reports an estimate).
+        p.overrides = Overrides::parse(Some("hier"), None, None).unwrap();
+        let d = p.choose(Op::AllReduce, 4096, DType::F32, 4);
+        assert!(d.forced && d.algo == Algo::Hierarchical && d.estimate.is_finite(), "{d:?}");
+        assert!(!p.overrides.algo.contains_key(&Op::Broadcast), "hier is for allreduce, allgather and reduce-scatter");
+        assert_eq!(p.overrides.algo[&Op::AllGather], Algo::Hierarchical);
     }
 
     #[test]

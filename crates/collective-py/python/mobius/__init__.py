@@ -193,13 +193,20 @@ class Communicator:
         return self._c.decide(op, nbytes, dtype)
 
     def cost_model(self) -> dict:
-        """The measured α, β, γ, copy and rendezvous latency (seconds, seconds per byte)."""
+        """The measured α, β, γ, copy and rendezvous latency (seconds, seconds per byte); α
+        and β are the network links', ``local_alpha`` and ``local_beta`` the same-host links'."""
         return self._c.cost_model()
 
     def link_costs(self) -> list:
         """(rank 0) Every link measured at start as ``(a, b, alpha, beta, alpha_rndv)``; the
         cost model takes the worst of them. Empty on other ranks and with ``tune`` off."""
         return self._c.link_costs()
+
+    @property
+    def hosts(self) -> list:
+        """The host index of each rank (hosts numbered by their lowest rank), from the host
+        identities the ranks published at start (``MOBIUS_HOST_ID`` overrides one)."""
+        return self._c.hosts
 
     @property
     def addresses(self) -> list:

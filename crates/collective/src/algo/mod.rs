@@ -17,6 +17,7 @@
 //! order of steps.
 
 pub(crate) mod exchange;
+pub(crate) mod hier;
 pub(crate) mod reducing;
 pub(crate) mod rooted;
 
@@ -81,8 +82,19 @@ pub(crate) struct Ctx<'t, T: Transport> {
     scratch: Vec<Vec<u8>>,
     regs: Vec<(usize, usize, T::Reg)>,
     t: &'t T,
+    /// This rank in the current view (see [`Ctx::view`]); the real rank outside one.
     pub rank: usize,
+    /// Ranks in the current view.
     pub world: usize,
+    /// The real rank and world (the header goes around the real ring).
+    me: usize,
+    size: usize,
+    /// The view's ranks (view rank → real rank); empty: every rank, unmapped.
+    members: Vec<usize>,
+    /// Added to every step number, so phases of a call in different views never share tags.
+    step_base: u32,
+    /// The leaders' algorithm of a hierarchical call.
+    pub inner: Option<crate::policy::Algo>,
     pub seq: u32,
     pub deadline: Instant,
     pub dtype: DType,
@@ -117,6 +129,11 @@ impl<'t, T: Transport> Ctx<'t, T> {
             t,
             rank: t.rank(),
             world: t.world(),
+            me: t.rank(),
+            size: t.world(),
+            members: Vec::new(),
+            step_base: 0,
+            inner: None,
             seq,
             deadline,
             dtype,
@@ -133,8 +150,28 @@ impl<'t, T: Transport> Ctx<'t, T> {
         self.dtype.size()
     }
 
+    /// Runs what follows among `members` only (real ranks, this one included): `rank` and
+    /// `world` become this rank's position and the count in `members`, peers are positions,
+    /// and steps are numbered from `step_base`. The algorithms run unchanged in a view.
+    pub(crate) fn view(&mut self, members: &[usize], step_base: u32) {
+        self.rank = members.iter().position(|&r| r == self.me).unwrap_or(0);
+        self.world = members.len();
+        self.members = members.to_vec();
+        self.step_base = step_base;
+    }
+
+    /// The real rank of view rank `v`.
+    fn real(&self, v: usize) -> usize {
+        self.members.get(v).copied().unwrap_or(v)
+    }
+
+    /// The real left neighbour, whose header this rank checks.
+    fn left(&self) -> usize {
+        (self.me + self.size - 1) % self.size
+    }
+
     fn err(&self, source: TransportError) -> CollectiveError {
-        CollectiveError::Transport { rank: self.rank, op: self.label.clone(), source }
+        CollectiveError::Transport { rank: self.me, op: self.label.clone(), source }
     }
 
     /// A zeroed scratch buffer owned by the call (freed only after every send from it).
@@ -171,7 +208,8 @@ impl<'t, T: Transport> Ctx<'t, T> {
         let proto = self.policy.proto(len);
         let (start, end) = (ptr as usize, ptr as usize + len);
         let reg = self.regs.iter().find(|(p, l, _)| start >= *p && end <= p + l).map(|(_, _, r)| r);
-        let ticket = self.t.send(peer, tag(self.seq, step, seg), data, proto, reg).map_err(|e| self.err(e))?;
+        let ticket =
+            self.t.send(self.real(peer), tag(self.seq, self.step_base + step, seg), data, proto, reg).map_err(|e| self.err(e))?;
         if !T::is_complete(&ticket) {
             self.pending.push(Pending { ticket, start, end });
         }
@@ -206,9 +244,10 @@ impl<'t, T: Transport> Ctx<'t, T> {
 
     /// Receives one message, checking the left neighbour's header when it comes first.
     fn recv(&mut self, peer: usize, step: u32, seg: u32, expect: usize) -> Result<T::Buf, CollectiveError> {
-        let want = tag(self.seq, step, seg);
+        let want = tag(self.seq, self.step_base + step, seg);
+        let peer = self.real(peer);
         loop {
-            let also = self.header.as_ref().map(|_| ((self.rank + self.world - 1) % self.world, tag(0, STEP_HEADER, 0)));
+            let also = self.header.as_ref().map(|_| (self.left(), tag(0, STEP_HEADER, 0)));
             let (which, msg) = self.t.recv(peer, want, also, self.deadline).map_err(|e| self.err(e))?;
             if which == 1 {
                 self.check_header(&msg)?;
@@ -218,14 +257,14 @@ impl<'t, T: Transport> Ctx<'t, T> {
                 // Differing buffers usually mean differing arguments: if the left neighbour's
                 // header is still due, its comparison names the argument.
                 if let Some(mine) = self.header.take() {
-                    let left = (self.rank + self.world - 1) % self.world;
+                    let left = self.left();
                     let soon = self.deadline.min(Instant::now() + std::time::Duration::from_secs(2));
                     if let Ok((_, h)) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, soon) {
-                        mine.compare(&h, self.rank, left)?;
+                        mine.compare(&h, self.me, left)?;
                     }
                 }
                 return Err(CollectiveError::Mismatch {
-                    rank: self.rank,
+                    rank: self.me,
                     op: self.op_name,
                     peer,
                     message: format!(
@@ -239,9 +278,9 @@ impl<'t, T: Transport> Ctx<'t, T> {
     }
 
     fn check_header(&mut self, msg: &[u8]) -> Result<(), CollectiveError> {
-        let left = (self.rank + self.world - 1) % self.world;
+        let left = self.left();
         if let Some(mine) = self.header.take() {
-            mine.compare(msg, self.rank, left)?;
+            mine.compare(msg, self.me, left)?;
         }
         Ok(())
     }
@@ -354,7 +393,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
             self.t.wait(p.ticket, self.deadline).map_err(|e| self.err(e))?;
         }
         if self.header.is_some() {
-            let left = (self.rank + self.world - 1) % self.world;
+            let left = self.left();
             let (_, msg) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, self.deadline).map_err(|e| self.err(e))?;
             self.check_header(&msg)?;
         }

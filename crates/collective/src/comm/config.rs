@@ -60,6 +60,14 @@ pub struct CommConfig {
     /// Keep user-buffer registrations between calls (`MOBIUS_REGCACHE=1`; the caller must
     /// invalidate buffers it frees).
     pub cache_registrations: bool,
+    /// This rank's host identity (`MOBIUS_HOST_ID`); `None`: [`host_identity`], the kernel's
+    /// boot id and this process's network namespace. Ranks with equal identities share a host
+    /// for the hierarchical algorithms and the cost model's same-host links.
+    pub host_id: Option<String>,
+    /// The same-host links' latency (seconds) and time per byte, in place of the measured
+    /// ones (`MOBIUS_LOCAL_LINK=<α µs>,<GB/s>`; rank 0's value is the group's): for a
+    /// same-host transport whose speed is known beforehand.
+    pub local_link: Option<(f64, f64)>,
 }
 
 impl CommConfig {
@@ -82,6 +90,8 @@ impl CommConfig {
             ifname: None,
             group: None,
             cache_registrations: false,
+            host_id: None,
+            local_link: None,
         }
     }
 
@@ -162,6 +172,12 @@ impl CommConfig {
         }
         if let Some(c) = var("MOBIUS_REGCACHE") {
             self.cache_registrations = matches!(c.trim(), "1" | "on" | "true" | "yes");
+        }
+        if let Some(h) = var("MOBIUS_HOST_ID") {
+            self.host_id = Some(h.trim().to_string());
+        }
+        if let Some(l) = var("MOBIUS_LOCAL_LINK") {
+            self.local_link = Some(parse_link(&l)?);
         }
         Ok(())
     }
@@ -255,6 +271,45 @@ impl CommConfig {
         Ok(route_to(default_route)
             .or_else(|| interface_addrs().into_iter().map(|(_, ip)| ip).find(usable))
             .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+    }
+}
+
+/// `<α µs>,<GB/s>` → (seconds, seconds per byte).
+fn parse_link(s: &str) -> Result<(f64, f64), CollectiveError> {
+    let bad = || {
+        CollectiveError::Config(format!(
+            "MOBIUS_LOCAL_LINK={s:?}: use <latency in µs>,<bandwidth in GB/s>, both positive, e.g. 2,7.6"
+        ))
+    };
+    let (a, b) = s.split_once(',').ok_or_else(bad)?;
+    let (a, b): (f64, f64) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+    if !(a > 0.0 && a.is_finite() && b > 0.0 && b.is_finite()) {
+        return Err(bad());
+    }
+    Ok((a * 1e-6, 1e-9 / b))
+}
+
+/// This host's identity as ranks compare it: the kernel's boot id (one per booted kernel, so
+/// per machine or VM) joined with the network namespace of this process (its inode), so that
+/// namespace "hosts" sharing one kernel, as the test cluster's, count as different hosts —
+/// they reach each other through the network, not loopback. Falls back to the host name.
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).ok();
+    let netns = std::fs::read_link("/proc/self/ns/net").ok().map(|p| p.to_string_lossy().into_owned());
+    match (boot, netns) {
+        (Some(b), Some(n)) => format!("{b}/{n}"),
+        (Some(b), None) => b,
+        _ => {
+            let mut name = [0u8; 256];
+            // SAFETY: gethostname writes at most `name.len()` bytes into the live buffer.
+            let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+            let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+            if rc == 0 {
+                String::from_utf8_lossy(&name[..end]).into_owned()
+            } else {
+                "unknown-host".into()
+            }
+        }
     }
 }
 
@@ -410,6 +465,16 @@ mod tests {
     }
 
     #[test]
+    fn local_link_parses_microseconds_and_gigabytes_per_second() {
+        let (a, b) = parse_link("2, 7.6").unwrap();
+        assert!((a - 2e-6).abs() < 1e-12 && (b - 1.0 / 7.6e9).abs() < 1e-15);
+        for bad in ["2", "x,1", "0,1", "1,-3", "1,inf"] {
+            assert!(parse_link(bad).unwrap_err().to_string().contains("MOBIUS_LOCAL_LINK"), "{bad}");
+        }
+        assert!(!host_identity().is_empty());
+    }
+
+    #[test]
     fn groups_are_fresh_and_bind_the_job_and_the_secret() {
         let (a, b) = (GroupKey::generate().unwrap(), GroupKey::generate().unwrap());
         assert_ne!(a, b);
@@ -445,7 +510,16 @@ mod tests {
         assert!(matches!(c.transport, TransportKind::Tcp));
         assert_eq!(default("MOBIUS_TUNE") == "on", c.tune);
         assert_eq!(default("MOBIUS_REGCACHE") == "on", c.cache_registrations);
-        for unset in ["MOBIUS_SECRET", "MOBIUS_IFADDR", "MOBIUS_SOCKET_IFNAME", "MOBIUS_ALGO", "MOBIUS_PROTO", "MOBIUS_SEGMENT"] {
+        for unset in [
+            "MOBIUS_HOST_ID",
+            "MOBIUS_LOCAL_LINK",
+            "MOBIUS_SECRET",
+            "MOBIUS_IFADDR",
+            "MOBIUS_SOCKET_IFNAME",
+            "MOBIUS_ALGO",
+            "MOBIUS_PROTO",
+            "MOBIUS_SEGMENT",
+        ] {
             assert_eq!(default(unset), "-", "{unset}");
         }
     }

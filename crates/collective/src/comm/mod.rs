@@ -14,7 +14,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::CollectiveError;
 use crate::header::Header;
 use crate::mesh_transport::MeshTransport;
-use crate::policy::{Algo, CostModel, Decision, Op, Policy};
+use crate::policy::{Algo, CostModel, Decision, Op, Policy, Topology};
 use crate::store::StoreServer;
 use crate::transport::{Proto, Tag, Transport, TransportStats};
 use parking_lot::Mutex;
@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tracing::info;
 
-pub use config::{CommConfig, GroupKey, TransportKind};
+pub use config::{host_identity, CommConfig, GroupKey, TransportKind};
 pub use rendezvous::{Rendezvous, StoreRendezvous};
 
 /// Largest world supported (ring steps are numbered in 12 bits).
@@ -111,7 +111,11 @@ pub struct LinkCost {
 /// recursive doubling, which are also those of recursive halving, Rabenseifner and the
 /// binomial trees rooted at 0. Direct and pairwise exchanges use every pair; their cost is
 /// bounded by the worst of these on the networks this measures (hosts in a ring order).
-pub(crate) fn measured_links(world: usize) -> Vec<Vec<(usize, usize)>> {
+/// With several hosts, also the links of the hierarchical algorithms: each host's binomial
+/// tree from its leader (so every host of two ranks or more has a same-host link measured),
+/// and the ring and doubling partners among the leaders.
+pub(crate) fn measured_links(topo: &Topology) -> Vec<Vec<(usize, usize)>> {
+    let world = topo.host_of.len();
     let mut links: Vec<(usize, usize)> = Vec::new();
     let mut add = |a: usize, b: usize| {
         let l = (a.min(b), a.max(b));
@@ -119,17 +123,31 @@ pub(crate) fn measured_links(world: usize) -> Vec<Vec<(usize, usize)>> {
             links.push(l);
         }
     };
-    for r in 0..world {
-        add(r, (r + 1) % world);
-    }
-    let mut d = 1;
-    while d < world {
-        for r in 0..world {
-            if r ^ d < world {
-                add(r, r ^ d);
+    let mut flat = |ranks: &[usize]| {
+        let n = ranks.len();
+        for i in 0..n {
+            add(ranks[i], ranks[(i + 1) % n]);
+        }
+        let mut d = 1;
+        while d < n {
+            for i in 0..n {
+                if i ^ d < n {
+                    add(ranks[i], ranks[i ^ d]);
+                }
+            }
+            d <<= 1;
+        }
+    };
+    flat(&(0..world).collect::<Vec<_>>());
+    if topo.hosts() > 1 {
+        flat(&topo.leaders());
+        for h in 0..topo.hosts() {
+            // The binomial tree's parent of position v is v minus its lowest set bit.
+            let m = topo.members(h);
+            for v in 1..m.len() {
+                add(m[v], m[v - (v & v.wrapping_neg())]);
             }
         }
-        d <<= 1;
     }
     let mut rounds: Vec<Vec<(usize, usize)>> = Vec::new();
     for l in links {
@@ -202,6 +220,7 @@ const INIT_MODEL: u32 = 2;
 const INIT_PING: u32 = 3;
 const INIT_PONG: u32 = 4;
 const INIT_LINKS: u32 = 5;
+const INIT_HOSTS: u32 = 6;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -220,6 +239,7 @@ impl<T: Transport> Communicator<T> {
             model: CostModel::assumed(),
             overrides: config.overrides.clone(),
             debug: config.debug_policy,
+            topology: Topology::single(world),
             eager_limit: t.eager_limit(),
             max_message: t.max_message(),
             one_sided: t.one_sided(),
@@ -237,22 +257,55 @@ impl<T: Transport> Communicator<T> {
             p2p_received: AtomicU64::new(0),
         };
         if world > 1 {
-            let (model, links) =
-                comm.agree_model(config.tune).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
+            let mine = config.host_id.clone().unwrap_or_else(host_identity);
+            let ids = comm.exchange_hosts(&mine).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
+            comm.policy.topology = Topology::from_ids(&ids);
+            let (model, links) = comm
+                .agree_model(config.tune, config.local_link)
+                .map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
             comm.policy.model = model;
             comm.links = links;
         }
         if comm.policy.debug {
             let m = comm.policy.model;
+            let topo = &comm.policy.topology;
             info!(target: "mobius::policy", rank, world, provider = comm.t.provider(),
                 alpha_us = m.alpha * 1e6, beta_gbs = 1e-9 / m.beta.max(1e-18), gamma_gbs = 1e-9 / m.gamma.max(1e-18),
-                copy_gbs = 1e-9 / m.copy.max(1e-18), alpha_rndv_us = m.alpha_rndv * 1e6, "mobius cost model");
+                copy_gbs = 1e-9 / m.copy.max(1e-18), alpha_rndv_us = m.alpha_rndv * 1e6,
+                local_alpha_us = m.local_alpha * 1e6, local_beta_gbs = 1e-9 / m.local_beta.max(1e-18),
+                hosts = topo.hosts(), host = topo.host_of.get(rank).copied().unwrap_or(0), max_ranks_per_host = topo.max_local(),
+                "mobius cost model");
         }
         Ok(comm)
     }
 
     fn init_tag(step: u32, seg: u32) -> Tag {
         algo::tag(0, step, seg)
+    }
+
+    /// Every rank's host identity, in rank order: each sends its own to rank 0, which sends
+    /// the list to every rank.
+    fn exchange_hosts(&self, mine: &str) -> Result<Vec<String>, crate::transport::TransportError> {
+        let deadline = Instant::now() + self.timeout;
+        let proto = |n: usize| if n <= self.t.eager_limit() { Proto::Eager } else { Proto::Rendezvous };
+        if self.rank != 0 {
+            let tk = self.t.send(0, Self::init_tag(INIT_HOSTS, 0), mine.as_bytes(), proto(mine.len()), None)?;
+            self.t.wait(tk, deadline)?;
+            let (_, msg) = self.t.recv(0, Self::init_tag(INIT_HOSTS, 1), None, deadline)?;
+            return Ok(String::from_utf8_lossy(&msg).split('\n').map(str::to_string).collect());
+        }
+        let mut ids = vec![mine.to_string()];
+        for peer in 1..self.world {
+            let (_, msg) = self.t.recv(peer, Self::init_tag(INIT_HOSTS, 0), None, deadline)?;
+            // A newline would split the list: identities are compared, not parsed.
+            ids.push(String::from_utf8_lossy(&msg).replace('\n', " "));
+        }
+        let all = ids.join("\n");
+        for peer in 1..self.world {
+            let tk = self.t.send(peer, Self::init_tag(INIT_HOSTS, 1), all.as_bytes(), proto(all.len()), None)?;
+            self.t.wait(tk, deadline)?;
+        }
+        Ok(ids)
     }
 
     fn ping(
@@ -301,7 +354,12 @@ impl<T: Transport> Communicator<T> {
     /// (rounds of disjoint pairs, [`measured_links`]), the lower rank of each link sends what
     /// it found to rank 0, and rank 0 sends the model — the worst link's α, β and rendezvous
     /// latency, with its own γ and copy speed — to every rank, so all choose alike.
-    fn agree_model(&self, tune: bool) -> Result<(CostModel, Vec<LinkCost>), crate::transport::TransportError> {
+    /// `local_link` (rank 0's `MOBIUS_LOCAL_LINK`) replaces the same-host α and β.
+    fn agree_model(
+        &self,
+        tune: bool,
+        local_link: Option<(f64, f64)>,
+    ) -> Result<(CostModel, Vec<LinkCost>), crate::transport::TransportError> {
         let deadline = Instant::now() + self.timeout;
         let rank = self.rank;
         if rank == 0 {
@@ -317,7 +375,7 @@ impl<T: Transport> Communicator<T> {
         let mut links = Vec::new();
         if tuning {
             let mut mine = Vec::new();
-            for round in measured_links(self.world) {
+            for round in measured_links(&self.policy.topology) {
                 for &(a, b) in &round {
                     if a == rank || b == rank {
                         let peer = if a == rank { b } else { a };
@@ -338,14 +396,30 @@ impl<T: Transport> Communicator<T> {
                         links.push(LinkCost { a: peer, b, alpha: f(8), beta: f(16), alpha_rndv: f(24) });
                     }
                 }
-                let worst = |f: fn(&LinkCost) -> f64| links.iter().map(f).filter(|x| x.is_finite()).fold(0.0, f64::max);
+                // Network links are those between hosts; with one host (or one rank per host)
+                // every link is both kinds.
+                let topo = &self.policy.topology;
+                let kind = |local: bool| -> Vec<&LinkCost> {
+                    let some: Vec<&LinkCost> = links.iter().filter(|l| topo.same_host(l.a, l.b) == local).collect();
+                    if some.is_empty() {
+                        links.iter().collect()
+                    } else {
+                        some
+                    }
+                };
+                let (net, same) = (kind(false), kind(true));
+                let worst = |ls: &[&LinkCost], f: fn(&LinkCost) -> f64| {
+                    ls.iter().map(|l| f(l)).filter(|x| x.is_finite()).fold(0.0, f64::max)
+                };
                 let (gamma, copy) = local_speeds();
                 model = CostModel {
-                    alpha: worst(|l| l.alpha),
-                    beta: worst(|l| l.beta).max(1e-12),
+                    alpha: worst(&net, |l| l.alpha),
+                    beta: worst(&net, |l| l.beta).max(1e-12),
                     gamma,
                     copy,
-                    alpha_rndv: worst(|l| l.alpha_rndv),
+                    alpha_rndv: worst(&net, |l| l.alpha_rndv),
+                    local_alpha: worst(&same, |l| l.alpha),
+                    local_beta: worst(&same, |l| l.beta).max(1e-12),
                 };
             } else {
                 let mut body = Vec::with_capacity(mine.len() * 32);
@@ -361,6 +435,9 @@ impl<T: Transport> Communicator<T> {
             }
         }
         if rank == 0 {
+            if let Some((alpha, beta)) = local_link {
+                (model.local_alpha, model.local_beta) = (alpha, beta);
+            }
             let bytes = model.to_bytes();
             for peer in 1..self.world {
                 let tk = self.t.send(peer, Self::init_tag(INIT_MODEL, 0), &bytes, Proto::Eager, None)?;
@@ -398,6 +475,11 @@ impl<T: Transport> Communicator<T> {
     /// The per-call limit.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Which host each rank is on (from the host identities the ranks published at start).
+    pub fn topology(&self) -> &Topology {
+        &self.policy.topology
     }
 
     /// The policy (its model is the same on every rank).
@@ -477,7 +559,8 @@ impl<T: Transport> Communicator<T> {
         if self.policy.debug {
             info!(target: "mobius::policy", rank = self.rank, call, op = op.name(), bytes = policy_bytes, dtype = dtype.name(),
                 world = self.world, algo = d.algo.name(), segment = seg, proto = self.policy.proto(seg.min(policy_bytes.max(1))).name(),
-                estimate_us = d.estimate * 1e6, forced = d.forced, "mobius policy decision");
+                estimate_us = d.estimate * 1e6, forced = d.forced, leaders = d.inner.map_or("-", |a| a.name()),
+                hosts = self.policy.topology.hosts(), "mobius policy decision");
         }
         let header =
             Header { call, op, dtype, reduce, algo: d.algo, root: root as u32, count: count as u64, segment: seg as u64 };
@@ -495,6 +578,7 @@ impl<T: Transport> Communicator<T> {
             let expect = (self.world > 1).then_some(header);
             let op_value = reduce.unwrap_or(ReduceOp::Sum);
             let mut ctx = Ctx::new(&self.t, &self.policy, seq, deadline, dtype, op_value, seg, expect, label.clone(), op.name());
+            ctx.inner = d.inner;
             body(&mut ctx, d.algo)
         })();
         match result {
@@ -518,13 +602,18 @@ impl<T: Transport> Communicator<T> {
 #[cfg(test)]
 mod tests {
     use super::measured_links;
+    use crate::policy::Topology;
+
+    fn flat(world: usize) -> Vec<Vec<(usize, usize)>> {
+        measured_links(&Topology::single(world))
+    }
 
     #[test]
     fn the_model_measures_every_ring_and_doubling_link_in_rounds_of_disjoint_pairs() {
-        assert_eq!(measured_links(1), Vec::<Vec<(usize, usize)>>::new());
-        assert_eq!(measured_links(2), vec![vec![(0, 1)]]);
+        assert_eq!(flat(1), Vec::<Vec<(usize, usize)>>::new());
+        assert_eq!(flat(2), vec![vec![(0, 1)]]);
         for world in 2..=9 {
-            let rounds = measured_links(world);
+            let rounds = flat(world);
             let all: Vec<(usize, usize)> = rounds.concat();
             for r in 0..world {
                 let ring = (r.min((r + 1) % world), r.max((r + 1) % world));
@@ -549,7 +638,19 @@ mod tests {
             assert_eq!(dedup.len(), all.len(), "world {world}: a link measured twice");
         }
         // Four ranks: all six pairs, three rounds of two.
-        assert_eq!(measured_links(4).concat().len(), 6);
-        assert_eq!(measured_links(4).len(), 3);
+        assert_eq!(flat(4).concat().len(), 6);
+        assert_eq!(flat(4).len(), 3);
+    }
+
+    #[test]
+    fn with_several_hosts_every_host_tree_and_leader_link_is_measured() {
+        // Hosts interleaved and unequal: ranks 0 2 4 on host 0, 1 3 on host 1, 5 on host 2.
+        let topo = Topology::from_ids(&["a", "b", "a", "b", "a", "c"]);
+        assert_eq!((topo.hosts(), topo.max_local(), topo.leaders()), (3, 3, vec![0, 1, 5]));
+        let all = measured_links(&topo).concat();
+        for l in [(0, 2), (0, 4), (1, 3), (0, 1), (1, 5), (0, 5)] {
+            assert!(all.contains(&l), "{l:?} missing from {all:?}");
+        }
+        assert!(all.iter().any(|&(a, b)| topo.same_host(a, b)) && all.iter().any(|&(a, b)| !topo.same_host(a, b)));
     }
 }

@@ -1,7 +1,7 @@
 //! The calls of a [`Communicator`]: the collectives and point-to-point messages on raw bytes
 //! of a [`DType`], and their typed versions over [`Element`] slices.
 
-use crate::algo::{exchange, reducing, rooted};
+use crate::algo::{exchange, hier, reducing, rooted};
 use crate::dtype::{finish_avg, DType, Element, ReduceOp};
 use crate::error::CollectiveError;
 use crate::policy::{Algo, Op};
@@ -24,6 +24,10 @@ impl<T: Transport> Communicator<T> {
                 match algo {
                     Algo::RecursiveDoubling => reducing::allreduce_rd(ctx, ptr, count)?,
                     Algo::HalvingDoubling => reducing::allreduce_rhd(ctx, ptr, count)?,
+                    Algo::Hierarchical => {
+                        let inner = ctx.inner.unwrap_or(Algo::Ring);
+                        hier::allreduce_hier(ctx, ptr, count, &self.policy.topology, inner)?
+                    }
                     _ => reducing::allreduce_ring(ctx, ptr, count)?,
                 }
             }
@@ -96,6 +100,7 @@ impl<T: Transport> Communicator<T> {
             if world > 1 {
                 match algo {
                     Algo::RecursiveDoubling => exchange::allgather_rd(ctx, ptr, count)?,
+                    Algo::Hierarchical => hier::allgather_hier(ctx, ptr, count, &self.policy.topology)?,
                     _ => exchange::allgather_ring(ctx, ptr, count)?,
                 }
             }
@@ -128,6 +133,7 @@ impl<T: Transport> Communicator<T> {
             if world > 1 {
                 match algo {
                     Algo::HalvingDoubling => reducing::reduce_scatter_rhd(ctx, ptr, count)?,
+                    Algo::Hierarchical => hier::reduce_scatter_hier(ctx, ptr, count, &self.policy.topology)?,
                     _ => reducing::reduce_scatter_ring(ctx, ptr, count)?,
                 }
             }
