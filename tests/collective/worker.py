@@ -250,12 +250,14 @@ def scenario_loop_allreduce(args):
     comm = comm_for(timeout=args["timeout"])
     x = np.ones(args["n"], dtype=np.float32)
     comm.allreduce(x)
-    (OUT / f"ready{RANK}").write_text("1")
     calls = 0
     try:
         while True:
             comm.allreduce(x)
             calls += 1
+            if calls == 1:
+                # After a call of the loop: every rank is inside it once all wrote this.
+                (OUT / f"ready{RANK}").write_text("1")
     except Exception as e:  # noqa: BLE001
         report({"error": str(e), "type": type(e).__name__, "failed_at": time.time(), "calls": calls})
 
