@@ -38,6 +38,9 @@ CREATED_RE = re.compile(r"RdmaShuffleManager created \(isDriver=false, native=(\
 LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+):(\d+) \(transport (\w+)\)")
 STOP_RE = re.compile(r"^(\d\d/\d\d/\d\d \d\d:\d\d:\d\d) INFO SparkContext: (?:SparkContext is stopping|Invoking stop)", re.M)
 THREAD_TARGET_MARGIN = 8  # issue 13: plugin executor threads <= default's + 8
+# An engine's two native threads (crates/fabric/src/driver: "rdma-shuffle-loop-<executor>" and
+# "rdma-shuffle-deliver-<executor>"), as /proc/<pid>/task/*/comm shows them: cut to 15 bytes.
+ENGINE_THREADS = ("rdma-shuffle-lo", "rdma-shuffle-de")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,11 +226,15 @@ def summarize(run: Path) -> dict:
         if s["role"] != "executor":
             continue
         p = per_exec.setdefault(s["host"], {"pids": set(), "peak_threads": 0, "peak_threads_app": 0,
-                                            "peak_rss_bytes": 0, "samples": 0})
+                                            "peak_rss_bytes": 0, "samples": 0, "engine_thread_counts": set()})
         p["pids"].add(s["pid"])
         p["samples"] += 1
         p["peak_threads_app"] = max(p["peak_threads_app"], s["threads"])
-        if s["threads"] > p["peak_threads"] and any(a <= s["t"] <= b for _, a, b in windows):
+        in_window = any(a <= s["t"] <= b for _, a, b in windows)
+        if in_window:
+            # The engine's native threads, by name (the kernel keeps 15 bytes of it).
+            p["engine_thread_counts"].add(sum(n for g, n in s.get("groups", {}).items() if g in ENGINE_THREADS))
+        if s["threads"] > p["peak_threads"] and in_window:
             p["peak_threads"] = s["threads"]
             p["threads_at_peak"] = dict(sorted(s.get("groups", {}).items(), key=lambda kv: -kv[1]))
         p["peak_rss_bytes"] = max(p["peak_rss_bytes"], s["hwm_kb"] * 1024, s["rss_kb"] * 1024)
@@ -236,6 +243,7 @@ def summarize(run: Path) -> dict:
         peak_host_rss[h] = max(peak_host_rss.get(h, 0), kb * 1024)
     for host, p in per_exec.items():
         p["pids"] = sorted(p["pids"])
+        p["engine_thread_counts"] = sorted(p["engine_thread_counts"])
         executors.setdefault(host, {}).update(p)
 
     summary = {
