@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import engine_stats  # scripts/, beside this file
+
 ROLES = (
     ("CoarseGrainedExecutorBackend", "executor"),
     ("deploy.worker.Worker", "worker"),
@@ -33,11 +35,13 @@ ROLES = (
 
 # The job application's output lines (jvm-plugin/jobs): what a run printed.
 OUTPUT_PREFIXES = ("DIGEST ", "SHUFFLE_METRICS ", "BENCH ", "FAULT_RESULT ")
-STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS executor=(\S+)(.*)$", re.M)
 CREATED_RE = re.compile(r"RdmaShuffleManager created \(isDriver=false, native=(\w+), enabled=(\w+)\)")
 LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+):(\d+) \(transport (\w+)\)")
 STOP_RE = re.compile(r"^(\d\d/\d\d/\d\d \d\d:\d\d:\d\d) INFO SparkContext: (?:SparkContext is stopping|Invoking stop)", re.M)
 THREAD_TARGET_MARGIN = 8  # issue 13: plugin executor threads <= default's + 8
+# An engine's two native threads (crates/fabric/src/driver: "rdma-shuffle-loop-<executor>" and
+# "rdma-shuffle-deliver-<executor>"), as /proc/<pid>/task/*/comm shows them: cut to 15 bytes.
+ENGINE_THREADS = ("rdma-shuffle-lo", "rdma-shuffle-de")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,9 +175,7 @@ def summarize(run: Path) -> dict:
 
     # Engine counters: the driver logs every executor's latest report when it stops; an
     # executor's own line (written at its stop) wins when the worker let it get that far.
-    engine = {}
-    for m in STATS_RE.finditer(stderr):
-        engine[m.group(1)] = {"source": "driver", **{k: _num(v) for k, v in _kv(m.group(2)).items()}}
+    engine = {eid: {"source": "driver", **kv} for eid, kv in engine_stats.latest(stderr).items()}
 
     executors = {}
     for f in sorted((run / "executors").glob("*.stderr")):
@@ -189,13 +191,13 @@ def summarize(run: Path) -> dict:
         if ls:
             e["engine_address"] = f"{ls.group(2)}:{ls.group(3)}"
             e["transport"] = ls.group(4)
-        own = list(STATS_RE.finditer(text))
+        own = engine_stats.stats_lines(text)
         if own:
-            mine = {k: _num(v) for k, v in _kv(own[-1].group(2)).items()}
-            theirs = engine.get(own[-1].group(1), {})
+            eid, mine = own[-1]
+            theirs = engine.get(eid, {})
             # An executor killed while writing leaves a cut line: take it only if it is whole.
             if set(mine) >= set(theirs) - {"source"}:
-                engine[own[-1].group(1)] = {"source": "executor", **mine}
+                engine[eid] = {"source": "executor", **mine}
     for host, e in executors.items():
         # A host runs a second executor when the first died (its worker starts a new one).
         e["engine_by_executor"] = {i: engine[i] for i in e["executor_ids"] if i in engine}
@@ -223,11 +225,15 @@ def summarize(run: Path) -> dict:
         if s["role"] != "executor":
             continue
         p = per_exec.setdefault(s["host"], {"pids": set(), "peak_threads": 0, "peak_threads_app": 0,
-                                            "peak_rss_bytes": 0, "samples": 0})
+                                            "peak_rss_bytes": 0, "samples": 0, "engine_thread_counts": set()})
         p["pids"].add(s["pid"])
         p["samples"] += 1
         p["peak_threads_app"] = max(p["peak_threads_app"], s["threads"])
-        if s["threads"] > p["peak_threads"] and any(a <= s["t"] <= b for _, a, b in windows):
+        in_window = any(a <= s["t"] <= b for _, a, b in windows)
+        if in_window:
+            # The engine's native threads, by name (the kernel keeps 15 bytes of it).
+            p["engine_thread_counts"].add(sum(n for g, n in s.get("groups", {}).items() if g in ENGINE_THREADS))
+        if s["threads"] > p["peak_threads"] and in_window:
             p["peak_threads"] = s["threads"]
             p["threads_at_peak"] = dict(sorted(s.get("groups", {}).items(), key=lambda kv: -kv[1]))
         p["peak_rss_bytes"] = max(p["peak_rss_bytes"], s["hwm_kb"] * 1024, s["rss_kb"] * 1024)
@@ -236,6 +242,7 @@ def summarize(run: Path) -> dict:
         peak_host_rss[h] = max(peak_host_rss.get(h, 0), kb * 1024)
     for host, p in per_exec.items():
         p["pids"] = sorted(p["pids"])
+        p["engine_thread_counts"] = sorted(p["engine_thread_counts"])
         executors.setdefault(host, {}).update(p)
 
     summary = {

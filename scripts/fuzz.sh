@@ -103,10 +103,34 @@ fi
 # generated, not committed, and written into the corpus directories libFuzzer reads.
 cargo run --quiet --release --manifest-path fuzz/Cargo.toml --no-default-features --example seeds -- fuzz/corpus
 
-# Inputs that once failed (fuzz/regressions/<target>/, committed) must pass before any new
-# fuzzing; they also join the corpus, so libFuzzer mutates from them.
-log "replaying past failures (fuzz/regressions/)"
-cargo test --quiet --release --manifest-path fuzz/Cargo.toml --no-default-features --test replay past_crashes_pass
+# The fuzz crate's own tests, before any fuzzing: fuzz/ is outside the workspace, so this is
+# the only place CI runs them. They check the seeds (every frame kind is covered, the handshake
+# scripts reach the deep states their names promise), the harnesses' unit tests, a short
+# mutation run per target, and that inputs which once failed (fuzz/regressions/<target>/,
+# committed) pass now; those inputs also join the corpus, so libFuzzer mutates from them.
+# A test that silently stopped existing (renamed, filtered away, compiled out) must fail the
+# step too, so the names that matter are checked in libtest's output, not only the exit code.
+log "the fuzz crate's tests (seeds, harness unit tests, past failures)"
+TEST_LOG="$(mktemp)"
+trap 'rm -f "$TEST_LOG"' EXIT
+cargo test --release --manifest-path fuzz/Cargo.toml --no-default-features 2>&1 | tee "$TEST_LOG"
+missing=()
+for t in frames::tests::sample_frames_survive_the_codec_and_cover_every_kind \
+    frames::tests::written_frames_read_back_identically \
+    frame_decode::tests::every_sample_frame_passes_with_its_payload_and_cut_short \
+    frame_decode::tests::unknown_failure_codes_are_normalised_not_reported \
+    verbs_bootstrap::tests::seeds_pass \
+    cursor::tests::writer_and_cursor_agree_and_reads_past_the_end_are_zero \
+    handshake_seeds_reach_deep_states past_crashes_pass \
+    frame_decode_seeds_and_mutations handshake_seeds_and_mutations verbs_bootstrap_seeds_and_mutations; do
+    grep -q "^test $t \.\.\. ok$" "$TEST_LOG" || missing+=("$t")
+done
+passed="$(sed -n 's/^test result: ok\. \([0-9]*\) passed.*/\1/p' "$TEST_LOG" | awk '{n += $1} END {print n + 0}')"
+if [ "${#missing[@]}" -gt 0 ]; then
+    log "FAILED: these fuzz-crate tests did not run and pass: ${missing[*]} ($passed passed in all)"
+    exit 1
+fi
+log "fuzz crate: $passed tests passed"
 for target in $TARGETS; do
     if [ -d "fuzz/regressions/$target" ]; then
         mkdir -p "fuzz/corpus/$target"

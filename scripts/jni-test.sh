@@ -20,8 +20,31 @@ else
   bash scripts/build-native.sh >/dev/null
 fi
 step "NativeBridgeJniTest under -Xcheck:jni"
-cd jvm-plugin
-# -am builds the parent first; surefire then runs only the JNI test class.
-mvn -q -B test -pl plugin -am ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE} \
-  -Dtest=NativeBridgeJniTest -Dsurefire.failIfNoSpecifiedTests=false -Drdma.jni.required=true
+case "${RDMA_SPARK_PROFILE:-}" in spark-3.5) line=3.5 ;; *) line=4.x ;; esac
+report="jvm-plugin/plugin/target/spark-$line/surefire-reports/TEST-org.apache.spark.shuffle.rdma.NativeBridgeJniTest.xml"
+# A report left by an earlier run must not stand in for this one.
+rm -f "$report"
+(
+  cd jvm-plugin
+  # -am builds the parent first; surefire then runs only the JNI test class (the other modules
+  # have no class of that name, hence failIfNoSpecifiedTests=false).
+  mvn -q -B test -pl plugin -am ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE} \
+    -Dtest=NativeBridgeJniTest -Dsurefire.failIfNoSpecifiedTests=false -Drdma.jni.required=true
+)
+# Maven passes when the filter matched nothing or the test skipped itself (Assume): only
+# Surefire's report says whether the test really ran.
+python3 - "$report" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+path = sys.argv[1]
+try:
+    suite = ET.parse(path).getroot()
+except (OSError, ET.ParseError) as e:
+    sys.exit(f"jni-test.sh: FAILED: no Surefire report of NativeBridgeJniTest ({path}: {e}); the test did not run")
+n = {k: int(suite.get(k, "0")) for k in ("tests", "skipped", "failures", "errors")}
+if n["tests"] == 0 or n["skipped"] or n["failures"] or n["errors"]:
+    sys.exit(f"jni-test.sh: FAILED: NativeBridgeJniTest ran {n['tests']} test(s), skipped {n['skipped']}, "
+             f"failed {n['failures']}, errors {n['errors']} ({path}); it must run and pass, nothing skipped")
+print(f"jni-test.sh: NativeBridgeJniTest: {n['tests']} test(s) ran, none skipped ({path})")
+PY
 step "JNI test passed"

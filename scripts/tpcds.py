@@ -50,11 +50,12 @@ import zipfile
 from decimal import Decimal
 from pathlib import Path
 
+from engine_stats import engine_totals  # scripts/, beside this file
+
 REPO = Path(__file__).resolve().parents[1]
 DUCKDB_VERSION = "1.5.5"
 CACHE = Path(os.environ.get("RDMA_TPCDS_CACHE", Path.home() / ".cache/rdma-shuffle/tpcds"))
 PLUGIN_CLASS = "org.apache.spark.shuffle.rdma.RdmaShuffleManager"
-STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
 TABLES = (
     "call_center", "catalog_page", "catalog_returns", "catalog_sales", "customer",
     "customer_address", "customer_demographics", "date_dim", "household_demographics",
@@ -293,18 +294,6 @@ def cmd_app(a) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # running the application
-
-
-def engine_totals(stderr: str) -> dict:
-    """executor id -> its engine's counters from the driver's RDMA_SHUFFLE_ENGINE_STATS lines
-    (each counter only grows, so its total is the largest value seen)."""
-    totals: dict = {}
-    for m in STATS_RE.finditer(stderr):
-        kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
-        mine = totals.setdefault(kv.pop("executor", "?"), {})
-        for k, v in kv.items():
-            mine[k] = max(mine.get(k, 0), int(v)) if v.isdigit() else v
-    return totals
 
 
 # Settings of every local-cluster run, the same for both shuffles. All executors of local-cluster

@@ -109,14 +109,27 @@ def test_engine_moved_blocks_between_hosts(report):
     assert fetched >= remote, (fetched, remote)
 
 
-def test_thread_counts_were_sampled(report):
+def test_threads_do_not_grow_with_peers(report):
+    """README: one engine has exactly two native threads whatever the number of peers, and an
+    executor under the plugin has at most THREAD_TARGET_MARGIN (scripts/cluster_metrics.py)
+    threads more than under Spark's default shuffle, at its peak while the jobs ran, with every
+    engine connected to the two others (test_engine_moved_blocks_between_hosts)."""
     t = report["executor_peak_threads"]
     assert sorted(t) == WORKERS, t
-    for host, v in t.items():
-        assert v["default"] > 10 and v["plugin"] > 10, (host, v)
     print(f"[cluster-test] peak executor threads: "
           f"{ {h: (v['default'], v['plugin']) for h, v in t.items()} } "
           f"(target met: {report['threads_target_met']})")
+    for host, v in t.items():
+        assert v["default"] > 10 and v["plugin"] > 10, (host, v)
+        assert v["within_target"], (host, report["threads_target"], v)
+    assert report["threads_target_met"], t
+    plugin, default = by_mode(report, "plugin"), by_mode(report, "default")
+    for host in WORKERS:
+        # The engine's threads in the samples taken while jobs ran (a sample may fall before
+        # the engine opened, or between its two threads starting): two, never more.
+        counts = plugin["executors"][host]["engine_thread_counts"]
+        assert counts and max(counts) == 2, (host, counts)
+        assert default["executors"][host]["engine_thread_counts"] == [0], (host, default["executors"][host])
 
 
 def reachable(host: str) -> bool:

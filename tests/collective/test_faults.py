@@ -5,7 +5,9 @@ import time
 
 from harness import Group, run
 
-TIMEOUT = 10.0
+# Generous, so that scheduling on a loaded machine is never mistaken for a hang; a rank that
+# was killed is noticed from its links going down, well inside half of it.
+TIMEOUT = 30.0
 
 
 def test_a_rank_killed_during_an_allreduce_makes_the_others_raise_within_the_timeout(tmp_path):
@@ -16,7 +18,8 @@ def test_a_rank_killed_during_an_allreduce_makes_the_others_raise_within_the_tim
             assert time.monotonic() < deadline, f"ranks never got going:\n{g.tail()}"
             assert all(p.poll() is None for p in g.procs.values()), f"a rank exited early:\n{g.tail()}"
             time.sleep(0.05)
-        time.sleep(0.3)  # well inside the loop of 16 MiB allreduces
+        # Every rank wrote ready after an allreduce of the loop, so all are in the loop, and
+        # every call of the survivors from now on needs rank 1.
         killed_at = time.time()
         g.kill(1)
         # The survivors must finish on their own: a hang fails here.
@@ -28,7 +31,8 @@ def test_a_rank_killed_during_an_allreduce_makes_the_others_raise_within_the_tim
         res = g.result(r)
         assert res["type"] == "MobiusError", res
         assert "rank 1" in res["error"], res["error"]
-        assert res["failed_at"] - killed_at < TIMEOUT, f"rank {r} took {res['failed_at'] - killed_at:.1f} s"
+        assert res["calls"] >= 1, res
+        assert res["failed_at"] - killed_at < TIMEOUT / 2, f"rank {r} took {res['failed_at'] - killed_at:.1f} s"
 
 
 def test_a_rank_that_never_joins_is_named_after_the_timeout(tmp_path):

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
+# Set by harness.Group, or by torchrun; a lone process is rank 0 of 1.
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 OUT = Path(sys.argv[3])
 
 NP = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "bf16": np.uint16, "i32": np.int32, "i64": np.int64,
@@ -68,8 +69,9 @@ def reduce_ref(stack: np.ndarray, op: str, dtype: str) -> np.ndarray:
     return r
 
 
-def report(obj) -> None:
-    (OUT / f"rank{RANK}.json").write_text(json.dumps(obj))
+def report(obj, name: str | None = None) -> None:
+    """Writes this rank's JSON report (``rank<r>.json``, or ``name``) for the test to read."""
+    (OUT / (name or f"rank{RANK}.json")).write_text(json.dumps(obj))
 
 
 def comm_for(**settings):
@@ -253,12 +255,14 @@ def scenario_loop_allreduce(args):
     comm = comm_for(timeout=args["timeout"])
     x = np.ones(args["n"], dtype=np.float32)
     comm.allreduce(x)
-    (OUT / f"ready{RANK}").write_text("1")
     calls = 0
     try:
         while True:
             comm.allreduce(x)
             calls += 1
+            if calls == 1:
+                # After a call of the loop: every rank is inside it once all wrote this.
+                (OUT / f"ready{RANK}").write_text("1")
     except Exception as e:  # noqa: BLE001
         report({"error": str(e), "type": type(e).__name__, "failed_at": time.time(), "calls": calls})
 
@@ -704,15 +708,17 @@ def scenario_torch_peer_dies(args):
     os._exit(0)  # the group is broken; skip the goodbye
 
 
-def main():
+def dispatch(scope: dict) -> None:
+    """Runs ``scenario_<argv[1]>`` of ``scope`` (a worker module's globals) with the JSON
+    arguments in ``argv[2]``; a scenario that raises prints its traceback and exits 3."""
     scenario = sys.argv[1]
     args = json.loads(sys.argv[2])
     try:
-        globals()[f"scenario_{scenario}"](args)
+        scope[f"scenario_{scenario}"](args)
     except Exception:
         traceback.print_exc()
         sys.exit(3)
 
 
 if __name__ == "__main__":
-    main()
+    dispatch(globals())

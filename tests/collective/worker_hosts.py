@@ -11,20 +11,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import time
-import traceback
-from pathlib import Path
 
 import numpy as np
 
-RANK = int(os.environ.get("RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
-OUT = Path(sys.argv[3])
-
-
-def report(obj, name: str | None = None) -> None:
-    (OUT / (name or f"rank{RANK}.json")).write_text(json.dumps(obj))
+from worker import OUT, RANK, WORLD, dispatch, report
 
 
 def mark(what: str, data: str = "") -> None:
@@ -285,15 +276,5 @@ def scenario_kill_loop(args):
     os._exit(0)
 
 
-def main():
-    scenario = sys.argv[1]
-    args = json.loads(sys.argv[2])
-    try:
-        globals()[f"scenario_{scenario}"](args)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(3)
-
-
 if __name__ == "__main__":
-    main()
+    dispatch(globals())

@@ -18,6 +18,7 @@ import glob
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from engine_stats import engine_totals  # noqa: E402,F401 - the tests import it from here
 PLUGIN_CLASS = "org.apache.spark.shuffle.rdma.RdmaShuffleManager"
 JOB_CLASS = "org.apache.spark.shuffle.rdma.jobs.ShuffleJobs"
 PROFILE = os.environ.get("RDMA_SPARK_PROFILE", "")
@@ -82,26 +85,6 @@ def require_native_or_skip(loaded: bool, what: str) -> None:
 
 
 JOBS = os.environ.get("RDMA_JOBS", "wordcount,terasort,sql,sparse,bigblock").split(",")
-
-
-STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
-
-
-def engine_totals(stderr: str) -> dict:
-    """executor id -> its engine's counters, from the driver's `RDMA_SHUFFLE_ENGINE_STATS` lines.
-    Reduce tasks report after they finish and the driver logs every report, so one executor has
-    many lines and the reports may arrive out of order: the counters only grow, so each one's
-    total is its largest value."""
-    totals: dict = {}
-    for m in STATS_RE.finditer(stderr):
-        kv = dict(x.split("=", 1) for x in m.group(1).split() if "=" in x)
-        mine = totals.setdefault(kv.pop("executor"), {})
-        for k, v in kv.items():
-            if v.isdigit():
-                mine[k] = max(mine.get(k, 0), int(v))
-            else:
-                mine[k] = v
-    return totals
 
 
 @dataclass

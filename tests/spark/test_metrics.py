@@ -15,10 +15,16 @@ so they are compared as totals: bytes served by all engines == bytes fetched by 
 The application also sets `spark.shuffle.rdma.eagerTreshold` (sic): the driver must warn once,
 naming `spark.shuffle.rdma.eagerThreshold`, and no executor may repeat it.
 
+The same job also runs with Spark's default shuffle first: the plugin's output (each job's
+digest) must equal it. And while the plugin's application waits, with `bindHost` unset, every
+engine's listening socket (from /proc/net/tcp{,6}) is on the address its log names, never on
+all interfaces (README Security).
+
 Run: `tests/spark/run.sh -k metrics`.
 """
 import csv
 import glob
+import ipaddress
 import os
 import re
 import subprocess
@@ -31,6 +37,8 @@ from conftest import CLUSTER_CONF, RUN_TIMEOUT_S
 
 METRICS_JOB = "org.apache.spark.shuffle.rdma.jobs.MetricsJob"
 STATS_RE = re.compile(r"RDMA_SHUFFLE_ENGINE_STATS (.*)$", re.M)
+LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+):(\d+) \(transport (\w+)\)")
+DIGEST_RE = re.compile(r"^DIGEST job=(\S+) (.*)$")
 # How long one step may wait for the application (executor start-up on 2 busy cores included).
 STEP_TIMEOUT_S = 300
 
@@ -117,6 +125,54 @@ class App:
         return self.proc.returncode
 
 
+def digests(lines: list) -> dict:
+    """job -> the rest of its DIGEST line (records, sum)."""
+    return {m.group(1): m.group(2) for m in map(DIGEST_RE.match, lines) if m}
+
+
+def listening_addresses(port: int) -> list:
+    """The local addresses of this network namespace's TCP sockets listening on `port`."""
+    found = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(path).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            addr, p = f[1].split(":")
+            if f[3] != "0A" or int(p, 16) != port:  # 0A: TCP_LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            # The kernel prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(ipaddress.ip_address(raw))
+    return found
+
+
+def check_engines_listen_on_their_own_address(runner, app_id: str) -> None:
+    """README Security: with `bindHost` unset, the block server listens on the executor's own
+    address, never on all interfaces. Read from the kernel's socket table while the engines
+    are up, not from what the engines say."""
+    seen = {}
+    for text in executor_logs(runner, app_id).values():
+        for m in LISTEN_RE.finditer(text):
+            seen[m.group(1)] = (m.group(2), int(m.group(3)))
+    assert set(seen) == {"0", "1"}, f"engines that logged their address: {seen}"
+    for executor, (host, port) in seen.items():
+        addrs = listening_addresses(port)
+        assert addrs, f"executor {executor}: nothing listens on port {port} ({host})"
+        wild = [a for a in addrs if a.is_unspecified]
+        assert not wild, f"executor {executor}: the engine listens on all interfaces ({wild}, port {port})"
+        try:
+            want = ipaddress.ip_address(host)
+        except ValueError:
+            continue  # a host name: not all interfaces is what the README promises
+        assert all(a == want or a == ipaddress.ip_address(f"::ffff:{want}") for a in addrs), \
+            f"executor {executor}: listens on {addrs}, its log says {host}"
+    print(f"[metrics] engines listen on {seen}")
+
+
 def sink_rows(csv_dir: str, app_id: str) -> dict:
     """executor id -> {metric: [(t, value), ...]} from the CSV sink's rdmaShuffle files."""
     out = {}
@@ -132,6 +188,14 @@ def sink_rows(csv_dir: str, app_id: str) -> dict:
 def test_engine_counters_reach_spark_metrics_sinks(runner):
     csv_dir = tempfile.mkdtemp(prefix="rs-a3-metrics-")
     release = os.path.join(csv_dir, "release")
+    # Spark's default shuffle first, for the outputs to compare with (released at once).
+    default_release = os.path.join(csv_dir, "release-default")
+    Path(default_release).touch()
+    default = App(submit_cmd(runner, METRICS_JOB, [default_release, "0"], {}, plugin=False), runner.env)
+    rc = default.finish(RUN_TIMEOUT_S)
+    assert rc == 0, f"default-shuffle run failed (rc={rc}); stderr tail:\n" + "\n".join(default.err[-60:])
+    expected = digests(default.out)
+    assert set(expected) == {"small", "large"}, default.out
     sink = "spark.metrics.conf.executor.sink.csv"
     conf = {
         f"{sink}.class": "org.apache.spark.metrics.sink.CsvSink",
@@ -145,6 +209,7 @@ def test_engine_counters_reach_spark_metrics_sinks(runner):
         app.wait_for_line("METRICS_JOB_DONE", STEP_TIMEOUT_S)
         done = time.time()
         app_id = app_id_of("\n".join(app.err))
+        check_engines_listen_on_their_own_address(runner, app_id)
         # Wait for a sink row of every executor taken after the job ended (whole seconds).
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while True:
@@ -164,6 +229,8 @@ def test_engine_counters_reach_spark_metrics_sinks(runner):
     assert rc == 0, f"application failed (rc={rc}); stderr tail:\n" + stderr[-4000:]
     assert "DIGEST job=small records=16000 " in "\n".join(app.out), app.out
     assert "DIGEST job=large records=256 " in "\n".join(app.out), app.out
+    # The same records, not only as many: each job's digest (count and sum of record hashes).
+    assert digests(app.out) == expected, (digests(app.out), expected)
 
     stats = engine_stats(stderr)
     assert set(stats) == {"0", "1"}, f"engine stats lines in the driver log: {sorted(stats)}"

@@ -13,6 +13,12 @@ fn one_sided() -> Arc<dyn Provider> {
 mod one_sided {
     use super::*;
     provider_suite!(one_sided);
+
+    // A sparse file past 4 GiB: the one-sided (verbs-shaped) path reads it too.
+    #[test]
+    fn blocks_stored_past_4_gib_are_served_exactly() {
+        suite::blocks_stored_past_4_gib_are_served_exactly(one_sided)
+    }
 }
 
 fn streamed() -> Arc<dyn Provider> {

@@ -21,3 +21,10 @@ fn silent_connections_do_not_delay_other_clients() {
 fn a_thousand_silent_connections_leave_an_honest_client_served() {
     suite::a_thousand_silent_connections_leave_an_honest_client_served(tcp)
 }
+
+// A sparse data file of 4 GiB and more (needs a real file system, which every provider reads
+// from; kept off the verbs suite, whose VM has a small disk and memlock limit).
+#[test]
+fn blocks_stored_past_4_gib_are_served_exactly() {
+    suite::blocks_stored_past_4_gib_are_served_exactly(tcp)
+}

@@ -165,3 +165,44 @@ pub fn a_range_past_the_end_of_a_block_is_refused(f: Factory) {
     assert_eq!(again[&0].as_ref().unwrap(), &o.range_bytes(2, 3));
     assert_eq!(c.connections(), 1);
 }
+
+/// A map output whose data file passes 4 GiB (a sparse file: the first partition is a hole
+/// of 4 GiB and a bit), with two blocks stored beyond it: one under the eager threshold and one
+/// over it, so both the inline and the pulled path read at 64-bit offsets. Each arrives with
+/// exactly the bytes written there; an offset cut to 32 bits anywhere on the way (index, store,
+/// the server's read, a descriptor) would read the hole's zeros or the first bytes instead.
+pub fn blocks_stored_past_4_gib_are_served_exactly(f: Factory) {
+    const HOLE: u64 = (4 << 30) + 4093; // not a multiple of anything convenient
+    let dir = tempfile::tempdir().unwrap();
+    let (shuffle, map) = (9, 1);
+    let data_path = dir.path().join(format!("shuffle_{shuffle}_{map}_0.data"));
+    let index_path = dir.path().join(format!("shuffle_{shuffle}_{map}_0.index"));
+    let mut rng = rdma_shuffle_shuffle::testkit::TestRng::new(4);
+    let parts: Vec<Vec<u8>> =
+        [100usize, EAGER as usize * 3].iter().map(|&n| (0..n).map(|_| rng.next_u64() as u8).collect()).collect();
+    let file = std::fs::File::create(&data_path).unwrap();
+    let mut at = HOLE;
+    let mut offsets = vec![0i64, HOLE as i64];
+    for p in &parts {
+        std::os::unix::fs::FileExt::write_all_at(&file, p, at).unwrap();
+        at += p.len() as u64;
+        offsets.push(at as i64);
+    }
+    drop(file);
+    rdma_shuffle_shuffle::testkit::write_index(&index_path, &offsets).unwrap();
+    let server = BlockServer::bind(f(), listen_addr(), server_cfg(None)).unwrap();
+    let files = MapOutputFiles { shuffle_id: shuffle, map_id: map, data_path, index_path, num_partitions: Some(3) };
+    server.register(files).unwrap();
+    assert_eq!(server.store().get(shuffle, map).unwrap().data_len(), at);
+    let c = client(f, None, 16 << 20);
+    let blocks =
+        [ShuffleBlock::single(shuffle, map, 1), ShuffleBlock::single(shuffle, map, 2), ShuffleBlock::batch(shuffle, map, 1, 3)];
+    let got = fetch_all(&c, server.local_addr(), &blocks);
+    let both: Vec<u8> = parts.concat();
+    for (i, want) in [&parts[0], &parts[1], &both].into_iter().enumerate() {
+        let b = got[&i].as_ref().unwrap_or_else(|e| panic!("block {i} past 4 GiB: {e}"));
+        assert!(b == want, "block {i} past 4 GiB: {} bytes, not the ones stored there", b.len());
+    }
+    let st = c.stats();
+    assert!(st.eager_blocks.load(Ordering::Relaxed) >= 1 && st.rendezvous_blocks.load(Ordering::Relaxed) >= 1, "both paths ran");
+}

@@ -72,15 +72,23 @@ pub fn local_backpressure_is_not_peer_silence(f: Factory) {
         [ShuffleBlock::single(3, o.map_id, 6), ShuffleBlock::single(3, o.map_id, 1), ShuffleBlock::single(3, o.map_id, 2)];
     c.fetch(addr, &blocks, second.clone());
     assert!(second.wait(2, Duration::from_secs(60)), "the small blocks are not held up");
+    // The server answers a connection's blocks in order, so the large block's answer came
+    // before the small ones': it is waiting for memory now. Its peer then stays silent for
+    // several fetch timeouts. The time must really pass (that is what is tested), but passing
+    // alone proves nothing if the loop never ran meanwhile, as on a starved machine: the
+    // request below makes the loop turn after every deadline has gone by, and its timers fire
+    // on the turn they are due. Only then is "nothing failed" checked.
+    let waiting_since = Instant::now();
     std::thread::sleep(timeout * 4);
+    // The connection is alive: another request on it is served.
+    let got = fetch_all(&c, addr, &[ShuffleBlock::single(3, o.map_id, 3)]);
+    assert_eq!(got[&0].as_ref().unwrap(), &o.range_bytes(3, 4));
+    assert!(waiting_since.elapsed() > timeout * 4);
     assert_eq!(second.count(), 2, "the large block waits for memory, it does not fail");
     for i in [1, 2] {
         let b = second.take(i).unwrap().unwrap_or_else(|e| panic!("small block {i}: {e}"));
         assert_eq!(&b[..], &o.range_bytes(i as u32, i as u32 + 1)[..]);
     }
-    // The connection is alive: another request on it is served at once.
-    let got = fetch_all(&c, addr, &[ShuffleBlock::single(3, o.map_id, 3)]);
-    assert_eq!(got[&0].as_ref().unwrap(), &o.range_bytes(3, 4));
     assert_eq!(c.stats().failed_blocks.load(Ordering::Relaxed), 0, "nothing failed while memory was short");
 
     // The consumer lets go: the waiting block completes.

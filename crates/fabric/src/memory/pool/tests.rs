@@ -81,6 +81,11 @@ fn assert_inside_its_region(lease: &Lease, reg: &CountingRegistrar) {
 }
 
 /// Polls `cond` for up to 10 s (tests must not hang if the pool misbehaves).
+/// Threads parked in `acquire` on the pool's condition variable right now.
+fn parked(pool: &TieredPool) -> usize {
+    pool.shared.state.lock().waiters
+}
+
 fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let end = Instant::now() + Duration::from_secs(10);
     while !cond() {
@@ -228,7 +233,9 @@ fn cap_holds_and_a_waiter_wakes_when_a_lease_returns() {
         thread::spawn(move || pool.acquire(60 * KIB, Some(Instant::now() + Duration::from_secs(20))))
     };
     eventually("the waiter blocks", || pool.stats().waits == 1);
-    thread::sleep(Duration::from_millis(20));
+    // Parked on the condition variable (counted under the lock it releases there): from here
+    // it can only leave when woken, so it has not grown past the cap, however slow the machine.
+    eventually("the waiter is parked", || parked(&pool) == 1);
     assert!(!waiter.is_finished(), "must wait, not grow past the cap");
     assert_eq!(pool.stats().bytes_allocated, 128 * KIB as u64);
     let b_addr = b.as_ptr();
@@ -473,7 +480,9 @@ fn concurrent_requests_share_one_growing_slab() {
     // Registration runs outside the lock: the pool still answers.
     assert_eq!(pool.stats().bytes_allocated, 64 * KIB as u64, "the slab is reserved");
     let second = spawn(&pool);
-    thread::sleep(Duration::from_millis(100));
+    // The second request parks (the first is inside `register`, not on the pool's condition
+    // variable): it decided to wait for the slab in flight rather than register one of its own.
+    eventually("the second request is parked", || parked(&pool) == 1);
     assert_eq!(reg.calls.load(Ordering::SeqCst), 1, "the second request waits for the slab in flight");
     *reg.open.lock() = true;
     reg.opened.notify_all();

@@ -8,7 +8,11 @@ import org.junit.Test
 
 import org.apache.spark.SparkConf
 
-/** The hand-over decision: encryption requested means Spark's sort shuffle, never plaintext. */
+/**
+ * The hand-over decision: encryption requested means Spark's sort shuffle, never plaintext; so
+ * do the settings by which Spark serves or moves shuffle files by means the engine cannot
+ * follow (README "When it steps aside").
+ */
 class FallbackPolicyTest {
   private def policy(kv: (String, String)*): DefaultFallbackPolicy = {
     val c = new SparkConf(false)
@@ -61,6 +65,43 @@ class FallbackPolicyTest {
       val p = policy(kv: _*)
       assertEquals(s"$kv", None, p.reasonToHandOverAll)
       assertEquals(s"$kv", None, p.encryption)
+    }
+  }
+
+  /** Hands every shuffle over, naming `setting` in its reason, with no encryption involved. */
+  private def handsOverFor(setting: String, kv: (String, String)*): Unit = {
+    val p = policy(kv: _*)
+    val reason = p.reasonToHandOverAll
+    assertTrue(s"$kv: $reason", reason.exists(_.startsWith(setting)))
+    assertEquals(s"$kv: every shuffle", reason, p.reasonToHandOver(null))
+    assertEquals(s"$kv", None, p.encryption)
+  }
+
+  @Test def filesServedOrMovedBySparkHandEveryShuffleToSpark(): Unit = {
+    // The external shuffle service serves files after their executor (and its engine) is gone.
+    handsOverFor("spark.shuffle.service.enabled=true", "spark.shuffle.service.enabled" -> "true")
+    // Push-based shuffle merges blocks remotely.
+    handsOverFor("spark.shuffle.push.enabled=true", "spark.shuffle.push.enabled" -> "true")
+    // A custom shuffle IO plugin may not write local .data/.index files.
+    handsOverFor(
+      "spark.shuffle.sort.io.plugin.class=com.example.RemoteShuffleDataIO",
+      "spark.shuffle.sort.io.plugin.class" -> "com.example.RemoteShuffleDataIO")
+    // Each rule on its own, whatever else is set that keeps the engine.
+    handsOverFor(
+      "spark.shuffle.push.enabled=true",
+      "spark.shuffle.push.enabled" -> "true",
+      "spark.io.encryption.enabled" -> "true",
+      "spark.shuffle.service.enabled" -> "false")
+  }
+
+  @Test def theSameSettingsOffOrAtSparksDefaultKeepTheEngine(): Unit = {
+    for (kv <- Seq(
+        Seq("spark.shuffle.service.enabled" -> "false"),
+        Seq("spark.shuffle.push.enabled" -> "false"),
+        Seq(
+          "spark.shuffle.sort.io.plugin.class" ->
+            "org.apache.spark.shuffle.sort.io.LocalDiskShuffleDataIO"))) {
+      assertEquals(s"$kv", None, policy(kv: _*).reasonToHandOverAll)
     }
   }
 

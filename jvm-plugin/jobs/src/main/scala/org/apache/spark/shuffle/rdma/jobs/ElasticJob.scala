@@ -106,7 +106,7 @@ object ElasticJob {
       before.values.sum == shape.maps,
       s"map stage left ${before.values.sum} of ${shape.maps} outputs")
     val victim = before.maxBy(_._2)._1
-    sc.listenerBus.waitUntilEmpty() // every map task's end counted before the baseline
+    ListenerBus.drain(sc) // every map task's end counted before the baseline
     val mapsBefore = events.successfulMaps.get()
     val t0 = System.currentTimeMillis()
     val accepted = sc.schedulerBackend.asInstanceOf[ExecutorAllocationClient].decommissionExecutor(
@@ -198,7 +198,7 @@ object ElasticJob {
     val sc = rdd.sparkContext
     val reduces = rdd.partitions.length
     val perPartition = FaultJob.digestPartitions(rdd, reduces)
-    sc.listenerBus.waitUntilEmpty() // every task of this job counted
+    ListenerBus.drain(sc) // every task of this job counted
     val (expN, expSum) = FaultJob.expected(seed, shape, rekey)
     val n = perPartition.map(_._1).sum
     val sum = perPartition.map(_._2).sum

@@ -69,14 +69,14 @@ object ShuffleBench {
     val metrics = new ShuffleMetricsListener
     sc.addSparkListener(metrics)
     jobs.foreach { job =>
-      settle(sc)
+      ListenerBus.drain(sc)
       metrics.reset()
       val startEpochMs = System.currentTimeMillis()
       val start = System.nanoTime()
       val (n, digest) = run(spark, job, records)
       val wallMs = (System.nanoTime() - start) / 1000000
       val endEpochMs = System.currentTimeMillis()
-      settle(sc)
+      ListenerBus.drain(sc)
       require(n == records, s"$job produced $n records, expected $records")
       println(f"BENCH job=$job wall_ms=$wallMs start_epoch_ms=$startEpochMs end_epoch_ms=$endEpochMs records=$n digest=$digest%016x ${metrics.render}")
     }
@@ -100,12 +100,6 @@ object ShuffleBench {
           s"within ${timeoutMs / 1000} s")
       Thread.sleep(200)
     }
-  }
-
-  /** Lets the listener bus deliver the task-end events of the previous jobs (see ShuffleJobs). */
-  private def settle(sc: SparkContext): Unit = {
-    sc.parallelize(1 to 1, 1).count()
-    Thread.sleep(500)
   }
 
   /** The input: `records` (key, value) pairs over [[Partitions]] map partitions. */

@@ -54,7 +54,7 @@ object ShuffleJobs {
     val metrics = new ShuffleMetricsListener
     sc.addSparkListener(metrics)
     jobs.foreach { job =>
-      waitForListenerBus(sc)
+      ListenerBus.drain(sc) // the previous job's task ends counted before the reset
       metrics.reset()
       val start = System.nanoTime()
       val digest = job match {
@@ -66,20 +66,12 @@ object ShuffleJobs {
         case "hugerequest" => hugeRequest(sc, scale)
       }
       val wallMs = (System.nanoTime() - start) / 1000000
-      // Task-end events arrive asynchronously; let the listener bus deliver them.
-      waitForListenerBus(sc)
+      // Task-end events arrive asynchronously; every one of this job's counted before printing.
+      ListenerBus.drain(sc)
       println(s"DIGEST job=$job $digest")
       println(s"SHUFFLE_METRICS job=$job wall_ms=$wallMs ${metrics.render}")
     }
     spark.stop()
-  }
-
-  private def waitForListenerBus(sc: SparkContext): Unit = {
-    // SparkContext.listenerBus is private[spark]; a tiny job plus a short bounded wait is
-    // enough for the task-end events of earlier stages to be delivered. Its own task reads no
-    // shuffle, so it does not disturb the numbers.
-    sc.parallelize(1 to 1, 1).count()
-    Thread.sleep(500)
   }
 
   // ------------------------------------------------------------------------------------------
