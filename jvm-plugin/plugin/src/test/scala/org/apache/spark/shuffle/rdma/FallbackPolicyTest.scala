@@ -91,7 +91,8 @@ class FallbackPolicyTest {
       "spark.shuffle.push.enabled=true",
       "spark.shuffle.push.enabled" -> "true",
       "spark.io.encryption.enabled" -> "true",
-      "spark.shuffle.service.enabled" -> "false")
+      "spark.shuffle.service.enabled" -> "false"
+    )
   }
 
   @Test def theSameSettingsOffOrAtSparksDefaultKeepTheEngine(): Unit = {
@@ -100,7 +101,8 @@ class FallbackPolicyTest {
         Seq("spark.shuffle.push.enabled" -> "false"),
         Seq(
           "spark.shuffle.sort.io.plugin.class" ->
-            "org.apache.spark.shuffle.sort.io.LocalDiskShuffleDataIO"))) {
+            "org.apache.spark.shuffle.sort.io.LocalDiskShuffleDataIO")
+      )) {
       assertEquals(s"$kv", None, policy(kv: _*).reasonToHandOverAll)
     }
   }
