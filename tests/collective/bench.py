@@ -12,7 +12,9 @@ Definitions are nccl-tests': algbw = bytes / time; busbw = algbw × 2(n−1)/n f
 (n−1)/n for allgather, 1 for broadcast; GB = 1e9 bytes.
 
 Libraries:
-* ``mobius`` — this project (policy on, α/β measured at start, tcp);
+* ``mobius`` — this project (policy on, α/β measured at start, ``MOBIUS_TRANSPORT=auto``: shared
+  memory, since all ranks are on this host);
+* ``mobius-tcp`` — the same over tcp loopback (``MOBIUS_TRANSPORT=tcp``);
 * ``gloo`` — torch.distributed's gloo backend (torch from PyPI);
 * ``mpi`` — Open MPI (Debian) through mpi4py, TCP only: ``--mca pml ob1 --mca btl tcp,self``;
 * ``openmpi-sm`` — the same with Open MPI's default same-host transport, its shared-memory BTL
@@ -39,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-LIBRARIES = ("mobius", "gloo", "mpi", "openmpi-sm", "ring")
+LIBRARIES = ("mobius", "mobius-tcp", "gloo", "mpi", "openmpi-sm", "ring")
 MPI_LIBS = ("mpi", "openmpi-sm")
 
 
@@ -156,7 +158,7 @@ def rank_main(lib, cfg_path, rank=None, world=None):
     if lib in MPI_LIBS:
         from mpi4py import MPI
         rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    res, extra = {"mobius": rank_mobius, "gloo": rank_gloo, "mpi": rank_mpi, "openmpi-sm": rank_mpi,
+    res, extra = {"mobius": rank_mobius, "mobius-tcp": rank_mobius, "gloo": rank_gloo, "mpi": rank_mpi, "openmpi-sm": rank_mpi,
                   "ring": rank_ring}[lib](cfg, rank, world)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"times": {str(k): v for k, v in res.items()}, **extra}))
     if lib == "gloo":
@@ -172,7 +174,8 @@ def launch(lib, world, cfg, workdir: Path, timeout: float):
     cfg = dict(cfg, port=free_port(), out=str(workdir))
     cfg_path = workdir / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RING_DIR=str(workdir), MOBIUS_TUNE="on")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RING_DIR=str(workdir), MOBIUS_TUNE="on",
+               MOBIUS_TRANSPORT="tcp" if lib == "mobius-tcp" else "auto")
     log = open(workdir / "log.txt", "w")
     if lib in MPI_LIBS:
         btl = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"] if lib == "mpi" else \
@@ -222,7 +225,7 @@ def run(args):
                     t, extra = launch(lib, world, cfg, out / "runs" / f"{lib}-{op}-w{world}-r{rnd}", args.timeout)
                     for s, v in t.items():
                         rounds.setdefault((lib, op, world, s), []).append(v)
-                    if extra.get("decisions"):
+                    if extra.get("decisions") and lib == "mobius":
                         extras[(op, world)] = extra
                     print(f"round {rnd + 1}/{args.rounds} {lib:6s} {op} world {world}: done", file=sys.stderr)
     rows = []
@@ -234,7 +237,8 @@ def run(args):
                      "time_us_min": min(ts) * 1e6, "time_us_max": max(ts) * 1e6, "rounds": len(ts),
                      "iters": args.iters})
     report = {"rows": rows, "config": vars(args),
-              "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"]}
+              "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"],
+                                                         "transport": e["stats"].get("transport")}
                                 for (op, w), e in extras.items()}}
     (out / "collective.json").write_text(json.dumps(report, indent=1))
     print_table(rows, libs)

@@ -18,7 +18,7 @@ def test_tiny_benchmark_yields_rows_for_every_library(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "collective.json").read_text())
     rows = report["rows"]
-    assert {r["library"] for r in rows} == {"mobius", "gloo", "mpi", "openmpi-sm", "ring"}
+    assert {r["library"] for r in rows} == {"mobius", "mobius-tcp", "gloo", "mpi", "openmpi-sm", "ring"}
     for r in rows:
         assert set(r) >= {"library", "op", "bytes", "world", "time_us", "algbw_gbs", "busbw_gbs"}
         assert r["time_us"] > 0
@@ -28,6 +28,8 @@ def test_tiny_benchmark_yields_rows_for_every_library(tmp_path):
     assert (tmp_path / "collective.png").stat().st_size > 10_000
     policy = report["mobius_policy"]["allreduce/world2"]
     assert policy["decisions"]["4096"][0] == "rd"
+    # All ranks on this host: the default (auto) transport is shared memory.
+    assert policy["transport"] == "shm", policy
 
 
 def test_tiny_ddp_benchmark_compares_gloo_and_mobius(tmp_path):

@@ -146,7 +146,7 @@ def test_two_hosts_of_two_ranks_choose_the_hierarchy_and_match_gloo(hosts, tmp_p
     measurement covers same-host and cross-host links (rank 0's link_costs); with same-host
     links declared as a single-copy shared-memory path would be (MOBIUS_LOCAL_LINK=2,25: 2 µs,
     Open MPI sm's latency here, and 25 GB/s, memcpy speed on this machine; standing in for the
-    shm provider, which is not there yet) the policy picks the hierarchical allreduce at 1 and
+    shm provider, which auto does not pick for a group that spans hosts: one provider per group) the policy picks the hierarchical allreduce at 1 and
     16 MiB, in MOBIUS_DEBUG=policy's log too, and its results are exact; DDP under mobius
     equals gloo's. (At 7.6 GB/s, Open MPI sm's busbw, the model keeps flat Rabenseifner on 2 × 2:
     the leader's in-host reduce and broadcast move 2n same-host bytes to save 0.5n network

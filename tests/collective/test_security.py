@@ -74,8 +74,11 @@ def intruder(tmp_path, name, addresses, group):
 
 
 def test_strangers_garbage_and_other_groups_are_refused_and_the_group_computes_right(tmp_path):
+    # On tcp: this is the network-facing handshake (shm's own refusals, wrong secret and
+    # another uid, are fabric's shm tests). And the stand-in card for rank 2 below would
+    # otherwise put ranks 0 and 1 on tcp and the real rank 2, which reads its own card, on shm.
     g = Group("secure_loop", 3, tmp_path, {"timeout": 90}, ranks=[0, 1], script="worker_hosts.py",
-              env={"MOBIUS_TIMEOUT": "90"})
+              env={"MOBIUS_TIMEOUT": "90", "MOBIUS_TRANSPORT": "tcp"})
     try:
         victim = store_op(g.port, STORE_GET, "mobius/mobius/addr/0")
         gid, _secret = store_op(g.port, STORE_GET, "mobius/mobius/group").split(":")
@@ -84,7 +87,7 @@ def test_strangers_garbage_and_other_groups_are_refused_and_the_group_computes_r
         # Nobody connects to rank 2 (the highest rank connects to the others), so the real
         # one, which publishes its own address later, joins normally.
         store_op(g.port, STORE_SET, "mobius/mobius/addr/2", "127.0.0.1:9")
-        host, port = victim.rsplit(":", 1)
+        host, port = victim.split(" ")[0].rsplit(":", 1)
         addr = (host, int(port))
 
         # A stranger that connects and says nothing; one that sends random bytes.

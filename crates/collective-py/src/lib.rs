@@ -14,7 +14,7 @@ use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,14 +103,14 @@ struct PyRendezvous {
 }
 
 impl Rendezvous for PyRendezvous {
-    fn exchange(&mut self, _rank: usize, world: usize, mine: SocketAddr, _deadline: Instant) -> Result<Vec<SocketAddr>, String> {
+    fn exchange(&mut self, _rank: usize, world: usize, mine: &str, _deadline: Instant) -> Result<Vec<String>, String> {
         Python::with_gil(|py| {
-            let out = self.exchange.call1(py, (mine.to_string(),)).map_err(|e| format!("address exchange failed: {e}"))?;
+            let out = self.exchange.call1(py, (mine,)).map_err(|e| format!("address exchange failed: {e}"))?;
             let list: Vec<String> = out.extract(py).map_err(|e| format!("address exchange returned no list of str: {e}"))?;
             if list.len() != world {
                 return Err(format!("address exchange returned {} addresses for a world of {world}", list.len()));
             }
-            list.iter().map(|a| a.parse().map_err(|_| format!("unreadable address {a:?}"))).collect()
+            Ok(list)
         })
     }
 }
@@ -129,11 +129,9 @@ fn config(rank: usize, world: usize, settings: Option<&Bound<'_, PyDict>>) -> Py
     }
     if let Some(v) = get("transport")? {
         let t: String = v.extract()?;
-        c.transport = match t.as_str() {
-            "tcp" => TransportKind::Tcp,
-            "verbs" => TransportKind::Verbs(get("device")?.map(|d| d.extract()).transpose()?),
-            other => return Err(PyValueError::new_err(format!("transport={other:?}: use 'tcp' or 'verbs'"))),
-        };
+        let device: Option<String> = get("device")?.map(|d| d.extract()).transpose()?;
+        c.transport = TransportKind::parse(&t, device)
+            .map_err(|_| PyValueError::new_err(format!("transport={t:?}: use 'auto', 'tcp', 'shm' or 'verbs'")))?;
     }
     if let Some(v) = get("secret")? {
         c.secret = Some(v.extract()?);

@@ -238,7 +238,7 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     """Joins a group through a TCP store served by rank 0. Arguments default to the
     environment's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1) and ``MASTER_PORT``.
 
-    ``settings``: ``timeout`` (seconds), ``transport`` (``"tcp"`` | ``"verbs"``), ``secret``,
+    ``settings``: ``timeout`` (seconds), ``transport`` (``"auto"`` | ``"tcp"`` | ``"shm"`` | ``"verbs"``), ``secret``,
     ``job``, ``algo``, ``proto``, ``segment``, ``eager_limit``, ``max_message``, ``tune``,
     ``debug_policy``; unset ones come from ``MOBIUS_*`` variables.
     """

@@ -4,6 +4,7 @@
 use crate::error::CollectiveError;
 use crate::policy::{parse_bytes, Overrides};
 use rdma_shuffle_fabric::mesh::MeshConfig;
+use rdma_shuffle_fabric::providers::shm::{ShmConfig, ShmProvider};
 use rdma_shuffle_fabric::{open_provider, PoolConfig, Provider, ProviderChoice, ProviderSpec};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
@@ -14,10 +15,30 @@ use super::MAX_WORLD;
 /// Which provider carries a communicator's traffic.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TransportKind {
-    /// TCP sockets.
+    /// Shared memory when every rank of the group is on this host (equal host identities,
+    /// see [`host_identity`]), else TCP sockets. The ranks decide together from what each
+    /// published at the rendezvous, so they always agree.
+    Auto,
+    /// TCP sockets, also between ranks of one host.
     Tcp,
+    /// Shared memory (fabric's shm provider): every rank must be on this host.
+    Shm,
     /// RDMA verbs (needs the `verbs` feature and a device); `None` takes the first active one.
     Verbs(Option<String>),
+}
+
+impl TransportKind {
+    /// Parses a `MOBIUS_TRANSPORT` value (`auto` | `tcp` | `shm` | `verbs`); `device` is the
+    /// verbs device (`MOBIUS_VERBS_DEVICE`).
+    pub fn parse(s: &str, device: Option<String>) -> Result<Self, CollectiveError> {
+        Ok(match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => TransportKind::Auto,
+            "tcp" => TransportKind::Tcp,
+            "shm" => TransportKind::Shm,
+            "verbs" | "rdma" => TransportKind::Verbs(device),
+            other => return Err(CollectiveError::Config(format!("MOBIUS_TRANSPORT={other:?}: use auto, tcp, shm or verbs"))),
+        })
+    }
 }
 
 /// Settings of a communicator. [`CommConfig::from_env`] reads them from the environment.
@@ -30,7 +51,8 @@ pub struct CommConfig {
     /// Limit for every wait: joining the group, and each collective call (`MOBIUS_TIMEOUT`,
     /// seconds; default 120).
     pub timeout: Duration,
-    /// Provider (`MOBIUS_TRANSPORT`: `tcp` | `verbs`; default tcp).
+    /// Provider (`MOBIUS_TRANSPORT`: `auto` | `tcp` | `shm` | `verbs`; default auto: shm when
+    /// all ranks share this host, else tcp).
     pub transport: TransportKind,
     /// Largest eager message (`MOBIUS_EAGER_LIMIT`; default 64k).
     pub eager_limit: usize,
@@ -77,7 +99,7 @@ impl CommConfig {
             rank,
             world,
             timeout: Duration::from_secs(120),
-            transport: TransportKind::Tcp,
+            transport: TransportKind::Auto,
             eager_limit: 64 << 10,
             max_message: 16 << 20,
             pool_bytes: 1 << 30,
@@ -133,11 +155,7 @@ impl CommConfig {
             self.timeout = Duration::from_secs_f64(s);
         }
         if let Some(t) = var("MOBIUS_TRANSPORT") {
-            self.transport = match t.trim().to_ascii_lowercase().as_str() {
-                "tcp" => TransportKind::Tcp,
-                "verbs" | "rdma" => TransportKind::Verbs(var("MOBIUS_VERBS_DEVICE")),
-                other => return Err(CollectiveError::Config(format!("MOBIUS_TRANSPORT={other:?}: use tcp or verbs"))),
-            };
+            self.transport = TransportKind::parse(&t, var("MOBIUS_VERBS_DEVICE"))?;
         }
         if let Some(n) = bytes("MOBIUS_EAGER_LIMIT")? {
             self.eager_limit = n;
@@ -225,10 +243,12 @@ impl CommConfig {
     }
 
     /// The provider this configuration asks for (fabric's [`open_provider`], which lists the
-    /// providers).
+    /// providers). [`TransportKind::Auto`] asks for tcp here: the communicator opens the shm
+    /// provider too ([`shm_provider`](Self::shm_provider)) and picks one at the rendezvous.
     pub fn provider(&self) -> Result<Arc<dyn Provider>, CollectiveError> {
         let spec = match &self.transport {
-            TransportKind::Tcp => ProviderSpec::default(),
+            TransportKind::Tcp | TransportKind::Auto => ProviderSpec::default(),
+            TransportKind::Shm => return Ok(self.shm_provider()),
             TransportKind::Verbs(device) => ProviderSpec {
                 choice: ProviderChoice::Verbs,
                 device: device.clone(),
@@ -237,6 +257,19 @@ impl CommConfig {
             },
         };
         open_provider(&spec).map(|o| o.provider).map_err(|e| CollectiveError::Config(format!("MOBIUS_TRANSPORT=verbs: {e}")))
+    }
+
+    /// The shm provider with this communicator's limits and secret: the segment of a link is
+    /// made only for a peer that proves the group's secret (and `MOBIUS_SECRET`), so a process
+    /// of the same user but another job gets no shared memory, not only no messages.
+    pub fn shm_provider(&self) -> Arc<dyn Provider> {
+        let m = self.mesh_config();
+        Arc::new(ShmProvider::new(ShmConfig {
+            // The largest message of the mesh and room for its frame header.
+            max_message: self.max_message.max(self.eager_limit) + (64 << 10),
+            secret: m.secret,
+            ..ShmConfig::default()
+        }))
     }
 }
 
@@ -506,8 +539,8 @@ mod tests {
         assert_eq!(parse_bytes(&default("MOBIUS_MAX_MESSAGE")), Some(c.max_message));
         assert_eq!(parse_bytes(&default("MOBIUS_POOL_BYTES")).map(|n| n as u64), Some(c.pool_bytes));
         assert_eq!(default("MOBIUS_JOB"), c.job);
-        assert_eq!(default("MOBIUS_TRANSPORT"), "tcp");
-        assert!(matches!(c.transport, TransportKind::Tcp));
+        assert_eq!(default("MOBIUS_TRANSPORT"), "auto");
+        assert!(matches!(c.transport, TransportKind::Auto));
         assert_eq!(default("MOBIUS_TUNE") == "on", c.tune);
         assert_eq!(default("MOBIUS_REGCACHE") == "on", c.cache_registrations);
         for unset in [

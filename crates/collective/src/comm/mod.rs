@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tracing::info;
+use tracing::{info, warn};
 
 pub use config::{host_identity, CommConfig, GroupKey, TransportKind};
 pub use rendezvous::{Rendezvous, StoreRendezvous};
@@ -187,14 +187,48 @@ impl Communicator<MeshTransport> {
 
     /// Joins the group, exchanging addresses through `rendezvous` (e.g. torch's store), with
     /// the mesh listening on `ip`.
+    ///
+    /// With [`TransportKind::Auto`] a rank listens twice at one address — on tcp, and on the
+    /// shm provider's socket named after that address — and its card says which host it is
+    /// on. When every card names this host, every rank connects over shm; otherwise (another
+    /// host, or a rank that asked for tcp) every rank connects over tcp. Each rank decides from
+    /// the same cards, so they agree without another round.
     pub fn join(config: CommConfig, ip: IpAddr, rendezvous: &mut dyn Rendezvous) -> Result<Self, CollectiveError> {
         config.validate()?;
         let rank = config.rank;
         let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
         let deadline = Instant::now() + config.timeout;
-        let provider = config.provider()?;
-        let listener = MeshListener::bind(provider, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()))?;
-        let addrs = rendezvous.exchange(rank, config.world, listener.local_addr(), deadline).map_err(rdv)?;
+        let bind = |p| MeshListener::bind(p, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()));
+        let listener = bind(config.provider()?)?;
+        let addr = listener.local_addr();
+        let mut card = addr.to_string();
+        let mut shm = None;
+        if config.transport == TransportKind::Auto && config.world > 1 {
+            match MeshListener::bind(config.shm_provider(), addr, rank) {
+                Ok(l) => {
+                    shm = Some(l);
+                    card = auto_card(addr, &config.host_id.clone().unwrap_or_else(host_identity));
+                }
+                // Shared memory is an optimisation: without it this rank says nothing of its
+                // host, and the whole group stays on tcp.
+                Err(e) => warn!(target: "mobius", rank, error = %e, "no shm listener; the group will use tcp"),
+            }
+        }
+        let cards = rendezvous.exchange(rank, config.world, &card, deadline).map_err(rdv)?;
+        let mut addrs = Vec::with_capacity(cards.len());
+        for (r, c) in cards.iter().enumerate() {
+            let a = c.split(' ').next().unwrap_or_default();
+            addrs.push(a.parse().map_err(|_| rdv(format!("rank {r} published an unreadable address {a:?}")))?);
+        }
+        let here = card_host(&card);
+        let listener = match shm {
+            Some(l) if here.is_some() && cards.iter().all(|c| card_host(c) == here) => {
+                drop(listener);
+                l
+            }
+            // Dropping the unused listener stops its loop threads.
+            _ => listener,
+        };
         let mut mc = config.mesh_config();
         mc.connect_timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let mesh = Mesh::connect(listener, &addrs, mc).map_err(|e| rdv(e.to_string()))?;
@@ -212,6 +246,17 @@ impl Communicator<MeshTransport> {
     pub fn provider_counters(&self) -> Vec<(&'static str, u64)> {
         self.t.mesh().provider_counters()
     }
+}
+
+/// The card of a rank that can use shm: its address and its host.
+fn auto_card(addr: SocketAddr, host: &str) -> String {
+    // Cards are split at spaces; an identity is compared, never parsed.
+    format!("{addr} shm@{}", host.replace(char::is_whitespace, "_"))
+}
+
+/// The host a card names, if its rank can use shm.
+fn card_host(card: &str) -> Option<&str> {
+    card.split_once(' ').and_then(|(_, rest)| rest.strip_prefix("shm@"))
 }
 
 /// Tags of the start-up exchange (call number 0, below every collective's).

@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 
 /// Where the ranks find each other: the store, or addresses exchanged by someone else.
 pub trait Rendezvous {
-    /// Publishes this rank's mesh address and returns every rank's, in rank order, waiting
-    /// at most until `deadline`; the error names the ranks that never showed up.
-    fn exchange(&mut self, rank: usize, world: usize, mine: SocketAddr, deadline: Instant) -> Result<Vec<SocketAddr>, String>;
+    /// Publishes this rank's card (its mesh address, and what else the ranks must agree on
+    /// before they connect: see `Communicator::join`) and returns every rank's, in rank order,
+    /// waiting at most until `deadline`; the error names the ranks that never showed up.
+    /// Cards are opaque single-line strings to the rendezvous.
+    fn exchange(&mut self, rank: usize, world: usize, mine: &str, deadline: Instant) -> Result<Vec<String>, String>;
 }
 
 /// [`Rendezvous`] through the crate's TCP store.
@@ -28,14 +30,14 @@ impl StoreRendezvous {
 }
 
 impl Rendezvous for StoreRendezvous {
-    fn exchange(&mut self, rank: usize, world: usize, mine: SocketAddr, deadline: Instant) -> Result<Vec<SocketAddr>, String> {
-        self.client.set(&format!("{}/addr/{rank}", self.prefix), mine.to_string().as_bytes())?;
+    fn exchange(&mut self, rank: usize, world: usize, mine: &str, deadline: Instant) -> Result<Vec<String>, String> {
+        self.client.set(&format!("{}/addr/{rank}", self.prefix), mine.as_bytes())?;
         let mut out = Vec::with_capacity(world);
         let mut missing = Vec::new();
         let mut note = String::new();
         for r in 0..world {
             if r == rank {
-                out.push(mine);
+                out.push(mine.to_string());
                 continue;
             }
             let key = format!("{}/addr/{r}", self.prefix);
@@ -49,9 +51,7 @@ impl Rendezvous for StoreRendezvous {
                 continue;
             }
             match self.client.get(&key, deadline) {
-                Ok(Some(v)) => out.push(
-                    String::from_utf8_lossy(&v).parse().map_err(|_| format!("rank {r} published an unreadable address {v:?}"))?,
-                ),
+                Ok(Some(v)) => out.push(String::from_utf8(v).map_err(|_| format!("rank {r} published an unreadable card"))?),
                 Ok(None) => {
                     missing.push(r);
                     if let Ok(c) = StoreClient::connect(self.client_addr(), Instant::now() + Duration::from_secs(1)) {
