@@ -198,8 +198,7 @@ impl Communicator<MeshTransport> {
         let rank = config.rank;
         let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
         let deadline = Instant::now() + config.timeout;
-        let bind = |p| MeshListener::bind(p, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()));
-        let listener = bind(config.provider()?)?;
+        let listener = MeshListener::bind(config.provider()?, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()))?;
         let addr = listener.local_addr();
         let mut card = addr.to_string();
         let mut shm = None;
