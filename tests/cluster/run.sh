@@ -9,4 +9,4 @@ here="$(cd "$(dirname "$0")" && pwd)"
 . "$here/../../scripts/spark-env.sh"
 "$VENV_DIR/bin/python" -c "import pytest" 2>/dev/null || "$VENV_DIR/bin/pip" install -q --disable-pip-version-check pytest
 cd "$REPO_ROOT"
-PYTHONDONTWRITEBYTECODE=1 exec "$VENV_DIR/bin/python" -m pytest -ra -s -p no:cacheprovider "$here" "$@"
+PYTHONDONTWRITEBYTECODE=1 exec "$VENV_DIR/bin/python" -m pytest -ra -s --durations=10 -p no:cacheprovider "$here" "$@"

@@ -21,4 +21,4 @@ for j in "$RDMA_PLUGIN_JAR" "$RDMA_JOBS_JAR"; do
   [ -f "$j" ] || { echo "tests/spark/run.sh: missing $j (build it, or run without --no-build)" >&2; exit 1; }
 done
 cd "$REPO_ROOT"
-exec "$VENV_DIR/bin/python" -m pytest -ra -s "$here" "$@"
+exec "$VENV_DIR/bin/python" -m pytest -ra -s --durations=15 "$here" "$@"

@@ -193,7 +193,8 @@ object SoakJob {
       val gauges = (s.nmtKb.toSeq.sorted.map { case (k, v) => s"nmt.${k}_kb=$v" } ++
         s.gauges.toSeq.sorted.map { case (k, v) => s"gauge.$k=$v" }).mkString(" ")
       println(s"SOAK_SAMPLE shuffle=$shuffle executor=${s.executor} pid=${s.pid} fds=${s.fds} " +
-        s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} heap_rss_kb=${s.heapRssKb} " +
+        s"maps=${s.maps} threads=${s.threads} rss_kb=${s.rssKb} rss_file_kb=${s.rssFileKb} " +
+        s"heap_rss_kb=${s.heapRssKb} " +
         s"non_heap_rss_kb=${s.outsideHeapKb(s.rssKb)} " +
         s"non_heap_rss_untrimmed_kb=${s.outsideHeapKb(s.untrimmedRssKb)} " +
         s"native_trimmed=${if (s.nativeTrimmed) 1 else 0} " +
@@ -249,6 +250,7 @@ final case class Sample(
     maps: Int,
     threads: Int,
     rssKb: Long,
+    rssFileKb: Long,
     untrimmedRssKb: Long,
     nativeTrimmed: Boolean,
     heapRssKb: Long,
@@ -275,12 +277,13 @@ object Sample {
           .replaceAll("[^A-Za-z#_.-]", "_"))
       catch { case _: java.io.IOException => None } // the thread ended meanwhile
     }.groupBy(identity).map { case (k, v) => k -> v.size }
-    val untrimmed = vmRssKb()
+    val untrimmed = statusKb("VmRSS")
     // The native heap's garbage goes too, as the Java heap's did: glibc keeps memory freed by
     // any thread (C2's arenas, the engine's frames) in its arenas until trimmed, so RSS then
     // says how much memory is free in malloc, not what the process holds. Both are reported.
     val trimmed = gc && trimNativeHeap()
-    val rss = vmRssKb()
+    val rss = statusKb("VmRSS")
+    val rssFile = statusKb("RssFile")
     val heapRss = heapResidentKb()
     Sample(
       executor = SparkEnv.get.executorId,
@@ -289,6 +292,7 @@ object Sample {
       maps = Files.readAllLines(Paths.get("/proc/self/maps")).size,
       threads = tasks.length,
       rssKb = rss,
+      rssFileKb = rssFile,
       untrimmedRssKb = untrimmed,
       nativeTrimmed = trimmed,
       heapRssKb = heapRss,
@@ -299,9 +303,10 @@ object Sample {
     )
   }
 
-  private def vmRssKb(): Long =
+  /** A kB field of `/proc/self/status` (`VmRSS`, `RssFile`: Linux 4.5+); -1 if absent. */
+  private def statusKb(field: String): Long =
     Files.readAllLines(Paths.get("/proc/self/status")).asScala
-      .find(_.startsWith("VmRSS:")).map(_.split("\\s+")(1).toLong).getOrElse(-1L)
+      .find(_.startsWith(field + ":")).map(_.split("\\s+")(1).toLong).getOrElse(-1L)
 
   /**
    * Runs one of HotSpot's diagnostic commands (what `jcmd` runs; `op` in the MBean's spelling,
