@@ -113,7 +113,9 @@ def test_threads_do_not_grow_with_peers(report):
     """README: one engine has exactly two native threads whatever the number of peers, and an
     executor under the plugin has at most THREAD_TARGET_MARGIN (scripts/cluster_metrics.py)
     threads more than under Spark's default shuffle, at its peak while the jobs ran, with every
-    engine connected to the two others (test_engine_moved_blocks_between_hosts)."""
+    engine connected to the two others (test_engine_moved_blocks_between_hosts). The peaks leave
+    out Spark's block-manager storage pool (MOMENTARY_POOLS), sized by the cleanup messages in
+    flight at the sample in either mode: it made a CI run read 40 against 51."""
     t = report["executor_peak_threads"]
     assert sorted(t) == WORKERS, t
     print(f"[cluster-test] peak executor threads: "
