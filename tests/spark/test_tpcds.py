@@ -19,7 +19,6 @@ the scale and the set for a quick check by hand.
 """
 import os
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,34 +56,17 @@ def tpcds_runs(tmp_path_factory):
     # Both applications at once: this test compares results, not times, and a query's driver
     # work (parsing, planning, code generation: most of a query at SF 0.1) leaves a core idle
     # that the other application's tasks use. scripts/bench-tpcds.sh times them one at a time.
-    # A previous run's log would say "registered" before this run's application has started.
-    (logs / "default.stderr").unlink(missing_ok=True)
     with ThreadPoolExecutor(2) as pool:
-        futures = {}
-        for mode in ("default", "plugin"):
-            futures[mode] = pool.submit(tpcds.submit_local, mode, data, qdir, names,
-                                        out / f"{mode}.json", logs, master=MASTER,
-                                        driver_memory="1g", env=env, timeout=1800)
-            if mode == "default":
-                _registered(logs / "default.stderr", futures[mode])
+        futures = {mode: pool.submit(tpcds.submit_local, mode, data, qdir, names,
+                                     out / f"{mode}.json", logs, master=MASTER,
+                                     driver_memory="1g", env=env, timeout=1800)
+                   for mode in ("default", "plugin")}
         runs = {mode: f.result() for mode, f in futures.items()}
     for mode in runs:
         total = sum(q["wall_s"] for q in runs[mode]["queries"])
         print(f"\n[spark-tpcds] Spark {env['SPARK_VERSION']} SF {SF:g}: {len(names)} queries, "
               f"{mode}: queries {total:.1f} s, application {runs[mode]['submit_s']} s")
     return names, runs
-
-
-def _registered(stderr: Path, app, wait_s: float = 600):
-    """Waits until the application logging to `stderr` has its app ID (or has ended). Each
-    local-cluster application has its own master, which names it app-<second>-0000, and its
-    executors work in $SPARK_HOME/work/<app ID>: two registered in the same second would share
-    that directory. The second one starts after this, so its JVM starts seconds later."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not app.done():
-        if stderr.exists() and "app ID app-" in stderr.read_text(errors="replace"):
-            return
-        time.sleep(0.2)
 
 
 def test_every_query_ran_and_results_are_equal(tpcds_runs):
