@@ -4,8 +4,7 @@ Spark's own TPC-DS query texts of the Spark line under test (tpcds/q*.sql of its
 jar) run on TPC-DS data at SF 0.1 (DuckDB's generator, cached under ~/.cache/rdma-shuffle/tpcds;
 ~5 s to make once), in one application with Spark's default shuffle and one with the plugin,
 both on local-cluster[2,1,1024] with host-local disk reads off so blocks cross executors
-(scripts/tpcds.py, the same code as scripts/bench-tpcds.sh). The two applications run at the
-same time, so the printed times are not a comparison.
+(scripts/tpcds.py, the same code as scripts/bench-tpcds.sh).
 
 - Spark 4.x: every query (103).
 - Spark 3.5 (RDMA_SPARK_PROFILE=spark-3.5): 20 shuffle-heavy queries (SHUFFLE_HEAVY below),
@@ -19,7 +18,6 @@ the scale and the set for a quick check by hand.
 """
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,16 +51,10 @@ def tpcds_runs(tmp_path_factory):
         names = ONLY.split(",")
     out = tmp_path_factory.mktemp("tpcds")
     logs = REPO / "target" / "spark-tpcds-logs" / (PROFILE or "spark-4.x")
-    # Both applications at once: this test compares results, not times, and a query's driver
-    # work (parsing, planning, code generation: most of a query at SF 0.1) leaves a core idle
-    # that the other application's tasks use. scripts/bench-tpcds.sh times them one at a time.
-    with ThreadPoolExecutor(2) as pool:
-        futures = {mode: pool.submit(tpcds.submit_local, mode, data, qdir, names,
-                                     out / f"{mode}.json", logs, master=MASTER,
-                                     driver_memory="1g", env=env, timeout=1800)
-                   for mode in ("default", "plugin")}
-        runs = {mode: f.result() for mode, f in futures.items()}
-    for mode in runs:
+    runs = {}
+    for mode in ("default", "plugin"):
+        runs[mode] = tpcds.submit_local(mode, data, qdir, names, out / f"{mode}.json", logs,
+                                        master=MASTER, driver_memory="1g", env=env, timeout=1800)
         total = sum(q["wall_s"] for q in runs[mode]["queries"])
         print(f"\n[spark-tpcds] Spark {env['SPARK_VERSION']} SF {SF:g}: {len(names)} queries, "
               f"{mode}: queries {total:.1f} s, application {runs[mode]['submit_s']} s")
