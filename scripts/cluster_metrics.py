@@ -80,6 +80,11 @@ def _status(pid: int) -> dict | None:
     return out if "Threads" in out else None
 
 
+def _in_groups(sample: dict, names: tuple) -> int:
+    """How many of a sample's threads are in the groups `names` (see thread_group)."""
+    return sum(n for g, n in sample.get("groups", {}).items() if g in names)
+
+
 def thread_group(comm: str) -> str:
     """A thread's name without its sequence numbers: 'GC Thread#3' -> 'GC Thread',
     'rpc-client-3-1' -> 'rpc-client'."""
@@ -240,9 +245,9 @@ def summarize(run: Path) -> dict:
         in_window = any(a <= s["t"] <= b for _, a, b in windows)
         if in_window:
             # The engine's native threads, by name (the kernel keeps 15 bytes of it).
-            p["engine_thread_counts"].add(sum(n for g, n in s.get("groups", {}).items() if g in ENGINE_THREADS))
-            pools = sum(n for g, n in s.get("groups", {}).items() if g in MOMENTARY_POOLS)
-            p["peak_threads_less_pools"] = max(p["peak_threads_less_pools"], s["threads"] - pools)
+            p["engine_thread_counts"].add(_in_groups(s, ENGINE_THREADS))
+            p["peak_threads_less_pools"] = max(p["peak_threads_less_pools"],
+                                               s["threads"] - _in_groups(s, MOMENTARY_POOLS))
         if s["threads"] > p["peak_threads"] and in_window:
             p["peak_threads"] = s["threads"]
             p["threads_at_peak"] = dict(sorted(s.get("groups", {}).items(), key=lambda kv: -kv[1]))
@@ -357,12 +362,12 @@ def cmd_compare(a) -> int:
         at_peak = {m: next((r["executors"][h].get("threads_at_peak") for r in rs
                             if r["executors"].get(h, {}).get("peak_threads") == peak[m]), None)
                    for m, rs in modes.items()}
-        steady = {m: max((r["executors"].get(h, {}).get("peak_threads_less_pools", 0) for r in rs), default=0)
-                  for m, rs in modes.items()}
+        less_pools = {m: max((r["executors"].get(h, {}).get("peak_threads_less_pools", 0) for r in rs),
+                             default=0) for m, rs in modes.items()}
         threads[h] = {"default": peak["default"], "plugin": peak["plugin"],
                       "plugin_minus_default": peak["plugin"] - peak["default"],
-                      "less_pools_default": steady["default"], "less_pools_plugin": steady["plugin"],
-                      "within_target": steady["plugin"] <= steady["default"] + THREAD_TARGET_MARGIN,
+                      "less_pools_default": less_pools["default"], "less_pools_plugin": less_pools["plugin"],
+                      "within_target": less_pools["plugin"] <= less_pools["default"] + THREAD_TARGET_MARGIN,
                       "whole_life_default": whole["default"], "whole_life_plugin": whole["plugin"],
                       "groups_at_peak": at_peak}
     threads_ok = bool(threads) and all(t["within_target"] for t in threads.values())

@@ -20,8 +20,7 @@
 #  - growth: the median of the 5 samples from shuffle 100 on ("@100") against the median of the
 #    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, RSS outside
 #    the Java heap less what the JIT and the collector hold (see PROC below), the heap in use
-#    after a GC, and
-#    the engine's registered_bytes, pool_bytes_allocated, connections_open, open_data_files and
+#    after a GC, and the engine's registered_bytes, pool_bytes_allocated, connections_open, open_data_files and
 #    native_heap_bytes (the bytes the engine's Rust code holds, counted by its allocator). The
 #    slack is 0 except for gauges that are legitimately 0 or tiny at @100 (see SLACK below).
 #    VmRSS is reported, not checked (see PROC below: heap pages touched by the collector make
@@ -96,7 +95,7 @@ RATIO = 1.05
 # idle-closed as reduce tasks come and go: 0..2 per direction) and data files the block server
 # keeps open (those of shuffles not yet cleaned up: up to every x 4 maps). And 8 MB for native
 # RSS (native_rss_kb, below). All others: 0.
-SLACK = {"connections_open": 4, "open_data_files": 4 * every}
+SLACK = {"connections_open": 4, "open_data_files": 4 * every, "native_rss_kb": 8 * 1024}
 # Every sample is taken after a GC of the Java heap and a trim of glibc's (free memory it kept,
 # e.g. of C2's arenas, returned to the kernel); the untrimmed figure is reported too.
 # RSS is checked in two parts: the resident pages outside the Java heap's address range
@@ -120,7 +119,6 @@ SLACK = {"connections_open": 4, "open_data_files": 4 * every}
 PROC = ["fds", "maps", "threads", "native_rss_kb", "heap_used_kb"]
 # The NMT categories taken out of native_rss_kb (above).
 JVM_HELD = ["code", "compiler", "arena_chunk", "gc"]
-SLACK["native_rss_kb"] = 8 * 1024
 # Reported, not checked: the JVM's native memory by category (NMT) and what is resident outside
 # both the heap and the JVM's own native memory (outside_jvm_kb = non_heap_rss_kb - (NMT total
 # - NMT java_heap), committed counted as resident: a lower bound, for its trend).
