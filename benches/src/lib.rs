@@ -58,28 +58,36 @@ pub mod procfs {
         let mut total = Sched::default();
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return total };
         for t in tasks.flatten() {
-            let path = t.path();
-            let field = |text: &str, name: &str| -> Option<u64> {
-                text.lines()
-                    .find(|l| l.split(':').next().map(str::trim) == Some(name))
-                    .and_then(|l| l.rsplit(':').next())
-                    .and_then(|v| v.trim().parse::<f64>().ok())
-                    .map(|v| v as u64)
-            };
-            match std::fs::read_to_string(path.join("sched")) {
-                Ok(text) => {
-                    total.switches += field(&text, "nr_switches").unwrap_or(0);
-                    total.migrations += field(&text, "se.nr_migrations").unwrap_or(0);
-                }
-                Err(_) => {
-                    // No sched file: the status file's two switch counts still give the total.
-                    let text = std::fs::read_to_string(path.join("status")).unwrap_or_default();
-                    total.switches += field(&text, "voluntary_ctxt_switches").unwrap_or(0)
-                        + field(&text, "nonvoluntary_ctxt_switches").unwrap_or(0);
-                }
-            }
+            let one = task_sched(&t.path());
+            total.switches += one.switches;
+            total.migrations += one.migrations;
         }
         total
+    }
+
+    /// One thread's switches and migrations, from its `/proc/<pid>/task/<tid>` directory.
+    pub fn task_sched(dir: &std::path::Path) -> Sched {
+        let mut one = Sched::default();
+        let field = |text: &str, name: &str| -> Option<u64> {
+            text.lines()
+                .find(|l| l.split(':').next().map(str::trim) == Some(name))
+                .and_then(|l| l.rsplit(':').next())
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .map(|v| v as u64)
+        };
+        match std::fs::read_to_string(dir.join("sched")) {
+            Ok(text) => {
+                one.switches = field(&text, "nr_switches").unwrap_or(0);
+                one.migrations = field(&text, "se.nr_migrations").unwrap_or(0);
+            }
+            Err(_) => {
+                // No sched file: the status file's two switch counts still give the total.
+                let text = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+                one.switches = field(&text, "voluntary_ctxt_switches").unwrap_or(0)
+                    + field(&text, "nonvoluntary_ctxt_switches").unwrap_or(0);
+            }
+        }
+        one
     }
 
     /// What a process holds at one moment.
@@ -403,13 +411,17 @@ mod tests {
 
     #[test]
     fn a_thread_that_sleeps_is_switched_out_and_counted() {
-        let before = procfs::sched(std::process::id());
+        // This thread's own counts: the process's sum also loses the counts of other tests'
+        // threads when they exit meanwhile (cargo runs tests in parallel threads).
+        let me = std::path::Path::new("/proc/thread-self");
+        let before = procfs::task_sched(me);
         // Each sleep takes the thread off its CPU: at least one switch per sleep.
         for _ in 0..5 {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let d = procfs::sched(std::process::id()).since(before);
+        let d = procfs::task_sched(me).since(before);
         assert!(d.switches >= 5, "{d:?}");
+        assert!(procfs::sched(std::process::id()).switches >= d.switches);
         assert_eq!(procfs::sched(u32::MAX), procfs::Sched::default());
     }
 }

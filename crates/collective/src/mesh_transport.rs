@@ -59,6 +59,10 @@ impl Transport for MeshTransport {
         self.mesh.world()
     }
 
+    fn set_oversubscribed(&self, yes: bool) {
+        self.mesh.set_oversubscribed(yes);
+    }
+
     fn provider(&self) -> &str {
         self.mesh.provider_name()
     }

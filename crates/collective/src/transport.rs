@@ -155,6 +155,11 @@ pub trait Transport: Send + Sync {
     /// Tells every peer this rank gives up.
     fn abort(&self, reason: &str);
 
+    /// Told once the ranks know their hosts: whether this host runs more ranks than it has
+    /// cores, so a waiting rank should yield its core rather than spin on it. Transports
+    /// that do not spin ignore it.
+    fn set_oversubscribed(&self, _yes: bool) {}
+
     /// Counters.
     fn stats(&self) -> TransportStats;
 }

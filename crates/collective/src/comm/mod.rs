@@ -304,6 +304,11 @@ impl<T: Transport> Communicator<T> {
             let mine = config.host_id.clone().unwrap_or_else(host_identity);
             let ids = comm.exchange_hosts(&mine).map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
             comm.policy.topology = Topology::from_ids(&ids);
+            // More ranks here than cores: a waiting rank yields instead of spinning (Open
+            // MPI's yield_when_idle rule), before the links are measured below.
+            let here = ids.iter().filter(|h| **h == mine).count();
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            comm.t.set_oversubscribed(here > cores);
             let (model, links) = comm
                 .agree_model(config.tune, config.local_link)
                 .map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;

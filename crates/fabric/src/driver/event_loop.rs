@@ -92,92 +92,94 @@ pub(crate) struct Loop {
 }
 
 impl Loop {
-    pub(super) fn run(&mut self) {
-        // The gauge includes what the provider registered for this loop from the start
-        // (verbs: the shared receive queue and the send buffers).
-        self.update_registered();
-        let mut events = Events::with_capacity(1024);
-        let spin = self.shared.config.spin.min(super::MAX_SPIN);
-        // Until when the loop polls without sleeping: `spin` after the last turn with work.
-        let mut spin_until: Option<Instant> = None;
-        loop {
-            let now = Instant::now();
-            let mut timeout = self.timers.next().map(|t| t.saturating_duration_since(now));
-            if !self.again.is_empty() || self.mem_dirty || self.exposure.dirty || self.shared.mem_wake.load(Ordering::Acquire) {
-                timeout = Some(Duration::ZERO);
-            }
-            // Spin (poll without sleeping) only while an answer is on its way to a request of
-            // ours: then it saves the loop a wake-up. Spinning otherwise, after a reply sent or
-            // a block delivered, only takes a core from the thread that the block woke (on
-            // two cores, measured: the one-at-a-time latency grew by about twice the spin).
-            if timeout != Some(Duration::ZERO) && spin_until.is_some_and(|u| now < u) && self.awaiting_answers() {
-                timeout = Some(Duration::ZERO);
-            }
-            if let Some(x) = self.exiting {
-                timeout = Some(timeout.unwrap_or(Duration::from_millis(50)).min(Duration::from_millis(50)));
-                if Instant::now() >= x || self.conns.iter().all(|s| s.conn.is_none()) {
-                    break;
-                }
-            }
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    tracing::error!(driver = %self.shared.name, error = %e, "poll failed; the loop stops");
-                    break;
-                }
-            }
-            let mut worked = !events.is_empty();
-            for ev in events.iter() {
-                let t = ev.token();
-                match t.0 & KIND_MASK {
-                    _ if t == WAKER => {}
-                    _ if t == ENGINE_EVENTS => self.engine_events(),
-                    LISTENER_BIT => self.accept((t.0 & !KIND_MASK) as u64),
-                    CONN_BIT => {
-                        let index = (t.0 & 0xffff_ffff) as u32;
-                        let gen = ((t.0 >> 32) & 0x3fff_ffff) as u32;
-                        let Some(slot) = self.conns.get(index as usize) else { continue };
-                        if slot.gen & 0x3fff_ffff != gen {
-                            continue;
-                        }
-                        let key = ConnKey { index, gen: slot.gen };
-                        if ev.is_writable() {
-                            self.on_writable(key);
-                        }
-                        self.drive(key);
-                    }
-                    _ => {}
-                }
-            }
-            worked |= self.commands();
-            let ready: Vec<u64> = std::mem::take(&mut *self.shared.ready.lock());
-            worked |= !ready.is_empty();
-            for k in ready {
-                if k & (1 << 63) != 0 {
-                    self.accept(k & !(1 << 63));
-                } else {
-                    self.drive(ConnKey::from_u64(k));
-                }
-            }
-            // A completion channel is edge-like (one event per arm): poll the engine on every
-            // turn too, it is cheap and catches completions of work posted above.
-            self.engine_events();
-            if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
-                self.service_memory();
-            }
-            if self.exposure.dirty {
-                self.service_exposures();
-            }
-            let again = std::mem::take(&mut self.again);
-            for k in again {
-                self.drive(k);
-            }
-            self.fire_timers();
-            if worked && !spin.is_zero() {
-                spin_until = Some(Instant::now() + spin);
-            } else if spin_until.is_some_and(|u| Instant::now() >= u) {
-                spin_until = None;
+    /// One turn: waits for events (at most `cap`, and never past the next timer), then runs
+    /// everything they and the queued commands ask for. `Some(worked)` says whether there was
+    /// anything to do; `None` that the loop has stopped (after a shutdown, once every
+    /// connection closed or the linger passed). Whoever holds the loop runs it: its own
+    /// thread, or a caller driving progress ([`super::progress`]).
+    pub(super) fn turn(&mut self, events: &mut Events, cap: Option<Duration>) -> Option<bool> {
+        let now = Instant::now();
+        let mut timeout = self.timers.next().map(|t| t.saturating_duration_since(now));
+        if !self.again.is_empty() || self.mem_dirty || self.exposure.dirty || self.shared.mem_wake.load(Ordering::Acquire) {
+            timeout = Some(Duration::ZERO);
+        }
+        if let Some(c) = cap {
+            timeout = Some(timeout.map_or(c, |t| t.min(c)));
+        }
+        if let Some(x) = self.exiting {
+            timeout = Some(timeout.unwrap_or(Duration::from_millis(50)).min(Duration::from_millis(50)));
+            if Instant::now() >= x || self.conns.iter().all(|s| s.conn.is_none()) {
+                return None;
             }
         }
+        if let Err(e) = self.poll.poll(events, timeout) {
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                tracing::error!(driver = %self.shared.name, error = %e, "poll failed; the loop stops");
+                self.exiting = Some(Instant::now());
+                return None;
+            }
+        }
+        let mut worked = !events.is_empty();
+        for ev in events.iter() {
+            let t = ev.token();
+            match t.0 & KIND_MASK {
+                _ if t == WAKER => {}
+                _ if t == ENGINE_EVENTS => self.engine_events(),
+                LISTENER_BIT => self.accept((t.0 & !KIND_MASK) as u64),
+                CONN_BIT => {
+                    let index = (t.0 & 0xffff_ffff) as u32;
+                    let gen = ((t.0 >> 32) & 0x3fff_ffff) as u32;
+                    let Some(slot) = self.conns.get(index as usize) else { continue };
+                    if slot.gen & 0x3fff_ffff != gen {
+                        continue;
+                    }
+                    let key = ConnKey { index, gen: slot.gen };
+                    if ev.is_writable() {
+                        self.on_writable(key);
+                    }
+                    self.drive(key);
+                }
+                _ => {}
+            }
+        }
+        worked |= self.commands();
+        let ready: Vec<u64> = std::mem::take(&mut *self.shared.ready.lock());
+        worked |= !ready.is_empty();
+        for k in ready {
+            if k & (1 << 63) != 0 {
+                self.accept(k & !(1 << 63));
+            } else {
+                self.drive(ConnKey::from_u64(k));
+            }
+        }
+        // A completion channel is edge-like (one event per arm): poll the engine on every
+        // turn too, it is cheap and catches completions of work posted above.
+        self.engine_events();
+        if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
+            self.service_memory();
+        }
+        if self.exposure.dirty {
+            self.service_exposures();
+        }
+        let again = std::mem::take(&mut self.again);
+        for k in again {
+            self.drive(k);
+        }
+        self.fire_timers();
+        Some(worked)
+    }
+
+    /// The loop thread's spin rule: whether its next turn should poll without sleeping.
+    /// It spins only while an answer is on its way to a request of ours: then it saves the
+    /// loop a wake-up. Spinning otherwise, after a reply sent or a block delivered, only takes
+    /// a core from the thread that the block woke (on two cores, measured: the one-at-a-time
+    /// latency grew by about twice the spin).
+    pub(super) fn spin_now(&self, spin_until: Option<Instant>) -> bool {
+        spin_until.is_some_and(|u| Instant::now() < u) && self.awaiting_answers()
+    }
+
+    /// Called once the loop stopped for good.
+    pub(super) fn finish(&mut self) {
         self.close_everything("the engine stopped");
         tracing::debug!(driver = %self.shared.name, "loop stopped");
     }

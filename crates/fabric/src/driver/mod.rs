@@ -17,6 +17,13 @@
 //! The loop spins briefly ([`DriverConfig::spin`]) after a turn with work before it sleeps
 //! in the kernel, so an answer that follows a request closely costs no wake-up.
 //!
+//! The loop thread is the loop's *default* runner, not its only one: the loop's state sits
+//! behind a lock, and a caller that blocks for a message (a Mobius call: [`mesh`]) takes
+//! it over and runs the turns on its own thread, as MPI's progress engine does
+//! ([`progress`]). Its sends go out and its answers are read without any thread hand-off;
+//! the loop thread steps aside while callers drive and takes over again once none does.
+//! No thread is added for it.
+//!
 //! Why `mio`: it is the small, widely used readiness layer under tokio — epoll on Linux,
 //! registration of raw file descriptors (the verbs completion channel) next to sockets, and
 //! a cross-thread waker — without an async runtime the JVM process would have to host. The
@@ -58,6 +65,7 @@ mod delivery;
 mod event_loop;
 mod exposure;
 pub(crate) mod mesh;
+mod progress;
 pub(crate) mod server;
 mod sockets;
 mod stats;
@@ -84,7 +92,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use timers::Timers;
 
 /// Settings of a driver (one engine's loop).
@@ -171,6 +179,9 @@ pub(crate) struct Shared {
     /// The loop has blocks waiting for memory.
     mem_wanted: AtomicBool,
     stopping: AtomicBool,
+    /// A caller driving progress yields its core between polls instead of spinning on it
+    /// (more threads wait than there are cores: see [`Driver::set_yield_when_idle`]).
+    yield_when_idle: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
     pub(crate) delivery: Delivery,
     pub(crate) stats: DriverStats,
@@ -224,6 +235,7 @@ impl ReleaseHook for Shared {
 
 struct Owner {
     shared: Arc<Shared>,
+    progress: Arc<progress::Progress>,
 }
 
 impl Drop for Owner {
@@ -261,6 +273,7 @@ impl Driver {
             mem_wake: AtomicBool::new(false),
             mem_wanted: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            yield_when_idle: AtomicBool::new(false),
             thread: Mutex::new(None),
             delivery,
             stats: DriverStats::default(),
@@ -268,7 +281,7 @@ impl Driver {
         });
         let net = event_loop::new_net(&shared, &poll)?;
         let exposure = exposure::ExposureBudget::new(shared.config.max_bytes_exposed);
-        let mut lp = Loop {
+        let lp = Loop {
             shared: shared.clone(),
             poll,
             conns: Vec::new(),
@@ -289,17 +302,50 @@ impl Driver {
             exiting: None,
         };
         let name = format!("rdma-shuffle-loop-{}", shared.name);
-        let thread = std::thread::Builder::new().name(name).spawn(move || lp.run()).map_err(|e| {
+        let progress = Arc::new(progress::Progress::new(lp));
+        let runner = progress.clone();
+        let thread = std::thread::Builder::new().name(name).spawn(move || runner.run_thread()).map_err(|e| {
             shared.delivery.stop();
             FabricError::io("local", "start the loop thread of", e)
         })?;
         *shared.thread.lock() = Some(thread);
         tracing::debug!(name = %shared.name, provider = provider.name(), "driver started");
-        Ok(Driver { owner: Arc::new(Owner { shared }) })
+        Ok(Driver { owner: Arc::new(Owner { shared, progress }) })
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.owner.shared
+    }
+
+    /// Queues `c` for the loop without waking its thread: for a caller that drives the loop
+    /// itself right after ([`progress`](Driver::progress)), so the command costs no wake-up.
+    pub(crate) fn command_quiet(&self, c: Command) -> Result<(), FabricError> {
+        let s = &self.owner.shared;
+        if s.stopping.load(Ordering::Acquire) {
+            return Err(FabricError::Shutdown);
+        }
+        s.commands.lock().push(c);
+        Ok(())
+    }
+
+    /// Whether a caller driving progress yields its core between polls while it spins
+    /// (`sched_yield`), as Open MPI's `mpi_yield_when_idle` does when a host is
+    /// oversubscribed: a spinning waiter then takes the core from the very peer it waits for.
+    pub(crate) fn set_yield_when_idle(&self, yes: bool) {
+        self.owner.shared.yield_when_idle.store(yes, Ordering::Relaxed);
+    }
+
+    /// Runs one loop turn on this thread if nobody holds the loop (it picks up queued
+    /// commands without sleeping); otherwise rings the waker of whoever sleeps in it.
+    pub(crate) fn kick(&self) {
+        progress::kick(&self.owner.progress, &self.owner.shared);
+    }
+
+    /// Runs the loop on the calling thread until `done` gives a value, `deadline` passes or
+    /// the loop stops (then `None`): see [`progress`](self::progress) for why and how. `done`
+    /// is called between turns with the loop held, so it must not take the loop itself.
+    pub(crate) fn progress<R>(&self, deadline: Instant, done: impl FnMut() -> Option<R>) -> Option<R> {
+        progress::drive(&self.owner.progress, &self.owner.shared, deadline, done)
     }
 
     /// The provider's name.

@@ -43,6 +43,11 @@ pub struct DriverStats {
     pub inline_deliveries: AtomicU64,
     /// Block outcomes handed to the delivery thread.
     pub queued_deliveries: AtomicU64,
+    /// Loop turns run by the loop's own thread.
+    pub loop_turns: AtomicU64,
+    /// Loop turns run by callers driving progress themselves (a Mobius call waiting for a
+    /// message, a send picked up at once): each is a turn with no thread hand-off.
+    pub caller_turns: AtomicU64,
     /// Provider-specific counters (verbs: sends, receives, reads, queue pairs...), shared
     /// with the provider's engine in the loop.
     pub(crate) provider: Arc<ProviderCounters>,

@@ -373,6 +373,20 @@ impl Mesh {
         self.shared.max_message
     }
 
+    /// Says whether this host runs more waiting threads than it has cores (the caller
+    /// knows how many ranks share the host). Then a rank waiting for a message yields its
+    /// core while it polls, instead of spinning on it: the core is likely the one its peer
+    /// needs to send that message.
+    pub fn set_oversubscribed(&self, yes: bool) {
+        self.driver.set_yield_when_idle(yes);
+    }
+
+    /// Loop turns so far: `(run by the loop's thread, run by callers driving progress)`.
+    pub fn loop_turns(&self) -> (u64, u64) {
+        let s = self.driver.stats();
+        (s.loop_turns.load(Ordering::Relaxed), s.caller_turns.load(Ordering::Relaxed))
+    }
+
     /// Counters.
     pub fn stats(&self) -> MeshStats {
         let c = &self.shared.counters;
@@ -423,6 +437,14 @@ impl Mesh {
         self.driver.shared().command(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank: self.shared.rank })
     }
 
+    /// Queues a send and runs a loop turn for it on this thread if the loop is free, so it
+    /// goes out at once without waking the loop thread (which is rung otherwise).
+    fn post(&self, c: MeshCmd) -> Result<(), MeshError> {
+        self.driver.command_quiet(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank: self.shared.rank })?;
+        self.driver.kick();
+        Ok(())
+    }
+
     /// Sends `data` to `peer` under `tag`. Eager messages are complete on return; a
     /// rendezvous completes when the peer has read it (one-sided) or the last byte is written
     /// (tcp), so [`wait`](Mesh::wait) on the ticket before changing `data`. `reg`, when given,
@@ -452,7 +474,7 @@ impl Mesh {
                     });
                 }
                 let frame = Frame::Eager { req: tag, index: KIND_DATA, len: len as u32 };
-                self.command(MeshCmd::Send { key, frame, body: OutBody::Bytes(data.to_vec()), mark: None })?;
+                self.post(MeshCmd::Send { key, frame, body: OutBody::Bytes(data.to_vec()), mark: None })?;
                 bump(&s.counters.eager_sent, 1);
                 bump(&s.counters.eager_sent_bytes, len as u64);
                 Ok(SendTicket::done(peer))
@@ -475,7 +497,7 @@ impl Mesh {
                 let mut temporary = None;
                 if !self.one_sided {
                     let frame = Frame::PullData { region: tag, offset: 0, len: len as u64 };
-                    self.command(MeshCmd::Send { key, frame, body: OutBody::User(memory), mark: Some(token) })?;
+                    self.post(MeshCmd::Send { key, frame, body: OutBody::User(memory), mark: Some(token) })?;
                 } else {
                     let r = match reg {
                         Some(r) if r.covers(data) => r,
@@ -500,7 +522,7 @@ impl Mesh {
                         UserReg::Plain => RtsSource::Expose(memory),
                         UserReg::Region(v) => RtsSource::Keys { addr: data.as_ptr() as u64, rkey: v.rkey() },
                     };
-                    self.command(MeshCmd::Rts { key, tag, token, len: len as u64, source })?;
+                    self.post(MeshCmd::Rts { key, tag, token, len: len as u64, source })?;
                 }
                 Ok(SendTicket {
                     peer,
@@ -543,21 +565,38 @@ impl Mesh {
             self.peer_ok(p)?;
         }
         let started = Instant::now();
-        let mut st = s.lock();
-        loop {
+        // The calling thread runs the loop while it waits (no hand-off to the loop thread
+        // and back): see the driver's progress module.
+        let take = |st: &mut parking_lot::MutexGuard<'_, shared::State>| -> Option<Result<(usize, Message), MeshError>> {
             // The watched message first: when both are there, the check it carries must run
             // before the data is used.
             if let Some((p, t)) = second {
-                if let Some(m) = MeshShared::take(&mut st, p, t) {
-                    return Ok((1, m));
+                if let Some(m) = MeshShared::take(st, p, t) {
+                    return Some(Ok((1, m)));
                 }
             }
-            if let Some(m) = MeshShared::take(&mut st, first.0, first.1) {
-                return Ok((0, m));
+            if let Some(m) = MeshShared::take(st, first.0, first.1) {
+                return Some(Ok((0, m)));
             }
-            s.check(&st, first.0)?;
+            if let Err(e) = s.check(st, first.0) {
+                return Some(Err(e));
+            }
             if let Some((p, _)) = second {
-                s.check(&st, p)?;
+                if let Err(e) = s.check(st, p) {
+                    return Some(Err(e));
+                }
+            }
+            None
+        };
+        if let Some(r) = self.driver.progress(deadline, || take(&mut s.lock())) {
+            return r;
+        }
+        // The deadline passed, or the loop stopped (its links failed): wait out what is left
+        // on the mesh's own state.
+        let mut st = s.lock();
+        loop {
+            if let Some(r) = take(&mut st) {
+                return r;
             }
             if Instant::now() >= deadline {
                 return Err(s.timed_out(&st, first.0, "a message", started));

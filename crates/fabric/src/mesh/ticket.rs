@@ -26,13 +26,20 @@ impl PendingSend {
     pub(super) fn wait(self, peer: usize, deadline: Instant) -> Result<(), MeshError> {
         let started = Instant::now();
         let s = &*self.shared;
+        let check = |st: &mut parking_lot::MutexGuard<'_, super::shared::State>| -> Option<Result<(), MeshError>> {
+            if st.done.remove(&(peer, self.token)) {
+                return Some(Ok(()));
+            }
+            s.check(st, peer).err().map(Err)
+        };
+        // The caller runs the loop while it waits, as a receive does.
+        let mut early = self.driver.progress(deadline, || check(&mut s.lock()));
         let mut st = s.lock();
         let r = loop {
-            if st.done.remove(&(peer, self.token)) {
-                return Ok(());
-            }
-            if let Err(e) = s.check(&st, peer) {
-                break e;
+            match early.take().or_else(|| check(&mut st)) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => break e,
+                None => {}
             }
             if Instant::now() >= deadline {
                 break s.timed_out(&st, peer, "the read of a rendezvous buffer", started);
