@@ -16,8 +16,10 @@
 //! comes back once none has for [`RESUME_CHECK`], so back-to-back calls (a training loop's
 //! allreduces) run without it.
 //!
-//! A caller spins ([`DriverConfig::spin`](super::DriverConfig::spin)) before it sleeps, with
-//! the loop: a reply that comes within the spin costs no sleep. Then it sleeps in the loop's
+//! A caller polls the loop without sleeping for [`DriverConfig::spin`](super::DriverConfig::spin)
+//! before it sleeps: a reply that comes within it costs no sleep. It spins hard only for the
+//! first fifth and yields its core between polls after that (always, where the host is
+//! oversubscribed), so a compute thread of the same process keeps its core. Then it sleeps in the loop's
 //! own `epoll` (for at most [`CALLER_NAP`] at a time, so a second waiting caller gets its
 //! turn), and never past its deadline.
 
@@ -33,6 +35,9 @@ use std::time::{Duration, Instant};
 pub(crate) const RESUME_CHECK: Duration = Duration::from_millis(1);
 /// The longest a driving caller sleeps in `epoll` before it lets another caller in.
 pub(crate) const CALLER_NAP: Duration = Duration::from_millis(2);
+/// The share of [`DriverConfig::spin`](super::DriverConfig::spin) a caller spins without
+/// yielding its core; for the rest of the spin it yields between polls.
+const HARD_SPIN_SHARE: f32 = 0.2;
 /// How long a caller waits for the lock before it looks at its condition again (another
 /// caller driving may have delivered what it waits for).
 const LOCK_WAIT: Duration = Duration::from_micros(200);
@@ -203,7 +208,11 @@ fn turns<R>(
             return Turns::LetIn;
         }
         if cap == Duration::ZERO {
-            if yield_now {
+            // Spin hard only for the first part of the spin (a reply on a free core comes
+            // within it); then yield between polls, so a thread of this process with work
+            // (DDP's backward pass beside its allreduce) gets the core. Measured on 2
+            // cores: pure spinning for the whole spin made a DDP step 1.5x slower.
+            if yield_now || Instant::now() + spin.mul_f32(1.0 - HARD_SPIN_SHARE) >= spin_until {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
