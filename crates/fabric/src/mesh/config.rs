@@ -178,12 +178,18 @@ pub enum MeshError {
         peer: usize,
     },
     /// A peer gave up (an error it saw) and told every rank.
-    #[error("rank {rank}: rank {by} aborted: {reason}")]
+    ///
+    /// `peer` is the rank this one was exchanging with when the news came: when the rank
+    /// that aborted only timed out waiting on this one, the rank this one was itself waiting
+    /// on is the likelier culprit, and the message names both.
+    #[error("rank {rank}: rank {by} aborted while rank {rank} was exchanging with rank {peer}: {reason}")]
     Aborted {
         /// This rank.
         rank: usize,
         /// The rank that aborted.
         by: usize,
+        /// The peer this rank was sending to or waiting on.
+        peer: usize,
         /// Its reason.
         reason: String,
     },

@@ -280,7 +280,7 @@ impl MeshShared {
             return Err(MeshError::Closed { rank: self.rank });
         }
         if let Some((by, reason)) = &st.abort {
-            return Err(MeshError::Aborted { rank: self.rank, by: *by, reason: reason.clone() });
+            return Err(MeshError::Aborted { rank: self.rank, by: *by, peer, reason: reason.clone() });
         }
         match &st.peers[peer].status {
             PeerStatus::Up | PeerStatus::Joining => Ok(()),
