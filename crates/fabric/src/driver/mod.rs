@@ -301,6 +301,9 @@ impl Driver {
             net,
             exiting: None,
         };
+        // The gauge includes what the provider registered for this loop from the start (verbs:
+        // the shared receive queue and the send buffers), before anyone can read it.
+        lp.update_registered();
         let name = format!("rdma-shuffle-loop-{}", shared.name);
         let progress = Arc::new(progress::Progress::new(lp));
         let runner = progress.clone();
