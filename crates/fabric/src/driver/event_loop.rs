@@ -24,6 +24,11 @@ const ENGINE_EVENTS: Token = Token(1);
 const LISTENER_BIT: usize = 1 << 62;
 const CONN_BIT: usize = 2 << 62;
 const KIND_MASK: usize = 3 << 62;
+/// While polled links are read in memory, one spin turn in this many runs `epoll_wait(0)`
+/// (for sockets, the waker, hang-ups and timers' neighbours): often enough that a socket
+/// event waits a handful of microseconds at most, rarely enough that a spin turn over shm is
+/// mostly memory reads.
+const POLL_EVERY: u32 = 8;
 
 fn conn_token(k: ConnKey) -> Token {
     Token(CONN_BIT | (((k.gen as usize) & 0x3fff_ffff) << 32) | k.index as usize)
@@ -81,6 +86,11 @@ pub(crate) struct Loop {
     pub(crate) pending: VecDeque<ConnKey>,
     /// Connections to drive again (they used their budget, or were unblocked).
     pub(super) again: Vec<ConnKey>,
+    /// Connections whose link is [`polled`](crate::providers::link::Link::polled): read on
+    /// every spin turn, armed before a sleep.
+    pub(super) polled: Vec<ConnKey>,
+    /// Spin turns since the last `epoll_wait`, while polled links are read in memory.
+    pub(super) polls_skipped: u32,
     /// A block started waiting for memory since the queue was last served: serve it once
     /// (memory may be free already, and no release would then come to wake us).
     pub(super) mem_dirty: bool,
@@ -112,11 +122,25 @@ impl Loop {
                 return None;
             }
         }
-        if let Err(e) = self.poll.poll(events, timeout) {
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                tracing::error!(driver = %self.shared.name, error = %e, "poll failed; the loop stops");
-                self.exiting = Some(Instant::now());
-                return None;
+        let spinning = timeout == Some(Duration::ZERO);
+        if !spinning && self.arm_polled() {
+            timeout = Some(Duration::ZERO);
+        }
+        // A spin turn with polled links reads them in memory below; the epoll_wait(0) that
+        // would see sockets, the waker and hang-ups runs on every POLL_EVERY-th such turn
+        // only (it was the largest cost of a spin turn over shm, measured with perf).
+        let skip_poll = spinning && !self.polled.is_empty() && self.polls_skipped + 1 < POLL_EVERY;
+        if skip_poll {
+            self.polls_skipped += 1;
+            events.clear();
+        } else {
+            self.polls_skipped = 0;
+            if let Err(e) = self.poll.poll(events, timeout) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!(driver = %self.shared.name, error = %e, "poll failed; the loop stops");
+                    self.exiting = Some(Instant::now());
+                    return None;
+                }
             }
         }
         let mut worked = !events.is_empty();
@@ -165,8 +189,36 @@ impl Loop {
         for k in again {
             self.drive(k);
         }
+        if spinning {
+            for i in 0..self.polled.len() {
+                let Some(&k) = self.polled.get(i) else { break };
+                // A look at the ring first: an empty one costs no take, put or timer.
+                if self.conn_ref(k).is_some_and(|c| c.transport.ready()) {
+                    worked |= self.drive_as(k, true);
+                }
+            }
+        }
         self.fire_timers();
         Some(worked)
+    }
+
+    /// Before a turn that may sleep: arms every polled link that can read (one that waits for
+    /// memory is woken by the memory's return); whether one has something already.
+    fn arm_polled(&mut self) -> bool {
+        let mut ready = false;
+        for i in 0..self.polled.len() {
+            let Some(&k) = self.polled.get(i) else { break };
+            let Some(mut conn) = self.take(k) else { continue };
+            if !self.blocked(&conn) && conn.transport.arm() {
+                ready = true;
+                self.again.push(k);
+            }
+            // Not `put`: nothing was handled, so there is nothing to send or close.
+            if let Some(slot) = self.conns.get_mut(k.index as usize) {
+                slot.conn = Some(conn);
+            }
+        }
+        ready
     }
 
     /// The loop thread's spin rule: whether its next turn should poll without sleeping.
@@ -219,6 +271,9 @@ impl Loop {
         let Some(mut conn) = self.take(key) else { return };
         let token = conn_token(key);
         let res = conn.transport.register(self.poll.registry(), token, key.to_u64());
+        if conn.transport.polled() {
+            self.polled.push(key);
+        }
         match res {
             Ok(registered) => conn.registered = registered,
             Err(e) => {
@@ -280,6 +335,7 @@ impl Loop {
             let _ = conn.transport.deregister(self.poll.registry());
         }
         self.pending.retain(|k| *k != key);
+        self.polled.retain(|k| *k != key);
         self.role_removed(&mut conn);
         conn.transport.shutdown(&mut self.net);
         conn.transport.destroy(&mut self.net);
@@ -301,14 +357,27 @@ impl Loop {
 
     /// Handles everything that arrived on `key` (up to a budget; the rest on the next turn).
     pub(crate) fn drive(&mut self, key: ConnKey) {
-        let Some(mut conn) = self.take(key) else { return };
+        self.drive_as(key, false);
+    }
+
+    /// [`drive`](Self::drive); `polled`: no event is behind it (a polled link on a spin
+    /// turn). Whether anything arrived.
+    fn drive_as(&mut self, key: ConnKey, polled: bool) -> bool {
+        let Some(mut conn) = self.take(key) else { return false };
+        let mut got = false;
         if conn.closing.is_none() {
             let mut budget = DRIVE_BUDGET;
             while budget > 0 && conn.closing.is_none() && !self.blocked(&conn) {
                 budget -= 1;
                 let limits = self.limits(&conn);
-                match conn.transport.next(&mut self.net, &limits) {
+                let next = if polled {
+                    conn.transport.next_polled(&mut self.net, &limits)
+                } else {
+                    conn.transport.next(&mut self.net, &limits)
+                };
+                match next {
                     Ok(Some(inc)) => {
+                        got = true;
                         conn.last_active = Instant::now();
                         self.incoming(&mut conn, inc);
                     }
@@ -332,6 +401,7 @@ impl Loop {
             }
         }
         self.put(conn);
+        got
     }
 
     fn on_writable(&mut self, key: ConnKey) {

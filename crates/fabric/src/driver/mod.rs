@@ -296,6 +296,8 @@ impl Driver {
             mem_waiters: VecDeque::new(),
             pending: VecDeque::new(),
             again: Vec::new(),
+            polled: Vec::new(),
+            polls_skipped: 0,
             mem_dirty: false,
             exposure,
             net,

@@ -297,6 +297,31 @@ pub trait Link: Send {
     /// The next thing that arrived, if any.
     fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError>;
 
+    /// Whether the loop looks at this link on every turn in which it spins, event or not: a
+    /// link whose messages arrive in memory (shm rings) is read there without a system call,
+    /// and asks to be woken ([`arm`](Link::arm)) only before the loop sleeps.
+    fn polled(&self) -> bool {
+        false
+    }
+
+    /// [`next`](Link::next) for a look with no event behind it (a polled link, on a spin
+    /// turn): checks that cost a system call may wait for an event.
+    fn next_polled(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        self.next(net, limits)
+    }
+
+    /// (polled links) Whether a look would find something, without a system call: the spin
+    /// turn drives only links that say so.
+    fn ready(&self) -> bool {
+        true
+    }
+
+    /// (polled links) The loop is about to sleep: make the next arrival an event on this
+    /// link's descriptors. `true` when something is there already (the loop must not sleep).
+    fn arm(&mut self) -> bool {
+        false
+    }
+
     /// Places the payload of the frame just returned (stream links).
     fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
         let _ = placement;

@@ -296,6 +296,31 @@ impl ShmConn {
     /// descriptors of [`poll_fds`](Self::poll_fds) become readable when something arrives.
     /// Once the peer is gone and everything it sent was read: [`FabricError::Closed`].
     pub fn recv(&mut self) -> Result<Option<Vec<u8>>, FabricError> {
+        self.recv_inner(true)
+    }
+
+    /// Like [`recv`](Self::recv), but an empty ring does not arm the doorbell: for a caller
+    /// that polls the ring in memory and calls [`arm`](Self::arm) only before it sleeps, so a
+    /// busy peer pushes without a system call.
+    pub fn try_recv(&mut self) -> Result<Option<Vec<u8>>, FabricError> {
+        self.recv_inner(false)
+    }
+
+    /// Whether a record waits in the ring (a message, part of one, or an acknowledgement).
+    pub fn has_input(&self) -> bool {
+        self.rx.has_data()
+    }
+
+    /// Asks the peer to ring the doorbell when it pushes the next record; `true` if a record
+    /// is there already (then do not sleep). The flag and the look at the ring are ordered as
+    /// in [`recv`](Self::recv), so no wake-up is lost.
+    pub fn arm(&self) -> bool {
+        self.seg.sleep_flag(self.side).fetch_or(WANT_DATA, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        self.rx.has_data()
+    }
+
+    fn recv_inner(&mut self, arm: bool) -> Result<Option<Vec<u8>>, FabricError> {
         self.flush()?;
         let mut freed = false;
         let got = loop {
@@ -303,9 +328,7 @@ impl ShmConn {
                 Popped::Msg(m) => break Some(m),
                 Popped::Freed => freed = true,
                 Popped::Empty => {
-                    self.seg.sleep_flag(self.side).fetch_or(WANT_DATA, Ordering::SeqCst);
-                    fence(Ordering::SeqCst);
-                    if self.rx.has_data() {
+                    if arm && self.arm() {
                         continue;
                     }
                     break None;

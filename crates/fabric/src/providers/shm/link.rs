@@ -203,6 +203,12 @@ impl ShmLink {
         Ok(true)
     }
 
+    fn decode(&self, buf: Vec<u8>, limits: &Limits) -> Result<Incoming, FabricError> {
+        let (frame, at) =
+            Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
+        Ok(Incoming::Message(frame, MsgPayload { buf, at }))
+    }
+
     fn send_msg(&mut self, msg: Vec<u8>) -> Result<(), FabricError> {
         match &mut self.state {
             State::Up(c) => c.send(msg),
@@ -245,7 +251,9 @@ impl Link for ShmLink {
             return Ok(None);
         }
         let State::Up(c) = &mut self.state else { return Ok(None) };
-        let buf = match c.recv()? {
+        // The doorbell is armed by the loop before it sleeps (`arm`), not here: a loop that
+        // spins polls the ring in memory, and a peer pushing to it rings nobody.
+        let buf = match c.try_recv()? {
             Some(b) => b,
             None => {
                 // Nothing in the ring: has the peer gone? (its socket hung up; the loop woke
@@ -255,15 +263,41 @@ impl Link for ShmLink {
                 if !c.peer_gone() {
                     return Ok(None);
                 }
-                match c.recv()? {
+                match c.try_recv()? {
                     Some(b) => b,
                     None => return Err(FabricError::Closed { peer: self.peer.clone() }),
                 }
             }
         };
-        let (frame, at) =
-            Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
-        Ok(Some(Incoming::Message(frame, MsgPayload { buf, at })))
+        self.decode(buf, limits).map(Some)
+    }
+
+    fn polled(&self) -> bool {
+        true
+    }
+
+    fn next_polled(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+        // No event behind this look: the handshake and the peer's liveness (a read of the
+        // control socket each) wait for one; the ring costs no system call.
+        let State::Up(c) = &mut self.state else { return Ok(None) };
+        match c.try_recv()? {
+            Some(buf) => self.decode(buf, limits).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        match &self.state {
+            State::Up(c) => c.has_input(),
+            _ => false,
+        }
+    }
+
+    fn arm(&mut self) -> bool {
+        match &self.state {
+            State::Up(c) => c.arm(),
+            _ => false,
+        }
     }
 
     fn sends_done(&self) -> bool {

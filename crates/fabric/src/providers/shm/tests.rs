@@ -108,6 +108,36 @@ fn shm_a_flood_in_one_direction_sleeps_and_wakes_on_the_doorbells() {
 }
 
 #[test]
+fn shm_a_reader_polling_in_memory_is_rung_only_once_it_armed() {
+    let (mut a, mut b) = pair(&cfg(false));
+    // `a` polls without arming (a driver loop that spins): pushes to it ring nobody.
+    assert_eq!(a.try_recv().unwrap(), None);
+    for i in 0..100 {
+        b.send(body(64, i)).unwrap();
+        let got = a.try_recv().unwrap();
+        assert_eq!(got, Some(body(64, i)), "message {i}");
+        assert_eq!(a.try_recv().unwrap(), None);
+    }
+    assert_eq!(b.stats().doorbells, 0, "{:?}", b.stats());
+    // Armed with nothing there (the loop is about to sleep): the next push rings once, and
+    // only once (the ring clears the wish).
+    assert!(!a.arm());
+    b.send(body(10, 1)).unwrap();
+    b.send(body(10, 2)).unwrap();
+    assert_eq!(b.stats().doorbells, 1, "{:?}", b.stats());
+    // Arming with a record there says so: the loop must not sleep.
+    assert!(a.arm());
+    assert_eq!(a.try_recv().unwrap(), Some(body(10, 1)));
+    assert_eq!(a.try_recv().unwrap(), Some(body(10, 2)));
+    // The doorbell really is readable after a ring: a sleep on it returns at once.
+    assert!(!a.arm());
+    b.send(body(10, 3)).unwrap();
+    let ev = sys::poll_in(&a.poll_fds(), T).unwrap();
+    assert!(ev[0] != 0, "the doorbell did not become readable");
+    assert_eq!(a.try_recv().unwrap(), Some(body(10, 3)));
+}
+
+#[test]
 fn shm_secrets_must_match_and_the_refusal_says_why() {
     let with = |s: Option<&str>| ShmConfig { secret: s.map(rdma_shuffle_wire::Secret::new), ..cfg(true) };
     let (a, b) = pair(&with(Some("k")));
