@@ -43,6 +43,7 @@ export PATH="$MOBIUS_VENV/bin:$PATH"
 
 if [ "${MOBIUS_SKIP_BUILD:-0}" != 1 ] || [ ! -d "$_mobius_root/target/mobius-py/mobius" ]; then
   echo "mobius env: building the mobius wheel (maturin, release)" >&2
+  mkdir -p "$_mobius_root/target"   # a fresh checkout has none; the build log goes there
   rm -rf "$_mobius_root/target/wheels/mobius"[-_]*.whl
   (cd "$_mobius_root" && "$MOBIUS_VENV/bin/maturin" build --release ${MOBIUS_FEATURES:+--features "$MOBIUS_FEATURES"} \
       -m crates/collective-py/Cargo.toml -o target/wheels -i "$MOBIUS_PY" >target/mobius-wheel.log 2>&1) \
