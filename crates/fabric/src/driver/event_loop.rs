@@ -207,15 +207,11 @@ impl Loop {
     fn arm_polled(&mut self) -> bool {
         let mut ready = false;
         for i in 0..self.polled.len() {
-            let Some(&k) = self.polled.get(i) else { break };
-            let Some(mut conn) = self.take(k) else { continue };
-            if !self.blocked(&conn) && conn.transport.arm() {
+            let k = self.polled[i];
+            let Some(conn) = self.conn_mut(k) else { continue };
+            if !conn.role.handler().blocked(conn) && conn.transport.arm() {
                 ready = true;
                 self.again.push(k);
-            }
-            // Not `put`: nothing was handled, so there is nothing to send or close.
-            if let Some(slot) = self.conns.get_mut(k.index as usize) {
-                slot.conn = Some(conn);
             }
         }
         ready
@@ -315,6 +311,14 @@ impl Loop {
             return None;
         }
         slot.conn.as_ref()
+    }
+
+    fn conn_mut(&mut self, key: ConnKey) -> Option<&mut Conn> {
+        let slot = self.conns.get_mut(key.index as usize)?;
+        if slot.gen != key.gen {
+            return None;
+        }
+        slot.conn.as_mut()
     }
 
     #[cfg(any(test, feature = "testing"))]
