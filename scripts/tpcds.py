@@ -195,6 +195,15 @@ def rest(ui: str, path: str):
         return json.loads(r.read())
 
 
+def rest_time(v):
+    """Seconds since the epoch of a REST API time ("2026-12-04T20:40:01.123GMT"), or None."""
+    if not v:
+        return None
+    import datetime
+    t = datetime.datetime.strptime(v.replace("GMT", ""), "%Y-%m-%dT%H:%M:%S.%f")
+    return t.replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
 def stage_metrics(ui: str, app_id: str, names: list) -> dict:
     """Per query (job group): shuffle bytes and what failed/reran, from the REST API of the
     application's own UI. Waits until the status store has seen every job end (its listener
@@ -213,11 +222,40 @@ def stage_metrics(ui: str, app_id: str, names: list) -> dict:
     out = {n: {"shuffle_write_bytes": 0, "shuffle_read_bytes": 0, "shuffle_remote_bytes": 0,
                "shuffle_remote_blocks": 0, "shuffle_local_blocks": 0, "fetch_wait_ms": 0,
                "stages": 0, "stage_attempts": 0, "rerun_stages": [], "fetch_failed": False,
-               "failed_tasks": 0} for n in names}
+               "failed_tasks": 0, "jobs": 0, "jobs_span_s": 0.0, "stage_detail": []}
+           for n in names}
+    # The time a query's jobs ran (first submission to last completion): the rest of its wall
+    # time is the driver's (parsing, planning, AQE re-planning between jobs, collecting rows).
+    spans = {}
+    for j in jobs:
+        t0, t1 = rest_time(j.get("submissionTime")), rest_time(j.get("completionTime"))
+        if j.get("jobGroup") in out and t0 is not None and t1 is not None:
+            out[j["jobGroup"]]["jobs"] += 1
+            a, b = spans.get(j["jobGroup"], (t0, t1))
+            spans[j["jobGroup"]] = (min(a, t0), max(b, t1))
+    for n, (a, b) in spans.items():
+        out[n]["jobs_span_s"] = round(b - a, 3)
     for s in stages:
         q = out.get(group_of.get(s["stageId"]))
         if q is None or s["status"] in ("SKIPPED", "PENDING"):
             continue
+        # Per stage, where its time went: the stage's span on the driver against the tasks'
+        # run and CPU time on the executors, and how long tasks waited for shuffle blocks.
+        t0, t1 = rest_time(s.get("submissionTime")), rest_time(s.get("completionTime"))
+        q["stage_detail"].append({
+            "stage": s["stageId"], "attempt": s["attemptId"], "tasks": s.get("numTasks", 0),
+            "span_ms": round((t1 - t0) * 1000) if t0 is not None and t1 is not None else None,
+            "run_ms": s.get("executorRunTime", 0),
+            "cpu_ms": round(s.get("executorCpuTime", 0) / 1e6),
+            "deser_ms": s.get("executorDeserializeTime", 0),
+            "fetch_wait_ms": s.get("shuffleFetchWaitTime", 0),
+            "write_ms": round(s.get("shuffleWriteTime", 0) / 1e6),
+            "read_bytes": s.get("shuffleReadBytes", 0),
+            "remote_blocks": s.get("shuffleRemoteBlocksFetched", 0),
+            "local_blocks": s.get("shuffleLocalBlocksFetched", 0),
+            "write_bytes": s.get("shuffleWriteBytes", 0),
+            "name": (s.get("name") or "")[:60],
+        })
         q["stage_attempts"] += 1
         if s["attemptId"] == 0:
             q["stages"] += 1
@@ -461,6 +499,8 @@ def compare(runs: dict, names: list, reference: dict | None = None) -> dict:
             "remote_blocks": {m: [q["shuffle_remote_blocks"] for q in per[m]] for m in per},
             "fetch_wait_ms": {m: [q["fetch_wait_ms"] for q in per[m]] for m in per},
             "stages": first["stages"],
+            # Wall time outside the query's jobs: the driver's planning and row collection.
+            "driver_s": {m: [round(q["wall_s"] - q.get("jobs_span_s", 0.0), 3) for q in per[m]] for m in per},
             "errors": [q["error"] for m in per for q in per[m] if q.get("error")],
         }
         if reference is not None or any(q["rerun_stages"] or q["fetch_failed"] for m in per for q in per[m]):
@@ -592,6 +632,28 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_stages(a) -> int:
+    """Per stage, side by side, for the queries named: each round's application of both
+    shuffles from a run's logs directory (written by `bench`)."""
+    runs = {}
+    for f in sorted(Path(a.logs).glob("round*-*.json")):
+        r = json.loads(f.read_text())
+        runs[f.stem] = {q["query"]: q for q in r["queries"]}
+    cols = ("tasks", "span_ms", "run_ms", "cpu_ms", "deser_ms", "fetch_wait_ms", "remote_blocks", "read_bytes")
+    for n in a.queries.split(","):
+        print(f"\n== {n}")
+        for run, qs in runs.items():
+            q = qs.get(n)
+            if q is None:
+                continue
+            print(f"  {run:22s} wall {q['wall_s']:7.3f} s  jobs {q.get('jobs', 0):2d} spanning "
+                  f"{q.get('jobs_span_s', 0):7.3f} s  driver {q['wall_s'] - q.get('jobs_span_s', 0):6.3f} s")
+            for st in q.get("stage_detail", []):
+                print("    stage %4d.%d " % (st["stage"], st["attempt"])
+                      + " ".join(f"{c}={st[c]}" for c in cols))
+    return 0
+
+
 def mib(b) -> str:
     return f"{b / 1048576:.1f}"
 
@@ -636,7 +698,12 @@ def main() -> int:
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--cluster", type=int, default=0)
     b.add_argument("--kill-every", type=float, default=0.0)
+    st = sub.add_parser("stages")
+    st.add_argument("--logs", default=str(REPO / "target/bench/tpcds-logs"))
+    st.add_argument("--queries", required=True)
     a = ap.parse_args()
+    if a.cmd == "stages":
+        return cmd_stages(a)
     if a.cmd == "data":
         print(ensure_data(a.sf))
     elif a.cmd == "queries":
