@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A whole message.
@@ -23,11 +24,50 @@ const KIND_FRAG_END: u32 = 3;
 const KIND_REF: u32 = 4;
 /// `{id}`: the message sent by reference was copied; the sender may free it.
 const KIND_ACK: u32 = 5;
+/// A message whose head travels in the record and whose body was left in the sender's
+/// memory: `{id, addr, len, head...}`. The receiver copies the body with process_vm_readv
+/// behind the head and answers [`KIND_ACK`]. The body is the sender's caller's own buffer
+/// ([`ShmConn::send_borrowed`]), so a large message is copied once in all, not first into a
+/// message of the sender's.
+const KIND_REF_HEAD: u32 = 6;
 
 /// Flag bit: the side sleeps until a record arrives for it.
 const WANT_DATA: u32 = 1;
 /// Flag bit: the side sleeps until its outgoing ring has room.
 const WANT_SPACE: u32 = 2;
+
+/// A message whose body is still in the peer's memory (it was sent with
+/// [`ShmConn::send_borrowed`]): its head, and where the body is. Give it to
+/// [`ShmConn::copy_body`]; until then the peer keeps its buffer.
+#[derive(Debug)]
+pub struct LentBody {
+    id: u64,
+    addr: u64,
+    len: u64,
+    /// The bytes that came before the body.
+    pub head: Vec<u8>,
+}
+
+impl LentBody {
+    /// Bytes of the body.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the body has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// What [`ShmConn::try_recv_parts`] gives.
+#[derive(Debug)]
+pub enum Received {
+    /// A whole message.
+    Msg(Vec<u8>),
+    /// A head whose body waits in the peer's memory.
+    Lent(LentBody),
+}
 
 /// How large messages travel on a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,9 +80,29 @@ pub enum LargeMessages {
 }
 
 struct Out {
+    /// The message; for a borrowed one, its head.
     msg: Vec<u8>,
     /// Bytes already pushed (fragments).
     sent: usize,
+    /// A body left in the caller's memory: `(id, addr, len)` (see [`ShmConn::send_borrowed`]).
+    borrowed: Option<(u64, u64, usize)>,
+}
+
+/// What the connection keeps of a message until the peer acknowledged its copy.
+enum Lent {
+    /// The message itself, sent by reference.
+    Owned(#[allow(dead_code)] Vec<u8>),
+    /// The owner of a caller's buffer the peer reads the body (of this many bytes) from.
+    Borrowed(#[allow(dead_code)] Arc<dyn Send + Sync>, usize),
+}
+
+impl Lent {
+    fn len(&self) -> usize {
+        match self {
+            Lent::Owned(m) => m.len(),
+            Lent::Borrowed(_, len) => *len,
+        }
+    }
 }
 
 /// Counters of one connection.
@@ -76,8 +136,9 @@ pub struct ShmConn {
     out: VecDeque<Out>,
     /// Acknowledgements waiting for room in the ring (they go before messages).
     acks: VecDeque<u64>,
-    /// Messages sent by reference, kept until the peer acknowledges them.
-    lent: HashMap<u64, Vec<u8>>,
+    /// Messages sent by reference (and owners of borrowed bodies, from the send on), kept
+    /// until the peer acknowledges them.
+    lent: HashMap<u64, Lent>,
     next_id: u64,
     /// A message arriving in fragments.
     partial: Option<Vec<u8>>,
@@ -194,8 +255,62 @@ impl ShmConn {
                 self.max_message
             )));
         }
-        self.out.push_back(Out { msg, sent: 0 });
+        self.out.push_back(Out { msg, sent: 0, borrowed: None });
         self.flush()
+    }
+
+    /// Queues a message of `head` followed by `len` bytes at `addr` in this process, which
+    /// the peer copies straight from there (no copy on this side): for a large message of a
+    /// caller's own buffer. `owner` keeps the buffer's owner alive until the peer's
+    /// acknowledgement; answers the message's id, [`lent`](Self::lent) until then.
+    ///
+    /// Only where [`large_messages`](Self::large_messages) is
+    /// [`SingleCopy`](LargeMessages::SingleCopy), and `head` must fit a record.
+    ///
+    /// # Safety
+    ///
+    /// The `len` bytes at `addr` must stay unchanged and mapped until the id is no longer
+    /// lent (or the connection is dropped): the peer reads them at a time of its choosing. (A
+    /// buffer that is not is a wrong message for the peer, never a fault here: this process
+    /// only lends, the peer's kernel reads.)
+    pub unsafe fn send_borrowed(
+        &mut self,
+        head: Vec<u8>,
+        addr: u64,
+        len: usize,
+        owner: Arc<dyn Send + Sync>,
+    ) -> Result<u64, FabricError> {
+        if self.peer_gone {
+            return Err(self.closed());
+        }
+        if self.large != LargeMessages::SingleCopy {
+            return Err(FabricError::Unsupported(format!("{}: the peer may not read this process's memory", self.peer)));
+        }
+        if head.len() + len > self.max_message || head.len() + 24 > self.tx.max_record() {
+            return Err(FabricError::Unsupported(format!(
+                "{}: message of {} + {len} bytes is larger than the shm provider's limit of {} bytes",
+                self.peer,
+                head.len(),
+                self.max_message
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.lent.insert(id, Lent::Borrowed(owner, len));
+        self.out.push_back(Out { msg: head, sent: 0, borrowed: Some((id, addr, len)) });
+        self.flush()?;
+        Ok(id)
+    }
+
+    /// Whether message `id` (of [`send_borrowed`](Self::send_borrowed)) waits for the peer's
+    /// acknowledgement: until then its buffer must stay as it is.
+    pub fn lent(&self, id: u64) -> bool {
+        self.lent.contains_key(&id)
+    }
+
+    /// The smallest message sent by reference (below it, messages are copied into the ring).
+    pub fn single_copy_min(&self) -> usize {
+        self.single_copy_min
     }
 
     /// Moves queued acknowledgements and messages into the ring while it has room, and rings
@@ -238,6 +353,20 @@ impl ShmConn {
         let max = self.tx.max_record();
         while let Some(o) = self.out.front_mut() {
             let len = o.msg.len();
+            if let Some((id, addr, body)) = o.borrowed {
+                let mut rec = Vec::with_capacity(24 + len);
+                rec.extend_from_slice(&id.to_le_bytes());
+                rec.extend_from_slice(&addr.to_le_bytes());
+                rec.extend_from_slice(&(body as u64).to_le_bytes());
+                rec.extend_from_slice(&o.msg);
+                if !self.tx.push(KIND_REF_HEAD, &[&rec]) {
+                    return any;
+                }
+                self.stats.single_copy += 1;
+                self.out.pop_front();
+                any = true;
+                continue;
+            }
             if o.sent == 0 && len <= max && (len < self.single_copy_min || self.large == LargeMessages::CopyThroughSegment) {
                 if !self.tx.push(KIND_MSG, &[&o.msg]) {
                     return any;
@@ -257,7 +386,7 @@ impl ShmConn {
                 // The vector's heap buffer does not move with the vector: the address stays
                 // valid until the peer's acknowledgement frees it.
                 let Some(o) = self.out.pop_front() else { return true };
-                self.lent.insert(id, o.msg);
+                self.lent.insert(id, Lent::Owned(o.msg));
                 any = true;
                 continue;
             } else {
@@ -321,11 +450,61 @@ impl ShmConn {
     }
 
     fn recv_inner(&mut self, arm: bool) -> Result<Option<Vec<u8>>, FabricError> {
+        match self.recv_parts(arm)? {
+            None => Ok(None),
+            Some(Received::Msg(m)) => Ok(Some(m)),
+            Some(Received::Lent(b)) => {
+                // The whole message, head then body, in one vector (calloc: a large buffer
+                // comes zeroed from the kernel, with no memset here).
+                let at = b.head.len();
+                let mut buf = vec![0u8; at + b.len as usize];
+                buf[..at].copy_from_slice(&b.head);
+                self.copy_body(b, Some(&mut buf[at..]))?;
+                Ok(Some(buf))
+            }
+        }
+    }
+
+    /// Like [`try_recv`](Self::try_recv), but a message whose body waits in the peer's memory
+    /// comes as its head ([`Received::Lent`]): the caller chooses where the body goes
+    /// ([`copy_body`](Self::copy_body)) — a buffer of its own, with no copy in between.
+    pub fn try_recv_parts(&mut self) -> Result<Option<Received>, FabricError> {
+        self.recv_parts(false)
+    }
+
+    /// Copies the body of `b` from the peer into `dst` (exactly its length), or drops it
+    /// (`None`), and acknowledges it: the peer may reuse its buffer.
+    pub fn copy_body(&mut self, b: LentBody, dst: Option<&mut [u8]>) -> Result<(), FabricError> {
+        if let Some(dst) = dst {
+            if dst.len() as u64 != b.len {
+                return Err(FabricError::Unsupported(format!(
+                    "{}: a body of {} bytes does not go into {} bytes",
+                    self.peer,
+                    b.len,
+                    dst.len()
+                )));
+            }
+            self.vm_read(b.addr, dst)?;
+        }
+        self.acks.push_back(b.id);
+        self.flush()
+    }
+
+    fn vm_read(&self, addr: u64, dst: &mut [u8]) -> Result<(), FabricError> {
+        sys::vm_read(self.peer_pid, addr, dst).map_err(|e| match e.raw_os_error() {
+            // The process is gone (its socket's hangup may not have been seen yet).
+            Some(libc::ESRCH) => self.closed(),
+            _ => FabricError::io(&self.peer, "copy a message (process_vm_readv) from", e),
+        })
+    }
+
+    fn recv_parts(&mut self, arm: bool) -> Result<Option<Received>, FabricError> {
         self.flush()?;
         let mut freed = false;
         let got = loop {
             match self.pop()? {
-                Popped::Msg(m) => break Some(m),
+                Popped::Msg(m) => break Some(Received::Msg(m)),
+                Popped::Lent(b) => break Some(Received::Lent(b)),
                 Popped::Freed => freed = true,
                 Popped::Empty => {
                     if arm && self.arm() {
@@ -367,6 +546,13 @@ impl ShmConn {
                     }
                 }
                 KIND_REF if bytes.len() == 24 => Ok(Record::Ref(le(&bytes[..8]), le(&bytes[8..16]), le(&bytes[16..]))),
+                KIND_REF_HEAD if bytes.len() >= 24 => {
+                    let (len, head) = (le(&bytes[16..24]), &bytes[24..]);
+                    if len.saturating_add(head.len() as u64) > max as u64 {
+                        return Err(format!("a message of {} + {len} bytes by reference, past the {max}-byte limit", head.len()));
+                    }
+                    Ok(Record::RefHead(LentBody { id: le(&bytes[..8]), addr: le(&bytes[8..16]), len, head: head.to_vec() }))
+                }
                 KIND_ACK if bytes.len() == 8 => Ok(Record::Ack(le(bytes))),
                 k => Err(format!("record of kind {k} and {} bytes", bytes.len())),
             }
@@ -375,16 +561,13 @@ impl ShmConn {
             Err(what) => Err(self.corrupt(what)),
             Ok(None) => Ok(Popped::Empty),
             Ok(Some(Err(what))) => Err(self.corrupt(what)),
+            Ok(Some(Ok(Record::RefHead(b)))) => Ok(Popped::Lent(b)),
             Ok(Some(Ok(Record::Ref(id, addr, len)))) => {
                 if len > max as u64 {
                     return Err(self.corrupt(format!("a message of {len} bytes by reference, past the {max}-byte limit")));
                 }
                 let mut buf = vec![0u8; len as usize];
-                sys::vm_read(self.peer_pid, addr, &mut buf).map_err(|e| match e.raw_os_error() {
-                    // The process is gone (its socket's hangup may not have been seen yet).
-                    Some(libc::ESRCH) => self.closed(),
-                    _ => FabricError::io(&self.peer, "copy a message (process_vm_readv) from", e),
-                })?;
+                self.vm_read(addr, &mut buf)?;
                 self.acks.push_back(id);
                 Ok(Popped::Msg(buf))
             }
@@ -524,6 +707,8 @@ enum Record {
     Freed,
     /// `{id, addr, len}` of a message to copy out of the peer.
     Ref(u64, u64, u64),
+    /// A head, and `{id, addr, len}` of the body behind it in the peer's memory.
+    RefHead(LentBody),
     /// The peer copied the message lent under this id.
     Ack(u64),
 }
@@ -531,6 +716,7 @@ enum Record {
 /// What one step of reading gave.
 enum Popped {
     Msg(Vec<u8>),
+    Lent(LentBody),
     /// A record that frees something (fragment, acknowledgement) but no message yet.
     Freed,
     Empty,

@@ -11,14 +11,17 @@
 //! Sends made while the shm handshake is still running are queued and go out once it is
 //! done, so a link is "connected" at once for the protocol above it.
 
-use super::{ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener};
+use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener};
 use crate::error::FabricError;
 use crate::memory::pool::NoRegistration;
 use crate::memory::registration::Registrar;
-use crate::providers::link::{encode_message, EngineCtx, Incoming, Link, Listener, MsgPayload, Net, OutPayload, ProviderEngine};
+use crate::providers::link::{
+    encode_message, EngineCtx, Incoming, Link, Listener, MsgPayload, Net, OutPayload, Placement, ProviderEngine,
+};
 use crate::providers::Provider;
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
+use rdma_shuffle_wire::frame::{Header, HEADER_LEN};
 use rdma_shuffle_wire::{Frame, Limits};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -146,11 +149,32 @@ struct ShmLink {
     reg: Option<(Registry, Token)>,
     /// Descriptors registered now.
     registered: Vec<RawFd>,
+    /// A frame was handed over whose body still waits in the peer's memory, for
+    /// [`place`](Link::place).
+    body: Option<LentBody>,
+    /// The placed body, handed over by the next [`next`](Link::next).
+    placed: Option<Incoming>,
+    /// Bytes of every message ever sent (the first half of [`Link::write_progress`]).
+    queued: u64,
+    /// Messages whose body the peer reads from the caller's memory, oldest first: the
+    /// position where each starts in `queued`, and its id on the connection. Everything
+    /// before the first one still lent is "written" (copied, or read by the peer).
+    borrowed: VecDeque<(u64, u64)>,
 }
 
 impl ShmLink {
     fn new(peer: String, state: State) -> Self {
-        ShmLink { peer, state, pending: VecDeque::new(), reg: None, registered: Vec::new() }
+        ShmLink {
+            peer,
+            state,
+            pending: VecDeque::new(),
+            reg: None,
+            registered: Vec::new(),
+            body: None,
+            placed: None,
+            queued: 0,
+            borrowed: VecDeque::new(),
+        }
     }
 
     fn fds(&self) -> Vec<RawFd> {
@@ -203,10 +227,43 @@ impl ShmLink {
         Ok(true)
     }
 
+    /// What arrived, for the loop: a whole message as [`Incoming::Message`]; a head whose
+    /// body waits in the peer's memory as [`Incoming::Frame`], as a stream link hands over a
+    /// frame, and its body follows once the protocol [placed](Link::place) it.
+    fn received(&mut self, got: Received, limits: &Limits) -> Result<Incoming, FabricError> {
+        let b = match got {
+            Received::Msg(buf) => return self.decode(buf, limits),
+            Received::Lent(b) => b,
+        };
+        let bad = |what: String| FabricError::Unsupported(format!("{}: {what}", self.peer));
+        let frame_err = |e| FabricError::Frame { peer: self.peer.clone(), source: e };
+        let h = Header::decode(&b.head, limits).map_err(frame_err)?;
+        if b.head.len() != HEADER_LEN + h.fixed_len() || h.kind.payload_offset().is_none() || h.payload_len() != b.len() {
+            return Err(bad(format!(
+                "a {:?} head of {} bytes before a body of {} sent by reference does not describe it",
+                h.kind,
+                b.head.len(),
+                b.len()
+            )));
+        }
+        let frame = Frame::decode_body(&h, &b.head[HEADER_LEN..], limits).map_err(frame_err)?;
+        self.body = Some(b);
+        Ok(Incoming::Frame(frame))
+    }
+
     fn decode(&self, buf: Vec<u8>, limits: &Limits) -> Result<Incoming, FabricError> {
         let (frame, at) =
             Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
         Ok(Incoming::Message(frame, MsgPayload { buf, at }))
+    }
+
+    /// Drops the borrowed messages the peer has read, oldest first.
+    fn forget_read(&mut self) {
+        if let State::Up(c) = &self.state {
+            while self.borrowed.front().is_some_and(|(_, id)| !c.lent(*id)) {
+                self.borrowed.pop_front();
+            }
+        }
     }
 
     fn send_msg(&mut self, msg: Vec<u8>) -> Result<(), FabricError> {
@@ -238,11 +295,41 @@ impl Link for ShmLink {
     }
 
     fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+        // A large body in the caller's memory (a Mobius rendezvous send) is left there for
+        // the peer to copy: one copy in all, where encoding it into a message first made two.
+        // The caller waits until `write_progress` says the peer read it.
+        if let (State::Up(c), OutPayload::Source { source, offset, len }) = (&mut self.state, &payload) {
+            let single = c.large_messages() == LargeMessages::SingleCopy && *len as usize >= c.single_copy_min();
+            if let (true, Some(mem)) = (single, source.memory()) {
+                let body = usize::try_from(*offset).ok().and_then(|at| mem.get(at..at.checked_add(*len as usize)?)).ok_or_else(
+                    || FabricError::Unsupported(format!("payload {offset}+{len} outside its {}-byte source", mem.len())),
+                )?;
+                let mut head = Vec::with_capacity(64);
+                frame.encode(&mut head);
+                let total = (head.len() + body.len()) as u64;
+                let owner: Arc<dyn Send + Sync> = Arc::new(source.clone());
+                // SAFETY: `source` is memory its owner keeps unchanged until the send is
+                // written (`write_progress`), which it is only once the peer acknowledged
+                // its copy; `owner` keeps the source itself alive until then.
+                let id = unsafe { c.send_borrowed(head, body.as_ptr() as u64, body.len(), owner)? };
+                self.borrowed.push_back((self.queued, id));
+                self.queued += total;
+                return Ok(());
+            }
+        }
         let m = encode_message(frame, payload)?;
+        self.queued += m.len() as u64;
         self.send_msg(m)
     }
 
+    fn write_progress(&self) -> Option<(u64, u64)> {
+        let lent = |id: &u64| matches!(&self.state, State::Up(c) if c.lent(*id));
+        let written = self.borrowed.iter().find(|(_, id)| lent(id)).map_or(self.queued, |(at, _)| *at);
+        Some((self.queued, written))
+    }
+
     fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
+        self.queued += bytes.len() as u64;
         self.send_msg(bytes)
     }
 
@@ -250,10 +337,17 @@ impl Link for ShmLink {
         if !self.progress()? {
             return Ok(None);
         }
+        self.forget_read();
+        if let Some(placed) = self.placed.take() {
+            return Ok(Some(placed));
+        }
+        if self.body.is_some() {
+            return Ok(None);
+        }
         let State::Up(c) = &mut self.state else { return Ok(None) };
         // The doorbell is armed by the loop before it sleeps (`arm`), not here: a loop that
         // spins polls the ring in memory, and a peer pushing to it rings nobody.
-        let buf = match c.try_recv()? {
+        let got = match c.try_recv_parts()? {
             Some(b) => b,
             None => {
                 // Nothing in the ring: has the peer gone? (its socket hung up; the loop woke
@@ -263,13 +357,13 @@ impl Link for ShmLink {
                 if !c.peer_gone() {
                     return Ok(None);
                 }
-                match c.try_recv()? {
+                match c.try_recv_parts()? {
                     Some(b) => b,
                     None => return Err(FabricError::Closed { peer: self.peer.clone() }),
                 }
             }
         };
-        self.decode(buf, limits).map(Some)
+        self.received(got, limits).map(Some)
     }
 
     fn polled(&self) -> bool {
@@ -279,25 +373,69 @@ impl Link for ShmLink {
     fn next_polled(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
         // No event behind this look: the handshake and the peer's liveness (a read of the
         // control socket each) wait for one; the ring costs no system call.
+        self.forget_read();
+        if let Some(placed) = self.placed.take() {
+            return Ok(Some(placed));
+        }
+        if self.body.is_some() {
+            return Ok(None);
+        }
         let State::Up(c) = &mut self.state else { return Ok(None) };
-        match c.try_recv()? {
-            Some(buf) => self.decode(buf, limits).map(Some),
+        match c.try_recv_parts()? {
+            Some(got) => self.received(got, limits).map(Some),
             None => Ok(None),
         }
     }
 
     fn ready(&self) -> bool {
-        match &self.state {
-            State::Up(c) => c.has_input(),
-            _ => false,
-        }
+        self.placed.is_some()
+            || (self.body.is_none()
+                && match &self.state {
+                    State::Up(c) => c.has_input(),
+                    _ => false,
+                })
     }
 
     fn arm(&mut self) -> bool {
+        if self.placed.is_some() {
+            return true;
+        }
         match &self.state {
             State::Up(c) => c.arm(),
             _ => false,
         }
+    }
+
+    fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
+        let Some(b) = self.body.take() else {
+            return Err(FabricError::Unsupported(format!("{}: no payload awaits placement", self.peer)));
+        };
+        let State::Up(c) = &mut self.state else { return Err(FabricError::Closed { peer: self.peer.clone() }) };
+        let len = b.len() as usize;
+        // The peer's buffer is copied once, straight into where the protocol wants it.
+        self.placed = Some(match placement {
+            Placement::Discard => {
+                c.copy_body(b, None)?;
+                Incoming::Payload(None)
+            }
+            Placement::Into { mut lease, at } => {
+                let Some(dst) = at.checked_add(len).and_then(|end| lease.get_mut(at..end)) else {
+                    return Err(FabricError::Unsupported(format!(
+                        "{}: payload of {len} bytes at {at} does not fit a buffer of {}",
+                        self.peer,
+                        lease.len()
+                    )));
+                };
+                c.copy_body(b, Some(dst))?;
+                Incoming::Payload(Some(lease))
+            }
+            Placement::Vec => {
+                let mut v = vec![0u8; len];
+                c.copy_body(b, Some(&mut v))?;
+                Incoming::PayloadVec(v)
+            }
+        });
+        Ok(())
     }
 
     fn sends_done(&self) -> bool {
@@ -313,6 +451,8 @@ impl Link for ShmLink {
         // reused afterwards must not be deregistered by mistake.
         self.deregister_all();
         self.pending.clear();
+        self.body = None;
+        self.placed = None;
         // Unmaps the segment and closes the socket: the peer sees the hangup.
         self.state = State::Closed;
     }

@@ -45,6 +45,15 @@
 //! sender, which containers (no `CAP_SYS_PTRACE`, seccomp) and Yama often deny: the handshake
 //! tests it once per connection by reading a probe word of the peer, and where it fails the
 //! message is **copied through the segment** in fragments of half a ring (copy in, copy out).
+//!
+//! A message whose body is the caller's own memory (a Mobius rendezvous send: the
+//! [`Link`](crate::providers::link::Link) gets it as a memory [`Source`](crate::providers::Source))
+//! is not even copied into a message first: the record carries the frame's head and the
+//! address of the caller's buffer ([`ShmConn::send_borrowed`]), the receiving link hands the
+//! head to the protocol as a frame, as a stream link would, and copies the body with
+//! `process_vm_readv` straight into the buffer the protocol places it in (a pool buffer),
+//! then acknowledges. The send is complete (`write_progress`) only on that acknowledgement,
+//! so the caller keeps its buffer until the peer has read it: one copy in all.
 //! Which one is used is logged once per process (`tracing`, with the reason) and reported by
 //! [`ShmConn::large_messages`].
 //!
@@ -69,7 +78,7 @@ mod sys;
 #[cfg(test)]
 mod tests;
 
-pub use conn::{LargeMessages, ShmConn, ShmConnStats};
+pub use conn::{LargeMessages, LentBody, Received, ShmConn, ShmConnStats};
 pub use handshake::{unique_name, ShmAccepting, ShmConnecting, ShmListener};
 pub use link::ShmProvider;
 

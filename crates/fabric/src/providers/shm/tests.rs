@@ -85,6 +85,43 @@ fn shm_messages_of_every_size_cross_both_ways_through_the_segment() {
 }
 
 #[test]
+fn shm_a_borrowed_body_is_read_from_the_senders_buffer_when_the_peer_copies_it() {
+    let (mut a, mut b) = pair(&cfg(true));
+    let len = 200_000;
+    let mut buf = body(len, 7);
+    let owner: std::sync::Arc<dyn Send + Sync> = std::sync::Arc::new(());
+    // SAFETY: `buf` lives (and is changed only as the test says) until the id is no longer lent.
+    let id = unsafe { b.send_borrowed(b"HEAD".to_vec(), buf.as_ptr() as u64, len, owner.clone()).unwrap() };
+    assert!(b.lent(id));
+    assert_eq!(b.stats().single_copy, 1);
+    assert!(b.queued_bytes() >= len, "a lent body counts as queued: {}", b.queued_bytes());
+    // Nothing was copied on the sending side: a change made now is what the peer gets.
+    buf[0] = buf[0].wrapping_add(1);
+    buf[len - 1] = buf[len - 1].wrapping_add(1);
+    let got = a.recv_timeout(T).unwrap();
+    assert_eq!(&got[..4], b"HEAD");
+    assert!(got[4..] == buf[..], "the peer read the buffer as it is now");
+    // Still lent until the sender has seen the acknowledgement; then let go of.
+    assert!(b.lent(id));
+    b.send_all(T).unwrap();
+    assert!(!b.lent(id));
+    assert_eq!(b.queued_bytes(), 0);
+    assert_eq!(std::sync::Arc::strong_count(&owner), 1, "the owner is let go of with the acknowledgement");
+
+    // Refused, with the reason, where it cannot work: a body larger than the limit, and a
+    // connection whose peer may not read this process (copy through the segment).
+    let big = ShmConfig::default().max_message;
+    // SAFETY: refused before anything is lent.
+    let e = unsafe { b.send_borrowed(Vec::new(), buf.as_ptr() as u64, big + 1, owner.clone()) }.unwrap_err();
+    assert!(e.to_string().contains("limit"), "{e}");
+    let (_c, mut d) = pair(&cfg(false));
+    // SAFETY: refused before anything is lent.
+    let e = unsafe { d.send_borrowed(Vec::new(), buf.as_ptr() as u64, len, owner.clone()) }.unwrap_err();
+    assert!(e.to_string().contains("may not read"), "{e}");
+    assert_eq!(std::sync::Arc::strong_count(&owner), 1);
+}
+
+#[test]
 fn shm_a_flood_in_one_direction_sleeps_and_wakes_on_the_doorbells() {
     let (mut a, mut b) = pair(&ShmConfig { spin: Duration::ZERO, ..cfg(false) });
     let n = 5000usize;
