@@ -1,10 +1,10 @@
 //! One shm connection: whole messages through the segment's rings, large ones by single copy
 //! (process_vm_readv) or in fragments, doorbells, and the liveness of the peer.
 
+use super::config::ShmConfig;
 use super::ring::{Consumer, Producer};
 use super::segment::{Segment, Side};
 use super::sys;
-use super::ShmConfig;
 use crate::error::FabricError;
 use std::collections::{HashMap, VecDeque};
 use std::io;

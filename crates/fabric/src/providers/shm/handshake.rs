@@ -18,10 +18,10 @@
 //! silent connection holds nobody up; the owner polls [`fd`](ShmAccepting::fd) and calls
 //! `poll` again.
 
+use super::config::ShmConfig;
 use super::conn::{Parts, ShmConn};
 use super::segment::{check_ring, Segment, Side};
 use super::sys::{self, Recv};
-use super::ShmConfig;
 use crate::error::FabricError;
 use rdma_shuffle_wire::frame::PROOF_LEN;
 use rdma_shuffle_wire::{Frame, Transcript};

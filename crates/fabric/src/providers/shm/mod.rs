@@ -69,6 +69,7 @@
 //! whereas a futex would need a thread of its own per connection. The same bit, for "waiting
 //! for room", wakes a producer whose ring was full.
 
+mod config;
 pub mod conn;
 pub mod handshake;
 pub mod link;
@@ -78,41 +79,7 @@ mod sys;
 #[cfg(test)]
 mod tests;
 
+pub use config::ShmConfig;
 pub use conn::{LargeMessages, LentBody, Received, ShmConn, ShmConnStats};
 pub use handshake::{unique_name, ShmAccepting, ShmConnecting, ShmListener};
 pub use link::ShmProvider;
-
-use rdma_shuffle_wire::Secret;
-use std::time::Duration;
-
-/// Settings of shm connections.
-#[derive(Clone, Debug)]
-pub struct ShmConfig {
-    /// Bytes of each direction's ring (a power of two, 8 KiB–256 MiB). Chosen by the accepting
-    /// side. Messages up to half of it travel inline; larger ones by single copy or fragments.
-    pub ring_bytes: usize,
-    /// Whether large messages may go by single copy (process_vm_readv) where the kernel
-    /// allows it. Off: always through the segment.
-    pub single_copy: bool,
-    /// Messages at least this large go by single copy (when it is available).
-    pub single_copy_min: usize,
-    /// Largest message; a peer announcing a larger one is an error, nothing is allocated.
-    pub max_message: usize,
-    /// The shared secret both sides must prove (the one the tcp handshake uses), or none.
-    pub secret: Option<Secret>,
-    /// How long a waiting side spins on its ring before it sleeps on the doorbell.
-    pub spin: Duration,
-}
-
-impl Default for ShmConfig {
-    fn default() -> Self {
-        ShmConfig {
-            ring_bytes: 1 << 20,
-            single_copy: true,
-            single_copy_min: 64 * 1024,
-            max_message: 1 << 30,
-            secret: None,
-            spin: Duration::from_micros(50),
-        }
-    }
-}
