@@ -8,8 +8,8 @@ model, measured at start (same-host and network links apart).
 
     bench_hosts.py --sizes 1m,4m,16m --iters 5 --rounds 3 --out target/bench
 
-Needs root. Same-host links are tcp loopback here: `MOBIUS_TRANSPORT=auto` picks shm only when the
-whole group is on one host (one provider per group; no per-peer mix yet).
+Needs root. Same-host links are shared memory (`MOBIUS_TRANSPORT=auto` picks the provider per link:
+shm inside a namespace host, tcp across the bridge).
 """
 
 from __future__ import annotations

@@ -144,9 +144,9 @@ def test_a_rank_killed_on_one_host_fails_the_others_next_collective_naming_it_an
 def test_two_hosts_of_two_ranks_choose_the_hierarchy_and_match_gloo(hosts, tmp_path):
     """torchrun on 2 namespace hosts × 2 ranks: every rank sees 2 hosts of 2; the start-up
     measurement covers same-host and cross-host links (rank 0's link_costs); with same-host
-    links declared as a single-copy shared-memory path would be (MOBIUS_LOCAL_LINK=2,25: 2 µs,
-    Open MPI sm's latency here, and 25 GB/s, memcpy speed on this machine; standing in for the
-    shm provider, which auto does not pick for a group that spans hosts: one provider per group) the policy picks the hierarchical allreduce at 1 and
+    links declared as a single-copy shared-memory path (MOBIUS_LOCAL_LINK=2,25: 2 µs,
+    Open MPI sm's latency here, and 25 GB/s, memcpy speed on this machine, so the decision does
+    not swing with what the loaded machine measures) the policy picks the hierarchical allreduce at 1 and
     16 MiB, in MOBIUS_DEBUG=policy's log too, and its results are exact; DDP under mobius
     equals gloo's. (At 7.6 GB/s, Open MPI sm's busbw, the model keeps flat Rabenseifner on 2 × 2:
     the leader's in-host reduce and broadcast move 2n same-host bytes to save 0.5n network
@@ -171,6 +171,8 @@ def test_two_hosts_of_two_ranks_choose_the_hierarchy_and_match_gloo(hosts, tmp_p
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
     for r, out in res.items():
         assert out["hosts"] == [0, 0, 1, 1], (r, out["hosts"])
+        # Per link: shm with the rank on the same host, tcp with the other host's ranks.
+        assert out["transport"] == "shm+tcp", (r, out["transport"])
         assert all(out["checked"].values()), (r, out["checked"])
         assert out["decisions"][str(1 << 20)][0] == "hier" and out["decisions"][str(16 << 20)][0] == "hier", out["decisions"]
         assert out["calls"].get("allreduce.hier", 0) >= 2, out["calls"]

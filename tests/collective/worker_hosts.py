@@ -210,6 +210,7 @@ def scenario_hier_hosts(args):
     gloo = dist.new_group(backend="gloo")
     comm = _backend(dist).comm
     out = {"hosts": comm.hosts, "model": comm.cost_model(), "links": comm.link_costs(),
+           "transport": comm.stats()["transport"],
            "decisions": {str(n): list(comm.decide("allreduce", n)) for n in (4096, 1 << 20, 16 << 20)}}
     checked = {}
     for n in (1 << 18, 4 << 20):

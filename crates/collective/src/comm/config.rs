@@ -15,9 +15,9 @@ use super::MAX_WORLD;
 /// Which provider carries a communicator's traffic.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TransportKind {
-    /// Shared memory when every rank of the group is on this host (equal host identities,
-    /// see [`host_identity`]), else TCP sockets. The ranks decide together from what each
-    /// published at the rendezvous, so they always agree.
+    /// Per link: shared memory between ranks on one host (equal host identities, see
+    /// [`host_identity`]), TCP sockets between hosts. The ranks decide from what each
+    /// published at the rendezvous, so both ends of a link always agree.
     Auto,
     /// TCP sockets, also between ranks of one host.
     Tcp,
@@ -51,8 +51,8 @@ pub struct CommConfig {
     /// Limit for every wait: joining the group, and each collective call (`MOBIUS_TIMEOUT`,
     /// seconds; default 120).
     pub timeout: Duration,
-    /// Provider (`MOBIUS_TRANSPORT`: `auto` | `tcp` | `shm` | `verbs`; default auto: shm when
-    /// all ranks share this host, else tcp).
+    /// Provider (`MOBIUS_TRANSPORT`: `auto` | `tcp` | `shm` | `verbs`; default auto: shm to
+    /// the ranks on this host, tcp to the others).
     pub transport: TransportKind,
     /// Largest eager message (`MOBIUS_EAGER_LIMIT`; default 64k).
     pub eager_limit: usize,
@@ -243,8 +243,9 @@ impl CommConfig {
     }
 
     /// The provider this configuration asks for (fabric's [`open_provider`], which lists the
-    /// providers). [`TransportKind::Auto`] asks for tcp here: the communicator opens the shm
-    /// provider too ([`shm_provider`](Self::shm_provider)) and picks one at the rendezvous.
+    /// providers). [`TransportKind::Auto`] asks for tcp here: the communicator puts the shm
+    /// provider ([`shm_provider`](Self::shm_provider)) beside it and picks one per link at the
+    /// rendezvous (fabric's `SplitProvider`).
     pub fn provider(&self) -> Result<Arc<dyn Provider>, CollectiveError> {
         let spec = match &self.transport {
             TransportKind::Tcp | TransportKind::Auto => ProviderSpec::default(),

@@ -19,9 +19,11 @@ use crate::store::StoreServer;
 use crate::transport::{Proto, Tag, Transport, TransportStats};
 use parking_lot::Mutex;
 use rdma_shuffle_fabric::mesh::{Mesh, MeshListener};
-use std::collections::BTreeMap;
+use rdma_shuffle_fabric::providers::split::SplitProvider;
+use std::collections::{BTreeMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
@@ -188,46 +190,56 @@ impl Communicator<MeshTransport> {
     /// Joins the group, exchanging addresses through `rendezvous` (e.g. torch's store), with
     /// the mesh listening on `ip`.
     ///
-    /// With [`TransportKind::Auto`] a rank listens twice at one address — on tcp, and on the
-    /// shm provider's socket named after that address — and its card says which host it is
-    /// on. When every card names this host, every rank connects over shm; otherwise (another
-    /// host, or a rank that asked for tcp) every rank connects over tcp. Each rank decides from
-    /// the same cards, so they agree without another round.
+    /// With [`TransportKind::Auto`] a rank listens on tcp and on the shm provider's socket
+    /// named after the same address (one [`SplitProvider`]), and its card says which host it
+    /// is on. Each link then goes over shm when both ranks' cards name the same host, over tcp
+    /// otherwise: a group on one host is all shm, a group of several hosts reduces inside each
+    /// over shm and across them over tcp, and a rank that asked for tcp (or could not listen
+    /// on shm) publishes no host and is reached over tcp by everyone. Each rank decides from
+    /// the same cards, so both ends of a link agree without another round.
     pub fn join(config: CommConfig, ip: IpAddr, rendezvous: &mut dyn Rendezvous) -> Result<Self, CollectiveError> {
         config.validate()?;
         let rank = config.rank;
         let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
         let deadline = Instant::now() + config.timeout;
-        let listener = MeshListener::bind(config.provider()?, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()))?;
-        let addr = listener.local_addr();
-        let mut card = addr.to_string();
-        let mut shm = None;
-        if config.transport == TransportKind::Auto && config.world > 1 {
-            match MeshListener::bind(config.shm_provider(), addr, rank) {
+        let bind = |p| MeshListener::bind(p, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()));
+        let mut split = None;
+        let listener = if config.transport == TransportKind::Auto && config.world > 1 {
+            let s = Arc::new(SplitProvider::new(config.shm_provider(), config.provider()?).map_err(|e| rdv(e.to_string()))?);
+            match MeshListener::bind(s.clone(), SocketAddr::new(ip, 0), rank) {
                 Ok(l) => {
-                    shm = Some(l);
-                    card = auto_card(addr, &config.host_id.clone().unwrap_or_else(host_identity));
+                    split = Some(s);
+                    l
                 }
                 // Shared memory is an optimisation: without it this rank says nothing of its
-                // host, and the whole group stays on tcp.
-                Err(e) => warn!(target: "mobius", rank, error = %e, "no shm listener; the group will use tcp"),
+                // host, and every link of it is tcp.
+                Err(e) => {
+                    warn!(target: "mobius", rank, error = %e, "no shm listener; this rank's links will use tcp");
+                    bind(config.provider()?)?
+                }
             }
-        }
+        } else {
+            bind(config.provider()?)?
+        };
+        let addr = listener.local_addr();
+        let card = match split {
+            Some(_) => auto_card(addr, &config.host_id.clone().unwrap_or_else(host_identity)),
+            None => addr.to_string(),
+        };
         let cards = rendezvous.exchange(rank, config.world, &card, deadline).map_err(rdv)?;
         let mut addrs = Vec::with_capacity(cards.len());
         for (r, c) in cards.iter().enumerate() {
             let a = c.split(' ').next().unwrap_or_default();
             addrs.push(a.parse().map_err(|_| rdv(format!("rank {r} published an unreadable address {a:?}")))?);
         }
-        let here = card_host(&card);
-        let listener = match shm {
-            Some(l) if here.is_some() && cards.iter().all(|c| card_host(c) == here) => {
-                drop(listener);
-                l
-            }
-            // Dropping the unused listener stops its loop threads.
-            _ => listener,
-        };
+        if let Some(s) = &split {
+            // The other ranks on this host; this rank connects to none of itself.
+            let here = card_host(&card);
+            let near: HashSet<SocketAddr> =
+                (0..addrs.len()).filter(|&r| r != rank && card_host(&cards[r]) == here).map(|r| addrs[r]).collect();
+            let all = near.len() + 1 == addrs.len();
+            s.route(near, all);
+        }
         let mut mc = config.mesh_config();
         mc.connect_timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let mesh = Mesh::connect(listener, &addrs, mc).map_err(|e| rdv(e.to_string()))?;

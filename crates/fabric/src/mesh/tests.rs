@@ -400,3 +400,60 @@ fn callers_drive_the_loop_and_an_idle_mesh_sleeps() {
         }
     }
 }
+
+#[test]
+fn a_split_provider_runs_each_link_over_the_provider_routed_for_its_peer() {
+    use crate::providers::shm::ShmProvider;
+    use crate::providers::split::SplitProvider;
+    // Ranks 0 and 1 "share a host" (shm between them), rank 2 is "elsewhere" (tcp with both).
+    let splits: Vec<Arc<SplitProvider>> = (0..3)
+        .map(|_| Arc::new(SplitProvider::new(Arc::new(ShmProvider::default()), Arc::new(TcpProvider::new())).unwrap()))
+        .collect();
+    let listeners: Vec<MeshListener> =
+        splits.iter().enumerate().map(|(r, s)| MeshListener::bind(s.clone(), localhost(), r).unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    splits[0].route([addrs[1]].into(), false);
+    splits[1].route([addrs[0]].into(), false);
+    splits[2].route(Default::default(), false);
+    assert_eq!((splits[0].name(), splits[2].name()), ("shm+tcp", "tcp"));
+    let meshes: Vec<Mesh> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let addrs = addrs.clone();
+            std::thread::spawn(move || {
+                let mut c = MeshConfig::new(r, 3);
+                c.connect_timeout = Duration::from_secs(20);
+                Mesh::connect(l, &addrs, c)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap())
+        .collect();
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    std::thread::scope(|sc| {
+        for m in &meshes {
+            let big = &big;
+            sc.spawn(move || {
+                let me = m.rank();
+                for peer in (0..3).filter(|p| *p != me) {
+                    m.wait(m.send(peer, 1, &[me as u8; 100], Proto::Eager, None).unwrap(), soon()).unwrap();
+                    m.wait(m.send(peer, 2, big, Proto::Rendezvous, None).unwrap(), soon()).unwrap();
+                }
+                for peer in (0..3).filter(|p| *p != me) {
+                    assert_eq!(&*m.recv(peer, 1, soon()).unwrap(), &[peer as u8; 100][..]);
+                    assert!(*m.recv(peer, 2, soon()).unwrap() == big[..], "rank {me}: rendezvous from {peer} differs");
+                }
+            });
+        }
+    });
+    // An eager message is filed whole over shm (a message link) and placed from the byte
+    // stream over tcp ("staged"); a 300 KB rendezvous is placed on both. So rank 0 stages its
+    // eager message from rank 2 only, rank 2 both of its own.
+    let eager_staged = |m: &Mesh| m.stats().staged - 2;
+    assert_eq!(eager_staged(&meshes[0]), 1, "{:?}", meshes[0].stats());
+    assert_eq!(eager_staged(&meshes[1]), 1, "{:?}", meshes[1].stats());
+    assert_eq!(eager_staged(&meshes[2]), 2, "{:?}", meshes[2].stats());
+    assert_eq!(meshes[0].provider_name(), "shm+tcp");
+}

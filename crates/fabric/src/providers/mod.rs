@@ -8,6 +8,9 @@
 //! * [`verbs`] — RDMA over ibverbs (feature `verbs`): a socket control plane for the
 //!   authenticated handshake, then SEND/RECV through one shared receive queue per driver and
 //!   one-sided RDMA READ of windows bound to the requesting peer's queue pair.
+//! * [`shm`] — shared memory between processes of one host.
+//! * [`split`] — not a transport: two providers behind one, chosen per peer (shm for the
+//!   peers on this host, tcp for the others).
 //!
 //! A provider value is the device-level part (a verbs context and protection domain, the sim
 //! network); each driver loop builds its own per-engine state from it (sockets, completion
@@ -25,6 +28,7 @@
 pub mod link;
 pub mod shm;
 pub mod sim;
+pub mod split;
 pub mod tcp;
 pub mod verbs;
 
