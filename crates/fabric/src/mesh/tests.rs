@@ -15,6 +15,16 @@ fn localhost() -> SocketAddr {
 fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConfig)) -> Vec<Result<Mesh, MeshError>> {
     let listeners: Vec<MeshListener> =
         (0..world).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
+    connect_all(listeners, |c| {
+        c.pool.cap_bytes = 64 << 20;
+        c.max_message = 16 << 20;
+        tweak(c);
+    })
+}
+
+/// Connects bound listeners into a mesh, one rank per thread; `tweak` adjusts each config.
+fn connect_all(listeners: Vec<MeshListener>, tweak: impl Fn(&mut MeshConfig)) -> Vec<Result<Mesh, MeshError>> {
+    let world = listeners.len();
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
     let handles: Vec<_> = listeners
         .into_iter()
@@ -23,8 +33,6 @@ fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConf
             let addrs = addrs.clone();
             let mut c = MeshConfig::new(r, world);
             c.connect_timeout = Duration::from_secs(20);
-            c.pool.cap_bytes = 64 << 20;
-            c.max_message = 16 << 20;
             tweak(&mut c);
             std::thread::spawn(move || Mesh::connect(l, &addrs, c))
         })
@@ -160,19 +168,7 @@ fn a_stray_connection_sending_junk_does_not_stop_the_mesh() {
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
     let mut stray = std::net::TcpStream::connect(addrs[0]).unwrap();
     stray.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(r, l)| {
-            let addrs = addrs.clone();
-            std::thread::spawn(move || {
-                let mut c = MeshConfig::new(r, 2);
-                c.connect_timeout = Duration::from_secs(20);
-                Mesh::connect(l, &addrs, c)
-            })
-        })
-        .collect();
-    let meshes: Vec<Mesh> = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+    let meshes: Vec<Mesh> = connect_all(listeners, |_| {}).into_iter().map(|m| m.unwrap()).collect();
     meshes[1].wait(meshes[1].send(0, 3, b"ok", Proto::Eager, None).unwrap(), soon()).unwrap();
     assert_eq!(&*meshes[0].recv(1, 3, soon()).unwrap(), b"ok");
 }
@@ -416,21 +412,7 @@ fn a_split_provider_runs_each_link_over_the_provider_routed_for_its_peer() {
     splits[1].route([addrs[0]].into(), false);
     splits[2].route(Default::default(), false);
     assert_eq!((splits[0].name(), splits[2].name()), ("shm+tcp", "tcp"));
-    let meshes: Vec<Mesh> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(r, l)| {
-            let addrs = addrs.clone();
-            std::thread::spawn(move || {
-                let mut c = MeshConfig::new(r, 3);
-                c.connect_timeout = Duration::from_secs(20);
-                Mesh::connect(l, &addrs, c)
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|h| h.join().unwrap().unwrap())
-        .collect();
+    let meshes: Vec<Mesh> = connect_all(listeners, |_| {}).into_iter().map(|m| m.unwrap()).collect();
     let big: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
     std::thread::scope(|sc| {
         for m in &meshes {
