@@ -71,7 +71,7 @@ def main():
         subprocess.run([*cluster, "down"], env=env, capture_output=True, timeout=120)
     r0 = json.loads((work / "rank0.json").read_text())
     m = r0["model"]
-    print(f"2 hosts x 2 ranks, tcp; measured: network alpha {m['alpha'] * 1e6:.1f} us, beta {1e-9 / m['beta']:.2f} GB/s; "
+    print(f"2 hosts x 2 ranks, links {r0.get('transport', '?')}; measured: network alpha {m['alpha'] * 1e6:.1f} us, beta {1e-9 / m['beta']:.2f} GB/s; "
           f"same-host alpha {m['local_alpha'] * 1e6:.1f} us, beta {1e-9 / m['local_beta']:.2f} GB/s; "
           f"gamma {1e-9 / m['gamma']:.2f} GB/s")
     print("policy (allreduce):", {k: v[0] for k, v in r0["decisions"].items()})
@@ -89,7 +89,8 @@ def main():
             line += f" {f'{t * 1e6:.0f} [{min(ts) * 1e6:.0f}-{max(ts) * 1e6:.0f}]':>22} {bw[algo]:>7.3f}"
         print(line + f" {bw['hier'] / bw['ring']:>16.2f}")
     (out / "hier-hosts.json").write_text(json.dumps({"rows": rows, "model": m, "decisions": r0["decisions"],
-                                                     "links": r0["links"]}, indent=1))
+                                                     "links": r0["links"], "transport": r0.get("transport")},
+                                                    indent=1))
     print(f"\nwrote {out / 'hier-hosts.json'}")
 
 
