@@ -33,6 +33,7 @@ the query's shuffle bytes written/read/remote, its stage attempts, the stages th
 and whether a stage failed on a fetch failure.
 """
 import argparse
+import datetime
 import hashlib
 import json
 import math
@@ -199,7 +200,6 @@ def rest_time(v):
     """Seconds since the epoch of a REST API time ("2026-12-04T20:40:01.123GMT"), or None."""
     if not v:
         return None
-    import datetime
     t = datetime.datetime.strptime(v.replace("GMT", ""), "%Y-%m-%dT%H:%M:%S.%f")
     return t.replace(tzinfo=datetime.timezone.utc).timestamp()
 

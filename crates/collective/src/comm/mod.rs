@@ -206,7 +206,7 @@ impl Communicator<MeshTransport> {
         let mut split = None;
         let listener = if config.transport == TransportKind::Auto && config.world > 1 {
             let s = Arc::new(SplitProvider::new(config.shm_provider(), config.provider()?).map_err(|e| rdv(e.to_string()))?);
-            match MeshListener::bind(s.clone(), SocketAddr::new(ip, 0), rank) {
+            match bind(s.clone()) {
                 Ok(l) => {
                     split = Some(s);
                     l

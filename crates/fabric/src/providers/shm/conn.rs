@@ -354,12 +354,8 @@ impl ShmConn {
         while let Some(o) = self.out.front_mut() {
             let len = o.msg.len();
             if let Some((id, addr, body)) = o.borrowed {
-                let mut rec = Vec::with_capacity(24 + len);
-                rec.extend_from_slice(&id.to_le_bytes());
-                rec.extend_from_slice(&addr.to_le_bytes());
-                rec.extend_from_slice(&(body as u64).to_le_bytes());
-                rec.extend_from_slice(&o.msg);
-                if !self.tx.push(KIND_REF_HEAD, &[&rec]) {
+                let (id, addr, body) = (id.to_le_bytes(), addr.to_le_bytes(), (body as u64).to_le_bytes());
+                if !self.tx.push(KIND_REF_HEAD, &[&id, &addr, &body, &o.msg]) {
                     return any;
                 }
                 self.stats.single_copy += 1;

@@ -257,6 +257,17 @@ impl ShmLink {
         Ok(Incoming::Message(frame, MsgPayload { buf, at }))
     }
 
+    /// What a look hands over before the ring is read: a placed body (`Some(Some)`), or
+    /// nothing while a body still waits for its placement (`Some(None)`: the ring is not read
+    /// past it). `None`: read the ring. Also drops the borrowed messages the peer has read.
+    fn held(&mut self) -> Option<Option<Incoming>> {
+        self.forget_read();
+        if let Some(placed) = self.placed.take() {
+            return Some(Some(placed));
+        }
+        self.body.is_some().then_some(None)
+    }
+
     /// Drops the borrowed messages the peer has read, oldest first.
     fn forget_read(&mut self) {
         if let State::Up(c) = &self.state {
@@ -337,12 +348,8 @@ impl Link for ShmLink {
         if !self.progress()? {
             return Ok(None);
         }
-        self.forget_read();
-        if let Some(placed) = self.placed.take() {
-            return Ok(Some(placed));
-        }
-        if self.body.is_some() {
-            return Ok(None);
+        if let Some(held) = self.held() {
+            return Ok(held);
         }
         let State::Up(c) = &mut self.state else { return Ok(None) };
         // The doorbell is armed by the loop before it sleeps (`arm`), not here: a loop that
@@ -373,12 +380,8 @@ impl Link for ShmLink {
     fn next_polled(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
         // No event behind this look: the handshake and the peer's liveness (a read of the
         // control socket each) wait for one; the ring costs no system call.
-        self.forget_read();
-        if let Some(placed) = self.placed.take() {
-            return Ok(Some(placed));
-        }
-        if self.body.is_some() {
-            return Ok(None);
+        if let Some(held) = self.held() {
+            return Ok(held);
         }
         let State::Up(c) = &mut self.state else { return Ok(None) };
         match c.try_recv_parts()? {
