@@ -258,6 +258,11 @@ impl Loop {
             }
             (Phase::Up, KIND_BYE) => {
                 m.phase = Phase::Up;
+                // What the peer acknowledged before its goodbye (over shm, the acknowledgement
+                // of a borrowed send may have been read in this same look) completes first:
+                // a send it read is done, not failed by its departure.
+                self.mesh_after(conn);
+                let m = mesh_mut(conn);
                 if let Some(peer) = m.peer {
                     m.shared.peer_left(peer);
                 }
