@@ -19,6 +19,9 @@
 //!   as bytes arrive and files messages by `(peer, tag)`, so sends never wait for the receiving
 //!   *collective* to reach the matching `recv`: links are full duplex and several messages may
 //!   be in flight per peer (pipelined segments).
+//! * [`Mesh::post_recv`] / [`Mesh::wait_posted`] receive into the caller's memory: a message
+//!   that starts to arrive after its receive was posted is read straight there by stream
+//!   links (tcp from the socket, shm out of the sender's buffer), with no pool buffer.
 //!
 //! # Protocols
 //!
@@ -52,6 +55,7 @@
 mod config;
 pub(crate) mod handshake;
 mod message;
+mod posted;
 pub(crate) mod regcache;
 mod registration;
 pub(crate) mod shared;
@@ -62,6 +66,7 @@ mod ticket;
 pub use config::{MeshConfig, MeshError, MAX_JOB_LEN};
 pub(crate) use message::Body;
 pub use message::Message;
+pub use posted::{PostedRecv, Posting};
 pub use registration::Registration;
 pub(crate) use registration::{UserMemory, UserReg};
 pub use ticket::SendTicket;

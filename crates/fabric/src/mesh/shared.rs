@@ -46,6 +46,25 @@ pub(crate) enum Slot {
     Ready(Message),
 }
 
+/// A receive posted into the caller's memory ([`Mesh::post_recv`](super::Mesh::post_recv)),
+/// by `(peer, tag)`.
+pub(crate) enum Posted {
+    /// Waits for its message: `(address, length)` of the caller's memory.
+    Waiting(usize, usize),
+    /// The loop is placing a message into it.
+    Claimed,
+    /// The message is in the caller's memory.
+    Done,
+    /// The link failed while the message was being placed; why.
+    Failed(String),
+}
+
+/// Where an arriving message goes: a slot of the inbox, or a posted receive.
+pub(crate) enum Dest {
+    Slot(u64),
+    Posted(crate::providers::link::UserBuf),
+}
+
 /// What building the mesh saw.
 #[derive(Default)]
 pub(crate) struct Build {
@@ -62,6 +81,8 @@ pub(crate) struct State {
     pub(crate) inbox: Vec<HashMap<Tag, VecDeque<Slot>>>,
     /// Sends `(peer, token)` whose buffer is no longer needed.
     pub(crate) done: HashSet<(usize, u64)>,
+    /// Receives posted into callers' memory.
+    pub(crate) posted: HashMap<(usize, Tag), Posted>,
     pub(crate) abort: Option<(usize, String)>,
     pub(crate) closed: bool,
     pub(crate) build: Build,
@@ -144,6 +165,7 @@ impl MeshShared {
                 peers,
                 inbox: (0..world).map(|_| HashMap::new()).collect(),
                 done: HashSet::new(),
+                posted: HashMap::new(),
                 abort: None,
                 closed: false,
                 build: Build::default(),
@@ -176,6 +198,43 @@ impl MeshShared {
         st.next_slot += 1;
         st.inbox[peer].entry(tag).or_default().push_back(Slot::Pending(id));
         id
+    }
+
+    /// A message of `len` bytes from `peer` under `tag` starts to arrive: it goes straight
+    /// into a receive posted for it, when one of that length waits and no earlier message
+    /// under the tag is queued (messages under one tag keep their order); else into a slot.
+    pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64) -> Dest {
+        let mut st = self.state.lock();
+        let queued = st.inbox[peer].get(&tag).is_some_and(|q| !q.is_empty());
+        if !queued {
+            if let Some(p) = st.posted.get_mut(&(peer, tag)) {
+                if let Posted::Waiting(ptr, plen) = *p {
+                    if plen as u64 == len && len > 0 {
+                        *p = Posted::Claimed;
+                        // SAFETY: the poster keeps the memory and leaves it alone until the
+                        // receive is done or failed (`Mesh::post_recv`).
+                        return Dest::Posted(unsafe { crate::providers::link::UserBuf::new(ptr as *mut u8, plen) });
+                    }
+                }
+            }
+        }
+        let id = st.next_slot;
+        st.next_slot += 1;
+        st.inbox[peer].entry(tag).or_default().push_back(Slot::Pending(id));
+        Dest::Slot(id)
+    }
+
+    /// The posted receive `(peer, tag)` holds its message, or failed (`Some(why)`).
+    pub(crate) fn posted_end(&self, peer: usize, tag: Tag, failed: Option<String>) {
+        let mut st = self.state.lock();
+        if let Some(p) = st.posted.get_mut(&(peer, tag)) {
+            *p = match failed {
+                None => Posted::Done,
+                Some(why) => Posted::Failed(why),
+            };
+        }
+        drop(st);
+        self.notify();
     }
 
     /// The message of slot `id` is complete.

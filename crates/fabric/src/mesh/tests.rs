@@ -470,3 +470,93 @@ fn a_send_the_peer_read_before_it_closed_completes() {
         }
     }
 }
+
+#[test]
+fn a_posted_receive_gets_its_message_in_place_and_early_or_odd_messages_are_staged() {
+    let big: Vec<u8> = (0..3_000_001u32).map(|i| (i % 253) as u8).collect();
+    for provider in providers() {
+        let name = provider.name();
+        let meshes: Vec<Mesh> = build(provider.clone(), 2, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+        let (m0, m1) = (&meshes[0], &meshes[1]);
+        let places = name == "tcp" || name == "shm";
+        // Posted first, then sent: placed straight into the buffer by tcp (from the socket)
+        // and shm (a body it lends is copied once, out of the sender's buffer); sim files
+        // whole messages (and reads one-sided ones into a pool buffer).
+        let mut dst = vec![0u8; big.len()];
+        let mut p = unsafe { m1.post_recv(0, 7, dst.as_mut_ptr(), dst.len()) }.unwrap();
+        m0.wait(m0.send(1, 7, &big, Proto::Rendezvous, None).unwrap(), soon()).unwrap();
+        match m1.wait_posted(&mut p, None, soon()).unwrap() {
+            Posting::Placed => assert!(dst == big, "{name}: placed bytes differ"),
+            Posting::Staged(m) => {
+                assert!(!places, "{name}: staged a message whose receive was posted");
+                assert!(*m == big[..]);
+            }
+            Posting::Also(_) => panic!("{name}: nothing else was waited for"),
+        }
+        drop(p);
+        let st = m1.stats();
+        if places {
+            assert_eq!((st.placed, st.placed_bytes, st.staged), (1, big.len() as u64, 0), "{name}: {st:?}");
+        }
+        // Sent first (and received: it is queued), then posted: handed over from the pool.
+        m0.wait(m0.send(1, 8, &big[..1000], Proto::Eager, None).unwrap(), soon()).unwrap();
+        while m1.stats().eager_received == 0 {
+            m1.try_recv(0, 99).unwrap();
+            std::thread::yield_now();
+        }
+        let mut small = vec![0u8; 1000];
+        let mut p = unsafe { m1.post_recv(0, 8, small.as_mut_ptr(), small.len()) }.unwrap();
+        match m1.wait_posted(&mut p, None, soon()).unwrap() {
+            Posting::Staged(m) => assert_eq!(&*m, &big[..1000], "{name}"),
+            other => panic!("{name}: a queued message must be staged, got {other:?}"),
+        }
+        drop(p);
+        // Posted for 500 bytes, 1000 come: staged, the caller sees the length.
+        let mut half = vec![0u8; 500];
+        let mut p = unsafe { m1.post_recv(0, 9, half.as_mut_ptr(), half.len()) }.unwrap();
+        m0.wait(m0.send(1, 9, &big[..1000], Proto::Eager, None).unwrap(), soon()).unwrap();
+        match m1.wait_posted(&mut p, None, soon()).unwrap() {
+            Posting::Staged(m) => assert_eq!(m.len(), 1000, "{name}"),
+            other => panic!("{name}: a longer message must be staged, got {other:?}"),
+        }
+        assert!(half.iter().all(|b| *b == 0), "{name}: a refused placement wrote the buffer");
+        drop(p);
+        // The other message waited for comes first; the receive stays posted.
+        let mut dst2 = vec![0u8; 1000];
+        let mut p = unsafe { m1.post_recv(0, 10, dst2.as_mut_ptr(), dst2.len()) }.unwrap();
+        m0.wait(m0.send(1, 11, b"header", Proto::Eager, None).unwrap(), soon()).unwrap();
+        match m1.wait_posted(&mut p, Some((0, 11)), soon()).unwrap() {
+            Posting::Also(m) => assert_eq!(&*m, b"header"),
+            other => panic!("{name}: expected the other message, got {other:?}"),
+        }
+        m0.wait(m0.send(1, 10, &big[..1000], Proto::Eager, None).unwrap(), soon()).unwrap();
+        match m1.wait_posted(&mut p, Some((0, 11)), soon()).unwrap() {
+            Posting::Placed => assert_eq!(&dst2[..], &big[..1000], "{name}"),
+            Posting::Staged(m) => assert_eq!(&*m, &big[..1000], "{name}"),
+            Posting::Also(_) => panic!("{name}: the header came once"),
+        }
+        drop(p);
+        // Posted and given up unanswered: the next message under that tag is kept as usual.
+        let mut gone = vec![0u8; 1000];
+        let mut p = unsafe { m1.post_recv(0, 12, gone.as_mut_ptr(), gone.len()) }.unwrap();
+        let e = m1.wait_posted(&mut p, None, Instant::now() + Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(e, MeshError::Timeout { peer: 0, .. }), "{name}: {e}");
+        drop(p);
+        drop(gone);
+        m0.wait(m0.send(1, 12, &big[..1000], Proto::Eager, None).unwrap(), soon()).unwrap();
+        assert_eq!(&*m1.recv(0, 12, soon()).unwrap(), &big[..1000], "{name}");
+    }
+}
+
+#[test]
+fn a_peer_that_dies_while_a_receive_is_posted_fails_it() {
+    for provider in providers() {
+        let mut meshes: Vec<Mesh> = build(provider.clone(), 2, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+        let m1 = meshes.pop().unwrap();
+        let mut dst = vec![0u8; 4096];
+        let mut p = unsafe { m1.post_recv(0, 3, dst.as_mut_ptr(), dst.len()) }.unwrap();
+        meshes[0].sever();
+        let e = m1.wait_posted(&mut p, None, soon()).unwrap_err();
+        assert!(matches!(e, MeshError::PeerFailed { peer: 0, .. }), "{}: {e}", provider.name());
+    }
+}

@@ -126,6 +126,46 @@ pub enum Placement {
     },
     /// Into a new vector (raw channels).
     Vec,
+    /// Straight into the caller's memory (a posted receive); the link answers
+    /// [`Incoming::Payload`]`(None)` once the payload is complete.
+    User(UserBuf),
+}
+
+/// Memory of a caller that a payload is placed into (a posted receive of the mesh). The
+/// link writes it only while the payload is being read: once it answered the payload, or
+/// once the connection started closing (no link reads a closing connection), it never
+/// touches it again.
+pub struct UserBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is the caller's, handed to the loop thread for the placement alone (see
+// `UserBuf::new`); nothing else reads or writes it meanwhile.
+unsafe impl Send for UserBuf {}
+
+impl UserBuf {
+    /// # Safety
+    /// `ptr..ptr + len` must be writable, and nothing else may read or write it until the
+    /// placement ended: the payload was answered, or the connection started closing.
+    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        UserBuf { ptr, len }
+    }
+}
+
+impl std::ops::Deref for UserBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: valid and exclusively ours for the placement (`UserBuf::new`).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for UserBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
 }
 
 /// Per-loop provider state: the engine the provider built for this driver, and the bytes

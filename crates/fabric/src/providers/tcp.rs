@@ -14,7 +14,7 @@ use crate::error::FabricError;
 use crate::memory::pool::{Lease, NoRegistration};
 use crate::memory::registration::Registrar;
 use crate::providers::link::{EngineCtx, Incoming, Link, Listener, Net, ProviderEngine};
-pub(crate) use crate::providers::link::{OutPayload, Placement};
+pub(crate) use crate::providers::link::{OutPayload, Placement, UserBuf};
 use crate::providers::Provider;
 use mio::{Interest, Registry, Token};
 use rdma_shuffle_wire::frame::HEADER_LEN;
@@ -224,7 +224,7 @@ enum ReadState {
         remaining: u64,
     },
     Fill {
-        lease: Lease,
+        lease: Dst,
         at: usize,
         done: u64,
         total: u64,
@@ -233,6 +233,31 @@ enum ReadState {
         buf: Vec<u8>,
         total: u64,
     },
+}
+
+/// Where a payload is read into: a pool buffer, or the caller's memory (a posted receive).
+enum Dst {
+    Lease(Lease),
+    User(UserBuf),
+}
+
+impl std::ops::Deref for Dst {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Dst::Lease(l) => l,
+            Dst::User(u) => u,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Dst {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Dst::Lease(l) => l,
+            Dst::User(u) => u,
+        }
+    }
 }
 
 /// One step of reading.
@@ -549,7 +574,17 @@ impl TcpConn {
                         lease.len()
                     )));
                 }
-                ReadState::Fill { lease, at, done: 0, total: remaining }
+                ReadState::Fill { lease: Dst::Lease(lease), at, done: 0, total: remaining }
+            }
+            Placement::User(dst) => {
+                if dst.len() as u64 != remaining {
+                    return Err(FabricError::Unsupported(format!(
+                        "{}: payload of {remaining} bytes placed into a receive of {}",
+                        self.peer,
+                        dst.len()
+                    )));
+                }
+                ReadState::Fill { lease: Dst::User(dst), at: 0, done: 0, total: remaining }
             }
             Placement::Vec => ReadState::FillVec { buf: Vec::with_capacity(remaining as usize), total: remaining },
         };
@@ -651,7 +686,10 @@ impl TcpConn {
                     let ReadState::Fill { lease, .. } = std::mem::replace(&mut self.rstate, ReadState::Header) else {
                         continue;
                     };
-                    return Ok(TcpRead::Payload(Some(lease)));
+                    return Ok(TcpRead::Payload(match lease {
+                        Dst::Lease(l) => Some(l),
+                        Dst::User(_) => None,
+                    }));
                 }
             }
         }

@@ -7,7 +7,7 @@ use crate::driver::Loop;
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
 use crate::mesh::handshake::Reader;
-use crate::mesh::shared::bump;
+use crate::mesh::shared::{bump, Dest};
 use crate::mesh::{
     memory_advice, Body, MeshError, Message, Proto, Tag, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_DATA, KIND_DONE, KIND_HELLO,
     KIND_MARK, KIND_PROOF, KIND_READY, KIND_REFUSE, KIND_RTS, KIND_WELCOME,
@@ -65,13 +65,18 @@ impl Loop {
         if len > limit {
             return Err(protocol(conn, format!("a {proto} message of {len} bytes above the limit of {limit}")));
         }
-        let slot = m.shared.open_slot(peer, tag);
-        let rx = Rx::Data { tag, slot, proto, len };
         if len == 0 {
-            m.rx = Some(rx);
+            let slot = m.shared.open_slot(peer, tag);
+            m.rx = Some(Rx::Data { tag, slot, proto, len });
             return conn.transport.place(Placement::Discard);
         }
-        self.mesh_place(conn, rx)
+        match m.shared.open_slot_or_claim(peer, tag, len) {
+            Dest::Posted(dst) => {
+                m.rx = Some(Rx::Data { tag, slot: 0, proto, len });
+                conn.transport.place(Placement::User(dst))
+            }
+            Dest::Slot(slot) => self.mesh_place(conn, Rx::Data { tag, slot, proto, len }),
+        }
     }
 
     /// Places a data payload into a pool buffer, or parks the link until memory comes back.
@@ -109,6 +114,13 @@ impl Loop {
         } else {
             bump(&c.rendezvous_received, 1);
             bump(&c.rendezvous_received_bytes, len);
+        }
+        if slot == 0 {
+            // Placed into the receive posted for it.
+            bump(&c.placed, 1);
+            bump(&c.placed_bytes, len);
+            m.shared.posted_end(peer, tag, None);
+            return Ok(());
         }
         if len > 0 {
             bump(&c.staged, 1);
@@ -263,6 +275,7 @@ impl Loop {
                 // a send it read is done, not failed by its departure.
                 self.mesh_after(conn);
                 let m = mesh_mut(conn);
+                m.end_posted("the peer closed its mesh");
                 if let Some(peer) = m.peer {
                     m.shared.peer_left(peer);
                 }

@@ -47,15 +47,56 @@ pub(crate) enum RtsSource {
 
 /// Work for the loop from a mesh's callers.
 pub(crate) enum MeshCmd {
-    Listen { id: u64, addr: SocketAddr, reply: Sender<Result<SocketAddr, FabricError>> },
-    Start { id: u64, shared: Arc<MeshShared>, addrs: Vec<SocketAddr> },
-    Connect { id: u64, peer: usize },
-    Seal { id: u64 },
-    Send { key: ConnKey, frame: Frame, body: OutBody, mark: Option<u64> },
-    Rts { key: ConnKey, tag: Tag, token: u64, len: u64, source: RtsSource },
-    Release { key: ConnKey, token: u64, reply: Sender<()> },
-    Abort { id: u64, reason: String },
-    Close { id: u64, bye: bool, reply: Sender<()> },
+    Listen {
+        id: u64,
+        addr: SocketAddr,
+        reply: Sender<Result<SocketAddr, FabricError>>,
+    },
+    Start {
+        id: u64,
+        shared: Arc<MeshShared>,
+        addrs: Vec<SocketAddr>,
+    },
+    Connect {
+        id: u64,
+        peer: usize,
+    },
+    Seal {
+        id: u64,
+    },
+    Send {
+        key: ConnKey,
+        frame: Frame,
+        body: OutBody,
+        mark: Option<u64>,
+    },
+    Rts {
+        key: ConnKey,
+        tag: Tag,
+        token: u64,
+        len: u64,
+        source: RtsSource,
+    },
+    Release {
+        key: ConnKey,
+        token: u64,
+        reply: Sender<()>,
+    },
+    /// A caller gives up a posted receive the loop is placing into: the link stops reading.
+    Unpost {
+        key: ConnKey,
+        tag: Tag,
+        reply: Sender<()>,
+    },
+    Abort {
+        id: u64,
+        reason: String,
+    },
+    Close {
+        id: u64,
+        bye: bool,
+        reply: Sender<()>,
+    },
 }
 
 /// One rank's mesh inside the loop.
@@ -111,8 +152,27 @@ pub(crate) struct ReadJob {
 
 /// (stream) The frame whose payload is being read.
 pub(crate) enum Rx {
-    Control { kind: u32, req: u64 },
-    Data { tag: Tag, slot: u64, proto: crate::mesh::Proto, len: u64 },
+    Control {
+        kind: u32,
+        req: u64,
+    },
+    /// A data payload, into slot `slot`, or (`slot` 0) into the receive posted for `tag`.
+    Data {
+        tag: Tag,
+        slot: u64,
+        proto: crate::mesh::Proto,
+        len: u64,
+    },
+}
+
+impl Rx {
+    /// A data payload being placed into a posted receive.
+    fn posted(&self) -> Option<Tag> {
+        match self {
+            Rx::Data { tag, slot: 0, .. } => Some(*tag),
+            _ => None,
+        }
+    }
 }
 
 /// A mesh link inside the loop.
@@ -145,6 +205,15 @@ pub(crate) struct MeshConn {
 }
 
 impl MeshConn {
+    /// The link stops reading (it failed or closes): a receive it was placing into is told,
+    /// so its caller may have its memory back.
+    pub(crate) fn end_posted(&mut self, why: &str) {
+        if let (Some(tag), Some(peer)) = (self.rx.as_ref().and_then(Rx::posted), self.peer) {
+            self.rx = None;
+            self.shared.posted_end(peer, tag, Some(why.to_string()));
+        }
+    }
+
     /// A link's role for mesh `ep`: outgoing to `peer` (a lower rank), or accepted (`None`:
     /// the peer names itself in its hello).
     fn role(ep: u64, shared: Arc<MeshShared>, peer: Option<usize>, connected: bool, phase: Phase) -> Role {
@@ -350,6 +419,19 @@ impl Loop {
                 });
                 let _ = reply.send(());
             }
+            MeshCmd::Unpost { key, tag, reply } => {
+                self.with_mesh(key, |lp, conn| {
+                    if mesh_mut(conn).rx.as_ref().and_then(Rx::posted) == Some(tag) {
+                        // The payload cannot be skipped from the middle of a stream frame
+                        // once its memory is gone: the link goes.
+                        lp.fail(
+                            conn,
+                            FabricError::Unsupported("a posted receive was abandoned while its message arrived".into()),
+                        );
+                    }
+                });
+                let _ = reply.send(());
+            }
             MeshCmd::Abort { id, reason } => {
                 let Some(ep) = self.meshes.get(&id) else { return };
                 for key in ep.conns.clone() {
@@ -381,6 +463,7 @@ impl Loop {
                 let m = mesh_mut(&mut conn);
                 let clean = bye && matches!(m.phase, Phase::Up) && m.marks.is_empty();
                 m.marks.clear();
+                m.end_posted("the mesh was closed");
                 if clean {
                     let (f, p) = control(KIND_BYE, 0, Vec::new());
                     let _ = conn.transport.send(&mut self.net, &f, p);
@@ -495,6 +578,7 @@ impl Loop {
             }
             other => other.to_string(),
         };
+        m.end_posted(&why);
         match (&m.phase, m.peer) {
             (Phase::Up, Some(peer)) => m.shared.peer_failed(peer, key, why),
             (_, Some(peer)) if m.outgoing && !m.connected => {

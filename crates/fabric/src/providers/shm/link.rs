@@ -437,6 +437,17 @@ impl Link for ShmLink {
                 c.copy_body(b, Some(&mut v))?;
                 Incoming::PayloadVec(v)
             }
+            Placement::User(mut dst) => {
+                if dst.len() != len {
+                    return Err(FabricError::Unsupported(format!(
+                        "{}: payload of {len} bytes placed into a receive of {}",
+                        self.peer,
+                        dst.len()
+                    )));
+                }
+                c.copy_body(b, Some(&mut dst))?;
+                Incoming::Payload(None)
+            }
         });
         Ok(())
     }
