@@ -435,6 +435,10 @@ impl PyComm {
             ("one_sided_reads", t.one_sided_reads),
             ("registrations", t.registrations),
             ("registration_hits", t.registration_hits),
+            ("placed", t.placed),
+            ("placed_bytes", t.placed_bytes),
+            ("staged", t.staged),
+            ("staged_bytes", t.staged_bytes),
         ] {
             d.set_item(k, v)?;
         }

@@ -2,7 +2,7 @@
 //! holds every provider-facing piece of Mobius.
 
 use crate::transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
-use rdma_shuffle_fabric::mesh::{self, Mesh, MeshError, Message, Registration, SendTicket};
+use rdma_shuffle_fabric::mesh::{self, Mesh, MeshError, Message, PostedRecv, Posting, Registration, SendTicket};
 use std::time::Instant;
 
 /// [`Transport`] over a fabric [`Mesh`] (tcp, sim or verbs provider).
@@ -113,6 +113,26 @@ impl Transport for MeshTransport {
         self.mesh.recv_either((peer, tag), also, deadline).map_err(convert)
     }
 
+    type Posted = PostedRecv;
+
+    unsafe fn post_recv(&self, peer: usize, tag: Tag, ptr: *mut u8, len: usize) -> Result<PostedRecv, TransportError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.mesh.post_recv(peer, tag, ptr, len) }.map_err(convert)
+    }
+
+    fn wait_posted(
+        &self,
+        posted: &mut PostedRecv,
+        also: Option<(usize, Tag)>,
+        deadline: Instant,
+    ) -> Result<(usize, Option<Message>), TransportError> {
+        Ok(match self.mesh.wait_posted(posted, also, deadline).map_err(convert)? {
+            Posting::Placed => (0, None),
+            Posting::Staged(m) => (0, Some(m)),
+            Posting::Also(m) => (1, Some(m)),
+        })
+    }
+
     fn abort(&self, reason: &str) {
         self.mesh.abort(reason)
     }
@@ -129,6 +149,10 @@ impl Transport for MeshTransport {
             one_sided_reads: s.reads,
             registrations: s.registrations,
             registration_hits: s.registration_hits,
+            placed: s.placed,
+            placed_bytes: s.placed_bytes,
+            staged: s.staged,
+            staged_bytes: s.staged_bytes,
         }
     }
 }

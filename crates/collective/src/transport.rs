@@ -93,6 +93,14 @@ pub struct TransportStats {
     pub registrations: u64,
     /// Registration cache hits.
     pub registration_hits: u64,
+    /// Messages received straight into the caller's memory (a posted receive).
+    pub placed: u64,
+    /// Bytes of those.
+    pub placed_bytes: u64,
+    /// Messages received into a buffer of the transport first.
+    pub staged: u64,
+    /// Bytes of those.
+    pub staged_bytes: u64,
 }
 
 /// A network among `world` ranks. Messages between two ranks under one tag arrive in the
@@ -151,6 +159,29 @@ pub trait Transport: Send + Sync {
         also: Option<(usize, Tag)>,
         deadline: Instant,
     ) -> Result<(usize, Self::Buf), TransportError>;
+
+    /// A receive posted into the caller's memory ([`post_recv`](Transport::post_recv)).
+    type Posted: Send;
+
+    /// Posts a receive of the next message from `peer` under `tag` into `len` bytes at
+    /// `ptr`: a message of that length that arrives afterwards may be read straight there.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and untouched by anyone else, until the posted receive
+    /// was waited for or dropped.
+    unsafe fn post_recv(&self, peer: usize, tag: Tag, ptr: *mut u8, len: usize) -> Result<Self::Posted, TransportError>;
+
+    /// Waits for a posted receive, or — when `also` is given — whichever of it and that
+    /// message comes first: `(0, None)` the message is in the posted memory; `(0, Some(buf))`
+    /// it came in a buffer of the transport instead (it arrived before the receive was
+    /// posted, or its length differs); `(1, Some(buf))` the `also` message, and the receive
+    /// is still posted.
+    fn wait_posted(
+        &self,
+        posted: &mut Self::Posted,
+        also: Option<(usize, Tag)>,
+        deadline: Instant,
+    ) -> Result<(usize, Option<Self::Buf>), TransportError>;
 
     /// Tells every peer this rank gives up.
     fn abort(&self, reason: &str);

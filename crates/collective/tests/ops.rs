@@ -327,3 +327,46 @@ fn a_rank_closing_right_after_its_last_call_does_not_fail_the_others() {
         }
     }
 }
+
+#[test]
+fn the_ring_allgather_half_lands_in_place_on_stream_links() {
+    // The ring allreduce posts its allgather's receives before the reduce-scatter starts, so
+    // every allgather segment is read straight into the caller's buffer on tcp (from the
+    // socket) and shm (copied once out of the sender's buffer): none through a pool buffer.
+    for (pname, provider) in providers().into_iter().filter(|(n, _)| *n != "sim") {
+        for world in [2, 3] {
+            let comms = group(provider.clone(), world, |c, _| {
+                c.overrides = Overrides::parse(Some("ring"), Some("rendezvous"), Some("256k")).unwrap();
+            });
+            // Whole 256 KiB segments in every block (shm copies smaller messages through
+            // its ring).
+            let n = 3 * 2 * 65536;
+            let before: Vec<u64> = comms.iter().map(|c| c.stats().transport.placed_bytes).collect();
+            let fails: Vec<String> = on_all(&comms, |rank, c| {
+                let mut fails = Vec::new();
+                for round in 0..3 {
+                    let mut buf = input(rank, n, ReduceOp::Sum, DType::F32);
+                    c.allreduce_bytes(&mut buf, DType::F32, ReduceOp::Sum).unwrap();
+                    let want = expect(world, n, ReduceOp::Sum, DType::F32, 0);
+                    check(&mut fails, format!("{pname} world {world} rank {rank} round {round}"), &buf, &want);
+                }
+                fails
+            })
+            .into_iter()
+            .flatten()
+            .collect();
+            assert!(fails.is_empty(), "{fails:?}");
+            for (rank, c) in comms.iter().enumerate() {
+                // Every block but the rank's own comes in the allgather, three times.
+                let placed = c.stats().transport.placed_bytes - before[rank];
+                let want = 3 * (4 * n - 4 * n / world) as u64;
+                assert_eq!(
+                    placed,
+                    want,
+                    "{pname} world {world} rank {rank}: {placed} bytes placed, {want} expected: {:?}",
+                    c.stats().transport
+                );
+            }
+        }
+    }
+}

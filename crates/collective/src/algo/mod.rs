@@ -26,6 +26,7 @@ use crate::error::CollectiveError;
 use crate::header::Header;
 use crate::policy::Policy;
 use crate::transport::{Proto, Tag, Transport, TransportError};
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// Step number reserved for the per-call header.
@@ -78,6 +79,9 @@ struct Pending<'t, T: Transport + 't> {
 /// Everything one call needs. Field order is drop order: pending sends are waited for
 /// (tickets wait in their drop) before scratch memory and registrations go.
 pub(crate) struct Ctx<'t, T: Transport> {
+    /// Receives posted ahead of their turn, by `(real peer, tag)`; they point into caller
+    /// buffers or scratch, so they go first.
+    posted: HashMap<(usize, Tag), T::Posted>,
     pending: Vec<Pending<'t, T>>,
     scratch: Vec<Vec<u8>>,
     regs: Vec<(usize, usize, T::Reg)>,
@@ -123,6 +127,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
         op_name: &'static str,
     ) -> Self {
         Ctx {
+            posted: HashMap::new(),
             pending: Vec::new(),
             scratch: Vec::new(),
             regs: Vec::new(),
@@ -254,26 +259,32 @@ impl<'t, T: Transport> Ctx<'t, T> {
                 continue;
             }
             if msg.len() != expect {
-                // Differing buffers usually mean differing arguments: if the left neighbour's
-                // header is still due, its comparison names the argument.
-                if let Some(mine) = self.header.take() {
-                    let left = self.left();
-                    let soon = self.deadline.min(Instant::now() + std::time::Duration::from_secs(2));
-                    if let Ok((_, h)) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, soon) {
-                        mine.compare(&h, self.me, left)?;
-                    }
-                }
-                return Err(CollectiveError::Mismatch {
-                    rank: self.me,
-                    op: self.op_name,
-                    peer,
-                    message: format!(
-                        "received {} bytes where {expect} were expected (step {step}, segment {seg}); the ranks' buffers differ",
-                        msg.len()
-                    ),
-                });
+                return Err(self.mismatch(peer, step, seg, expect, msg.len()));
             }
             return Ok(msg);
+        }
+    }
+
+    /// The error for a message of `got` bytes where `expect` were due.
+    fn mismatch(&mut self, peer: usize, step: u32, seg: u32, expect: usize, got: usize) -> CollectiveError {
+        // Differing buffers usually mean differing arguments: if the left neighbour's
+        // header is still due, its comparison names the argument.
+        if let Some(mine) = self.header.take() {
+            let left = self.left();
+            let soon = self.deadline.min(Instant::now() + std::time::Duration::from_secs(2));
+            if let Ok((_, h)) = self.t.recv(left, tag(0, STEP_HEADER, 0), None, soon) {
+                if let Err(e) = mine.compare(&h, self.me, left) {
+                    return e;
+                }
+            }
+        }
+        CollectiveError::Mismatch {
+            rank: self.me,
+            op: self.op_name,
+            peer,
+            message: format!(
+                "received {got} bytes where {expect} were expected (step {step}, segment {seg}); the ranks' buffers differ"
+            ),
         }
     }
 
@@ -294,11 +305,86 @@ impl<'t, T: Transport> Ctx<'t, T> {
         dst: *mut u8,
         len: usize,
     ) -> Result<(), CollectiveError> {
-        self.fence(dst, len)?;
-        let msg = self.recv(peer, step, seg, len)?;
-        // SAFETY: `dst..dst+len` is in a caller buffer or scratch, and no pending send reads it.
-        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, len) };
+        let key = (self.real(peer), tag(self.seq, self.step_base + step, seg));
+        let posted = match self.posted.remove(&key) {
+            Some(p) => p,
+            None => {
+                self.fence(dst, len)?;
+                self.post(peer, step, seg, dst, len)?
+            }
+        };
+        self.wait_copy(posted, peer, step, seg, dst, len)
+    }
+
+    /// Posts the receive of segment `seg` of `step` from `peer` into `dst`: a message that
+    /// comes after this is read straight there (tcp, shm) instead of into a pool buffer that
+    /// [`wait_copy`](Ctx::wait_copy) copies out of. The caller fenced `dst`.
+    fn post(&mut self, peer: usize, step: u32, seg: u32, dst: *mut u8, len: usize) -> Result<T::Posted, CollectiveError> {
+        let want = tag(self.seq, self.step_base + step, seg);
+        // SAFETY: `dst..dst+len` is in a caller buffer or scratch that outlives the posted
+        // receive (a local of the caller, dropped before the call returns), and no pending
+        // send reads it (fenced).
+        unsafe { self.t.post_recv(self.real(peer), want, dst, len) }.map_err(|e| self.err(e))
+    }
+
+    /// Posts the receives of every segment of `[dst, dst + len)` not posted yet (see
+    /// [`post`](Ctx::post)), so segments that arrive while earlier ones are handled land in
+    /// place too; [`recv_copy`](Ctx::recv_copy) waits for them. Fences the range first
+    /// unless `unfenced` (see `reducing::allreduce_ring` for when that is sound).
+    pub(crate) fn post_all(
+        &mut self,
+        peer: usize,
+        step: u32,
+        dst: *mut u8,
+        len: usize,
+        unfenced: bool,
+    ) -> Result<(), CollectiveError> {
+        let real = self.real(peer);
+        let key = |c: &Self, j: u32| (real, tag(c.seq, c.step_base + step, j));
+        let segs: Vec<_> = self.segs(len).filter(|(j, _, _)| !self.posted.contains_key(&key(self, *j))).collect();
+        if segs.is_empty() {
+            return Ok(());
+        }
+        if !unfenced {
+            self.fence(dst, len)?;
+        }
+        for (j, off, l) in segs {
+            // SAFETY: the segment lies inside the range.
+            let p = self.post(peer, step, j, unsafe { dst.add(off) }, l)?;
+            self.posted.insert(key(self, j), p);
+        }
         Ok(())
+    }
+
+    /// Waits for a posted receive (checking the left neighbour's header when it comes
+    /// first); copies the message into `dst` when it came in a buffer instead.
+    fn wait_copy(
+        &mut self,
+        mut posted: T::Posted,
+        peer: usize,
+        step: u32,
+        seg: u32,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), CollectiveError> {
+        loop {
+            let also = self.header.as_ref().map(|_| (self.left(), tag(0, STEP_HEADER, 0)));
+            let (which, msg) = self.t.wait_posted(&mut posted, also, self.deadline).map_err(|e| self.err(e))?;
+            match (which, msg) {
+                (1, Some(h)) => self.check_header(&h)?,
+                (_, None) => return Ok(()),
+                (_, Some(msg)) => {
+                    drop(posted);
+                    if msg.len() != len {
+                        return Err(self.mismatch(self.real(peer), step, seg, len, msg.len()));
+                    }
+                    // SAFETY: `dst..dst+len` is in a caller buffer or scratch, no pending send
+                    // reads it, and its posted receive is gone.
+                    unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, len) };
+                    return Ok(());
+                }
+            }
+        }
     }
 
     /// Receives `len` bytes from `peer` and reduces them into `dst`.
@@ -318,9 +404,10 @@ impl<'t, T: Transport> Ctx<'t, T> {
         Ok(())
     }
 
-    /// `recv_copy` over every segment of a range.
+    /// `recv_copy` over every segment of a range, every receive posted first.
     pub(crate) fn recv_copy_all(&mut self, peer: usize, step: u32, dst: *mut u8, len: usize) -> Result<(), CollectiveError> {
         let segs: Vec<_> = self.segs(len).collect();
+        self.post_all(peer, step, dst, len, false)?;
         for (j, off, l) in segs {
             // SAFETY: in bounds of the range.
             self.recv_copy(peer, step, j, unsafe { dst.add(off) }, l)?;
@@ -365,6 +452,9 @@ impl<'t, T: Transport> Ctx<'t, T> {
             let (j, off, l) = sends[sent];
             self.send(to, step, j, unsafe { src.add(off) }, l)?;
             sent += 1;
+        }
+        if !reduce {
+            self.post_all(from, step, dst, rlen, false)?;
         }
         for (j, off, l) in recvs {
             if reduce {
@@ -431,9 +521,12 @@ impl<'t, T: Transport> Ctx<'t, T> {
             let c = (first + 2 * p - k - 1) % p;
             let (b_off, b_len) = blocks[c];
             let segs: Vec<_> = self.segs(b_len).collect();
+            let step = step_base + k as u32;
+            if !reduce {
+                self.post_all(left, step, unsafe { buf.add(b_off) }, b_len, false)?;
+            }
             for (j, off, l) in segs {
                 let dst = unsafe { buf.add(b_off + off) };
-                let step = step_base + k as u32;
                 if reduce {
                     self.recv_reduce(left, step, j, dst, l)?;
                 } else {

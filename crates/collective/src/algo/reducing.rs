@@ -42,6 +42,20 @@ pub(crate) fn allreduce_ring<T: Transport>(ctx: &mut Ctx<'_, T>, buf: *mut u8, c
     let b = blocks(count, p, ctx.elem());
     ctx.register(buf, count * ctx.elem())?;
     let r = ctx.rank;
+    // The allgather's receives are posted before the reduce-scatter starts: its first
+    // segments are forwarded while the reduce-scatter's last step runs, so a receive posted
+    // at its turn would mostly find them arrived, in pool buffers to copy out of. Posted
+    // now, they land in place (tcp, shm). No fence: the allgather's segment of a block is
+    // sent by its owner only after the owner reduced that block, which took in this rank's
+    // partial of it (already written, or read by the peer) and came after this rank's own
+    // last reduction into it; so it never lands in memory a send still reads or a reduction
+    // still writes.
+    let left = (r + p - 1) % p;
+    for k in 0..p - 1 {
+        let (off, len) = b[(r + 2 * p - k - 1) % p];
+        // SAFETY: `blocks` partitions the buffer.
+        ctx.post_all(left, (p - 1 + k) as u32, unsafe { buf.add(off) }, len, true)?;
+    }
     ctx.ring_pass(buf, &b, (r + p - 1) % p, 0, true, true, true)?;
     ctx.ring_pass(buf, &b, r, (p - 1) as u32, false, false, false)?;
     ctx.finish()
