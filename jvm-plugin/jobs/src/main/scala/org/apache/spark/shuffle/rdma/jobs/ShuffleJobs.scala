@@ -51,6 +51,11 @@ object ShuffleJobs {
     val spark =
       SparkSession.builder().appName(s"rdma-shuffle-jobs-${jobs.mkString("+")}").getOrCreate()
     val sc = spark.sparkContext
+    // A test hook: a listener ahead of the metrics one that takes this long per task end, so
+    // the bus lags behind the jobs as on a loaded machine. The tests that compare the printed
+    // metrics exactly set it; they then fail whenever a job prints before the bus drained.
+    val listenerDelayMs = sc.getConf.getLong("spark.rdma.jobs.listenerDelayMs", 0L)
+    if (listenerDelayMs > 0) sc.addSparkListener(new SlowTaskEndListener(listenerDelayMs))
     val metrics = new ShuffleMetricsListener
     sc.addSparkListener(metrics)
     jobs.foreach { job =>
@@ -299,6 +304,14 @@ object ShuffleJobs {
       perPart.map(_._2).sum,
       s"block_bytes=${perPart.map(_._3).mkString("/")}")
   }
+}
+
+/**
+ * Takes `delayMs` over every task end: listeners of one queue get each event in turn, so the
+ * ones added after it see task ends that late (see `spark.rdma.jobs.listenerDelayMs`).
+ */
+class SlowTaskEndListener(delayMs: Long) extends SparkListener {
+  override def onTaskEnd(end: SparkListenerTaskEnd): Unit = Thread.sleep(delayMs)
 }
 
 /** Sums shuffle metrics of all tasks (the numbers demo.sh and the harness print). */
