@@ -213,8 +213,8 @@ impl<'t, T: Transport> Ctx<'t, T> {
         let proto = self.policy.proto(len);
         let (start, end) = (ptr as usize, ptr as usize + len);
         let reg = self.regs.iter().find(|(p, l, _)| start >= *p && end <= p + l).map(|(_, _, r)| r);
-        let ticket =
-            self.t.send(self.real(peer), tag(self.seq, self.step_base + step, seg), data, proto, reg).map_err(|e| self.err(e))?;
+        let (real, t) = self.key(peer, step, seg);
+        let ticket = self.t.send(real, t, data, proto, reg).map_err(|e| self.err(e))?;
         if !T::is_complete(&ticket) {
             self.pending.push(Pending { ticket, start, end });
         }
@@ -249,8 +249,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
 
     /// Receives one message, checking the left neighbour's header when it comes first.
     fn recv(&mut self, peer: usize, step: u32, seg: u32, expect: usize) -> Result<T::Buf, CollectiveError> {
-        let want = tag(self.seq, self.step_base + step, seg);
-        let peer = self.real(peer);
+        let (peer, want) = self.key(peer, step, seg);
         loop {
             let also = self.header.as_ref().map(|_| (self.left(), tag(0, STEP_HEADER, 0)));
             let (which, msg) = self.t.recv(peer, want, also, self.deadline).map_err(|e| self.err(e))?;
@@ -305,8 +304,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
         dst: *mut u8,
         len: usize,
     ) -> Result<(), CollectiveError> {
-        let key = (self.real(peer), tag(self.seq, self.step_base + step, seg));
-        let posted = match self.posted.remove(&key) {
+        let posted = match self.posted.remove(&self.key(peer, step, seg)) {
             Some(p) => p,
             None => {
                 self.fence(dst, len)?;
@@ -320,11 +318,16 @@ impl<'t, T: Transport> Ctx<'t, T> {
     /// comes after this is read straight there (tcp, shm) instead of into a pool buffer that
     /// [`wait_copy`](Ctx::wait_copy) copies out of. The caller fenced `dst`.
     fn post(&mut self, peer: usize, step: u32, seg: u32, dst: *mut u8, len: usize) -> Result<T::Posted, CollectiveError> {
-        let want = tag(self.seq, self.step_base + step, seg);
+        let (real, want) = self.key(peer, step, seg);
         // SAFETY: `dst..dst+len` is in a caller buffer or scratch that outlives the posted
         // receive (a local of the caller, dropped before the call returns), and no pending
         // send reads it (fenced).
-        unsafe { self.t.post_recv(self.real(peer), want, dst, len) }.map_err(|e| self.err(e))
+        unsafe { self.t.post_recv(real, want, dst, len) }.map_err(|e| self.err(e))
+    }
+
+    /// The real rank of view rank `peer`, and the tag of segment `seg` of `step` with it.
+    fn key(&self, peer: usize, step: u32, seg: u32) -> (usize, Tag) {
+        (self.real(peer), tag(self.seq, self.step_base + step, seg))
     }
 
     /// Posts the receives of every segment of `[dst, dst + len)` not posted yet (see
@@ -339,9 +342,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
         len: usize,
         unfenced: bool,
     ) -> Result<(), CollectiveError> {
-        let real = self.real(peer);
-        let key = |c: &Self, j: u32| (real, tag(c.seq, c.step_base + step, j));
-        let segs: Vec<_> = self.segs(len).filter(|(j, _, _)| !self.posted.contains_key(&key(self, *j))).collect();
+        let segs: Vec<_> = self.segs(len).filter(|(j, _, _)| !self.posted.contains_key(&self.key(peer, step, *j))).collect();
         if segs.is_empty() {
             return Ok(());
         }
@@ -351,7 +352,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
         for (j, off, l) in segs {
             // SAFETY: the segment lies inside the range.
             let p = self.post(peer, step, j, unsafe { dst.add(off) }, l)?;
-            self.posted.insert(key(self, j), p);
+            self.posted.insert(self.key(peer, step, j), p);
         }
         Ok(())
     }

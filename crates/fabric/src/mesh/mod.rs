@@ -593,20 +593,9 @@ impl Mesh {
             }
             None
         };
-        if let Some(r) = self.driver.progress(deadline, || take(&mut s.lock())) {
-            return r;
-        }
-        // The deadline passed, or the loop stopped (its links failed): wait out what is left
-        // on the mesh's own state.
-        let mut st = s.lock();
-        loop {
-            if let Some(r) = take(&mut st) {
-                return r;
-            }
-            if Instant::now() >= deadline {
-                return Err(s.timed_out(&st, first.0, "a message", started));
-            }
-            s.wait_until(&mut st, deadline);
+        match s.wait_for(&self.driver, deadline, take) {
+            Some(r) => r,
+            None => Err(s.timed_out(&s.lock(), first.0, "a message", started)),
         }
     }
 

@@ -54,8 +54,7 @@ impl Mesh {
         let s = &*self.shared;
         self.peer_ok(peer)?;
         let mut st = s.lock();
-        let queued = st.inbox[peer].get(&tag).is_some_and(|q| !q.is_empty());
-        let active = !queued && len > 0;
+        let active = !st.queued(peer, tag) && len > 0;
         if active {
             if st.posted.contains_key(&(peer, tag)) {
                 return Err(MeshError::Config(format!(
@@ -120,24 +119,7 @@ impl Mesh {
             }
             None
         };
-        let got = match self.driver.progress(deadline, || take(&mut s.lock())) {
-            Some(r) => Some(r),
-            None => {
-                // The deadline passed, or the loop stopped: wait out what is left on the
-                // mesh's own state.
-                let mut st = s.lock();
-                loop {
-                    if let Some(r) = take(&mut st) {
-                        break Some(r);
-                    }
-                    if Instant::now() >= deadline {
-                        break None;
-                    }
-                    s.wait_until(&mut st, deadline);
-                }
-            }
-        };
-        match got {
+        match s.wait_for(&self.driver, deadline, take) {
             Some(r) => {
                 if !matches!(r, Ok(Posting::Also(_))) {
                     p.active = false;

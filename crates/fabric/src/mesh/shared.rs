@@ -7,6 +7,7 @@
 use super::handshake::Handshaker;
 use super::{MeshError, Message, Tag};
 use crate::driver::conn::ConnKey;
+use crate::driver::Driver;
 use crate::memory::pool::TieredPool;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use rdma_shuffle_wire::Limits;
@@ -87,6 +88,21 @@ pub(crate) struct State {
     pub(crate) closed: bool,
     pub(crate) build: Build,
     next_slot: u64,
+}
+
+impl State {
+    /// Whether a message from `peer` under `tag` is queued (arriving or arrived).
+    pub(crate) fn queued(&self, peer: usize, tag: Tag) -> bool {
+        self.inbox[peer].get(&tag).is_some_and(|q| !q.is_empty())
+    }
+
+    /// Queues a slot for a message from `peer` under `tag` that starts to arrive.
+    fn open_slot(&mut self, peer: usize, tag: Tag) -> u64 {
+        let id = self.next_slot;
+        self.next_slot += 1;
+        self.inbox[peer].entry(tag).or_default().push_back(Slot::Pending(id));
+        id
+    }
 }
 
 #[derive(Default)]
@@ -185,6 +201,31 @@ impl MeshShared {
         self.cond.wait_until(st, deadline).timed_out()
     }
 
+    /// Waits until `take` answers from the state, at most until `deadline` (`None`: it
+    /// passed). The calling thread runs `driver`'s loop meanwhile (no hand-off to the loop
+    /// thread and back: see the driver's progress module); once the deadline passed or the
+    /// loop stopped (its links failed), what is left is waited out on the state itself.
+    pub(crate) fn wait_for<R>(
+        &self,
+        driver: &Driver,
+        deadline: Instant,
+        mut take: impl FnMut(&mut MutexGuard<'_, State>) -> Option<R>,
+    ) -> Option<R> {
+        if let Some(r) = driver.progress(deadline, || take(&mut self.lock())) {
+            return Some(r);
+        }
+        let mut st = self.lock();
+        loop {
+            if let Some(r) = take(&mut st) {
+                return Some(r);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            self.wait_until(&mut st, deadline);
+        }
+    }
+
     fn notify(&self) {
         self.cond.notify_all();
     }
@@ -193,11 +234,7 @@ impl MeshShared {
 
     /// A message from `peer` under `tag` starts to arrive; its slot keeps its place.
     pub(crate) fn open_slot(&self, peer: usize, tag: Tag) -> u64 {
-        let mut st = self.state.lock();
-        let id = st.next_slot;
-        st.next_slot += 1;
-        st.inbox[peer].entry(tag).or_default().push_back(Slot::Pending(id));
-        id
+        self.state.lock().open_slot(peer, tag)
     }
 
     /// A message of `len` bytes from `peer` under `tag` starts to arrive: it goes straight
@@ -205,8 +242,7 @@ impl MeshShared {
     /// under the tag is queued (messages under one tag keep their order); else into a slot.
     pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64) -> Dest {
         let mut st = self.state.lock();
-        let queued = st.inbox[peer].get(&tag).is_some_and(|q| !q.is_empty());
-        if !queued {
+        if !st.queued(peer, tag) {
             if let Some(p) = st.posted.get_mut(&(peer, tag)) {
                 if let Posted::Waiting(ptr, plen) = *p {
                     if plen as u64 == len && len > 0 {
@@ -218,10 +254,7 @@ impl MeshShared {
                 }
             }
         }
-        let id = st.next_slot;
-        st.next_slot += 1;
-        st.inbox[peer].entry(tag).or_default().push_back(Slot::Pending(id));
-        Dest::Slot(id)
+        Dest::Slot(st.open_slot(peer, tag))
     }
 
     /// The posted receive `(peer, tag)` holds its message, or failed (`Some(why)`).

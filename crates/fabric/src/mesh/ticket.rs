@@ -33,20 +33,11 @@ impl PendingSend {
             s.check(st, peer).err().map(Err)
         };
         // The caller runs the loop while it waits, as a receive does.
-        let mut early = self.driver.progress(deadline, || check(&mut s.lock()));
-        let mut st = s.lock();
-        let r = loop {
-            match early.take().or_else(|| check(&mut st)) {
-                Some(Ok(())) => return Ok(()),
-                Some(Err(e)) => break e,
-                None => {}
-            }
-            if Instant::now() >= deadline {
-                break s.timed_out(&st, peer, "the read of a rendezvous buffer", started);
-            }
-            s.wait_until(&mut st, deadline);
+        let r = match s.wait_for(&self.driver, deadline, check) {
+            Some(Ok(())) => return Ok(()),
+            Some(Err(e)) => e,
+            None => s.timed_out(&s.lock(), peer, "the read of a rendezvous buffer", started),
         };
-        drop(st);
         self.release(peer);
         Err(r)
     }
