@@ -79,12 +79,12 @@ impl Channel {
     pub fn connect(driver: &Driver, addr: SocketAddr, timeout: Duration) -> Result<Channel, FabricError> {
         let shared = ChannelShared::new();
         let (tx, rx) = crossbeam_channel::bounded(1);
-        driver.shared().command(Command::Channel(ChannelCmd::Connect {
+        driver.shared().run_channel(ChannelCmd::Connect {
             addr,
             shared: shared.clone(),
             limits: Limits::default(),
             reply: tx,
-        }))?;
+        })?;
         match rx.recv_timeout(timeout) {
             Ok(Ok(key)) => Ok(Channel { driver: driver.clone(), key, peer: addr.to_string(), shared }),
             Ok(Err(e)) => Err(e),
@@ -98,7 +98,7 @@ impl Channel {
     }
 
     fn cmd(&self, c: ChannelCmd) -> Result<(), FabricError> {
-        self.driver.shared().command(Command::Channel(c))
+        self.driver.shared().run_channel(c)
     }
 
     /// Sends `frame` followed by `payload` (which must be `frame.payload_len()` bytes).
@@ -218,7 +218,7 @@ impl ChannelListener {
         let id = driver.shared().next_id();
         let accepted = Arc::new(AcceptQueue { queue: Mutex::new(VecDeque::new()), cv: Condvar::new() });
         let (tx, rx) = crossbeam_channel::bounded(1);
-        driver.shared().command(Command::Channel(ChannelCmd::Listen { id, addr, accepted: accepted.clone(), reply: tx }))?;
+        driver.shared().run_channel(ChannelCmd::Listen { id, addr, accepted: accepted.clone(), reply: tx })?;
         let addr = rx.recv().map_err(|_| FabricError::Shutdown)??;
         Ok(ChannelListener { driver: driver.clone(), id, addr, accepted })
     }
@@ -245,7 +245,7 @@ impl ChannelListener {
     /// Stops listening (returns once the socket is closed). Idempotent.
     pub fn shutdown(&self) {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        if self.driver.shared().command(Command::Channel(ChannelCmd::Unlisten { id: self.id, done: tx })).is_ok() {
+        if self.driver.shared().run_channel(ChannelCmd::Unlisten { id: self.id, done: tx }).is_ok() {
             let _ = rx.recv_timeout(Duration::from_secs(10));
         }
     }
@@ -272,8 +272,6 @@ pub(crate) enum ChannelCmd {
 
 /// A channel listener inside the loop.
 pub(crate) struct ChanListenerEp {
-    pub(crate) socket: ListenSocket,
-    addr: SocketAddr,
     accepted: Arc<AcceptQueue>,
 }
 
@@ -329,11 +327,26 @@ impl Handler for ChannelHandler {
     }
 }
 
+impl super::Shared {
+    fn run_channel(&self, c: ChannelCmd) -> Result<(), FabricError> {
+        self.run(move |lp| lp.channel_command(c))
+    }
+}
+
+/// Hands a channel listener's accepted connections to it.
+struct ChannelAcceptor;
+
+impl super::Acceptor for ChannelAcceptor {
+    fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport) {
+        lp.channel_accepted(id, peer, transport)
+    }
+}
+
 impl Loop {
     pub(crate) fn channel_command(&mut self, c: ChannelCmd) {
         match c {
             ChannelCmd::Connect { addr, shared, limits, reply } => {
-                let transport = match super::connect(self, addr) {
+                let transport = match self.connect(addr) {
                     Ok(t) => t,
                     Err(e) => {
                         let _ = reply.send(Err(e));
@@ -363,9 +376,9 @@ impl Loop {
                 }
                 self.activate(key);
             }
-            ChannelCmd::Listen { id, addr, accepted, reply } => match self.listen(id, addr) {
-                Ok((local, socket)) => {
-                    self.chan_listeners.insert(id, ChanListenerEp { socket, addr: local, accepted });
+            ChannelCmd::Listen { id, addr, accepted, reply } => match self.listen(id, addr, &ChannelAcceptor) {
+                Ok(local) => {
+                    self.chan_listeners.insert(id, ChanListenerEp { accepted });
                     let _ = reply.send(Ok(local));
                 }
                 Err(e) => {
@@ -457,9 +470,8 @@ impl Loop {
     }
 
     pub(crate) fn remove_chan_listener(&mut self, id: u64) {
-        if let Some(mut l) = self.chan_listeners.remove(&id) {
-            self.unlisten(l.addr, &mut l.socket);
-        }
+        self.unlisten(id);
+        self.chan_listeners.remove(&id);
     }
 
     pub(crate) fn channel_accepted(&mut self, id: u64, peer: String, transport: Transport) {

@@ -16,20 +16,7 @@ impl Loop {
         let any = !cmds.is_empty();
         for c in cmds {
             match c {
-                Command::AddServer(a) => self.add_server(a),
-                Command::RemoveServer { id, done } => {
-                    self.remove_server(id);
-                    let _ = done.send(());
-                }
-                Command::AddClient(a) => self.add_client(a),
-                Command::RemoveClient { id, done } => {
-                    self.remove_client(id);
-                    let _ = done.send(());
-                }
-                Command::Fetch(f) => self.fetch(f),
-                #[cfg(any(test, feature = "testing"))]
-                Command::Channel(c) => self.channel_command(c),
-                Command::Mesh(c) => self.mesh_command(c),
+                Command::Run(job) => job.run(self),
                 Command::Shutdown => {
                     self.close_everything("the engine is shutting down");
                     self.exiting = Some(Instant::now() + CLOSE_LINGER + Duration::from_secs(1));
@@ -48,17 +35,8 @@ impl Loop {
         for id in clients {
             self.remove_client(id);
         }
-        #[cfg(any(test, feature = "testing"))]
-        {
-            let listeners: Vec<u64> = self.chan_listeners.keys().copied().collect();
-            for id in listeners {
-                self.remove_chan_listener(id);
-            }
-        }
-        let meshes: Vec<u64> = self.meshes.keys().copied().collect();
-        for id in meshes {
-            self.remove_mesh(id, false);
-        }
+        // Every other listener (a mesh, a test channel) closes; their connections fail below.
+        self.unlisten_all();
         let keys: Vec<ConnKey> = self
             .conns
             .iter()
@@ -88,6 +66,29 @@ impl Loop {
     }
 
     // ------------------------------------------------------------------ memory
+
+    /// Parks connection `key` until memory comes back (pool leases, budget bytes): its
+    /// handler's [`memory`](super::Handler::memory) is called then, in parking order.
+    pub fn park_for_memory(&mut self, key: ConnKey) {
+        if !self.parked.contains(&key) {
+            self.parked.push_back(key);
+        }
+        self.want_memory();
+    }
+
+    /// Memory came back: parked connections go on, in order. Returns whether some still wait.
+    pub(crate) fn service_parked(&mut self) -> bool {
+        let waiting: Vec<ConnKey> = self.parked.drain(..).collect();
+        for key in waiting {
+            let Some(mut conn) = self.take(key) else { continue };
+            if conn.closing.is_none() {
+                conn.role.handler().memory(self, &mut conn);
+            }
+            self.put(conn);
+            self.drive_again(key);
+        }
+        !self.parked.is_empty()
+    }
 
     /// Registers interest in memory coming back (pool leases, budget bytes), for a block
     /// just queued to wait for it.

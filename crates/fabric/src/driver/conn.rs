@@ -63,6 +63,11 @@ pub(crate) trait Handler: Sync {
     fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
         let _ = (lp, conn, now);
     }
+    /// Memory came back after the connection [parked](Loop::park_for_memory) for it: go on
+    /// (or park again).
+    fn memory(&self, lp: &mut Loop, conn: &mut Conn) {
+        let _ = (lp, conn);
+    }
     /// The connection is removed: give back what the protocol held for it.
     fn removed(&self, lp: &mut Loop, conn: &mut Conn);
 }

@@ -7,12 +7,13 @@ use super::client::ClientEp;
 use super::conn::{Closing, Conn, ConnKey, Role, Transport};
 use super::server::ServerEp;
 use super::timers::Timers;
-use super::{client, conn, exposure, mesh};
+use super::{client, conn, exposure};
 use super::{Shared, CLOSE_LINGER, DRIVE_BUDGET};
 use crate::error::FabricError;
 pub(crate) use crate::providers::link::Net;
 use crate::providers::link::{EngineCtx, Listener, Notify};
 use mio::{Events, Poll, Token};
+use std::any::{Any, TypeId};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -71,15 +72,18 @@ pub(crate) struct Loop {
     pub(crate) shared: Arc<Shared>,
     pub(super) poll: Poll,
     pub(super) conns: Vec<Slot>,
+    /// Every listening socket, by listener id.
+    pub(super) listeners: HashMap<u64, super::sockets::Listening>,
     pub(super) free: Vec<u32>,
     pub(crate) servers: HashMap<u64, ServerEp>,
     pub(crate) clients: HashMap<u64, ClientEp>,
     /// Raw channel listeners (tests).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) chan_listeners: HashMap<u64, ChanListenerEp>,
-    pub(crate) meshes: HashMap<u64, mesh::MeshEp>,
-    /// Mesh links parked until receive memory comes back.
-    pub(crate) mesh_mem: VecDeque<ConnKey>,
+    /// Connections parked until memory comes back ([`Loop::park_for_memory`]).
+    pub(super) parked: VecDeque<ConnKey>,
+    /// Protocols' loop-wide state, one value per type ([`Loop::state`]).
+    pub(super) states: HashMap<TypeId, Box<dyn Any + Send>>,
     pub(super) timers: Timers,
     pub(crate) mem_waiters: VecDeque<MemWaiter>,
     /// Unauthenticated server connections, oldest first.
@@ -232,6 +236,25 @@ impl Loop {
         tracing::debug!(driver = %self.shared.name, "loop stopped");
     }
 
+    /// The protocol state of type `T` this loop keeps (a protocol's endpoints by id), made
+    /// with `T::default()` on first use. Only the loop's holder reaches it, so it needs no lock.
+    pub fn state<T: Any + Send + Default>(&mut self) -> &mut T {
+        let v = self.states.entry(TypeId::of::<T>()).or_insert_with(|| Box::new(T::default()));
+        v.downcast_mut().unwrap_or_else(|| unreachable!("a loop state is keyed by its own type"))
+    }
+
+    /// What a pool of this loop's protocol calls when memory comes back, so the loop wakes
+    /// and serves the connections [parked](Loop::park_for_memory) for it (the pool holds it
+    /// weakly).
+    pub fn release_hook(&self) -> Arc<dyn crate::memory::pool::ReleaseHook> {
+        self.shared.clone()
+    }
+
+    /// [`state`](Self::state), if it was made.
+    pub fn state_ref<T: Any + Send>(&self) -> Option<&T> {
+        self.states.get(&TypeId::of::<T>()).and_then(|v| v.downcast_ref())
+    }
+
     // ------------------------------------------------------------------ connection table
 
     pub(crate) fn insert(&mut self, peer: String, transport: Transport, role: Role) -> ConnKey {
@@ -340,6 +363,7 @@ impl Loop {
         }
         self.pending.retain(|k| *k != key);
         self.polled.retain(|k| *k != key);
+        self.parked.retain(|k| *k != key);
         self.role_removed(&mut conn);
         conn.transport.shutdown(&mut self.net);
         conn.transport.destroy(&mut self.net);

@@ -64,6 +64,7 @@ pub(crate) mod conn;
 mod delivery;
 mod event_loop;
 mod exposure;
+mod job;
 pub(crate) mod mesh;
 mod progress;
 pub(crate) mod server;
@@ -76,8 +77,9 @@ pub use budget::BudgetGuard;
 pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use client::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
 pub(crate) use event_loop::{ListenSocket, Loop, MemWaiter};
+pub use job::Job;
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
-pub(crate) use sockets::connect;
+pub use sockets::Acceptor;
 pub use stats::DriverStats;
 
 use crate::error::FabricError;
@@ -148,20 +150,9 @@ const DRIVE_BUDGET: usize = 128;
 
 /// Work for the loop from other threads.
 pub(crate) enum Command {
-    AddServer(server::AddServer),
-    RemoveServer {
-        id: u64,
-        done: crossbeam_channel::Sender<()>,
-    },
-    AddClient(client::AddClient),
-    RemoveClient {
-        id: u64,
-        done: crossbeam_channel::Sender<()>,
-    },
-    Fetch(client::FetchCmd),
-    #[cfg(any(test, feature = "testing"))]
-    Channel(channel::ChannelCmd),
-    Mesh(mesh::MeshCmd),
+    /// A protocol's work ([`Job`]).
+    Run(Box<dyn Job>),
+    /// Close everything and stop.
     Shutdown,
 }
 
@@ -196,6 +187,11 @@ impl Shared {
         self.commands.lock().push(c);
         let _ = self.waker.wake();
         Ok(())
+    }
+
+    /// Queues `f` for the loop.
+    pub(crate) fn run(&self, f: impl FnOnce(&mut Loop) + Send + 'static) -> Result<(), FabricError> {
+        self.command(Command::Run(Box::new(job::FnJob(f))))
     }
 
     pub(crate) fn next_id(&self) -> u64 {
@@ -285,13 +281,14 @@ impl Driver {
             shared: shared.clone(),
             poll,
             conns: Vec::new(),
+            listeners: HashMap::new(),
             free: Vec::new(),
             servers: HashMap::new(),
             clients: HashMap::new(),
             #[cfg(any(test, feature = "testing"))]
             chan_listeners: HashMap::new(),
-            meshes: HashMap::new(),
-            mesh_mem: VecDeque::new(),
+            parked: VecDeque::new(),
+            states: HashMap::new(),
             timers: Timers::default(),
             mem_waiters: VecDeque::new(),
             pending: VecDeque::new(),
@@ -322,34 +319,66 @@ impl Driver {
         &self.owner.shared
     }
 
-    /// Queues `c` for the loop without waking its thread: for a caller that drives the loop
-    /// itself right after ([`progress`](Driver::progress)), so the command costs no wake-up.
-    pub(crate) fn command_quiet(&self, c: Command) -> Result<(), FabricError> {
+    /// Runs `f` on the loop (on its thread, or on a caller's that drives it): how a protocol
+    /// outside the driver adds endpoints, sends and closes. Fails once the loop stops.
+    pub fn submit(&self, f: impl FnOnce(&mut Loop) + Send + 'static) -> Result<(), FabricError> {
+        self.submit_job(Box::new(job::FnJob(f)))
+    }
+
+    /// Runs `job` on the loop ([`submit`](Driver::submit) for a [`Job`] with an owner or a
+    /// cancel action).
+    pub fn submit_job(&self, job: Box<dyn Job>) -> Result<(), FabricError> {
+        self.owner.shared.command(Command::Run(job))
+    }
+
+    /// Queues `f` for the loop without waking its thread: for a caller that drives the loop
+    /// itself right after ([`progress`](Driver::progress)), so the job costs no wake-up.
+    pub fn submit_quiet(&self, f: impl FnOnce(&mut Loop) + Send + 'static) -> Result<(), FabricError> {
         let s = &self.owner.shared;
         if s.stopping.load(Ordering::Acquire) {
             return Err(FabricError::Shutdown);
         }
-        s.commands.lock().push(c);
+        s.commands.lock().push(Command::Run(Box::new(job::FnJob(f))));
         Ok(())
+    }
+
+    /// Takes back the queued jobs of endpoint `owner` that the loop has not run (the endpoint
+    /// closes, or the loop stopped before it could): the caller answers them.
+    pub fn take_jobs(&self, owner: u64) -> Vec<Box<dyn Job>> {
+        let mut q = self.owner.shared.commands.lock();
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut *q).into_iter().partition(|c| matches!(c, Command::Run(j) if j.owner() == Some(owner)));
+        *q = rest;
+        mine.into_iter().filter_map(|c| if let Command::Run(j) = c { Some(j) } else { None }).collect()
+    }
+
+    /// Whether the loop is stopping or stopped (jobs submitted now are refused).
+    pub fn stopping(&self) -> bool {
+        self.owner.shared.stopping.load(Ordering::Acquire)
+    }
+
+    /// A fresh id for an endpoint or listener of this loop.
+    pub fn next_id(&self) -> u64 {
+        self.owner.shared.next_id()
     }
 
     /// Whether a caller driving progress yields its core between polls while it spins
     /// (`sched_yield`), as Open MPI's `mpi_yield_when_idle` does when a host is
     /// oversubscribed: a spinning waiter then takes the core from the very peer it waits for.
-    pub(crate) fn set_yield_when_idle(&self, yes: bool) {
+    pub fn set_yield_when_idle(&self, yes: bool) {
         self.owner.shared.yield_when_idle.store(yes, Ordering::Relaxed);
     }
 
     /// Runs one loop turn on this thread if nobody holds the loop (it picks up queued
     /// commands without sleeping); otherwise rings the waker of whoever sleeps in it.
-    pub(crate) fn kick(&self) {
+    pub fn kick(&self) {
         progress::kick(&self.owner.progress, &self.owner.shared);
     }
 
     /// Runs the loop on the calling thread until `done` gives a value, `deadline` passes or
     /// the loop stops (then `None`): see [`progress`](self::progress) for why and how. `done`
     /// is called between turns with the loop held, so it must not take the loop itself.
-    pub(crate) fn progress<R>(&self, deadline: Instant, done: impl FnMut() -> Option<R>) -> Option<R> {
+    pub fn progress<R>(&self, deadline: Instant, done: impl FnMut() -> Option<R>) -> Option<R> {
         progress::drive(&self.owner.progress, &self.owner.shared, deadline, done)
     }
 

@@ -10,7 +10,7 @@
 
 use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
 use super::exposure;
-use super::{Command, Driver, ListenSocket, Loop};
+use super::{Acceptor, Driver, Loop};
 use crate::error::FabricError;
 use crate::providers::link::OutPayload;
 use crate::providers::Source;
@@ -137,7 +137,8 @@ impl ServerEndpoint {
         let stats = Arc::new(ServerStats::default());
         let (tx, rx) = crossbeam_channel::bounded(1);
         let name = config.name.clone();
-        shared.command(Command::AddServer(AddServer { id, addr, config, source, stats: stats.clone(), reply: tx }))?;
+        let a = AddServer { id, addr, config, source, stats: stats.clone(), reply: tx };
+        shared.run(move |lp| lp.add_server(a))?;
         let addr = rx.recv().map_err(|_| FabricError::Shutdown)??;
         tracing::info!(%addr, provider = driver.provider_name(), %name, "block server listening");
         Ok(ServerEndpoint { driver: driver.clone(), id, addr, stats, closed: AtomicBool::new(false) })
@@ -174,7 +175,12 @@ impl ServerEndpoint {
             return;
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        if self.driver.shared().command(Command::RemoveServer { id: self.id, done: tx }).is_ok() {
+        let id = self.id;
+        let removed = self.driver.shared().run(move |lp| {
+            lp.remove_server(id);
+            let _ = tx.send(());
+        });
+        if removed.is_ok() {
             let _ = rx.recv_timeout(Duration::from_secs(30));
         }
         tracing::info!(addr = %self.addr, "block server stopped");
@@ -201,8 +207,6 @@ pub(crate) struct ServerEp {
     config: ServerEndpointConfig,
     source: Arc<dyn BlockSource>,
     stats: Arc<ServerStats>,
-    pub(crate) socket: ListenSocket,
-    addr: SocketAddr,
     conns: HashSet<ConnKey>,
 }
 
@@ -291,12 +295,21 @@ impl ServerHooks<Arc<dyn Source>> for Hooks<'_> {
     }
 }
 
+/// Hands a block server's accepted connections to it.
+struct ServerAcceptor;
+
+impl Acceptor for ServerAcceptor {
+    fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport) {
+        lp.server_accepted(id, peer, transport)
+    }
+}
+
 impl Loop {
     pub(crate) fn add_server(&mut self, a: AddServer) {
         let AddServer { id, addr, config, source, stats, reply } = a;
-        match self.listen(id, addr) {
-            Ok((local, socket)) => {
-                self.servers.insert(id, ServerEp { config, source, stats, socket, addr: local, conns: HashSet::new() });
+        match self.listen(id, addr, &ServerAcceptor) {
+            Ok(local) => {
+                self.servers.insert(id, ServerEp { config, source, stats, conns: HashSet::new() });
                 let _ = reply.send(Ok(local));
             }
             Err(e) => {
@@ -306,8 +319,8 @@ impl Loop {
     }
 
     pub(crate) fn remove_server(&mut self, id: u64) {
-        let Some(mut ep) = self.servers.remove(&id) else { return };
-        self.unlisten(ep.addr, &mut ep.socket);
+        self.unlisten(id);
+        let Some(ep) = self.servers.remove(&id) else { return };
         let keys: Vec<ConnKey> = ep.conns.iter().copied().collect();
         // Put the endpoint back while its connections close, so their handlers find it.
         self.servers.insert(id, ep);

@@ -1,4 +1,7 @@
 //! Listening sockets, accepting, and outgoing connections, through the provider's engine.
+//!
+//! The loop keeps every listener in one table and knows nothing of who owns it: an
+//! [`Acceptor`] (a block server, a mesh, a test channel) is handed each accepted connection.
 
 use super::conn::Transport;
 use super::{listener_token, Loop};
@@ -7,58 +10,66 @@ use std::net::SocketAddr;
 
 pub(crate) use super::ListenSocket;
 
+/// Who takes the connections a listener accepts: the protocol that owns the port.
+pub trait Acceptor: Sync {
+    /// Whether connections waiting on listener `id` are taken now; `false` leaves them in
+    /// the backlog until the owner calls [`Loop::accept`] (a mesh that has not started).
+    fn accepting(&self, lp: &Loop, id: u64) -> bool {
+        let _ = (lp, id);
+        true
+    }
+    /// A connection accepted on listener `id`, from `peer`.
+    fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport);
+}
+
+/// A listener in the loop's table.
+pub(crate) struct Listening {
+    socket: ListenSocket,
+    acceptor: &'static dyn Acceptor,
+}
+
 impl Loop {
     // ------------------------------------------------------------------ listeners
 
-    /// Listens on `addr` for listener `id` (a socket in the poll, or the provider's own
-    /// notification, which wakes the loop with the listener's key).
-    pub(crate) fn listen(&mut self, id: u64, addr: SocketAddr) -> Result<(SocketAddr, ListenSocket), FabricError> {
-        self.net.engine.listen(addr, self.poll.registry(), listener_token(id), (1 << 63) | id)
+    /// Listens on `addr` as listener `id` (a socket in the poll, or the provider's own
+    /// notification, which wakes the loop with the listener's key); what it accepts goes to
+    /// `acceptor`. Returns the address bound (port 0 picks one).
+    pub fn listen(&mut self, id: u64, addr: SocketAddr, acceptor: &'static dyn Acceptor) -> Result<SocketAddr, FabricError> {
+        let (local, socket) = self.net.engine.listen(addr, self.poll.registry(), listener_token(id), (1 << 63) | id)?;
+        self.listeners.insert(id, Listening { socket, acceptor });
+        Ok(local)
     }
 
-    pub(crate) fn unlisten(&mut self, _addr: SocketAddr, socket: &mut ListenSocket) {
-        socket.close(self.poll.registry());
-    }
-
-    /// Accepts every waiting connection of listener `id`.
-    pub(crate) fn accept(&mut self, id: u64) {
-        loop {
-            let accepted = {
-                let socket = if let Some(s) = self.servers.get_mut(&id) {
-                    &mut s.socket
-                } else if let Some(m) = self.meshes.get_mut(&id) {
-                    // A mesh accepts once it was started (connections wait in the backlog).
-                    let started = m.started();
-                    match (&mut m.socket, started) {
-                        (Some(s), true) => s,
-                        _ => return,
-                    }
-                } else {
-                    #[cfg(any(test, feature = "testing"))]
-                    let Some(c) = self.chan_listeners.get_mut(&id) else {
-                        return;
-                    };
-                    #[cfg(not(any(test, feature = "testing")))]
-                    return;
-                    #[cfg(any(test, feature = "testing"))]
-                    &mut c.socket
-                };
-                socket.accept()
-            };
-            let Some((peer, transport)) = accepted else { return };
-            if self.servers.contains_key(&id) {
-                self.server_accepted(id, peer, transport);
-            } else if self.meshes.contains_key(&id) {
-                self.mesh_accepted(id, peer, transport);
-            } else {
-                #[cfg(any(test, feature = "testing"))]
-                self.channel_accepted(id, peer, transport);
-            }
+    /// Stops listener `id` (its socket closes; connections it accepted stay). Idempotent.
+    pub fn unlisten(&mut self, id: u64) {
+        if let Some(mut l) = self.listeners.remove(&id) {
+            l.socket.close(self.poll.registry());
         }
     }
-}
 
-/// A new outgoing connection of the driver's provider to `addr`.
-pub(crate) fn connect(lp: &mut Loop, addr: SocketAddr) -> Result<Transport, FabricError> {
-    lp.net.engine.connect(addr)
+    /// Accepts every waiting connection of listener `id` that its acceptor takes now.
+    pub fn accept(&mut self, id: u64) {
+        loop {
+            let Some(acceptor) = self.listeners.get(&id).map(|l| l.acceptor) else { return };
+            if !acceptor.accepting(self, id) {
+                return;
+            }
+            let Some(l) = self.listeners.get_mut(&id) else { return };
+            let Some((peer, transport)) = l.socket.accept() else { return };
+            acceptor.accepted(self, id, peer, transport);
+        }
+    }
+
+    /// Closes every listener (the loop shuts down).
+    pub(crate) fn unlisten_all(&mut self) {
+        let ids: Vec<u64> = self.listeners.keys().copied().collect();
+        for id in ids {
+            self.unlisten(id);
+        }
+    }
+
+    /// A new outgoing connection of the driver's provider to `addr`.
+    pub fn connect(&mut self, addr: SocketAddr) -> Result<Transport, FabricError> {
+        self.net.engine.connect(addr)
+    }
 }

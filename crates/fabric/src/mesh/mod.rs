@@ -72,8 +72,8 @@ pub(crate) use registration::{UserMemory, UserReg};
 pub use ticket::SendTicket;
 
 use crate::driver::conn::ConnKey;
-use crate::driver::mesh::{MeshCmd, OutBody, RtsSource};
-use crate::driver::{Command, Driver, DriverConfig};
+use crate::driver::mesh::{submit, submit_quiet, MeshCmd, OutBody, RtsSource};
+use crate::driver::{Driver, DriverConfig};
 use crate::error::FabricError;
 use crate::memory::pool::{PoolError, TieredPool};
 use crate::providers::Provider;
@@ -148,9 +148,9 @@ impl MeshListener {
         let listen = |source| MeshError::Listen { rank, addr, source };
         let config = DriverConfig { name: format!("mobius-{rank}"), ..DriverConfig::default() };
         let driver = Driver::new(provider, config).map_err(listen)?;
-        let id = driver.shared().next_id();
+        let id = driver.next_id();
         let (tx, rx) = crossbeam_channel::bounded(1);
-        driver.shared().command(Command::Mesh(MeshCmd::Listen { id, addr, reply: tx })).map_err(listen)?;
+        submit(&driver, MeshCmd::Listen { id, addr, reply: tx }).map_err(listen)?;
         let addr = rx.recv().map_err(|_| listen(FabricError::Shutdown))?.map_err(listen)?;
         Ok(MeshListener { driver, id, addr, rank })
     }
@@ -166,7 +166,7 @@ impl Drop for MeshListener {
         // Consumed by `Mesh::connect` (id 0); otherwise never used: stop listening.
         if self.id != 0 {
             let (tx, rx) = crossbeam_channel::bounded(1);
-            if self.driver.shared().command(Command::Mesh(MeshCmd::Close { id: self.id, bye: false, reply: tx })).is_ok() {
+            if submit(&self.driver, MeshCmd::Close { id: self.id, bye: false, reply: tx }).is_ok() {
                 let _ = rx.recv_timeout(RELEASE_WAIT);
             }
         }
@@ -295,7 +295,7 @@ impl Mesh {
             next_token: AtomicU64::new(1),
             closed: false,
         };
-        let cmd = |c| driver.shared().command(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank });
+        let cmd = |c| submit(&driver, c).map_err(|_| MeshError::Closed { rank });
         cmd(MeshCmd::Start { id, shared: shared.clone(), addrs: addrs.to_vec() })?;
         let deadline = Instant::now() + config.connect_timeout;
         let mut retries: Vec<(Instant, usize)> = Vec::new();
@@ -439,13 +439,13 @@ impl Mesh {
     }
 
     fn command(&self, c: MeshCmd) -> Result<(), MeshError> {
-        self.driver.shared().command(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank: self.shared.rank })
+        submit(&self.driver, c).map_err(|_| MeshError::Closed { rank: self.shared.rank })
     }
 
     /// Queues a send and runs a loop turn for it on this thread if the loop is free, so it
     /// goes out at once without waking the loop thread (which is rung otherwise).
     fn post(&self, c: MeshCmd) -> Result<(), MeshError> {
-        self.driver.command_quiet(Command::Mesh(c)).map_err(|_| MeshError::Closed { rank: self.shared.rank })?;
+        submit_quiet(&self.driver, c).map_err(|_| MeshError::Closed { rank: self.shared.rank })?;
         self.driver.kick();
         Ok(())
     }

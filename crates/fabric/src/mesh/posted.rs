@@ -4,8 +4,8 @@
 
 use super::shared::{MeshShared, Posted, State};
 use super::{Mesh, MeshError, Message, Tag, RELEASE_WAIT};
-use crate::driver::mesh::MeshCmd;
-use crate::driver::{Command, Driver};
+use crate::driver::mesh::{submit, MeshCmd};
+use crate::driver::Driver;
 use parking_lot::MutexGuard;
 use std::sync::Arc;
 use std::time::Instant;
@@ -155,8 +155,7 @@ impl PostedRecv {
         // Being placed into: the link must stop reading before the memory goes back.
         if let Some(key) = conn {
             let (tx, rx) = crossbeam_channel::bounded(1);
-            let cmd = Command::Mesh(MeshCmd::Unpost { key, tag: self.tag, reply: tx });
-            if self.driver.shared().command(cmd).is_ok() {
+            if submit(&self.driver, MeshCmd::Unpost { key, tag: self.tag, reply: tx }).is_ok() {
                 let _ = rx.recv_timeout(RELEASE_WAIT);
             }
         }

@@ -3,8 +3,8 @@
 
 use super::{MeshError, Registration, RELEASE_WAIT};
 use crate::driver::conn::ConnKey;
-use crate::driver::mesh::MeshCmd;
-use crate::driver::{Command, Driver};
+use crate::driver::mesh::{submit, MeshCmd};
+use crate::driver::Driver;
 use crate::mesh::shared::MeshShared;
 use std::fmt;
 use std::marker::PhantomData;
@@ -46,8 +46,7 @@ impl PendingSend {
     /// — failing the link, whose stream would be cut) and waits until it has.
     fn release(&self, peer: usize) {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        let cmd = Command::Mesh(MeshCmd::Release { key: self.conn, token: self.token, reply: tx });
-        if self.driver.shared().command(cmd).is_ok() {
+        if submit(&self.driver, MeshCmd::Release { key: self.conn, token: self.token, reply: tx }).is_ok() {
             let _ = rx.recv_timeout(RELEASE_WAIT);
         }
         // It may have completed meanwhile.

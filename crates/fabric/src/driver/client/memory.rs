@@ -118,7 +118,7 @@ impl Loop {
         }
         kept.extend(self.mem_waiters.drain(..));
         self.mem_waiters = kept;
-        let mesh_waiting = self.service_mesh_memory();
+        let mesh_waiting = self.service_parked();
         if self.mem_waiters.is_empty() && !mesh_waiting {
             self.shared.mem_wanted.store(false, Ordering::Release);
         }

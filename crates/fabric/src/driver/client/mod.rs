@@ -19,7 +19,7 @@ pub use stream::{ChunkSink, StreamConfig};
 
 use super::budget::{BudgetGuard, ByteBudget};
 use super::conn::{Conn, ConnKey, Handler, Incoming, Role};
-use super::{Command, Driver, Loop};
+use super::{Driver, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, TieredPool};
 use crate::providers::link::OutPayload;
@@ -218,7 +218,8 @@ impl ClientEndpoint {
         budget.set_hook(Arc::downgrade(&hook));
         pool.add_release_hook(Arc::downgrade(&hook));
         let stats = Arc::new(ClientStats::default());
-        shared.command(Command::AddClient(AddClient { id, config, pool: pool.clone(), budget, stats: stats.clone() }))?;
+        let a = AddClient { id, config, pool: pool.clone(), budget, stats: stats.clone() };
+        shared.run(move |lp| lp.add_client(a))?;
         Ok(ClientEndpoint { driver: driver.clone(), id, pool, stats, closed: AtomicBool::new(false) })
     }
 
@@ -275,8 +276,7 @@ impl ClientEndpoint {
     }
 
     fn submit(&self, f: FetchCmd) {
-        let cmd = Command::Fetch(f);
-        if let Err(e) = self.driver.shared().command(cmd) {
+        if let Err(e) = self.driver.submit_job(Box::new(f)) {
             // The loop is gone: nothing else would ever answer these blocks.
             tracing::debug!(error = %e, "fetch after shutdown");
         }
@@ -287,20 +287,8 @@ impl ClientEndpoint {
     }
 
     fn drain_unanswered(&self) {
-        let cmds: Vec<Command> = {
-            let mut q = self.driver.shared().commands.lock();
-            let (mine, rest): (Vec<_>, Vec<_>) =
-                std::mem::take(&mut *q).into_iter().partition(|c| matches!(c, Command::Fetch(f) if f.client == self.id));
-            *q = rest;
-            mine
-        };
-        for c in cmds {
-            if let Command::Fetch(f) = c {
-                for (i, span) in f.blocks.iter().enumerate() {
-                    f.sink
-                        .on_block(i, Err(BlockFailure::new(FailureCode::PeerGone, format!("{span}: the endpoint is shut down"))));
-                }
-            }
+        for job in self.driver.take_jobs(self.id) {
+            job.cancel();
         }
     }
 
@@ -310,7 +298,12 @@ impl ClientEndpoint {
             return;
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        if self.driver.shared().command(Command::RemoveClient { id: self.id, done: tx }).is_ok() {
+        let id = self.id;
+        let removed = self.driver.shared().run(move |lp| {
+            lp.remove_client(id);
+            let _ = tx.send(());
+        });
+        if removed.is_ok() {
             let _ = rx.recv_timeout(Duration::from_secs(30));
         }
         self.drain_unanswered();
@@ -339,6 +332,22 @@ pub(crate) struct FetchCmd {
     sink: Arc<dyn BlockSink>,
 }
 
+impl crate::driver::Job for FetchCmd {
+    fn run(self: Box<Self>, lp: &mut Loop) {
+        lp.fetch(*self)
+    }
+
+    fn cancel(self: Box<Self>) {
+        for (i, span) in self.blocks.iter().enumerate() {
+            self.sink.on_block(i, Err(BlockFailure::new(FailureCode::PeerGone, format!("{span}: the endpoint is shut down"))));
+        }
+    }
+
+    fn owner(&self) -> Option<u64> {
+        Some(self.client)
+    }
+}
+
 /// Submits fetches to one endpoint's loop; what a stream holds to ask for its next ranges.
 #[derive(Clone)]
 pub(crate) struct Fetcher {
@@ -357,7 +366,7 @@ impl Fetcher {
         sink: Arc<dyn BlockSink>,
     ) -> Result<(), FabricError> {
         let blocks = ranges.iter().map(|r| r.span).collect();
-        self.driver.shared().command(Command::Fetch(FetchCmd { client: self.id, addr, blocks, ranges: Some(ranges), sink }))
+        self.driver.submit_job(Box::new(FetchCmd { client: self.id, addr, blocks, ranges: Some(ranges), sink }))
     }
 }
 
@@ -574,7 +583,7 @@ impl Loop {
     }
 
     pub(super) fn client_connect(&mut self, ep_id: u64, addr: SocketAddr) -> Result<ConnKey, FabricError> {
-        let transport = super::connect(self, addr)?;
+        let transport = self.connect(addr)?;
         let ep = self.clients.get_mut(&ep_id).ok_or(FabricError::Shutdown)?;
         let cfg = &ep.config;
         let now = Instant::now();

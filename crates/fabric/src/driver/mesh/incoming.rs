@@ -2,7 +2,8 @@
 //! completions, and the memory a payload waits for.
 
 use super::{control, mesh_mut, MeshConn, Phase, ReadJob, RtsJob, Rx};
-use crate::driver::conn::{Conn, ConnKey, Incoming, Placement};
+use crate::driver::conn::{Conn, Incoming, Placement};
+use crate::driver::mesh::Meshes;
 use crate::driver::Loop;
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
@@ -93,7 +94,7 @@ impl Loop {
             Ok(None) => {
                 m.shared.memory_wait(peer, Some(len));
                 m.starved = Some(rx);
-                self.mesh_want_memory(conn.key);
+                self.park_for_memory(conn.key);
                 Ok(())
             }
             Err(e) => Err(FabricError::Unsupported(memory_advice(&e))),
@@ -340,7 +341,7 @@ impl Loop {
         m.limits = m.shared.limits;
         let ep = m.ep;
         let fresh = m.shared.peer_up(peer, key, name);
-        if let Some(ep) = self.meshes.get_mut(&ep) {
+        if let Some(ep) = self.state::<Meshes>().get_mut(&ep) {
             ep.pending.retain(|k| *k != key);
         }
         if !fresh {
@@ -388,7 +389,7 @@ impl Loop {
                 Ok(Some(l)) => l,
                 Ok(None) => {
                     m.shared.memory_wait(peer, Some(len));
-                    self.mesh_want_memory(conn.key);
+                    self.park_for_memory(conn.key);
                     return Ok(());
                 }
                 Err(e) => return Err(FabricError::Unsupported(memory_advice(&e))),
@@ -432,33 +433,18 @@ impl Loop {
 
     // ------------------------------------------------------------------ memory
 
-    fn mesh_want_memory(&mut self, key: ConnKey) {
-        if !self.mesh_mem.contains(&key) {
-            self.mesh_mem.push_back(key);
+    /// Memory came back after the link parked for it: the payload it stopped at is placed,
+    /// waiting READs start (or it parks again).
+    pub(crate) fn mesh_memory(&mut self, conn: &mut Conn) {
+        let mut r = Ok(());
+        if let Some(rx) = mesh_mut(conn).starved.take() {
+            r = self.mesh_place(conn, rx);
         }
-        self.want_memory();
-    }
-
-    /// Memory came back: links parked for it go on, in order. Returns whether some still wait.
-    pub(crate) fn service_mesh_memory(&mut self) -> bool {
-        let waiting: Vec<ConnKey> = self.mesh_mem.drain(..).collect();
-        for key in waiting {
-            let Some(mut conn) = self.take(key) else { continue };
-            if conn.closing.is_none() {
-                let mut r = Ok(());
-                if let Some(rx) = mesh_mut(&mut conn).starved.take() {
-                    r = self.mesh_place(&mut conn, rx);
-                }
-                if r.is_ok() && mesh_mut(&mut conn).starved.is_none() {
-                    r = self.mesh_pump_reads(&mut conn);
-                }
-                if let Err(e) = r {
-                    self.fail(&mut conn, e);
-                }
-            }
-            self.put(conn);
-            self.drive_again(key);
+        if r.is_ok() && mesh_mut(conn).starved.is_none() {
+            r = self.mesh_pump_reads(conn);
         }
-        !self.mesh_mem.is_empty()
+        if let Err(e) = r {
+            self.fail(conn, e);
+        }
     }
 }

@@ -15,9 +15,8 @@
 mod incoming;
 
 use super::conn::{Conn, ConnKey, Handler, Incoming, Role, Transport};
-use super::{ListenSocket, Loop};
+use super::{Acceptor, Loop};
 use crate::error::FabricError;
-use crate::memory::pool::ReleaseHook;
 use crate::mesh::handshake::{ClientHs, ServerHs};
 use crate::mesh::shared::MeshShared;
 use crate::mesh::{MeshError, Tag, UserMemory, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_HELLO, KIND_REFUSE, KIND_RTS};
@@ -99,10 +98,18 @@ pub(crate) enum MeshCmd {
     },
 }
 
+/// Queues `c` for the loop.
+pub(crate) fn submit(driver: &crate::driver::Driver, c: MeshCmd) -> Result<(), FabricError> {
+    driver.submit(move |lp| lp.mesh_command(c))
+}
+
+/// Queues `c` for the loop without waking its thread (the caller drives the loop next).
+pub(crate) fn submit_quiet(driver: &crate::driver::Driver, c: MeshCmd) -> Result<(), FabricError> {
+    driver.submit_quiet(move |lp| lp.mesh_command(c))
+}
+
 /// One rank's mesh inside the loop.
 pub(crate) struct MeshEp {
-    pub(crate) socket: Option<ListenSocket>,
-    addr: SocketAddr,
     shared: Option<Arc<MeshShared>>,
     addrs: Vec<SocketAddr>,
     /// Every connection of this mesh: links, handshakes, strays.
@@ -111,10 +118,34 @@ pub(crate) struct MeshEp {
     pending: VecDeque<ConnKey>,
 }
 
-impl MeshEp {
-    /// Whether accepted connections can be handled (the mesh was started).
-    pub(crate) fn started(&self) -> bool {
-        self.shared.is_some()
+/// The meshes of a loop, by id (the loop's [state](Loop::state) for this protocol).
+#[derive(Default)]
+pub(crate) struct Meshes(HashMap<u64, MeshEp>);
+
+impl std::ops::Deref for Meshes {
+    type Target = HashMap<u64, MeshEp>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Meshes {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+/// Hands a mesh's accepted connections to it, once the mesh has started (until then they
+/// wait in the listener's backlog).
+struct MeshAcceptor;
+
+impl Acceptor for MeshAcceptor {
+    fn accepting(&self, lp: &Loop, id: u64) -> bool {
+        lp.state_ref::<Meshes>().and_then(|m| m.get(&id)).is_some_and(|m| m.shared.is_some())
+    }
+
+    fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport) {
+        lp.mesh_accepted(id, peer, transport)
     }
 }
 
@@ -289,6 +320,10 @@ impl Handler for MeshHandler {
         lp.mesh_timeout(conn, now)
     }
 
+    fn memory(&self, lp: &mut Loop, conn: &mut Conn) {
+        lp.mesh_memory(conn)
+    }
+
     fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
         lp.mesh_removed(conn)
     }
@@ -302,17 +337,10 @@ pub(crate) fn control(kind: u32, req: u64, body: Vec<u8>) -> (Frame, OutPayload)
 impl Loop {
     pub(crate) fn mesh_command(&mut self, c: MeshCmd) {
         match c {
-            MeshCmd::Listen { id, addr, reply } => match self.listen(id, addr) {
-                Ok((local, socket)) => {
-                    let ep = MeshEp {
-                        socket: Some(socket),
-                        addr: local,
-                        shared: None,
-                        addrs: Vec::new(),
-                        conns: Vec::new(),
-                        pending: VecDeque::new(),
-                    };
-                    self.meshes.insert(id, ep);
+            MeshCmd::Listen { id, addr, reply } => match self.listen(id, addr, &MeshAcceptor) {
+                Ok(local) => {
+                    let ep = MeshEp { shared: None, addrs: Vec::new(), conns: Vec::new(), pending: VecDeque::new() };
+                    self.state::<Meshes>().insert(id, ep);
                     let _ = reply.send(Ok(local));
                 }
                 Err(e) => {
@@ -320,8 +348,8 @@ impl Loop {
                 }
             },
             MeshCmd::Start { id, shared, addrs } => {
-                let Some(ep) = self.meshes.get_mut(&id) else { return };
-                let hook: Arc<dyn ReleaseHook> = self.shared.clone();
+                let hook = self.release_hook();
+                let Some(ep) = self.state::<Meshes>().get_mut(&id) else { return };
                 shared.pool.add_release_hook(Arc::downgrade(&hook));
                 let rank = shared.rank;
                 ep.shared = Some(shared);
@@ -335,14 +363,10 @@ impl Loop {
             }
             MeshCmd::Connect { id, peer } => self.mesh_connect(id, peer),
             MeshCmd::Seal { id } => {
-                let Some(ep) = self.meshes.get_mut(&id) else { return };
-                let socket = ep.socket.take();
-                let addr = ep.addr;
+                let Some(ep) = self.state::<Meshes>().get_mut(&id) else { return };
                 let links: Vec<ConnKey> = ep.conns.clone();
                 ep.pending.clear();
-                if let Some(mut s) = socket {
-                    self.unlisten(addr, &mut s);
-                }
+                self.unlisten(id);
                 for key in links {
                     self.with_mesh(key, |lp, conn| {
                         if !matches!(mesh_mut(conn).phase, Phase::Up) {
@@ -433,7 +457,7 @@ impl Loop {
                 let _ = reply.send(());
             }
             MeshCmd::Abort { id, reason } => {
-                let Some(ep) = self.meshes.get(&id) else { return };
+                let Some(ep) = self.state::<Meshes>().get(&id) else { return };
                 for key in ep.conns.clone() {
                     self.with_mesh(key, |lp, conn| {
                         if conn.closing.is_none() && matches!(mesh_mut(conn).phase, Phase::Up) {
@@ -453,10 +477,8 @@ impl Loop {
     /// Closes a mesh endpoint: its listener, and every connection (links say `BYE` first
     /// when `bye`, unless a send from caller memory is still unwritten on them).
     pub(crate) fn remove_mesh(&mut self, id: u64, bye: bool) {
-        let Some(mut ep) = self.meshes.remove(&id) else { return };
-        if let Some(mut s) = ep.socket.take() {
-            self.unlisten(ep.addr, &mut s);
-        }
+        self.unlisten(id);
+        let Some(ep) = self.state::<Meshes>().remove(&id) else { return };
         for key in ep.conns {
             let Some(mut conn) = self.take(key) else { continue };
             if conn.closing.is_none() {
@@ -487,10 +509,10 @@ impl Loop {
 
     /// Opens (or reopens, after a refusal) the link to the lower rank `peer`.
     fn mesh_connect(&mut self, id: u64, peer: usize) {
-        let Some(ep) = self.meshes.get(&id) else { return };
+        let Some(ep) = self.state::<Meshes>().get(&id) else { return };
         let Some(shared) = ep.shared.clone() else { return };
         let Some(&addr) = ep.addrs.get(peer) else { return };
-        let transport = match super::connect(self, addr) {
+        let transport = match self.connect(addr) {
             Ok(t) => t,
             Err(e) => {
                 shared.build_problem(format!("connecting to rank {peer} at {addr}: {e}"), None, Some(peer));
@@ -501,7 +523,7 @@ impl Loop {
         let (hs, hello) = shared.hs.client_hello(peer);
         let role = MeshConn::role(id, shared, Some(peer), connected, Phase::Welcome(hs));
         let key = self.insert(addr.to_string(), transport, role);
-        if let Some(ep) = self.meshes.get_mut(&id) {
+        if let Some(ep) = self.state::<Meshes>().get_mut(&id) {
             ep.conns.push(key);
         }
         if let Some(mut conn) = self.take(key) {
@@ -516,13 +538,13 @@ impl Loop {
 
     /// A connection accepted on mesh listener `id`.
     pub(crate) fn mesh_accepted(&mut self, id: u64, peer: String, transport: Transport) {
-        let Some(ep) = self.meshes.get(&id) else { return };
+        let Some(ep) = self.state::<Meshes>().get(&id) else { return };
         let Some(shared) = ep.shared.clone() else { return };
         let cap = 2 * shared.world + 16;
         let role = MeshConn::role(id, shared, None, true, Phase::Hello);
         let key = self.insert(peer, transport, role);
         let mut evict = None;
-        if let Some(ep) = self.meshes.get_mut(&id) {
+        if let Some(ep) = self.state::<Meshes>().get_mut(&id) {
             ep.conns.push(key);
             ep.pending.push_back(key);
             // Work before authentication is bounded: the oldest unauthenticated connection
@@ -634,11 +656,10 @@ impl Loop {
             m.shared.peer_failed(peer, key, "the connection closed".into());
         }
         let ep = m.ep;
-        if let Some(ep) = self.meshes.get_mut(&ep) {
+        if let Some(ep) = self.state::<Meshes>().get_mut(&ep) {
             ep.conns.retain(|k| *k != key);
             ep.pending.retain(|k| *k != key);
         }
-        self.mesh_mem.retain(|k| *k != key);
     }
 
     /// Refuses a handshake: tells the peer why, then closes once that is written. A refused
