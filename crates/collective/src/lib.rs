@@ -4,7 +4,7 @@
 //! Layers, bottom up:
 //!
 //! * **transport** — [`Transport`]: tagged, ordered, full-duplex messages among ranks, eager
-//!   or rendezvous. [`MeshTransport`] is a thin adapter over `rdma_shuffle_fabric::mesh`,
+//!   or rendezvous. [`MeshTransport`] is a thin adapter over [`crate::mesh`],
 //!   where every provider-facing piece lives (tcp, sim, verbs);
 //! * **algorithms** — ring (segmented, pipelined), recursive doubling, halving-doubling
 //!   (Rabenseifner), binomial trees, pipelined chains, direct and pairwise exchange, for any
@@ -30,6 +30,7 @@ mod comm;
 mod dtype;
 mod error;
 mod header;
+pub mod mesh;
 mod mesh_transport;
 mod policy;
 mod store;
@@ -47,6 +48,6 @@ pub use transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, T
 
 /// The fabric pieces a caller needs to build a communicator on a provider of its choice.
 pub mod fabric {
-    pub use rdma_shuffle_fabric::mesh::{Mesh, MeshConfig, MeshListener};
+    pub use crate::mesh::{Mesh, MeshConfig, MeshListener};
     pub use rdma_shuffle_fabric::{Provider, SimProvider, TcpProvider};
 }

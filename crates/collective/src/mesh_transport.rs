@@ -1,8 +1,8 @@
-//! The fabric-backed [`Transport`]: a thin adapter over `rdma_shuffle_fabric::mesh`, which
+//! The fabric-backed [`Transport`]: a thin adapter over [`crate::mesh`], which
 //! holds every provider-facing piece of Mobius.
 
+use crate::mesh::{self, Mesh, MeshError, Message, PostedRecv, Posting, Registration, SendTicket};
 use crate::transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
-use rdma_shuffle_fabric::mesh::{self, Mesh, MeshError, Message, PostedRecv, Posting, Registration, SendTicket};
 use std::time::Instant;
 
 /// [`Transport`] over a fabric [`Mesh`] (tcp, sim or verbs provider).

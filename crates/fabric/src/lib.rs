@@ -4,11 +4,11 @@
 //!   registration of memory with a device.
 //! * [`providers`] — the transports: [`tcp`](providers::tcp), [`sim`](providers::sim) and,
 //!   with the `verbs` feature, [`verbs`](providers::verbs).
-//! * [`driver`] — one event loop per engine that runs every connection of every provider:
-//!   the block client and server endpoints that execute the `wire` sessions, raw channels,
-//!   and mesh links.
-//! * [`mesh`] — persistent all-to-all links among the ranks of a collective group (Mobius),
-//!   with tagged eager and zero-copy rendezvous messages, as a connection kind of the driver.
+//! * [`driver`] — one event loop per engine that runs every connection of every provider.
+//!   A protocol plugs in from outside: a [`Handler`](driver::Handler) per connection, an
+//!   [`Acceptor`](driver::Acceptor) per listener, [`Job`](driver::Job)s from its callers, and
+//!   loop-wide [state](driver::Loop::state). The block client and server endpoints (and
+//!   the raw test channels) still live here; Mobius's mesh lives in crates/collective.
 //!
 //! Nothing here is specific to Spark: settings arrive as plain values, and errors name the
 //! setting to change as a [`Knob`](rdma_shuffle_wire::Knob). The shuffle crate and the
@@ -18,7 +18,6 @@
 pub mod driver;
 pub mod error;
 pub mod memory;
-pub mod mesh;
 pub mod providers;
 
 pub use driver::{

@@ -2,8 +2,8 @@
 //! and `MOBIUS_*`.
 
 use crate::error::CollectiveError;
+use crate::mesh::MeshConfig;
 use crate::policy::{parse_bytes, Overrides};
-use rdma_shuffle_fabric::mesh::MeshConfig;
 use rdma_shuffle_fabric::providers::shm::{ShmConfig, ShmProvider};
 use rdma_shuffle_fabric::{open_provider, PoolConfig, Provider, ProviderChoice, ProviderSpec};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};

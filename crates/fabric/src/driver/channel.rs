@@ -8,7 +8,7 @@
 //! a `wire` session's handshake over the channel first, then attach.
 
 use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
-use super::{Command, Driver, ListenSocket, Loop};
+use super::{Driver, Loop};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
 use crate::providers::link::OutPayload;

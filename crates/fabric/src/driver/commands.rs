@@ -98,7 +98,7 @@ impl Loop {
     }
 
     /// Queues a connection to be driven again on this turn (it was unblocked).
-    pub(crate) fn drive_again(&mut self, key: ConnKey) {
+    pub fn drive_again(&mut self, key: ConnKey) {
         self.again.push(key);
     }
 

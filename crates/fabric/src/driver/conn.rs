@@ -3,7 +3,8 @@
 
 use super::Loop;
 use crate::error::FabricError;
-pub(crate) use crate::providers::link::{Incoming, Link, MsgPayload, Placement};
+use crate::providers::link::Link;
+pub use crate::providers::link::{Incoming, MsgPayload, Placement};
 use rdma_shuffle_wire::Limits;
 use std::any::Any;
 use std::time::Instant;
@@ -11,16 +12,18 @@ use std::time::Instant;
 /// Index and generation of a connection slot; the generation makes stale references (a
 /// timer, a completion, a poll event for a connection that is gone) harmless.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct ConnKey {
+pub struct ConnKey {
     pub(crate) index: u32,
     pub(crate) gen: u32,
 }
 
 impl ConnKey {
-    pub(crate) fn to_u64(self) -> u64 {
+    /// The key as one number (a timer's or a completion's key).
+    pub fn to_u64(self) -> u64 {
         ((self.gen as u64) << 32) | self.index as u64
     }
-    pub(crate) fn from_u64(v: u64) -> Self {
+    /// The key [`to_u64`](Self::to_u64) made.
+    pub fn from_u64(v: u64) -> Self {
         ConnKey { index: v as u32, gen: (v >> 32) as u32 }
     }
 }
@@ -33,7 +36,7 @@ impl ConnKey {
 /// in its [`Role`] and is reached with [`Role::get`] / [`Role::get_mut`]. The hooks take the
 /// loop and the connection (taken out of the table while it is handled), so a handler can
 /// send, expose and revoke memory, post reads and arm timers through them.
-pub(crate) trait Handler: Sync {
+pub trait Handler: Sync {
     /// Limits for decoding what arrives on the connection.
     fn limits(&self, conn: &Conn) -> Limits;
     /// Whether the connection reads nothing more for now (its payload waits for memory).
@@ -73,65 +76,69 @@ pub(crate) trait Handler: Sync {
 }
 
 /// A connection's protocol: its [`Handler`] and its state.
-pub(crate) struct Role {
+pub struct Role {
     handler: &'static dyn Handler,
     state: Box<dyn Any + Send>,
 }
 
 impl Role {
     /// A role run by `handler` with `state`.
-    pub(crate) fn new<S: Any + Send>(handler: &'static dyn Handler, state: S) -> Role {
+    pub fn new<S: Any + Send>(handler: &'static dyn Handler, state: S) -> Role {
         Role { handler, state: Box::new(state) }
     }
 
     /// The protocol's handler.
-    pub(crate) fn handler(&self) -> &'static dyn Handler {
+    pub fn handler(&self) -> &'static dyn Handler {
         self.handler
     }
 
     /// The state, if it is an `S`.
-    pub(crate) fn get<S: Any>(&self) -> Option<&S> {
+    pub fn get<S: Any>(&self) -> Option<&S> {
         self.state.downcast_ref()
     }
 
     /// The state, if it is an `S`.
-    pub(crate) fn get_mut<S: Any>(&mut self) -> Option<&mut S> {
+    pub fn get_mut<S: Any>(&mut self) -> Option<&mut S> {
         self.state.downcast_mut()
     }
 
     /// Whether the state is an `S`.
-    pub(crate) fn is<S: Any>(&self) -> bool {
+    pub fn is<S: Any>(&self) -> bool {
         self.state.is::<S>()
     }
 }
 
 /// The transport of a connection: its provider's link (the driver never asks which).
-pub(crate) type Transport = Box<dyn Link>;
+pub type Transport = Box<dyn Link>;
 
 /// How a connection is being closed.
-pub(crate) struct Closing {
+pub struct Closing {
     /// Give up flushing (and waiting for device completions) at this time.
-    pub(crate) deadline: Instant,
+    pub deadline: Instant,
     /// Why, for the log.
-    pub(crate) reason: String,
+    pub reason: String,
 }
 
 /// One connection.
-pub(crate) struct Conn {
-    pub(crate) key: ConnKey,
-    pub(crate) peer: String,
-    pub(crate) transport: Transport,
-    pub(crate) role: Role,
+pub struct Conn {
+    /// Its key in the loop's table.
+    pub key: ConnKey,
+    /// The peer's address or name, for logs and errors.
+    pub peer: String,
+    /// The provider's link.
+    pub transport: Transport,
+    /// The protocol that runs on it.
+    pub role: Role,
     /// The peer proved the secret (or none was required); only then may anything be
     /// allocated, registered or exposed for it.
-    pub(crate) authenticated: bool,
+    pub authenticated: bool,
     /// The deadline this connection last armed and that has not fired.
     pub(crate) armed: Option<Instant>,
     /// Last time the connection did anything (idle accounting).
     pub(crate) last_active: Instant,
     /// Set once the connection is closing: nothing more is read, it lingers until its
     /// sends are out and its device work completed (or the deadline passes).
-    pub(crate) closing: Option<Closing>,
+    pub closing: Option<Closing>,
     /// The socket is registered with the poll (stream transports and verbs control).
     pub(crate) registered: bool,
 }

@@ -67,8 +67,10 @@ pub(super) struct Slot {
     pub(super) conn: Option<Conn>,
 }
 
-/// The loop thread's state.
-pub(crate) struct Loop {
+/// The loop's state: the connection table, listeners, timers, the provider engine, and
+/// each protocol's loop-wide [state](Loop::state). Whoever runs the loop holds it; protocols
+/// reach it in their [`Handler`](super::Handler) hooks and [`Job`](super::Job)s.
+pub struct Loop {
     pub(crate) shared: Arc<Shared>,
     pub(super) poll: Poll,
     pub(super) conns: Vec<Slot>,
@@ -243,6 +245,21 @@ impl Loop {
         v.downcast_mut().unwrap_or_else(|| unreachable!("a loop state is keyed by its own type"))
     }
 
+    /// The provider state of this loop, for a link's calls (send, expose, read...).
+    pub fn net(&mut self) -> &mut Net {
+        &mut self.net
+    }
+
+    /// The driver's counters.
+    pub fn stats(&self) -> &super::DriverStats {
+        &self.shared.stats
+    }
+
+    /// The driver's name (the executor id, or `mobius-<rank>`), for logs.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
     /// What a pool of this loop's protocol calls when memory comes back, so the loop wakes
     /// and serves the connections [parked](Loop::park_for_memory) for it (the pool holds it
     /// weakly).
@@ -257,7 +274,9 @@ impl Loop {
 
     // ------------------------------------------------------------------ connection table
 
-    pub(crate) fn insert(&mut self, peer: String, transport: Transport, role: Role) -> ConnKey {
+    /// Adds a connection over `transport` run by `role`, not yet in the poll: the caller may
+    /// queue its first frames, then [`activate`](Self::activate)s it.
+    pub fn insert(&mut self, peer: String, transport: Transport, role: Role) -> ConnKey {
         let index = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -286,7 +305,7 @@ impl Loop {
 
     /// Registers the connection's socket (if it has one) and its sim notifier, then drives it
     /// once (messages may be waiting already).
-    pub(crate) fn activate(&mut self, key: ConnKey) {
+    pub fn activate(&mut self, key: ConnKey) {
         let Some(mut conn) = self.take(key) else { return };
         let token = conn_token(key);
         let res = conn.transport.register(self.poll.registry(), token, key.to_u64());
@@ -304,7 +323,9 @@ impl Loop {
         self.drive(key);
     }
 
-    pub(crate) fn take(&mut self, key: ConnKey) -> Option<Conn> {
+    /// Takes connection `key` out of the table to handle it (`None` if it is gone); every
+    /// take is followed by a [`put`](Self::put).
+    pub fn take(&mut self, key: ConnKey) -> Option<Conn> {
         let slot = self.conns.get_mut(key.index as usize)?;
         if slot.gen != key.gen {
             return None;
@@ -314,7 +335,7 @@ impl Loop {
 
     /// Puts a connection back after handling it, or removes it for good when it finished
     /// closing.
-    pub(crate) fn put(&mut self, mut conn: Conn) {
+    pub fn put(&mut self, mut conn: Conn) {
         self.after(&mut conn);
         if self.finished(&mut conn) {
             self.remove(conn);
@@ -328,7 +349,8 @@ impl Loop {
         }
     }
 
-    pub(crate) fn conn_ref(&self, key: ConnKey) -> Option<&Conn> {
+    /// Connection `key`, if it is in the table.
+    pub fn conn_ref(&self, key: ConnKey) -> Option<&Conn> {
         let slot = self.conns.get(key.index as usize)?;
         if slot.gen != key.gen {
             return None;
@@ -350,7 +372,7 @@ impl Loop {
     }
 
     /// Whether `key` is a connection that is not closing.
-    pub(crate) fn live(&self, key: ConnKey) -> bool {
+    pub fn live(&self, key: ConnKey) -> bool {
         self.conns
             .get(key.index as usize)
             .is_some_and(|s| s.gen == key.gen && s.conn.as_ref().is_some_and(|c| c.closing.is_none()))
@@ -384,7 +406,7 @@ impl Loop {
     // ------------------------------------------------------------------ driving
 
     /// Handles everything that arrived on `key` (up to a budget; the rest on the next turn).
-    pub(crate) fn drive(&mut self, key: ConnKey) {
+    pub fn drive(&mut self, key: ConnKey) {
         self.drive_as(key, false);
     }
 
@@ -462,7 +484,7 @@ impl Loop {
 
     /// The transport failed (or the peer went away): the role fails its work, the
     /// connection closes without lingering.
-    pub(crate) fn fail(&mut self, conn: &mut Conn, error: FabricError) {
+    pub fn fail(&mut self, conn: &mut Conn, error: FabricError) {
         if conn.closing.is_some() {
             return;
         }
@@ -473,7 +495,7 @@ impl Loop {
     /// Starts closing: with `flush`, frames still queued (an `Error` for the peer) go out
     /// first. The transport stops (a verbs queue pair goes to the error state, which flushes
     /// its posted work); the connection is removed once nothing posted is outstanding.
-    pub(crate) fn close(&mut self, conn: &mut Conn, reason: String, flush: bool) {
+    pub fn close(&mut self, conn: &mut Conn, reason: String, flush: bool) {
         if conn.closing.is_some() {
             return;
         }

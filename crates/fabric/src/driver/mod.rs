@@ -18,7 +18,7 @@
 //! in the kernel, so an answer that follows a request closely costs no wake-up.
 //!
 //! The loop thread is the loop's *default* runner, not its only one: the loop's state sits
-//! behind a lock, and a caller that blocks for a message (a Mobius call: [`mesh`]) takes
+//! behind a lock, and a caller that blocks for a message (a Mobius call) takes
 //! it over and runs the turns on its own thread, as MPI's progress engine does
 //! ([`progress`]). Its sends go out and its answers are read without any thread hand-off;
 //! the loop thread steps aside while callers drive and takes over again once none does.
@@ -51,9 +51,18 @@
 //! tcp, sim, verbs, whatever `providers/` holds; the driver never asks which) and a role: a
 //! block client ([`ClientEndpoint`]), a block server ([`ServerEndpoint`]), or a raw
 //! `Channel` (feature `testing`) — frames in and out, one-sided reads, with no session: the provider-level
-//! primitives other protocols (tests) build on — or a link of a collective group's
-//! [mesh](crate::mesh): persistent, tagged, full-duplex messages with eager and rendezvous
-//! protocols ([`mesh`]).
+//! primitives other protocols (tests) build on — or whatever a protocol outside this crate
+//! runs through the [`Handler`] trait (Mobius's mesh links, in crates/collective).
+//!
+//! # How a protocol plugs in
+//!
+//! The loop names no protocol. A protocol gives it:
+//! * a [`Handler`] for its connections (`Role::new(&MyHandler, state)` at [`Loop::insert`]):
+//!   what to do when bytes or messages arrive, a connect completes, a deadline passes, the
+//!   link fails, memory it [parked](Loop::park_for_memory) for comes back, or it is removed;
+//! * an [`Acceptor`] for each listener it opens ([`Loop::listen`]);
+//! * [`Job`]s from its callers' threads ([`Driver::submit`]), which run with the loop in hand;
+//! * its loop-wide bookkeeping (its endpoints by id) as [`Loop::state`], typed and lock-free.
 
 mod budget;
 #[cfg(any(test, feature = "testing"))]
@@ -65,7 +74,6 @@ mod delivery;
 mod event_loop;
 mod exposure;
 mod job;
-pub(crate) mod mesh;
 mod progress;
 pub(crate) mod server;
 mod sockets;
@@ -76,7 +84,9 @@ pub use budget::BudgetGuard;
 #[cfg(any(test, feature = "testing"))]
 pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use client::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
-pub(crate) use event_loop::{ListenSocket, Loop, MemWaiter};
+pub use conn::{Closing, Conn, ConnKey, Handler, Incoming, MsgPayload, Placement, Role, Transport};
+pub use event_loop::Loop;
+pub(crate) use event_loop::{ListenSocket, MemWaiter};
 pub use job::Job;
 pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
 pub use sockets::Acceptor;

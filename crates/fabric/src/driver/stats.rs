@@ -54,7 +54,8 @@ pub struct DriverStats {
 }
 
 impl DriverStats {
-    pub(crate) fn note_reads(&self, delta: i64) {
+    /// Counts `delta` one-sided reads started (positive) or finished (negative).
+    pub fn note_reads(&self, delta: i64) {
         let now = if delta >= 0 {
             self.reads_in_flight.fetch_add(delta as u64, Ordering::Relaxed) + delta as u64
         } else {

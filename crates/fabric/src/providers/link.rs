@@ -85,6 +85,11 @@ impl MsgPayload {
     pub fn bytes(&self) -> &[u8] {
         &self.buf[self.at..]
     }
+
+    /// The whole received buffer and where the payload starts in it (kept without a copy).
+    pub fn into_parts(self) -> (Vec<u8>, usize) {
+        (self.buf, self.at)
+    }
 }
 
 /// Something that arrived on a connection.
@@ -148,7 +153,7 @@ impl UserBuf {
     /// # Safety
     /// `ptr..ptr + len` must be writable, and nothing else may read or write it until the
     /// placement ended: the payload was answered, or the connection started closing.
-    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
         UserBuf { ptr, len }
     }
 }

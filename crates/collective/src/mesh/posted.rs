@@ -4,9 +4,9 @@
 
 use super::shared::{MeshShared, Posted, State};
 use super::{Mesh, MeshError, Message, Tag, RELEASE_WAIT};
-use crate::driver::mesh::{submit, MeshCmd};
-use crate::driver::Driver;
+use crate::mesh::link::{submit, MeshCmd};
 use parking_lot::MutexGuard;
+use rdma_shuffle_fabric::driver::Driver;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -1,8 +1,8 @@
 //! Settings and errors of a mesh.
 
 use super::Proto;
-use crate::error::FabricError;
-use crate::memory::pool::PoolConfig;
+use rdma_shuffle_fabric::memory::pool::PoolConfig;
+use rdma_shuffle_fabric::FabricError;
 use rdma_shuffle_wire::Secret;
 use std::fmt;
 use std::net::SocketAddr;

@@ -3,7 +3,7 @@
 //! cache.
 
 use super::*;
-use crate::providers::{SimProvider, TcpProvider};
+use rdma_shuffle_fabric::providers::{SimProvider, TcpProvider};
 use rdma_shuffle_wire::Secret;
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -45,7 +45,7 @@ fn providers() -> Vec<Arc<dyn Provider>> {
         Arc::new(TcpProvider::new()),
         Arc::new(SimProvider::new(true)),
         Arc::new(SimProvider::new(false)),
-        Arc::new(crate::providers::shm::ShmProvider::default()),
+        Arc::new(rdma_shuffle_fabric::providers::shm::ShmProvider::default()),
     ]
 }
 
@@ -399,8 +399,8 @@ fn callers_drive_the_loop_and_an_idle_mesh_sleeps() {
 
 #[test]
 fn a_split_provider_runs_each_link_over_the_provider_routed_for_its_peer() {
-    use crate::providers::shm::ShmProvider;
-    use crate::providers::split::SplitProvider;
+    use rdma_shuffle_fabric::providers::shm::ShmProvider;
+    use rdma_shuffle_fabric::providers::split::SplitProvider;
     // Ranks 0 and 1 "share a host" (shm between them), rank 2 is "elsewhere" (tcp with both).
     let splits: Vec<Arc<SplitProvider>> = (0..3)
         .map(|_| Arc::new(SplitProvider::new(Arc::new(ShmProvider::default()), Arc::new(TcpProvider::new())).unwrap()))

@@ -3,7 +3,8 @@
 //! A collective (allreduce, allgather, ...) is a different shape from a shuffle fetch: every
 //! rank talks to a fixed set of peers for the life of the group, messages are matched by a
 //! tag rather than requested, and a ring step sends and receives at the same time. This
-//! module gives collectives that shape as a connection kind of the [driver](crate::driver):
+//! module gives collectives that shape as a protocol of the fabric's
+//! [driver](rdma_shuffle_fabric::driver) (a [`Handler`](rdma_shuffle_fabric::driver::Handler) per link):
 //! the links of a mesh are connections of one driver loop like any other (tcp, sim or verbs),
 //! with no thread per peer. It is the only place where the collective library touches
 //! providers:
@@ -54,6 +55,7 @@
 
 mod config;
 pub(crate) mod handshake;
+mod link;
 mod message;
 mod posted;
 pub(crate) mod regcache;
@@ -71,14 +73,14 @@ pub use registration::Registration;
 pub(crate) use registration::{UserMemory, UserReg};
 pub use ticket::SendTicket;
 
-use crate::driver::conn::ConnKey;
-use crate::driver::mesh::{submit, submit_quiet, MeshCmd, OutBody, RtsSource};
-use crate::driver::{Driver, DriverConfig};
-use crate::error::FabricError;
-use crate::memory::pool::{PoolError, TieredPool};
-use crate::providers::Provider;
+use crate::mesh::link::{submit, submit_quiet, MeshCmd, OutBody, RtsSource};
 use handshake::Handshaker;
 use parking_lot::Mutex;
+use rdma_shuffle_fabric::driver::ConnKey;
+use rdma_shuffle_fabric::driver::{Driver, DriverConfig};
+use rdma_shuffle_fabric::memory::pool::{PoolError, TieredPool};
+use rdma_shuffle_fabric::providers::Provider;
+use rdma_shuffle_fabric::FabricError;
 use rdma_shuffle_wire::{Frame, Limits};
 use regcache::RegCache;
 use registration::Regs;

@@ -1,7 +1,7 @@
 //! Received messages: [`Message`] and where its bytes are ([`Body`]).
 
 use super::Proto;
-use crate::memory::pool::Lease;
+use rdma_shuffle_fabric::memory::pool::Lease;
 use std::fmt;
 use std::ops::Deref;
 

@@ -6,10 +6,10 @@
 
 use super::handshake::Handshaker;
 use super::{MeshError, Message, Tag};
-use crate::driver::conn::ConnKey;
-use crate::driver::Driver;
-use crate::memory::pool::TieredPool;
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use rdma_shuffle_fabric::driver::ConnKey;
+use rdma_shuffle_fabric::driver::Driver;
+use rdma_shuffle_fabric::memory::pool::TieredPool;
 use rdma_shuffle_wire::Limits;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -63,7 +63,7 @@ pub(crate) enum Posted {
 /// Where an arriving message goes: a slot of the inbox, or a posted receive.
 pub(crate) enum Dest {
     Slot(u64),
-    Posted(crate::providers::link::UserBuf),
+    Posted(rdma_shuffle_fabric::providers::link::UserBuf),
 }
 
 /// What building the mesh saw.
@@ -249,7 +249,7 @@ impl MeshShared {
                         *p = Posted::Claimed;
                         // SAFETY: the poster keeps the memory and leaves it alone until the
                         // receive is done or failed (`Mesh::post_recv`).
-                        return Dest::Posted(unsafe { crate::providers::link::UserBuf::new(ptr as *mut u8, plen) });
+                        return Dest::Posted(unsafe { rdma_shuffle_fabric::providers::link::UserBuf::new(ptr as *mut u8, plen) });
                     }
                 }
             }

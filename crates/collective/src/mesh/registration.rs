@@ -4,8 +4,8 @@
 use super::regcache::RegCache;
 use super::shared::bump;
 use super::{Mesh, MeshError};
-use crate::providers::{Source, UserRegion};
 use parking_lot::Mutex;
+use rdma_shuffle_fabric::providers::{Source, UserRegion};
 use std::fmt;
 use std::sync::{Arc, Weak};
 
@@ -84,7 +84,7 @@ impl Source for UserMemory {
         self.len as u64
     }
     fn read_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
-        crate::providers::copy_from_memory(self.memory().unwrap_or(&[]), offset, dst)
+        rdma_shuffle_fabric::providers::copy_from_memory(self.memory().unwrap_or(&[]), offset, dst)
     }
     fn memory(&self) -> Option<&[u8]> {
         // SAFETY: the holder's promise above: the memory is valid while the loop has it.

@@ -2,10 +2,10 @@
 //! rendezvous ticket.
 
 use super::{MeshError, Registration, RELEASE_WAIT};
-use crate::driver::conn::ConnKey;
-use crate::driver::mesh::{submit, MeshCmd};
-use crate::driver::Driver;
+use crate::mesh::link::{submit, MeshCmd};
 use crate::mesh::shared::MeshShared;
+use rdma_shuffle_fabric::driver::ConnKey;
+use rdma_shuffle_fabric::driver::Driver;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;

@@ -1,0 +1,450 @@
+//! What arrives on a mesh link: handshake messages, data, rendezvous requests and their
+//! completions, and the memory a payload waits for.
+
+use super::{control, mesh_after, mesh_mut, mesh_refuse, MeshConn, Phase, ReadJob, RtsJob, Rx};
+use crate::mesh::handshake::Reader;
+use crate::mesh::link::Meshes;
+use crate::mesh::shared::{bump, Dest};
+use crate::mesh::{
+    memory_advice, Body, MeshError, Message, Proto, Tag, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_DATA, KIND_DONE, KIND_HELLO,
+    KIND_MARK, KIND_PROOF, KIND_READY, KIND_REFUSE, KIND_RTS, KIND_WELCOME,
+};
+use rdma_shuffle_fabric::driver::Loop;
+use rdma_shuffle_fabric::driver::{Conn, Incoming, Placement};
+use rdma_shuffle_fabric::memory::pool::Lease;
+use rdma_shuffle_fabric::FabricError;
+use rdma_shuffle_wire::{Descriptor, Frame};
+
+fn protocol(conn: &Conn, what: String) -> FabricError {
+    FabricError::Unsupported(format!("mesh peer {}: {what}", conn.peer))
+}
+
+pub(crate) fn mesh_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+    let r = match inc {
+        Incoming::Frame(frame) => mesh_frame(lp, conn, frame),
+        Incoming::Payload(lease) => mesh_payload(conn, lease.map(Body::Lease).unwrap_or(Body::Empty)),
+        Incoming::PayloadVec(v) => match mesh_mut(conn).rx.take() {
+            Some(Rx::Control { kind, req }) => mesh_control(lp, conn, kind, req, &v),
+            _ => Err(protocol(conn, "a payload arrived that no frame announced".into())),
+        },
+        Incoming::Message(frame, p) => {
+            let (buf, at) = p.into_parts();
+            mesh_message(lp, conn, frame, buf, at)
+        }
+        Incoming::ReadDone { tag, lease, result } => mesh_read_done(lp, conn, tag, lease, result),
+        Incoming::Attach(data) => mesh_attach(lp, conn, &data),
+        Incoming::Attached => {
+            mesh_up(lp, conn);
+            Ok(())
+        }
+    };
+    if let Err(e) = r {
+        lp.fail(conn, e);
+    }
+}
+
+/// (stream) A frame's fixed part: chooses where its payload goes.
+fn mesh_frame(lp: &mut Loop, conn: &mut Conn, frame: Frame) -> Result<(), FabricError> {
+    let up = matches!(mesh_mut(conn).phase, Phase::Up);
+    match frame {
+        Frame::Eager { req, index: KIND_DATA, len } if up => mesh_data_frame(lp, conn, req, Proto::Eager, len as u64),
+        Frame::PullData { region, offset: 0, len } if up => mesh_data_frame(lp, conn, region, Proto::Rendezvous, len),
+        Frame::Eager { req, index, len } if index & 0xffff_0000 == KIND_MARK && index != KIND_DATA => {
+            if len as usize > CONTROL_MAX {
+                return Err(protocol(conn, format!("a control message of {len} bytes")));
+            }
+            mesh_mut(conn).rx = Some(Rx::Control { kind: index, req });
+            conn.transport.place(Placement::Vec)
+        }
+        other => Err(protocol(conn, format!("unexpected {:?} frame on a mesh link", other.kind()))),
+    }
+}
+
+/// (stream) A data frame: its payload goes into a pool buffer of its size.
+fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: u64) -> Result<(), FabricError> {
+    let m = mesh_mut(conn);
+    let peer = m.peer.unwrap_or(0);
+    let limit = if proto == Proto::Eager { m.shared.eager_limit } else { m.shared.max_message } as u64;
+    if len > limit {
+        return Err(protocol(conn, format!("a {proto} message of {len} bytes above the limit of {limit}")));
+    }
+    if len == 0 {
+        let slot = m.shared.open_slot(peer, tag);
+        m.rx = Some(Rx::Data { tag, slot, proto, len });
+        return conn.transport.place(Placement::Discard);
+    }
+    match m.shared.open_slot_or_claim(peer, tag, len) {
+        Dest::Posted(dst) => {
+            m.rx = Some(Rx::Data { tag, slot: 0, proto, len });
+            conn.transport.place(Placement::User(dst))
+        }
+        Dest::Slot(slot) => mesh_place(lp, conn, Rx::Data { tag, slot, proto, len }),
+    }
+}
+
+/// Places a data payload into a pool buffer, or parks the link until memory comes back.
+fn mesh_place(lp: &mut Loop, conn: &mut Conn, rx: Rx) -> Result<(), FabricError> {
+    let Rx::Data { len, .. } = rx else { return Ok(()) };
+    let m = mesh_mut(conn);
+    let peer = m.peer.unwrap_or(0);
+    match m.shared.pool.try_acquire(len as usize) {
+        Ok(Some(lease)) => {
+            m.shared.memory_wait(peer, None);
+            m.rx = Some(rx);
+            conn.transport.place(Placement::Into { lease, at: 0 })
+        }
+        Ok(None) => {
+            m.shared.memory_wait(peer, Some(len));
+            m.starved = Some(rx);
+            lp.park_for_memory(conn.key);
+            Ok(())
+        }
+        Err(e) => Err(FabricError::Unsupported(memory_advice(&e))),
+    }
+}
+
+/// (stream) A data payload is complete.
+fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
+    let m = mesh_mut(conn);
+    let Some(Rx::Data { tag, slot, proto, len }) = m.rx.take() else {
+        return Err(protocol(conn, "a payload arrived that no frame announced".into()));
+    };
+    let peer = m.peer.unwrap_or(0);
+    let c = &m.shared.counters;
+    if proto == Proto::Eager {
+        bump(&c.eager_received, 1);
+        bump(&c.eager_received_bytes, len);
+    } else {
+        bump(&c.rendezvous_received, 1);
+        bump(&c.rendezvous_received_bytes, len);
+    }
+    if slot == 0 {
+        // Placed into the receive posted for it.
+        bump(&c.placed, 1);
+        bump(&c.placed_bytes, len);
+        m.shared.posted_end(peer, tag, None);
+        return Ok(());
+    }
+    if len > 0 {
+        bump(&c.staged, 1);
+        bump(&c.staged_bytes, len);
+    }
+    m.shared.fill_slot(peer, tag, slot, Message { body, proto });
+    Ok(())
+}
+
+/// (messages) A whole frame and its payload.
+fn mesh_message(lp: &mut Loop, conn: &mut Conn, frame: Frame, buf: Vec<u8>, at: usize) -> Result<(), FabricError> {
+    let m = mesh_mut(conn);
+    let up = matches!(m.phase, Phase::Up);
+    let peer = m.peer.unwrap_or(0);
+    match frame {
+        Frame::Eager { req, index: KIND_DATA, len } if up => {
+            let c = &m.shared.counters;
+            bump(&c.eager_received, 1);
+            bump(&c.eager_received_bytes, len as u64);
+            let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
+            m.shared.push_ready(peer, req, Message { body, proto: Proto::Eager });
+            Ok(())
+        }
+        Frame::PullData { region, offset: 0, len } if up => {
+            if len > m.shared.max_message as u64 {
+                return Err(protocol(conn, format!("a rendezvous message of {len} bytes")));
+            }
+            let c = &m.shared.counters;
+            bump(&c.rendezvous_received, 1);
+            bump(&c.rendezvous_received_bytes, len);
+            let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
+            m.shared.push_ready(peer, region, Message { body, proto: Proto::Rendezvous });
+            Ok(())
+        }
+        Frame::Eager { req, index, .. } if index & 0xffff_0000 == KIND_MARK && index != KIND_DATA => {
+            let body = buf.get(at..).unwrap_or(&[]);
+            mesh_control(lp, conn, index, req, body)
+        }
+        other => Err(protocol(conn, format!("unexpected {:?} frame on a mesh link", other.kind()))),
+    }
+}
+
+/// A whole control or handshake message.
+fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]) -> Result<(), FabricError> {
+    let name = conn.peer.clone();
+    let m = mesh_mut(conn);
+    let phase = std::mem::replace(&mut m.phase, Phase::Attaching);
+    match (phase, kind) {
+        (Phase::Hello, KIND_HELLO) => {
+            let hs = m.shared.hs.clone();
+            match hs.server_hello(body) {
+                Ok((state, welcome)) => {
+                    let from = state.from;
+                    m.peer = Some(from);
+                    m.phase = Phase::Proof(state);
+                    let (f, p) = control(KIND_WELCOME, 0, welcome);
+                    conn.transport.send(lp.net(), &f, p)?;
+                    let _ = from;
+                }
+                Err((_, why)) => {
+                    m.phase = Phase::Hello;
+                    m.shared.build_problem(format!("connection from {name}: {why}"), None, None);
+                    mesh_refuse(lp, conn, &why);
+                }
+            }
+            Ok(())
+        }
+        (Phase::Proof(state), KIND_PROOF) => {
+            let hs = m.shared.hs.clone();
+            match hs.server_proof(&state, body) {
+                Ok(()) => {
+                    let (f, p) = control(KIND_READY, 0, Vec::new());
+                    conn.transport.send(lp.net(), &f, p)?;
+                    // The peer proved the secret (or none is required).
+                    conn.authenticated = true;
+                    mesh_authenticated(lp, conn)
+                }
+                Err(why) => {
+                    m.phase = Phase::Hello;
+                    let problem = format!("connection from {name} claiming rank {}: {why}", state.from);
+                    m.shared.build_problem(problem, None, None);
+                    mesh_refuse(lp, conn, &why);
+                    Ok(())
+                }
+            }
+        }
+        (Phase::Welcome(state), KIND_WELCOME) => {
+            let hs = m.shared.hs.clone();
+            match hs.client_welcome(&state, body) {
+                Ok(proof) => {
+                    m.phase = Phase::Ready;
+                    let (f, p) = control(KIND_PROOF, 0, proof);
+                    conn.transport.send(lp.net(), &f, p)
+                }
+                Err(why) => {
+                    let peer = m.peer.unwrap_or(0);
+                    let rank = m.shared.rank;
+                    let e = MeshError::Handshake { rank, peer, addr: name.clone(), reason: why.clone() };
+                    m.shared.build_problem(String::new(), Some(e), None);
+                    mesh_refuse(lp, conn, &format!("rank {rank} refused rank {peer}: {why}"));
+                    Ok(())
+                }
+            }
+        }
+        (Phase::Ready, KIND_READY) => {
+            conn.authenticated = true;
+            mesh_authenticated(lp, conn)
+        }
+        (phase, KIND_REFUSE) => {
+            let why = String::from_utf8_lossy(body).into_owned();
+            let outgoing = m.outgoing;
+            m.phase = phase;
+            if let (true, Some(peer)) = (outgoing, m.peer) {
+                let e = MeshError::Handshake { rank: m.shared.rank, peer, addr: name.clone(), reason: format!("refused: {why}") };
+                m.shared.build_problem(String::new(), Some(e), None);
+            } else {
+                // It would not prove itself to this rank (it has another secret).
+                tracing::warn!(rank = m.shared.rank, from = %name, claimed = ?m.peer, reason = %why,
+                    "mesh: a connecting peer gave up its handshake");
+                m.shared.build_problem(format!("connection from {name}: refused: {why}"), None, None);
+            }
+            lp.close(conn, format!("refused by the peer: {why}"), false);
+            Ok(())
+        }
+        (Phase::Up, KIND_RTS) => {
+            m.phase = Phase::Up;
+            mesh_rts(lp, conn, req, body)
+        }
+        (Phase::Up, KIND_DONE) => {
+            m.phase = Phase::Up;
+            if let Some(rkey) = m.exposures.remove(&req) {
+                conn.transport.revoke(lp.net(), rkey);
+            }
+            let m = mesh_mut(conn);
+            if let Some(peer) = m.peer {
+                m.shared.send_done(peer, req);
+            }
+            Ok(())
+        }
+        (Phase::Up, KIND_ABORT) => {
+            m.phase = Phase::Up;
+            if let Some(peer) = m.peer {
+                m.shared.aborted(peer, String::from_utf8_lossy(body).into_owned());
+            }
+            Ok(())
+        }
+        (Phase::Up, KIND_BYE) => {
+            m.phase = Phase::Up;
+            // What the peer acknowledged before its goodbye (over shm, the acknowledgement
+            // of a borrowed send may have been read in this same look) completes first:
+            // a send it read is done, not failed by its departure.
+            mesh_after(conn);
+            let m = mesh_mut(conn);
+            m.end_posted("the peer closed its mesh");
+            if let Some(peer) = m.peer {
+                m.shared.peer_left(peer);
+            }
+            // Nothing more comes on this link.
+            lp.close(conn, "the peer closed its mesh".into(), false);
+            Ok(())
+        }
+        (phase, kind) => {
+            let what = match &phase {
+                Phase::Up => "after the handshake",
+                _ => "during the handshake",
+            };
+            m.phase = phase;
+            Err(protocol(conn, format!("unexpected mesh message kind {:#x} {what}", kind & 0xffff)))
+        }
+    }
+}
+
+/// The peer authenticated: attach the provider's data plane (verbs), or the link is up.
+fn mesh_authenticated(lp: &mut Loop, conn: &mut Conn) -> Result<(), FabricError> {
+    if conn.transport.needs_attach() {
+        let key = conn.key.to_u64();
+        let outgoing = mesh_mut(conn).outgoing;
+        mesh_mut(conn).phase = Phase::Attaching;
+        let v = &mut conn.transport;
+        // Both sides of a mesh link send rendezvous messages: both queue pairs let the
+        // (authenticated) peer read.
+        v.allow_remote_read();
+        return if outgoing { v.begin_attach(lp.net(), key) } else { v.expect_attach() };
+    }
+    mesh_up(lp, conn);
+    Ok(())
+}
+
+fn mesh_attach(lp: &mut Loop, conn: &mut Conn, data: &[u8]) -> Result<(), FabricError> {
+    let (outgoing, attaching) = {
+        let m = mesh_mut(conn);
+        (m.outgoing, matches!(m.phase, Phase::Attaching))
+    };
+    if !attaching || !conn.authenticated {
+        return Err(protocol(conn, "an attach record before the handshake completed".into()));
+    }
+    let key = conn.key.to_u64();
+    if !conn.transport.needs_attach() {
+        return Err(protocol(conn, "an attach record on a connection without a data plane".into()));
+    }
+    let v = &mut conn.transport;
+    if outgoing {
+        v.complete_attach(lp.net(), data)
+    } else {
+        v.accept_attach(lp.net(), key, data)
+    }
+}
+
+/// The link is up: messages may flow.
+fn mesh_up(lp: &mut Loop, conn: &mut Conn) {
+    let key = conn.key;
+    let name = conn.peer.clone();
+    let m = mesh_mut(conn);
+    let Some(peer) = m.peer else { return };
+    m.phase = Phase::Up;
+    m.limits = m.shared.limits;
+    let ep = m.ep;
+    let fresh = m.shared.peer_up(peer, key, name);
+    if let Some(ep) = lp.state::<Meshes>().get_mut(&ep) {
+        ep.pending.retain(|k| *k != key);
+    }
+    if !fresh {
+        tracing::warn!(rank = mesh_mut(conn).shared.rank, peer, "second connection from the same rank; dropping it");
+        mesh_mut(conn).phase = Phase::Attaching;
+        lp.close(conn, "a second link to the same rank".into(), false);
+    }
+}
+
+/// A one-sided rendezvous request: its slot keeps its place; the READ starts when memory
+/// and the read caps allow.
+fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(), FabricError> {
+    let mut r = Reader(body);
+    let parsed = (|| Ok::<_, String>((r.u64()?, r.u32()?, r.u64()?, r.u64()?)))();
+    let (addr, rkey, len, token) = parsed.map_err(|e| protocol(conn, format!("bad rendezvous request: {e}")))?;
+    let max = mesh_mut(conn).shared.max_message;
+    if len > max as u64 {
+        return Err(protocol(conn, format!("a rendezvous message of {len} bytes above the limit {max}")));
+    }
+    let m = mesh_mut(conn);
+    let peer = m.peer.unwrap_or(0);
+    let slot = m.shared.open_slot(peer, tag);
+    if len == 0 {
+        bump(&m.shared.counters.rendezvous_received, 1);
+        m.shared.fill_slot(peer, tag, slot, Message { body: Body::Empty, proto: Proto::Rendezvous });
+        let (f, p) = control(KIND_DONE, token, Vec::new());
+        return conn.transport.send(lp.net(), &f, p);
+    }
+    m.rts.push_back(RtsJob { tag, slot, token, desc: Descriptor { region: token, addr, len, rkey } });
+    mesh_pump_reads(lp, conn)
+}
+
+/// Starts the READs of waiting rendezvous requests, in order, while memory and the
+/// provider's read caps allow.
+pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), FabricError> {
+    loop {
+        if !conn.transport.can_read(lp.net()) {
+            return Ok(());
+        }
+        let m = mesh_mut(conn);
+        let Some(job) = m.rts.front() else { return Ok(()) };
+        let peer = m.peer.unwrap_or(0);
+        let len = job.desc.len;
+        let lease = match m.shared.pool.try_acquire(len as usize) {
+            Ok(Some(l)) => l,
+            Ok(None) => {
+                m.shared.memory_wait(peer, Some(len));
+                lp.park_for_memory(conn.key);
+                return Ok(());
+            }
+            Err(e) => return Err(FabricError::Unsupported(memory_advice(&e))),
+        };
+        m.shared.memory_wait(peer, None);
+        let Some(job) = m.rts.pop_front() else { return Ok(()) };
+        let read_tag = m.next_read;
+        m.next_read += 1;
+        m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: job.slot, token: job.token, len });
+        if let Err(failed) = conn.transport.start_read(lp.net(), read_tag, &job.desc, lease) {
+            let (_lease, e) = *failed;
+            return Err(e);
+        }
+        lp.stats().note_reads(1);
+    }
+}
+
+fn mesh_read_done(
+    lp: &mut Loop,
+    conn: &mut Conn,
+    read_tag: u64,
+    lease: Lease,
+    result: Result<(), FabricError>,
+) -> Result<(), FabricError> {
+    lp.stats().note_reads(-1);
+    let m: &mut MeshConn = mesh_mut(conn);
+    let Some(job) = m.reads.remove(&read_tag) else { return Ok(()) };
+    result?;
+    let peer = m.peer.unwrap_or(0);
+    let c = &m.shared.counters;
+    bump(&c.reads, 1);
+    bump(&c.rendezvous_received, 1);
+    bump(&c.rendezvous_received_bytes, job.len);
+    bump(&c.staged, 1);
+    bump(&c.staged_bytes, job.len);
+    m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
+    let (f, p) = control(KIND_DONE, job.token, Vec::new());
+    conn.transport.send(lp.net(), &f, p)?;
+    mesh_pump_reads(lp, conn)
+}
+
+// ------------------------------------------------------------------ memory
+
+/// Memory came back after the link parked for it: the payload it stopped at is placed,
+/// waiting READs start (or it parks again).
+pub(crate) fn mesh_memory(lp: &mut Loop, conn: &mut Conn) {
+    let mut r = Ok(());
+    if let Some(rx) = mesh_mut(conn).starved.take() {
+        r = mesh_place(lp, conn, rx);
+    }
+    if r.is_ok() && mesh_mut(conn).starved.is_none() {
+        r = mesh_pump_reads(lp, conn);
+    }
+    if let Err(e) = r {
+        lp.fail(conn, e);
+    }
+}
