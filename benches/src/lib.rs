@@ -5,7 +5,7 @@
 #![deny(missing_docs)]
 
 use parking_lot::{Condvar, Mutex};
-use rdma_shuffle_fabric::{BlockSink, FetchedBlock};
+use rdma_shuffle_shuffle::blocks::{BlockSink, FetchedBlock};
 use rdma_shuffle_wire::BlockFailure;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};

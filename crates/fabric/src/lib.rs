@@ -20,12 +20,9 @@ pub mod error;
 pub mod memory;
 pub mod providers;
 
-pub use driver::{
-    BlockSink, BlockSource, BudgetGuard, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver, DriverConfig,
-    DriverStats, FetchedBlock, ServerEndpoint, ServerEndpointConfig, ServerStats, StreamConfig, DEFAULT_SPIN, MAX_SPIN,
-};
 #[cfg(any(test, feature = "testing"))]
 pub use driver::{Channel, ChannelListener, PendingRead, Received};
+pub use driver::{Driver, DriverConfig, DriverStats, DEFAULT_SPIN, MAX_SPIN};
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};

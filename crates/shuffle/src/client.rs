@@ -1,11 +1,9 @@
 //! The block client: fetches Spark shuffle blocks from many executors' block servers.
 
+use crate::blocks::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
 use crate::knobs::render_failure;
 use crate::store::{MapId, ReduceId, ShuffleId};
-use rdma_shuffle_fabric::{
-    BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, Driver, DriverConfig, FabricError, FetchedBlock,
-    Provider, StreamConfig, TieredPool,
-};
+use rdma_shuffle_fabric::{Driver, DriverConfig, FabricError, Provider, TieredPool};
 use rdma_shuffle_wire::{BlockFailure, BlockRange, BlockSpan};
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,13 +1,11 @@
 //! One executor's engine: provider, pool, block server and block client, configured from
 //! Spark's `spark.shuffle.rdma.*` settings. This is what the JNI layer opens per executor.
 
+use crate::blocks::{ClientEndpointConfig, ServerEndpointConfig};
 use crate::knobs::{render_error, with_setting};
 use crate::{BlockClient, BlockServer, ServerError};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
-use rdma_shuffle_fabric::{
-    open_provider, ClientEndpointConfig, Driver, DriverConfig, FabricError, PoolError, Provider, ProviderChoice, ProviderSpec,
-    ServerEndpointConfig,
-};
+use rdma_shuffle_fabric::{open_provider, Driver, DriverConfig, FabricError, PoolError, Provider, ProviderChoice, ProviderSpec};
 use rdma_shuffle_wire::{FailureCode, Limits, Secret};
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
@@ -351,8 +349,8 @@ mod tests {
         a.server().register(out.map_output_files()).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         struct S(parking_lot::Mutex<std::sync::mpsc::Sender<(usize, usize)>>);
-        impl rdma_shuffle_fabric::BlockSink for S {
-            fn on_block(&self, i: usize, r: Result<rdma_shuffle_fabric::FetchedBlock, rdma_shuffle_wire::BlockFailure>) {
+        impl crate::blocks::BlockSink for S {
+            fn on_block(&self, i: usize, r: Result<crate::blocks::FetchedBlock, rdma_shuffle_wire::BlockFailure>) {
                 let _ = self.0.lock().send((i, r.map(|b| b.len()).unwrap_or(usize::MAX)));
             }
         }

@@ -14,6 +14,7 @@
 //!   and benchmarks.
 #![deny(missing_docs)]
 
+pub mod blocks;
 pub mod client;
 pub mod engine;
 pub mod knobs;
@@ -23,9 +24,10 @@ pub mod settings;
 pub mod store;
 pub mod testkit;
 
+/// What the JNI layer (which talks to this crate only) needs of the layers below.
+pub use blocks::{BlockSink, ChunkSink, FetchedBlock, StreamConfig};
 pub use client::{BlockClient, ShuffleBlock};
 pub use engine::{Engine, EngineConfig, EngineError, Transport};
-/// What the JNI layer (which talks to this crate only) needs of the layers below.
-pub use rdma_shuffle_fabric::{BlockSink, ChunkSink, FetchedBlock, Lease, StreamConfig};
+pub use rdma_shuffle_fabric::Lease;
 pub use rdma_shuffle_wire::{BlockFailure, FailureCode};
 pub use server::{BlockServer, ServerError};

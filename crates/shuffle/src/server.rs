@@ -5,14 +5,13 @@
 //! is exposed by the driver per request, to the one authenticated peer that asked for it,
 //! until that peer releases it (see `rdma_shuffle_fabric::driver`).
 
+use crate::blocks::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
 use crate::store::{
     CorruptIndexPolicy, MapId, MapOutput, MapOutputFiles, MapOutputId, MapOutputStore, ShuffleId, StoreConfig, StoreError,
     StoreErrorClass,
 };
 use parking_lot::RwLock;
-use rdma_shuffle_fabric::{
-    BlockSource, Driver, DriverConfig, FabricError, Provider, ServerEndpoint, ServerEndpointConfig, ServerStats, Source,
-};
+use rdma_shuffle_fabric::{Driver, DriverConfig, FabricError, Provider, Source};
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, FailureCode, Resolved};
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -4,7 +4,7 @@
 //! Counted from `/proc/self/task`, so this file holds a single test: the test harness runs
 //! it alone in its process, and every thread that appears is one the engines started.
 
-use rdma_shuffle_fabric::{BlockSink, FetchedBlock};
+use rdma_shuffle_shuffle::blocks::{BlockSink, FetchedBlock};
 use rdma_shuffle_shuffle::engine::{Engine, EngineConfig, Transport};
 use rdma_shuffle_shuffle::testkit::write_map_output;
 use rdma_shuffle_shuffle::ShuffleBlock;

@@ -6,7 +6,8 @@
 
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
-use rdma_shuffle_fabric::{BlockSink, ClientEndpointConfig, Driver, FetchedBlock, Provider, ServerEndpointConfig};
+use rdma_shuffle_fabric::{Driver, Provider};
+use rdma_shuffle_shuffle::blocks::{BlockSink, ClientEndpointConfig, FetchedBlock, ServerEndpointConfig};
 use rdma_shuffle_shuffle::testkit::write_map_output;
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
 use rdma_shuffle_wire::BlockFailure;

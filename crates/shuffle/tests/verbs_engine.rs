@@ -6,10 +6,8 @@ mod suite;
 
 use rdma_shuffle_fabric::pool::PoolConfig;
 use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
-use rdma_shuffle_fabric::{
-    BlockSink, BlockSource, Channel, ClientEndpointConfig, Driver, DriverConfig, Provider, ServerEndpoint, ServerEndpointConfig,
-    Source,
-};
+use rdma_shuffle_fabric::{Channel, Driver, DriverConfig, Provider, Source};
+use rdma_shuffle_shuffle::blocks::{BlockSink, BlockSource, ClientEndpointConfig, ServerEndpoint, ServerEndpointConfig};
 use rdma_shuffle_shuffle::testkit::write_map_output;
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, ClientConfig, ClientSession, FailureCode, Frame, Resolved};

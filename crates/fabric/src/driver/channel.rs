@@ -270,6 +270,23 @@ pub(crate) enum ChannelCmd {
     Close { key: ConnKey },
 }
 
+/// The channel listeners of a loop, by id.
+#[derive(Default)]
+pub(crate) struct ChanListeners(HashMap<u64, ChanListenerEp>);
+
+impl std::ops::Deref for ChanListeners {
+    type Target = HashMap<u64, ChanListenerEp>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ChanListeners {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
 /// A channel listener inside the loop.
 pub(crate) struct ChanListenerEp {
     accepted: Arc<AcceptQueue>,
@@ -378,7 +395,7 @@ impl Loop {
             }
             ChannelCmd::Listen { id, addr, accepted, reply } => match self.listen(id, addr, &ChannelAcceptor) {
                 Ok(local) => {
-                    self.chan_listeners.insert(id, ChanListenerEp { accepted });
+                    self.state::<ChanListeners>().insert(id, ChanListenerEp { accepted });
                     let _ = reply.send(Ok(local));
                 }
                 Err(e) => {
@@ -471,11 +488,11 @@ impl Loop {
 
     pub(crate) fn remove_chan_listener(&mut self, id: u64) {
         self.unlisten(id);
-        self.chan_listeners.remove(&id);
+        self.state::<ChanListeners>().remove(&id);
     }
 
     pub(crate) fn channel_accepted(&mut self, id: u64, peer: String, transport: Transport) {
-        let Some(l) = self.chan_listeners.get(&id) else { return };
+        let Some(l) = self.state::<ChanListeners>().get(&id) else { return };
         let accepted = l.accepted.clone();
         let shared = ChannelShared::new();
         let role = Role::new(

@@ -27,14 +27,7 @@ impl Loop {
     }
 
     pub(crate) fn close_everything(&mut self, why: &str) {
-        let servers: Vec<u64> = self.servers.keys().copied().collect();
-        for id in servers {
-            self.remove_server(id);
-        }
-        let clients: Vec<u64> = self.clients.keys().copied().collect();
-        for id in clients {
-            self.remove_client(id);
-        }
+        self.services_shutdown();
         // Every other listener (a mesh, a test channel) closes; their connections fail below.
         self.unlisten_all();
         let keys: Vec<ConnKey> = self
@@ -67,6 +60,18 @@ impl Loop {
 
     // ------------------------------------------------------------------ memory
 
+    /// Memory came back (or may have): every service serves its waiters, then the parked
+    /// connections go on.
+    pub(crate) fn service_memory(&mut self) {
+        // Interest first: a lease coming back while we try must wake the loop again.
+        self.shared.mem_wanted.store(true, Ordering::Release);
+        let mut waiting = self.services_memory();
+        waiting |= self.service_parked();
+        if !waiting {
+            self.shared.mem_wanted.store(false, Ordering::Release);
+        }
+    }
+
     /// Parks connection `key` until memory comes back (pool leases, budget bytes): its
     /// handler's [`memory`](super::Handler::memory) is called then, in parking order.
     pub fn park_for_memory(&mut self, key: ConnKey) {
@@ -92,7 +97,7 @@ impl Loop {
 
     /// Registers interest in memory coming back (pool leases, budget bytes), for a block
     /// just queued to wait for it.
-    pub(crate) fn want_memory(&mut self) {
+    pub fn want_memory(&mut self) {
         self.shared.mem_wanted.store(true, Ordering::Release);
         self.mem_dirty = true;
     }
@@ -102,7 +107,13 @@ impl Loop {
         self.again.push(key);
     }
 
-    pub(crate) fn idle_timeout(&self) -> Duration {
+    /// The driver's [`idle_timeout`](super::DriverConfig::idle_timeout).
+    pub fn idle_timeout(&self) -> Duration {
         self.shared.config.idle_timeout
+    }
+
+    /// The driver's settings.
+    pub fn config(&self) -> &super::DriverConfig {
+        &self.shared.config
     }
 }

@@ -135,7 +135,7 @@ pub struct Conn {
     /// The deadline this connection last armed and that has not fired.
     pub(crate) armed: Option<Instant>,
     /// Last time the connection did anything (idle accounting).
-    pub(crate) last_active: Instant,
+    pub last_active: Instant,
     /// Set once the connection is closing: nothing more is read, it lingers until its
     /// sends are out and its device work completed (or the deadline passes).
     pub closing: Option<Closing>,

@@ -1,16 +1,11 @@
 //! The loop thread: its state ([`Loop`]), the `mio` tokens, the table of connections, and
 //! what drives one connection (I/O, sessions, timers, closing).
 
-#[cfg(any(test, feature = "testing"))]
-use super::channel::ChanListenerEp;
-use super::client::ClientEp;
-use super::conn::{Closing, Conn, ConnKey, Role, Transport};
-use super::server::ServerEp;
+use super::conn::{self, Closing, Conn, ConnKey, Role, Transport};
 use super::timers::Timers;
-use super::{client, conn, exposure};
 use super::{Shared, CLOSE_LINGER, DRIVE_BUDGET};
 use crate::error::FabricError;
-pub(crate) use crate::providers::link::Net;
+pub use crate::providers::link::Net;
 use crate::providers::link::{EngineCtx, Listener, Notify};
 use mio::{Events, Poll, Token};
 use std::any::{Any, TypeId};
@@ -56,12 +51,6 @@ pub(super) fn new_net(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricEr
 /// A listening socket of a server endpoint, mesh or channel listener.
 pub(crate) type ListenSocket = Box<dyn Listener>;
 
-/// A block waiting for local memory.
-pub(crate) struct MemWaiter {
-    pub(crate) conn: ConnKey,
-    pub(crate) kind: client::MemWait,
-}
-
 pub(super) struct Slot {
     pub(super) gen: u32,
     pub(super) conn: Option<Conn>,
@@ -77,19 +66,15 @@ pub struct Loop {
     /// Every listening socket, by listener id.
     pub(super) listeners: HashMap<u64, super::sockets::Listening>,
     pub(super) free: Vec<u32>,
-    pub(crate) servers: HashMap<u64, ServerEp>,
-    pub(crate) clients: HashMap<u64, ClientEp>,
-    /// Raw channel listeners (tests).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) chan_listeners: HashMap<u64, ChanListenerEp>,
+    /// Protocols' loop-wide hooks ([`Loop::add_service`]), by the service's type.
+    pub(super) services: Vec<(TypeId, &'static dyn super::Service)>,
+    /// Work due at the end of the turn ([`Loop::defer`]).
+    pub(super) deferred: Vec<fn(&mut Loop)>,
     /// Connections parked until memory comes back ([`Loop::park_for_memory`]).
     pub(super) parked: VecDeque<ConnKey>,
     /// Protocols' loop-wide state, one value per type ([`Loop::state`]).
     pub(super) states: HashMap<TypeId, Box<dyn Any + Send>>,
     pub(super) timers: Timers,
-    pub(crate) mem_waiters: VecDeque<MemWaiter>,
-    /// Unauthenticated server connections, oldest first.
-    pub(crate) pending: VecDeque<ConnKey>,
     /// Connections to drive again (they used their budget, or were unblocked).
     pub(super) again: Vec<ConnKey>,
     /// Connections whose link is [`polled`](crate::providers::link::Link::polled): read on
@@ -100,8 +85,6 @@ pub struct Loop {
     /// A block started waiting for memory since the queue was last served: serve it once
     /// (memory may be free already, and no release would then come to wake us).
     pub(super) mem_dirty: bool,
-    /// Rendezvous regions exposed over all server connections, and those waiting for room.
-    pub(crate) exposure: exposure::ExposureBudget,
     pub(crate) net: Net,
     /// Set at shutdown: when the loop gives up waiting for connections to close.
     pub(super) exiting: Option<Instant>,
@@ -116,7 +99,7 @@ impl Loop {
     pub(super) fn turn(&mut self, events: &mut Events, cap: Option<Duration>) -> Option<bool> {
         let now = Instant::now();
         let mut timeout = self.timers.next().map(|t| t.saturating_duration_since(now));
-        if !self.again.is_empty() || self.mem_dirty || self.exposure.dirty || self.shared.mem_wake.load(Ordering::Acquire) {
+        if !self.again.is_empty() || !self.deferred.is_empty() || self.mem_dirty || self.shared.mem_wake.load(Ordering::Acquire) {
             timeout = Some(Duration::ZERO);
         }
         if let Some(c) = cap {
@@ -188,9 +171,7 @@ impl Loop {
         if self.shared.mem_wake.swap(false, Ordering::AcqRel) || std::mem::take(&mut self.mem_dirty) {
             self.service_memory();
         }
-        if self.exposure.dirty {
-            self.service_exposures();
-        }
+        worked |= self.run_deferred();
         let again = std::mem::take(&mut self.again);
         for k in again {
             self.drive(k);
@@ -235,6 +216,9 @@ impl Loop {
     /// Called once the loop stopped for good.
     pub(super) fn finish(&mut self) {
         self.close_everything("the engine stopped");
+        // Protocols' state goes with the loop (a delivery thread it owns ends here, after
+        // delivering what the close failed).
+        self.states.clear();
         tracing::debug!(driver = %self.shared.name, "loop stopped");
     }
 
@@ -383,7 +367,6 @@ impl Loop {
         if conn.registered {
             let _ = conn.transport.deregister(self.poll.registry());
         }
-        self.pending.retain(|k| *k != key);
         self.polled.retain(|k| *k != key);
         self.parked.retain(|k| *k != key);
         self.role_removed(&mut conn);
@@ -399,7 +382,8 @@ impl Loop {
         self.update_registered();
     }
 
-    pub(crate) fn update_registered(&self) {
+    /// Refreshes the registered-bytes gauge after a protocol registered or released memory.
+    pub fn update_registered(&self) {
         self.shared.stats.registered_bytes.store(self.net.registered_bytes(), Ordering::Relaxed);
     }
 

@@ -64,31 +64,26 @@
 //! * [`Job`]s from its callers' threads ([`Driver::submit`]), which run with the loop in hand;
 //! * its loop-wide bookkeeping (its endpoints by id) as [`Loop::state`], typed and lock-free.
 
-mod budget;
 #[cfg(any(test, feature = "testing"))]
 pub(crate) mod channel;
-pub(crate) mod client;
 mod commands;
 pub(crate) mod conn;
-mod delivery;
 mod event_loop;
-mod exposure;
 mod job;
 mod progress;
-pub(crate) mod server;
+mod service;
 mod sockets;
 mod stats;
 mod timers;
 
-pub use budget::BudgetGuard;
 #[cfg(any(test, feature = "testing"))]
 pub use channel::{Channel, ChannelListener, PendingRead, Received};
-pub use client::{BlockSink, ChunkSink, ClientEndpoint, ClientEndpointConfig, ClientStats, FetchedBlock, StreamConfig};
 pub use conn::{Closing, Conn, ConnKey, Handler, Incoming, MsgPayload, Placement, Role, Transport};
+pub(crate) use event_loop::ListenSocket;
 pub use event_loop::Loop;
-pub(crate) use event_loop::{ListenSocket, MemWaiter};
+pub use event_loop::Net;
 pub use job::Job;
-pub use server::{BlockSource, ServerEndpoint, ServerEndpointConfig, ServerStats};
+pub use service::Service;
 pub use sockets::Acceptor;
 pub use stats::DriverStats;
 
@@ -96,7 +91,6 @@ use crate::error::FabricError;
 use crate::memory::pool::ReleaseHook;
 use crate::providers::link::Notify;
 use crate::providers::Provider;
-use delivery::Delivery;
 use event_loop::{listener_token, WAKER};
 use mio::{Poll, Waker};
 use parking_lot::Mutex;
@@ -184,7 +178,6 @@ pub(crate) struct Shared {
     /// (more threads wait than there are cores: see [`Driver::set_yield_when_idle`]).
     yield_when_idle: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
-    pub(crate) delivery: Delivery,
     pub(crate) stats: DriverStats,
     next_id: AtomicU64,
 }
@@ -200,6 +193,7 @@ impl Shared {
     }
 
     /// Queues `f` for the loop.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn run(&self, f: impl FnOnce(&mut Loop) + Send + 'static) -> Result<(), FabricError> {
         self.command(Command::Run(Box::new(job::FnJob(f))))
     }
@@ -220,7 +214,6 @@ impl Shared {
                 let _ = t.join();
             }
         }
-        self.delivery.stop();
     }
 }
 
@@ -268,7 +261,6 @@ impl Driver {
     pub fn new(provider: Arc<dyn Provider>, config: DriverConfig) -> Result<Driver, FabricError> {
         let poll = Poll::new().map_err(|e| FabricError::io("local", "create the poll of", e))?;
         let waker = Waker::new(poll.registry(), WAKER).map_err(|e| FabricError::io("local", "create the waker of", e))?;
-        let delivery = Delivery::start(&config.name).map_err(|e| FabricError::io("local", "start the delivery thread of", e))?;
         let shared = Arc::new(Shared {
             name: config.name.clone(),
             provider: provider.clone(),
@@ -281,32 +273,25 @@ impl Driver {
             stopping: AtomicBool::new(false),
             yield_when_idle: AtomicBool::new(false),
             thread: Mutex::new(None),
-            delivery,
             stats: DriverStats::default(),
             next_id: AtomicU64::new(1),
         });
         let net = event_loop::new_net(&shared, &poll)?;
-        let exposure = exposure::ExposureBudget::new(shared.config.max_bytes_exposed);
         let lp = Loop {
             shared: shared.clone(),
             poll,
             conns: Vec::new(),
             listeners: HashMap::new(),
             free: Vec::new(),
-            servers: HashMap::new(),
-            clients: HashMap::new(),
-            #[cfg(any(test, feature = "testing"))]
-            chan_listeners: HashMap::new(),
+            services: Vec::new(),
+            deferred: Vec::new(),
             parked: VecDeque::new(),
             states: HashMap::new(),
             timers: Timers::default(),
-            mem_waiters: VecDeque::new(),
-            pending: VecDeque::new(),
             again: Vec::new(),
             polled: Vec::new(),
             polls_skipped: 0,
             mem_dirty: false,
-            exposure,
             net,
             exiting: None,
         };
@@ -316,15 +301,16 @@ impl Driver {
         let name = format!("rdma-shuffle-loop-{}", shared.name);
         let progress = Arc::new(progress::Progress::new(lp));
         let runner = progress.clone();
-        let thread = std::thread::Builder::new().name(name).spawn(move || runner.run_thread()).map_err(|e| {
-            shared.delivery.stop();
-            FabricError::io("local", "start the loop thread of", e)
-        })?;
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || runner.run_thread())
+            .map_err(|e| FabricError::io("local", "start the loop thread of", e))?;
         *shared.thread.lock() = Some(thread);
         tracing::debug!(name = %shared.name, provider = provider.name(), "driver started");
         Ok(Driver { owner: Arc::new(Owner { shared, progress }) })
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.owner.shared
     }
@@ -365,6 +351,13 @@ impl Driver {
     /// Whether the loop is stopping or stopped (jobs submitted now are refused).
     pub fn stopping(&self) -> bool {
         self.owner.shared.stopping.load(Ordering::Acquire)
+    }
+
+    /// What a protocol hands its pools and budgets so that memory coming back wakes the
+    /// loop, which then serves what waited for it ([`Service::memory`], parked connections).
+    /// Held weakly by whoever calls it.
+    pub fn release_hook(&self) -> Arc<dyn ReleaseHook> {
+        self.owner.shared.clone()
     }
 
     /// A fresh id for an endpoint or listener of this loop.

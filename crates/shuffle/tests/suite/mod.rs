@@ -18,9 +18,8 @@ pub use security::*;
 
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
-use rdma_shuffle_fabric::{
-    BlockSink, Channel, ChannelListener, ClientEndpointConfig, Driver, DriverConfig, FetchedBlock, Provider, ServerEndpointConfig,
-};
+use rdma_shuffle_fabric::{Channel, ChannelListener, Driver, DriverConfig, Provider};
+use rdma_shuffle_shuffle::blocks::{BlockSink, ClientEndpointConfig, FetchedBlock, ServerEndpointConfig};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::testkit::{corrupt_index, write_map_output, GeneratedOutput, IndexCorruption};
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};

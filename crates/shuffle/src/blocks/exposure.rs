@@ -11,10 +11,8 @@
 //! others hold). A single region larger than the whole budget is exposed when nothing else is.
 //! tcp streams regions from the file and exposes nothing: the budget does not apply to it.
 
-use super::conn::ConnKey;
-use super::stats::DriverStats;
+use rdma_shuffle_fabric::driver::ConnKey;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
 
 /// Bytes a region of `len` bytes at `offset` holds registered while exposed (verbs maps it
 /// from the page that holds its first byte).
@@ -29,13 +27,30 @@ pub(crate) struct ExposureBudget {
     used: u64,
     /// Server connections with regions waiting, in arrival order (each at most once).
     waiters: VecDeque<ConnKey>,
-    /// Room was freed since the waiters were last served.
+    /// Room was freed since the waiters were last served (a service pass is due).
     pub(crate) dirty: bool,
+}
+
+impl Default for ExposureBudget {
+    /// No limit until the first server sets the driver's ([`ExposureBudget::set_limit`]).
+    fn default() -> Self {
+        ExposureBudget::new(u64::MAX)
+    }
 }
 
 impl ExposureBudget {
     pub(crate) fn new(limit: u64) -> Self {
         ExposureBudget { limit: limit.max(1), used: 0, waiters: VecDeque::new(), dirty: false }
+    }
+
+    /// Sets the limit (the driver's `max_bytes_exposed`).
+    pub(crate) fn set_limit(&mut self, limit: u64) {
+        self.limit = limit.max(1);
+    }
+
+    /// Bytes exposed now.
+    pub(crate) fn used(&self) -> u64 {
+        self.used
     }
 
     /// Whether a region of `need` bytes may be exposed now, to a connection holding `held`
@@ -49,18 +64,18 @@ impl ExposureBudget {
         self.used == 0 || self.used.saturating_add(need) <= self.limit
     }
 
-    pub(crate) fn take(&mut self, bytes: u64, stats: &DriverStats) {
+    pub(crate) fn take(&mut self, bytes: u64) {
         self.used += bytes;
-        stats.exposed_bytes.store(self.used, Ordering::Relaxed);
-        stats.peak_exposed_bytes.fetch_max(self.used, Ordering::Relaxed);
     }
 
-    pub(crate) fn give(&mut self, bytes: u64, stats: &DriverStats) {
+    /// Gives `bytes` back; whether waiters should now be served (and were not due already).
+    pub(crate) fn give(&mut self, bytes: u64) -> bool {
         self.used = self.used.saturating_sub(bytes);
-        stats.exposed_bytes.store(self.used, Ordering::Relaxed);
-        if bytes > 0 && !self.waiters.is_empty() {
+        if bytes > 0 && !self.waiters.is_empty() && !self.dirty {
             self.dirty = true;
+            return true;
         }
+        false
     }
 
     /// `key` has regions waiting.
@@ -91,18 +106,18 @@ mod tests {
 
     #[test]
     fn admits_within_the_limit_a_first_region_ahead_of_waiters_and_an_oversized_region_alone() {
-        let stats = DriverStats::default();
         let mut b = ExposureBudget::new(100);
         assert!(b.admits(150, 0), "a region larger than the budget goes when nothing is exposed");
-        b.take(60, &stats);
+        b.take(60);
         assert!(b.admits(40, 60) && !b.admits(41, 60));
-        b.wait(ConnKey { index: 1, gen: 1 });
+        b.wait(ConnKey::from_u64(1 << 32 | 1));
         assert!(!b.admits(10, 60), "queues behind a waiting connection");
         assert!(b.admits(10, 0), "a connection's first region goes ahead of the waiters");
-        b.take(40, &stats);
-        assert_eq!(stats.peak_exposed_bytes.load(Ordering::Relaxed), 100);
-        b.give(100, &stats);
-        assert!(b.dirty && stats.exposed_bytes.load(Ordering::Relaxed) == 0);
+        b.take(40);
+        assert_eq!(b.used(), 100);
+        assert!(b.give(100), "room freed with a waiter: a pass is due");
+        assert!(!b.give(0), "once");
+        assert!(b.dirty && b.used() == 0);
         assert_eq!(charge(4095, 10), 4105);
     }
 }

@@ -4,9 +4,9 @@
 //! never stalls the loop's I/O.
 
 use super::client::{BlockSink, FetchedBlock};
-use super::stats::DriverStats;
 use crossbeam_channel::{unbounded, Sender};
 use parking_lot::Mutex;
+use rdma_shuffle_fabric::DriverStats;
 use rdma_shuffle_wire::BlockFailure;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -57,6 +57,11 @@ impl Delivery {
             },
             None => job,
         };
+        Self::deliver_here(job);
+    }
+
+    /// Delivers `job` on the calling thread (no delivery thread could be started).
+    pub(crate) fn deliver_here(job: Job) {
         let (sink, index, result) = job;
         if catch_unwind(AssertUnwindSafe(|| sink.on_block(index, result))).is_err() {
             tracing::error!(index, "a block sink panicked; its outcome is lost");
@@ -72,5 +77,12 @@ impl Delivery {
                 let _ = t.join();
             }
         }
+    }
+}
+
+impl Drop for Delivery {
+    /// The loop's state is dropped when the loop stops: what is queued is delivered first.
+    fn drop(&mut self) {
+        self.stop();
     }
 }

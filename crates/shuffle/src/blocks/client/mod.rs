@@ -18,11 +18,15 @@ mod stream;
 pub use stream::{ChunkSink, StreamConfig};
 
 use super::budget::{BudgetGuard, ByteBudget};
-use super::conn::{Conn, ConnKey, Handler, Incoming, Role};
-use super::{Driver, Loop};
-use crate::error::FabricError;
-use crate::memory::pool::{Lease, TieredPool};
-use crate::providers::link::OutPayload;
+use super::delivery::{Delivery, Job as DeliveryJob};
+use super::MemWaiter;
+use incoming::*;
+use memory::*;
+use rdma_shuffle_fabric::driver::{Conn, ConnKey, Handler, Incoming, Role};
+use rdma_shuffle_fabric::driver::{Driver, Loop, Service};
+use rdma_shuffle_fabric::memory::pool::{Lease, TieredPool};
+use rdma_shuffle_fabric::providers::link::OutPayload;
+use rdma_shuffle_fabric::FabricError;
 use rdma_shuffle_wire::{
     caps, BlockFailure, BlockRange, BlockSpan, ClientConfig, ClientSession, Descriptor, FailureCode, Knob, Limits, ProtocolError,
     RequestId, Secret, Token,
@@ -211,15 +215,14 @@ impl ClientEndpoint {
             tracing::debug!(requested = config.max_bytes_in_flight, used = half, "bytes in flight capped at half the pool");
             config.max_bytes_in_flight = half;
         }
-        let shared = driver.shared();
-        let id = shared.next_id();
+        let id = driver.next_id();
         let budget = ByteBudget::new(config.max_bytes_in_flight);
-        let hook: Arc<dyn crate::memory::pool::ReleaseHook> = shared.clone();
+        let hook = driver.release_hook();
         budget.set_hook(Arc::downgrade(&hook));
         pool.add_release_hook(Arc::downgrade(&hook));
         let stats = Arc::new(ClientStats::default());
         let a = AddClient { id, config, pool: pool.clone(), budget, stats: stats.clone() };
-        shared.run(move |lp| lp.add_client(a))?;
+        driver.submit(move |lp| add_client(lp, a))?;
         Ok(ClientEndpoint { driver: driver.clone(), id, pool, stats, closed: AtomicBool::new(false) })
     }
 
@@ -280,7 +283,7 @@ impl ClientEndpoint {
             // The loop is gone: nothing else would ever answer these blocks.
             tracing::debug!(error = %e, "fetch after shutdown");
         }
-        if self.closed.load(Ordering::Acquire) || self.driver.shared().stopping.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) || self.driver.stopping() {
             // Commands queued after the loop's last turn are answered here.
             self.drain_unanswered();
         }
@@ -299,8 +302,8 @@ impl ClientEndpoint {
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
         let id = self.id;
-        let removed = self.driver.shared().run(move |lp| {
-            lp.remove_client(id);
+        let removed = self.driver.submit(move |lp| {
+            remove_client(lp, id);
             let _ = tx.send(());
         });
         if removed.is_ok() {
@@ -332,9 +335,9 @@ pub(crate) struct FetchCmd {
     sink: Arc<dyn BlockSink>,
 }
 
-impl crate::driver::Job for FetchCmd {
+impl rdma_shuffle_fabric::driver::Job for FetchCmd {
     fn run(self: Box<Self>, lp: &mut Loop) {
-        lp.fetch(*self)
+        fetch(lp, *self)
     }
 
     fn cancel(self: Box<Self>) {
@@ -466,33 +469,33 @@ impl Handler for ClientHandler {
         conn.role.get::<ClientConn>().is_some_and(|c| c.blocked())
     }
 
-    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
-        lp.client_connected(conn)
+    fn connected(&self, _lp: &mut Loop, conn: &mut Conn) {
+        client_connected(conn)
     }
 
     fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
-        lp.client_incoming(conn, inc)
+        client_incoming(lp, conn, inc)
     }
 
     fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
-        lp.client_failed(conn, error);
+        client_failed(lp, conn, error);
         false
     }
 
     fn after(&self, lp: &mut Loop, conn: &mut Conn) {
-        lp.client_after(conn)
+        client_after(lp, conn)
     }
 
     fn deadline(&self, lp: &Loop, conn: &Conn) -> Option<Instant> {
-        lp.client_deadline(conn, conn.role.get::<ClientConn>()?)
+        client_deadline(lp, conn, conn.role.get::<ClientConn>()?)
     }
 
     fn timeout(&self, lp: &mut Loop, conn: &mut Conn, now: Instant) {
-        lp.client_timeout(conn, now)
+        client_timeout(lp, conn, now)
     }
 
     fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
-        lp.client_removed(conn)
+        client_removed(lp, conn)
     }
 }
 
@@ -500,260 +503,317 @@ fn code_index(code: FailureCode) -> usize {
     FailureCode::ALL.iter().position(|c| *c == code).unwrap_or(FailureCode::ALL.len() - 1)
 }
 
-impl Loop {
-    pub(crate) fn add_client(&mut self, a: AddClient) {
-        let AddClient { id, config, pool, budget, stats } = a;
-        self.clients.insert(id, ClientEp { config, pool, budget, stats, conns: HashMap::new() });
+/// The client endpoints of a loop, the blocks waiting for memory, and the delivery thread
+/// (one per loop, made with the first endpoint): this protocol's [loop state](Loop::state).
+#[derive(Default)]
+pub(crate) struct Clients {
+    pub(crate) eps: HashMap<u64, ClientEp>,
+    /// Blocks waiting for local memory, in arrival order.
+    pub(crate) waiters: std::collections::VecDeque<MemWaiter>,
+    delivery: Option<Arc<Delivery>>,
+}
+
+/// The loop's client state (made on first use).
+pub(crate) fn clients(lp: &mut Loop) -> &mut Clients {
+    lp.state::<Clients>()
+}
+
+/// The loop's client state, if any endpoint was added.
+pub(crate) fn clients_ref(lp: &Loop) -> Option<&Clients> {
+    lp.state_ref::<Clients>()
+}
+
+/// Hands an outcome to its sink: a cheap sink's fetched block at once, on this thread;
+/// anything else through the delivery thread.
+pub(crate) fn deliver(lp: &Loop, job: DeliveryJob) {
+    match clients_ref(lp).and_then(|c| c.delivery.as_ref()) {
+        Some(d) => d.send(job, lp.stats()),
+        None => Delivery::deliver_here(job),
+    }
+}
+
+/// The block client's loop-wide hooks.
+struct ClientService;
+
+impl Service for ClientService {
+    fn memory(&self, lp: &mut Loop) -> bool {
+        serve_waiters(lp)
     }
 
-    pub(crate) fn remove_client(&mut self, id: u64) {
-        let Some(ep) = self.clients.get(&id) else { return };
-        let keys: Vec<ConnKey> = ep.conns.values().copied().collect();
-        for k in keys {
-            if let Some(mut conn) = self.take(k) {
-                client_mut(&mut conn).session.close();
-                self.client_events(&mut conn, None);
-                self.close(&mut conn, "the client endpoint was shut down".into(), false);
-                self.put(conn);
+    fn awaiting_answers(&self, lp: &Loop) -> bool {
+        awaiting_answers(lp)
+    }
+
+    fn shutdown(&self, lp: &mut Loop) {
+        let ids: Vec<u64> = clients(lp).eps.keys().copied().collect();
+        for id in ids {
+            remove_client(lp, id);
+        }
+    }
+}
+
+pub(crate) fn add_client(lp: &mut Loop, a: AddClient) {
+    let AddClient { id, config, pool, budget, stats } = a;
+    lp.add_service(&ClientService);
+    if clients(lp).delivery.is_none() {
+        let name = lp.name().to_string();
+        match Delivery::start(&name) {
+            Ok(d) => clients(lp).delivery = Some(Arc::new(d)),
+            // Outcomes are then delivered on the loop thread: slower sinks stall I/O, but
+            // nothing is lost.
+            Err(e) => {
+                tracing::error!(driver = %name, error = %e, "could not start the delivery thread; delivering on the loop thread")
             }
         }
-        self.clients.remove(&id);
-        // Staged payloads of this endpoint fail now (no pool to put them in).
-        self.service_memory();
     }
+    clients(lp).eps.insert(id, ClientEp { config, pool, budget, stats, conns: HashMap::new() });
+}
 
-    pub(crate) fn fetch(&mut self, f: FetchCmd) {
-        let FetchCmd { client, addr, blocks, ranges, sink } = f;
-        let fail_all = |lp: &Loop, code: FailureCode, why: String, knob: Option<Knob>| {
-            for (i, span) in blocks.iter().enumerate() {
-                let failure = BlockFailure::new(code, format!("{span}: {why}")).with_knob(knob);
-                if let Some(ep) = lp.clients.get(&client) {
-                    ep.stats.failed_blocks.fetch_add(1, Ordering::Relaxed);
-                    ep.stats.failed_by_code[code_index(code)].fetch_add(1, Ordering::Relaxed);
+pub(crate) fn remove_client(lp: &mut Loop, id: u64) {
+    let Some(ep) = clients(lp).eps.get(&id) else { return };
+    let keys: Vec<ConnKey> = ep.conns.values().copied().collect();
+    for k in keys {
+        if let Some(mut conn) = lp.take(k) {
+            client_mut(&mut conn).session.close();
+            client_events(lp, &mut conn, None);
+            lp.close(&mut conn, "the client endpoint was shut down".into(), false);
+            lp.put(conn);
+        }
+    }
+    clients(lp).eps.remove(&id);
+    // Staged payloads of this endpoint fail now (no pool to put them in).
+    serve_waiters(lp);
+}
+
+pub(crate) fn fetch(lp: &mut Loop, f: FetchCmd) {
+    let FetchCmd { client, addr, blocks, ranges, sink } = f;
+    let fail_all = |lp: &Loop, code: FailureCode, why: String, knob: Option<Knob>| {
+        for (i, span) in blocks.iter().enumerate() {
+            let failure = BlockFailure::new(code, format!("{span}: {why}")).with_knob(knob);
+            if let Some(ep) = clients_ref(lp).and_then(|c| c.eps.get(&client)) {
+                ep.stats.failed_blocks.fetch_add(1, Ordering::Relaxed);
+                ep.stats.failed_by_code[code_index(code)].fetch_add(1, Ordering::Relaxed);
+            }
+            deliver(lp, (sink.clone(), i, Err(failure)));
+        }
+    };
+    let Some(ep) = clients(lp).eps.get(&client) else {
+        fail_all(lp, FailureCode::PeerGone, "the endpoint is shut down".into(), None);
+        return;
+    };
+    // A connection that is closing (idle, or failed and draining its device work) takes
+    // no new requests: the fetch opens a new one.
+    let existing = ep.conns.get(&addr).copied().filter(|k| lp.live(*k));
+    let (key, fresh) = match existing {
+        Some(k) => (k, false),
+        None => match client_connect(lp, client, addr) {
+            Ok(k) => (k, true),
+            Err(e) => {
+                let name = clients(lp).eps.get(&client).map(|e| e.config.name.clone()).unwrap_or_default();
+                if let Some(ep) = clients_ref(lp).and_then(|c| c.eps.get(&client)) {
+                    ep.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
                 }
-                lp.shared.delivery.send((sink.clone(), i, Err(failure)), &lp.shared.stats);
+                let code =
+                    if matches!(e, FabricError::ConnectTimeout { .. }) { FailureCode::Timeout } else { FailureCode::PeerGone };
+                let knob = e.knob();
+                fail_all(lp, code, format!("{name} cannot reach {addr}: {e}"), knob);
+                return;
             }
-        };
-        let Some(ep) = self.clients.get(&client) else {
-            fail_all(self, FailureCode::PeerGone, "the endpoint is shut down".into(), None);
-            return;
-        };
-        // A connection that is closing (idle, or failed and draining its device work) takes
-        // no new requests: the fetch opens a new one.
-        let existing = ep.conns.get(&addr).copied().filter(|k| self.live(*k));
-        let (key, fresh) = match existing {
-            Some(k) => (k, false),
-            None => match self.client_connect(client, addr) {
-                Ok(k) => (k, true),
-                Err(e) => {
-                    let name = self.clients.get(&client).map(|e| e.config.name.clone()).unwrap_or_default();
-                    if let Some(ep) = self.clients.get(&client) {
-                        ep.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-                    }
-                    let code = if matches!(e, FabricError::ConnectTimeout { .. }) {
-                        FailureCode::Timeout
-                    } else {
-                        FailureCode::PeerGone
-                    };
-                    let knob = e.knob();
-                    fail_all(self, code, format!("{name} cannot reach {addr}: {e}"), knob);
-                    return;
-                }
-            },
-        };
-        let Some(mut conn) = self.take(key) else {
-            // Gone between the lookup and now (cannot happen within one turn): fail rather than
-            // lose the blocks.
-            fail_all(self, FailureCode::PeerGone, format!("the connection to {addr} closed"), None);
-            return;
-        };
-        // The request is in the session before the connection is first driven: a peer that
-        // answers (or refuses) at once still finds it there.
-        let c = client_mut(&mut conn);
-        let req = match ranges {
-            Some(r) => c.session.fetch_ranges(r, Instant::now()),
-            None => c.session.fetch(blocks, Instant::now()),
-        };
-        c.sinks.insert(req, sink);
-        self.client_events(&mut conn, None);
-        self.put(conn);
-        if fresh {
-            self.activate(key);
+        },
+    };
+    let Some(mut conn) = lp.take(key) else {
+        // Gone between the lookup and now (cannot happen within one turn): fail rather than
+        // lose the blocks.
+        fail_all(lp, FailureCode::PeerGone, format!("the connection to {addr} closed"), None);
+        return;
+    };
+    // The request is in the session before the connection is first driven: a peer that
+    // answers (or refuses) at once still finds it there.
+    let c = client_mut(&mut conn);
+    let req = match ranges {
+        Some(r) => c.session.fetch_ranges(r, Instant::now()),
+        None => c.session.fetch(blocks, Instant::now()),
+    };
+    c.sinks.insert(req, sink);
+    client_events(lp, &mut conn, None);
+    lp.put(conn);
+    if fresh {
+        lp.activate(key);
+    }
+}
+
+pub(super) fn client_connect(lp: &mut Loop, ep_id: u64, addr: SocketAddr) -> Result<ConnKey, FabricError> {
+    let transport = lp.connect(addr)?;
+    let ep = clients(lp).eps.get_mut(&ep_id).ok_or(FabricError::Shutdown)?;
+    let cfg = &ep.config;
+    let now = Instant::now();
+    let mut sc = ClientConfig::new(addr.to_string(), rand::random());
+    sc.secret = cfg.secret.clone();
+    sc.app_id = cfg.app_id.clone();
+    sc.max_eager = cfg.max_eager.min(transport.max_eager());
+    sc.limits = cfg.limits;
+    sc.handshake_timeout = cfg.handshake_timeout;
+    sc.fetch_timeout = cfg.fetch_timeout;
+    if transport.bounded_answers() {
+        // Answers land in a shared receive queue: the driver sends requests only as far
+        // as the queue has room for their answers, and a Fetch must fit one buffer.
+        sc.auto_flush = false;
+        let fit = (transport.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
+        sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
+    }
+    if !transport.one_sided() {
+        sc.caps &= !caps::RDMA_READ;
+    }
+    let connect_deadline = now + cfg.connect_timeout;
+    let role = Role::new(
+        &ClientHandler,
+        ClientConn {
+            ep: ep_id,
+            stats: ep.stats.clone(),
+            addr,
+            session: ClientSession::new(sc, now),
+            sinks: HashMap::new(),
+            pull_leases: HashMap::new(),
+            pull_guards: HashMap::new(),
+            reads: HashMap::new(),
+            block_lens: HashMap::new(),
+            next_tag: 1,
+            payload: PayloadState::None,
+            connected: !transport.is_stream() || transport.is_connected(),
+            connect_deadline,
+            counted: false,
+        },
+    );
+    let stats = ep.stats.clone();
+    let key = lp.insert(addr.to_string(), transport, role);
+    stats.connections_open.fetch_add(1, Ordering::Relaxed);
+    if let Some(ep) = clients(lp).eps.get_mut(&ep_id) {
+        ep.conns.insert(addr, key);
+    }
+    // Activated by the caller once the first request is in the session.
+    Ok(key)
+}
+
+pub(crate) fn client_connected(conn: &mut Conn) {
+    client_mut(conn).connected = true;
+}
+
+/// Sends what the session queued (where answers take room in a shared receive queue,
+/// verbs, first the requests it has room to answer).
+pub(crate) fn client_after(lp: &mut Loop, conn: &mut Conn) {
+    let Some(c) = conn.role.get_mut::<ClientConn>() else { return };
+    if c.session.queued_blocks() > 0 {
+        if let Some(room) = conn.transport.answer_room(lp.net()) {
+            let sent = c.session.flush_requests(room, Instant::now());
+            let starved = c.session.queued_blocks() > 0;
+            conn.transport.answers_requested(lp.net(), sent, starved, conn.key.to_u64());
         }
     }
-
-    pub(super) fn client_connect(&mut self, ep_id: u64, addr: SocketAddr) -> Result<ConnKey, FabricError> {
-        let transport = self.connect(addr)?;
-        let ep = self.clients.get_mut(&ep_id).ok_or(FabricError::Shutdown)?;
-        let cfg = &ep.config;
-        let now = Instant::now();
-        let mut sc = ClientConfig::new(addr.to_string(), rand::random());
-        sc.secret = cfg.secret.clone();
-        sc.app_id = cfg.app_id.clone();
-        sc.max_eager = cfg.max_eager.min(transport.max_eager());
-        sc.limits = cfg.limits;
-        sc.handshake_timeout = cfg.handshake_timeout;
-        sc.fetch_timeout = cfg.fetch_timeout;
-        if transport.bounded_answers() {
-            // Answers land in a shared receive queue: the driver sends requests only as far
-            // as the queue has room for their answers, and a Fetch must fit one buffer.
-            sc.auto_flush = false;
-            let fit = (transport.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
-            sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
+    // The requests, pulls and releases of one turn leave together (tcp: one writev).
+    conn.transport.cork();
+    let mut sent = Ok(());
+    while let Some(f) = client_mut(conn).session.poll_transmit() {
+        sent = conn.transport.send(lp.net(), &f, OutPayload::None);
+        if sent.is_err() {
+            break;
         }
-        if !transport.one_sided() {
-            sc.caps &= !caps::RDMA_READ;
-        }
-        let connect_deadline = now + cfg.connect_timeout;
-        let role = Role::new(
-            &ClientHandler,
-            ClientConn {
-                ep: ep_id,
-                stats: ep.stats.clone(),
-                addr,
-                session: ClientSession::new(sc, now),
-                sinks: HashMap::new(),
-                pull_leases: HashMap::new(),
-                pull_guards: HashMap::new(),
-                reads: HashMap::new(),
-                block_lens: HashMap::new(),
-                next_tag: 1,
-                payload: PayloadState::None,
-                connected: !transport.is_stream() || transport.is_connected(),
-                connect_deadline,
-                counted: false,
-            },
-        );
-        let stats = ep.stats.clone();
-        let key = self.insert(addr.to_string(), transport, role);
-        stats.connections_open.fetch_add(1, Ordering::Relaxed);
-        if let Some(ep) = self.clients.get_mut(&ep_id) {
-            ep.conns.insert(addr, key);
-        }
-        // Activated by the caller once the first request is in the session.
-        Ok(key)
     }
-
-    pub(crate) fn client_connected(&mut self, conn: &mut Conn) {
-        client_mut(conn).connected = true;
+    if let Err(e) = sent.and(conn.transport.uncork()) {
+        lp.fail(conn, e);
     }
+}
 
-    /// Sends what the session queued (where answers take room in a shared receive queue,
-    /// verbs, first the requests it has room to answer).
-    pub(crate) fn client_after(&mut self, conn: &mut Conn) {
-        let Some(c) = conn.role.get_mut::<ClientConn>() else { return };
-        if c.session.queued_blocks() > 0 {
-            if let Some(room) = conn.transport.answer_room(&mut self.net) {
-                let sent = c.session.flush_requests(room, Instant::now());
-                let starved = c.session.queued_blocks() > 0;
-                conn.transport.answers_requested(&mut self.net, sent, starved, conn.key.to_u64());
+pub(crate) fn client_deadline(lp: &Loop, conn: &Conn, c: &ClientConn) -> Option<Instant> {
+    let mut d = c.session.poll_timeout();
+    if !c.connected {
+        d = Some(d.map_or(c.connect_deadline, |x| x.min(c.connect_deadline)));
+    }
+    if c.idle() {
+        let idle = conn.last_active + lp.idle_timeout();
+        d = Some(d.map_or(idle, |x| x.min(idle)));
+    }
+    d
+}
+
+pub(crate) fn client_timeout(lp: &mut Loop, conn: &mut Conn, now: Instant) {
+    let ep_id = client_mut(conn).ep;
+    let c = client_mut(conn);
+    if !c.connected && now >= c.connect_deadline {
+        let ms = clients(lp).eps.get(&ep_id).map(|e| e.config.connect_timeout.as_millis() as u64).unwrap_or(0);
+        c.session.fail_with(ProtocolError::Timeout {
+            what: "connecting",
+            waited_ms: ms,
+            timeout_ms: ms,
+            knob: Knob::ConnectTimeout,
+        });
+        if let Some(ep) = clients(lp).eps.get(&ep_id) {
+            ep.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        client_events(lp, conn, None);
+        return;
+    }
+    c.session.handle_timeout(now);
+    if client_mut(conn).session.is_closed() {
+        client_events(lp, conn, None);
+        return;
+    }
+    if client_mut(conn).idle() && now >= conn.last_active + lp.idle_timeout() {
+        if let Some(ep) = clients(lp).eps.get(&ep_id) {
+            ep.stats.idle_closes.fetch_add(1, Ordering::Relaxed);
+        }
+        lp.stats().idle_closes.fetch_add(1, Ordering::Relaxed);
+        client_mut(conn).session.close();
+        client_events(lp, conn, None);
+    }
+}
+
+pub(crate) fn client_failed(lp: &mut Loop, conn: &mut Conn, error: &FabricError) {
+    let c = client_mut(conn);
+    if !c.session.is_closed() {
+        match error {
+            FabricError::Frame { source, .. } => {
+                c.session.handle_decode_error(source.clone());
             }
-        }
-        // The requests, pulls and releases of one turn leave together (tcp: one writev).
-        conn.transport.cork();
-        let mut sent = Ok(());
-        while let Some(f) = client_mut(conn).session.poll_transmit() {
-            sent = conn.transport.send(&mut self.net, &f, OutPayload::None);
-            if sent.is_err() {
-                break;
-            }
-        }
-        if let Err(e) = sent.and(conn.transport.uncork()) {
-            self.fail(conn, e);
+            _ => c.session.handle_connection_lost(error.to_string()),
         }
     }
+    client_events(lp, conn, None);
+}
 
-    pub(crate) fn client_deadline(&self, conn: &Conn, c: &ClientConn) -> Option<Instant> {
-        let mut d = c.session.poll_timeout();
-        if !c.connected {
-            d = Some(d.map_or(c.connect_deadline, |x| x.min(c.connect_deadline)));
-        }
-        if c.idle() {
-            let idle = conn.last_active + self.idle_timeout();
-            d = Some(d.map_or(idle, |x| x.min(idle)));
-        }
-        d
+pub(crate) fn client_removed(lp: &mut Loop, conn: &mut Conn) {
+    let c = client_mut(conn);
+    let (ep_id, addr) = (c.ep, c.addr);
+    c.pull_leases.clear();
+    c.pull_guards.clear();
+    let reads = c.reads.len();
+    c.reads.clear();
+    if reads > 0 {
+        lp.stats().note_reads(-(reads as i64));
     }
+    c.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
+    if let Some(ep) = clients(lp).eps.get_mut(&ep_id) {
+        if ep.conns.get(&addr) == Some(&conn.key) {
+            ep.conns.remove(&addr);
+        }
+    }
+}
 
-    pub(crate) fn client_timeout(&mut self, conn: &mut Conn, now: Instant) {
-        let ep_id = client_mut(conn).ep;
-        let c = client_mut(conn);
-        if !c.connected && now >= c.connect_deadline {
-            let ms = self.clients.get(&ep_id).map(|e| e.config.connect_timeout.as_millis() as u64).unwrap_or(0);
-            c.session.fail_with(ProtocolError::Timeout {
-                what: "connecting",
-                waited_ms: ms,
-                timeout_ms: ms,
-                knob: Knob::ConnectTimeout,
-            });
-            if let Some(ep) = self.clients.get(&ep_id) {
-                ep.stats.connect_failures.fetch_add(1, Ordering::Relaxed);
-            }
-            self.client_events(conn, None);
-            return;
-        }
-        c.session.handle_timeout(now);
-        if client_mut(conn).session.is_closed() {
-            self.client_events(conn, None);
-            return;
-        }
-        if client_mut(conn).idle() && now >= conn.last_active + self.idle_timeout() {
-            if let Some(ep) = self.clients.get(&ep_id) {
-                ep.stats.idle_closes.fetch_add(1, Ordering::Relaxed);
-            }
-            self.shared.stats.idle_closes.fetch_add(1, Ordering::Relaxed);
-            client_mut(conn).session.close();
-            self.client_events(conn, None);
-        }
-    }
+/// Whether a client connection waits for answers from its server (blocks asked for and
+/// not yet complete, and none of them waiting for local memory): what makes spinning
+/// before sleeping worth it, since the answer is on its way.
+pub(crate) fn awaiting_answers(lp: &Loop) -> bool {
+    let Some(clients) = clients_ref(lp) else { return false };
+    clients.eps.values().flat_map(|ep| ep.conns.values()).any(|k| {
+        lp.conn_ref(*k)
+            .and_then(|conn| conn.role.get::<ClientConn>())
+            .is_some_and(|c| c.session.outstanding_blocks() > 0 && !c.blocked())
+    })
+}
 
-    pub(crate) fn client_failed(&mut self, conn: &mut Conn, error: &FabricError) {
-        let c = client_mut(conn);
-        if !c.session.is_closed() {
-            match error {
-                FabricError::Frame { source, .. } => {
-                    c.session.handle_decode_error(source.clone());
-                }
-                _ => c.session.handle_connection_lost(error.to_string()),
-            }
-        }
-        self.client_events(conn, None);
-    }
-
-    pub(crate) fn client_removed(&mut self, conn: &mut Conn) {
-        let c = client_mut(conn);
-        let (ep_id, addr) = (c.ep, c.addr);
-        c.pull_leases.clear();
-        c.pull_guards.clear();
-        let reads = c.reads.len();
-        c.reads.clear();
-        if reads > 0 {
-            self.shared.stats.note_reads(-(reads as i64));
-        }
-        c.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
-        if let Some(ep) = self.clients.get_mut(&ep_id) {
-            if ep.conns.get(&addr) == Some(&conn.key) {
-                ep.conns.remove(&addr);
-            }
-        }
-    }
-
-    /// Whether a client connection waits for answers from its server (blocks asked for and
-    /// not yet complete, and none of them waiting for local memory): what makes spinning
-    /// before sleeping worth it, since the answer is on its way.
-    pub(crate) fn awaiting_answers(&self) -> bool {
-        self.clients.values().flat_map(|ep| ep.conns.values()).any(|k| {
-            self.conn_ref(*k)
-                .and_then(|conn| conn.role.get::<ClientConn>())
-                .is_some_and(|c| c.session.outstanding_blocks() > 0 && !c.blocked())
-        })
-    }
-
-    /// Blocks of `ep` the driver still holds (for shutdown accounting in tests).
-    #[allow(dead_code)]
-    pub(crate) fn client_budget_used(&self, ep: u64) -> u64 {
-        self.clients.get(&ep).map(|e| e.budget.used()).unwrap_or(0)
-    }
+/// Blocks of `ep` the driver still holds (for shutdown accounting in tests).
+#[allow(dead_code)]
+pub(crate) fn client_budget_used(lp: &Loop, ep: u64) -> u64 {
+    clients_ref(lp).and_then(|c| c.eps.get(&ep)).map(|e| e.budget.used()).unwrap_or(0)
 }
 
 /// How a block was delivered, for the counters.

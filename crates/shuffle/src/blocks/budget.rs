@@ -1,7 +1,7 @@
 //! The bound on rendezvous bytes being transferred at once, for a loop that never blocks.
 
-use crate::memory::pool::ReleaseHook;
 use parking_lot::Mutex;
+use rdma_shuffle_fabric::memory::pool::ReleaseHook;
 use std::fmt;
 use std::sync::{Arc, Weak};
 
