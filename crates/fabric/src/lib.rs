@@ -15,13 +15,15 @@
 //! collectives (crates/collective) build on these pieces.
 #![deny(missing_docs)]
 
+#[cfg(any(test, feature = "testing"))]
+pub mod channel;
 pub mod driver;
 pub mod error;
 pub mod memory;
 pub mod providers;
 
 #[cfg(any(test, feature = "testing"))]
-pub use driver::{Channel, ChannelListener, PendingRead, Received};
+pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use driver::{Driver, DriverConfig, DriverStats, DEFAULT_SPIN, MAX_SPIN};
 pub use error::FabricError;
 pub use memory::pool;

@@ -1,8 +1,7 @@
 //! Commands from other threads, whole-loop shutdown, the verbs completion queue, and memory
 //! interest.
 
-use super::conn::ConnKey;
-use super::{Command, Loop, CLOSE_LINGER};
+use super::types::{Command, ConnKey, Loop, CLOSE_LINGER};
 use crate::error::FabricError;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -1,15 +1,13 @@
 //! The loop thread: its state ([`Loop`]), the `mio` tokens, the table of connections, and
 //! what drives one connection (I/O, sessions, timers, closing).
 
-use super::conn::{self, Closing, Conn, ConnKey, Role, Transport};
-use super::timers::Timers;
-use super::{Shared, CLOSE_LINGER, DRIVE_BUDGET};
+use super::types::{Closing, Conn, ConnKey, Loop, Role, Shared, Slot, Transport, CLOSE_LINGER, DRIVE_BUDGET};
 use crate::error::FabricError;
 pub use crate::providers::link::Net;
-use crate::providers::link::{EngineCtx, Listener, Notify};
+use crate::providers::link::{EngineCtx, Notify};
 use mio::{Events, Poll, Token};
 use std::any::{Any, TypeId};
-use std::collections::{HashMap, VecDeque};
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,48 +44,6 @@ pub(super) fn new_net(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricEr
         counters: shared.stats.provider.clone(),
     };
     Ok(Net { exposed_bytes: 0, engine: shared.provider.engine(ctx)? })
-}
-
-/// A listening socket of a server endpoint, mesh or channel listener.
-pub(crate) type ListenSocket = Box<dyn Listener>;
-
-pub(super) struct Slot {
-    pub(super) gen: u32,
-    pub(super) conn: Option<Conn>,
-}
-
-/// The loop's state: the connection table, listeners, timers, the provider engine, and
-/// each protocol's loop-wide [state](Loop::state). Whoever runs the loop holds it; protocols
-/// reach it in their [`Handler`](super::Handler) hooks and [`Job`](super::Job)s.
-pub struct Loop {
-    pub(crate) shared: Arc<Shared>,
-    pub(super) poll: Poll,
-    pub(super) conns: Vec<Slot>,
-    /// Every listening socket, by listener id.
-    pub(super) listeners: HashMap<u64, super::sockets::Listening>,
-    pub(super) free: Vec<u32>,
-    /// Protocols' loop-wide hooks ([`Loop::add_service`]), by the service's type.
-    pub(super) services: Vec<(TypeId, &'static dyn super::Service)>,
-    /// Work due at the end of the turn ([`Loop::defer`]).
-    pub(super) deferred: Vec<fn(&mut Loop)>,
-    /// Connections parked until memory comes back ([`Loop::park_for_memory`]).
-    pub(super) parked: VecDeque<ConnKey>,
-    /// Protocols' loop-wide state, one value per type ([`Loop::state`]).
-    pub(super) states: HashMap<TypeId, Box<dyn Any + Send>>,
-    pub(super) timers: Timers,
-    /// Connections to drive again (they used their budget, or were unblocked).
-    pub(super) again: Vec<ConnKey>,
-    /// Connections whose link is [`polled`](crate::providers::link::Link::polled): read on
-    /// every spin turn, armed before a sleep.
-    pub(super) polled: Vec<ConnKey>,
-    /// Spin turns since the last `epoll_wait`, while polled links are read in memory.
-    pub(super) polls_skipped: u32,
-    /// A block started waiting for memory since the queue was last served: serve it once
-    /// (memory may be free already, and no release would then come to wake us).
-    pub(super) mem_dirty: bool,
-    pub(crate) net: Net,
-    /// Set at shutdown: when the loop gives up waiting for connections to close.
-    pub(super) exiting: Option<Instant>,
 }
 
 impl Loop {
@@ -462,7 +418,7 @@ impl Loop {
         conn.role.handler().limits(conn)
     }
 
-    fn incoming(&mut self, conn: &mut Conn, inc: conn::Incoming) {
+    fn incoming(&mut self, conn: &mut Conn, inc: crate::providers::link::Incoming) {
         conn.role.handler().incoming(self, conn, inc);
     }
 

@@ -2,17 +2,12 @@
 //!
 //! # Threads
 //!
-//! A [`Driver`] owns exactly two threads, whatever the number of peers:
-//!
-//! * the **loop** (`rdma-shuffle-loop-<name>`): a `mio` poll over every socket (listeners,
-//!   tcp connections, verbs control sockets), the verbs completion channel, and a waker for
-//!   commands from other threads. It runs the `wire` sessions (sans-IO state machines) of
-//!   every connection, their timers, memory backpressure, and all I/O;
-//! * the **delivery** thread (`rdma-shuffle-deliver-<name>`): hands block outcomes to
-//!   [`BlockSink`]s that may be slow, so they never stall I/O. A sink that declares itself
-//!   cheap ([`BlockSink::inline`]) gets its fetched blocks on the loop thread instead, so a
-//!   fetch costs one thread hand-off each way: the caller's command wakes the loop, the sink
-//!   wakes the caller.
+//! A [`Driver`] owns one thread, whatever the number of peers: the **loop**
+//! (`rdma-shuffle-loop-<name>`), a `mio` poll over every socket (listeners, tcp
+//! connections, verbs control sockets), the verbs completion channel, and a waker for jobs
+//! from other threads. It runs every connection's protocol, timers, memory backpressure, and
+//! all I/O. A protocol may add a thread of its own once per loop (the shuffle's block client
+//! adds one that hands outcomes to slow sinks), never one per peer.
 //!
 //! The loop spins briefly ([`DriverConfig::spin`]) after a turn with work before it sleeps
 //! in the kernel, so an answer that follows a request closely costs no wake-up.
@@ -20,7 +15,7 @@
 //! The loop thread is the loop's *default* runner, not its only one: the loop's state sits
 //! behind a lock, and a caller that blocks for a message (a Mobius call) takes
 //! it over and runs the turns on its own thread, as MPI's progress engine does
-//! ([`progress`]). Its sends go out and its answers are read without any thread hand-off;
+//! (`progress`). Its sends go out and its answers are read without any thread hand-off;
 //! the loop thread steps aside while callers drive and takes over again once none does.
 //! No thread is added for it.
 //!
@@ -32,27 +27,25 @@
 //!
 //! # Rules of the loop
 //!
-//! * It never blocks: not on sockets (all nonblocking), not on the pool (`try_acquire`; a
-//!   returned lease wakes the loop through the pool's release hook), not on the byte budget
-//!   (its guard wakes the loop the same way). A block that waits for local memory waits in a
-//!   queue; that wait is *not* peer silence (the session's fetch timeout does not run for it)
-//!   and never fails the connection or other blocks.
+//! * It never blocks: not on sockets (all nonblocking), not on memory (protocols
+//!   `try_acquire`; a returned lease or budget wakes the loop through the
+//!   [release hook](Driver::release_hook), and the loop serves what waited for it:
+//!   [`Service::memory`], connections [parked](Loop::park_for_memory) for it).
 //! * No locks are held across I/O: connections belong to the loop alone.
-//! * Timers come from the sessions (`poll_timeout`/`handle_timeout`) and from the loop's own
-//!   limits (connect, attach, idle, close), in one heap ([`timers`]).
-//! * Work before authentication is bounded: an accepted connection costs a socket and a
-//!   session; nothing is allocated, registered or exposed for it until its proof checked
-//!   out. At most [`DriverConfig::max_pending_handshakes`] unauthenticated connections exist
-//!   at once (the oldest is evicted for a new one), each for at most the handshake timeout.
+//! * Timers come from the protocols ([`Handler::deadline`]) and from the loop's own limits
+//!   (close), in one heap.
+//! * Work before authentication is bounded: protocols allocate, register or expose nothing
+//!   for a connection until its peer proved the secret, and keep at most
+//!   [`DriverConfig::max_pending_handshakes`] unauthenticated connections.
 //!
-//! # Connection kinds
+//! # Connections
 //!
 //! Every connection has a transport (a provider's [`Link`](crate::providers::link::Link):
-//! tcp, sim, verbs, whatever `providers/` holds; the driver never asks which) and a role: a
-//! block client ([`ClientEndpoint`]), a block server ([`ServerEndpoint`]), or a raw
-//! `Channel` (feature `testing`) — frames in and out, one-sided reads, with no session: the provider-level
-//! primitives other protocols (tests) build on — or whatever a protocol outside this crate
-//! runs through the [`Handler`] trait (Mobius's mesh links, in crates/collective).
+//! tcp, sim, shm, verbs, whatever `providers/` holds; the driver never asks which) and a
+//! [`Role`]: the protocol that runs on it and its state. The protocols live with their
+//! owners: the shuffle's block client and server in `rdma_shuffle_shuffle::blocks`, Mobius's
+//! mesh links in `mobius_collective::mesh`. The raw test channel (feature `testing`,
+//! [`crate::channel`]) is one more, for the provider conformance suites.
 //!
 //! # How a protocol plugs in
 //!
@@ -64,10 +57,8 @@
 //! * [`Job`]s from its callers' threads ([`Driver::submit`]), which run with the loop in hand;
 //! * its loop-wide bookkeeping (its endpoints by id) as [`Loop::state`], typed and lock-free.
 
-#[cfg(any(test, feature = "testing"))]
-pub(crate) mod channel;
 mod commands;
-pub(crate) mod conn;
+mod conn;
 mod event_loop;
 mod job;
 mod progress;
@@ -75,112 +66,27 @@ mod service;
 mod sockets;
 mod stats;
 mod timers;
+mod types;
 
-#[cfg(any(test, feature = "testing"))]
-pub use channel::{Channel, ChannelListener, PendingRead, Received};
-pub use conn::{Closing, Conn, ConnKey, Handler, Incoming, MsgPayload, Placement, Role, Transport};
-pub(crate) use event_loop::ListenSocket;
-pub use event_loop::Loop;
-pub use event_loop::Net;
-pub use job::Job;
-pub use service::Service;
-pub use sockets::Acceptor;
+pub use crate::providers::link::{Incoming, MsgPayload, Net, Placement};
 pub use stats::DriverStats;
+pub use types::{
+    Acceptor, Closing, Conn, ConnKey, DriverConfig, Handler, Job, Loop, Role, Service, Transport, DEFAULT_SPIN, MAX_SPIN,
+};
+pub(crate) use types::{Command, Shared};
 
 use crate::error::FabricError;
 use crate::memory::pool::ReleaseHook;
 use crate::providers::link::Notify;
 use crate::providers::Provider;
-use event_loop::{listener_token, WAKER};
+use event_loop::WAKER;
 use mio::{Poll, Waker};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use timers::Timers;
-
-/// Settings of a driver (one engine's loop).
-#[derive(Clone, Debug)]
-pub struct DriverConfig {
-    /// Name in thread names, logs and errors (the executor id).
-    pub name: String,
-    /// Most connections accepted but not yet authenticated; a new one evicts the oldest.
-    pub max_pending_handshakes: usize,
-    /// A connection with nothing outstanding for this long is closed (clients close at this
-    /// limit, servers at twice it, so the client side normally goes first); the next fetch
-    /// opens a new one.
-    pub idle_timeout: Duration,
-    /// Most bytes of rendezvous regions exposed to peers at once, over all server
-    /// connections (one-sided transports: each exposed region is registered memory). Regions
-    /// beyond it wait for releases; see [`exposure`].
-    pub max_bytes_exposed: u64,
-    /// While the loop waits for answers to requests it sent (a fetch in flight), it polls
-    /// without sleeping for up to this long after its last turn with work before it blocks
-    /// in the kernel (as UCX's and NCCL's progress threads spin before they sleep): an
-    /// answer that comes back within it costs no wake-up of the loop thread. It never spins
-    /// with nothing outstanding, nor past the first quiet stretch of this length, so an idle
-    /// engine sleeps and uses no CPU; `Duration::ZERO` never spins. Bounded by [`MAX_SPIN`].
-    pub spin: Duration,
-}
-
-/// The longest [`DriverConfig::spin`] honoured: a longer one is cut to it, so no setting can
-/// turn the loop into a busy-waiting thread on a shared host.
-pub const MAX_SPIN: Duration = Duration::from_millis(1);
-
-impl Default for DriverConfig {
-    /// 256 pending handshakes, 120 s idle timeout, 4 MiB exposed, 50 µs spin.
-    fn default() -> Self {
-        DriverConfig {
-            name: "engine".into(),
-            max_pending_handshakes: 256,
-            idle_timeout: Duration::from_secs(120),
-            max_bytes_exposed: 4 << 20,
-            spin: DEFAULT_SPIN,
-        }
-    }
-}
-
-/// Default [`DriverConfig::spin`]: longer than a loopback or RDMA round trip of a small
-/// block (15-40 µs measured here), short enough to be noise on an idle core.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
-
-/// How long a closing connection may take to flush its last frames (an `Error` for the peer)
-/// and, on verbs, to collect the completions of its posted work.
-const CLOSE_LINGER: Duration = Duration::from_secs(2);
-/// Incoming items one connection may handle before the loop serves the others.
-const DRIVE_BUDGET: usize = 128;
-
-/// Work for the loop from other threads.
-pub(crate) enum Command {
-    /// A protocol's work ([`Job`]).
-    Run(Box<dyn Job>),
-    /// Close everything and stop.
-    Shutdown,
-}
-
-/// What the loop shares with other threads.
-pub(crate) struct Shared {
-    pub(crate) name: String,
-    pub(crate) provider: Arc<dyn Provider>,
-    pub(crate) config: DriverConfig,
-    waker: Waker,
-    commands: Mutex<Vec<Command>>,
-    /// Sim connections and listeners with something to read.
-    ready: Mutex<Vec<u64>>,
-    /// Memory (a lease, budget bytes) came back while the loop waited for some.
-    mem_wake: AtomicBool,
-    /// The loop has blocks waiting for memory.
-    mem_wanted: AtomicBool,
-    stopping: AtomicBool,
-    /// A caller driving progress yields its core between polls instead of spinning on it
-    /// (more threads wait than there are cores: see [`Driver::set_yield_when_idle`]).
-    yield_when_idle: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
-    pub(crate) stats: DriverStats,
-    next_id: AtomicU64,
-}
 
 impl Shared {
     pub(crate) fn command(&self, c: Command) -> Result<(), FabricError> {

@@ -23,8 +23,7 @@
 //! own `epoll` (for at most [`CALLER_NAP`] at a time, so a second waiting caller gets its
 //! turn), and never past its deadline.
 
-use super::event_loop::Loop;
-use super::Shared;
+use super::types::{Loop, Shared, MAX_SPIN};
 use mio::Events;
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -61,7 +60,7 @@ impl Progress {
         let mut spin_until: Option<Instant> = None;
         loop {
             let mut lp = self.lp.lock();
-            let spin = lp.shared.config.spin.min(super::MAX_SPIN);
+            let spin = lp.shared.config.spin.min(MAX_SPIN);
             while self.callers.load(Ordering::Acquire) == 0 {
                 let cap = if lp.spin_now(spin_until) { Some(Duration::ZERO) } else { None };
                 let Some(worked) = lp.turn(&mut events, cap) else {
@@ -110,7 +109,7 @@ pub(super) fn drive<R>(
     }
     progress.callers.fetch_add(1, Ordering::AcqRel);
     let _claim = Claim(progress);
-    let spin = shared.config.spin.min(super::MAX_SPIN);
+    let spin = shared.config.spin.min(MAX_SPIN);
     let mut rang = false;
     let mut events = Events::with_capacity(256);
     loop {

@@ -1,31 +1,8 @@
 //! A protocol's loop-wide duties: what it does when memory comes back, whether the loop
 //! should spin for its answers, and how it closes at shutdown.
 
-use super::event_loop::Loop;
+use super::types::{Loop, Service};
 use std::any::TypeId;
-
-/// A protocol's loop-wide hooks, registered once per loop ([`Loop::add_service`]). Its
-/// connections have their own hooks ([`Handler`](super::Handler)); these are for what is
-/// not one connection's: blocks waiting for a buffer, a budget shared by every connection.
-pub trait Service: Sync + 'static {
-    /// Memory came back (a pool lease, budget bytes): serve what waited for it, in order.
-    /// Returns whether something still waits (the loop then keeps listening for releases).
-    fn memory(&self, lp: &mut Loop) -> bool {
-        let _ = lp;
-        false
-    }
-    /// Whether an answer to a request of this protocol is on its way: the loop thread then
-    /// polls briefly before it sleeps ([`DriverConfig::spin`](super::DriverConfig::spin)).
-    fn awaiting_answers(&self, lp: &Loop) -> bool {
-        let _ = lp;
-        false
-    }
-    /// The loop shuts down: close the protocol's endpoints. Connections still open are
-    /// failed by the loop after every service closed.
-    fn shutdown(&self, lp: &mut Loop) {
-        let _ = lp;
-    }
-}
 
 impl Loop {
     /// Registers `service` (once per type; later calls are no-ops).

@@ -3,30 +3,10 @@
 //! The loop keeps every listener in one table and knows nothing of who owns it: an
 //! [`Acceptor`] (a block server, a mesh, a test channel) is handed each accepted connection.
 
-use super::conn::Transport;
-use super::{listener_token, Loop};
+use super::event_loop::listener_token;
+use super::types::{Acceptor, Listening, Loop, Transport};
 use crate::error::FabricError;
 use std::net::SocketAddr;
-
-pub(crate) use super::ListenSocket;
-
-/// Who takes the connections a listener accepts: the protocol that owns the port.
-pub trait Acceptor: Sync {
-    /// Whether connections waiting on listener `id` are taken now; `false` leaves them in
-    /// the backlog until the owner calls [`Loop::accept`] (a mesh that has not started).
-    fn accepting(&self, lp: &Loop, id: u64) -> bool {
-        let _ = (lp, id);
-        true
-    }
-    /// A connection accepted on listener `id`, from `peer`.
-    fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport);
-}
-
-/// A listener in the loop's table.
-pub(crate) struct Listening {
-    socket: ListenSocket,
-    acceptor: &'static dyn Acceptor,
-}
 
 impl Loop {
     // ------------------------------------------------------------------ listeners

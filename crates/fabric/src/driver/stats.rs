@@ -37,9 +37,7 @@ pub struct DriverStats {
     /// Connections removed with device work still posted after the close limit (their
     /// buffers are leaked, never reused). Stays 0 when every flush completion came back.
     pub unflushed_closes: AtomicU64,
-    /// Block outcomes handed to their sinks on the loop thread ([`BlockSink::inline`]).
-    ///
-    /// [`BlockSink::inline`]: crate::BlockSink::inline
+    /// Block outcomes handed to their sinks on the loop thread (the shuffle's inline sinks).
     pub inline_deliveries: AtomicU64,
     /// Block outcomes handed to the delivery thread.
     pub queued_deliveries: AtomicU64,

@@ -7,11 +7,11 @@
 //! persistent peer channels, pipelined chunks) builds on. Authentication is the caller's: run
 //! a `wire` session's handshake over the channel first, then attach.
 
-use super::conn::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
-use super::{Driver, Loop};
+use crate::driver::{Conn, ConnKey, Driver, Handler, Loop, Role, Shared, Transport};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
 use crate::providers::link::OutPayload;
+use crate::providers::link::{Incoming, Placement};
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
@@ -344,7 +344,7 @@ impl Handler for ChannelHandler {
     }
 }
 
-impl super::Shared {
+impl Shared {
     fn run_channel(&self, c: ChannelCmd) -> Result<(), FabricError> {
         self.run(move |lp| lp.channel_command(c))
     }
@@ -353,7 +353,7 @@ impl super::Shared {
 /// Hands a channel listener's accepted connections to it.
 struct ChannelAcceptor;
 
-impl super::Acceptor for ChannelAcceptor {
+impl crate::driver::Acceptor for ChannelAcceptor {
     fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport) {
         lp.channel_accepted(id, peer, transport)
     }
