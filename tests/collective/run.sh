@@ -14,7 +14,7 @@
 #
 # Sets up its own Python (tests/collective/env.sh: cached torch venv, mobius wheel built from
 # this tree). The Rust side of Mobius is tested by `cargo test -p mobius-collective` and the
-# mesh by `cargo test -p rdma-shuffle-fabric mesh`.
+# mesh by `cargo test -p mobius-collective --lib mesh`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p target
