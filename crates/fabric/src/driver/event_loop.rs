@@ -181,8 +181,17 @@ impl Loop {
     /// The protocol state of type `T` this loop keeps (a protocol's endpoints by id), made
     /// with `T::default()` on first use. Only the loop's holder reaches it, so it needs no lock.
     pub fn state<T: Any + Send + Default>(&mut self) -> &mut T {
-        let v = self.states.entry(TypeId::of::<T>()).or_insert_with(|| Box::new(T::default()));
-        v.downcast_mut().unwrap_or_else(|| unreachable!("a loop state is keyed by its own type"))
+        // A list, not a map: a loop holds a state or two, and this runs several times per
+        // block; a scan of TypeIds is cheaper than hashing one.
+        let id = TypeId::of::<T>();
+        let i = match self.states.iter().position(|(t, _)| *t == id) {
+            Some(i) => i,
+            None => {
+                self.states.push((id, Box::new(T::default())));
+                self.states.len() - 1
+            }
+        };
+        self.states[i].1.downcast_mut().unwrap_or_else(|| unreachable!("a loop state is keyed by its own type"))
     }
 
     /// The provider state of this loop, for a link's calls (send, expose, read...).
@@ -209,7 +218,8 @@ impl Loop {
 
     /// [`state`](Self::state), if it was made.
     pub fn state_ref<T: Any + Send>(&self) -> Option<&T> {
-        self.states.get(&TypeId::of::<T>()).and_then(|v| v.downcast_ref())
+        let id = TypeId::of::<T>();
+        self.states.iter().find(|(t, _)| *t == id).and_then(|(_, v)| v.downcast_ref())
     }
 
     // ------------------------------------------------------------------ connection table

@@ -192,7 +192,7 @@ impl Driver {
             services: Vec::new(),
             deferred: Vec::new(),
             parked: VecDeque::new(),
-            states: HashMap::new(),
+            states: Vec::new(),
             timers: Timers::default(),
             again: Vec::new(),
             polled: Vec::new(),

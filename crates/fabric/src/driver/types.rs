@@ -127,7 +127,7 @@ pub struct Loop {
     /// Connections parked until memory comes back ([`Loop::park_for_memory`]).
     pub(super) parked: VecDeque<ConnKey>,
     /// Protocols' loop-wide state, one value per type ([`Loop::state`]).
-    pub(super) states: HashMap<TypeId, Box<dyn Any + Send>>,
+    pub(super) states: Vec<(TypeId, Box<dyn Any + Send>)>,
     pub(super) timers: Timers,
     /// Connections to drive again (they used their budget, or were unblocked).
     pub(super) again: Vec<ConnKey>,
