@@ -99,7 +99,14 @@ impl Mesh {
                     return Some(Ok(Posting::Placed));
                 }
                 Some(Posted::Failed(why)) => {
-                    let e = MeshError::PeerFailed { rank: s.rank, peer, addr: st.peers[peer].name.clone(), reason: why.clone() };
+                    // The group's own state names the cause best (this rank closed, the
+                    // peer left or aborted); the link's reason is the fallback.
+                    let e = s.check(st, peer).err().unwrap_or_else(|| MeshError::PeerFailed {
+                        rank: s.rank,
+                        peer,
+                        addr: st.peers[peer].name.clone(),
+                        reason: why.clone(),
+                    });
                     st.posted.remove(&(peer, tag));
                     return Some(Err(e));
                 }

@@ -2,6 +2,7 @@
 //! protocols, authentication, refusals, dead and departing peers, abort, the registration
 //! cache.
 
+use super::shared::Posted;
 use super::*;
 use rdma_shuffle_fabric::providers::{SimProvider, TcpProvider};
 use rdma_shuffle_wire::Secret;
@@ -559,4 +560,50 @@ fn a_peer_that_dies_while_a_receive_is_posted_fails_it() {
         let e = m1.wait_posted(&mut p, None, soon()).unwrap_err();
         assert!(matches!(e, MeshError::PeerFailed { peer: 0, .. }), "{}: {e}", provider.name());
     }
+}
+
+#[test]
+fn a_receive_given_up_while_its_message_is_placed_never_sees_its_memory_written_after() {
+    // tcp reads a claimed message from the socket straight into the caller's memory. A
+    // caller that gives the receive up mid-message must get its memory back only once
+    // nothing writes it any more: either the placement finished first (the buffer holds the
+    // whole message and the link stays up), or the link stopped reading and failed, loudly
+    // (the rest of the frame cannot be skipped). Which one happens depends on whether the
+    // loop finished the message before it ran the give-up; both are checked.
+    let big: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 249) as u8).collect();
+    let tcp: Arc<dyn Provider> = Arc::new(TcpProvider::new());
+    let mut stopped = 0;
+    for attempt in 0..10u64 {
+        let meshes: Vec<Mesh> = build(tcp.clone(), 2, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+        let (m0, m1) = (&meshes[0], &meshes[1]);
+        let tag = 100 + attempt;
+        let mut dst = vec![0u8; big.len()];
+        let p = unsafe { m1.post_recv(0, tag, dst.as_mut_ptr(), dst.len()) }.unwrap();
+        let ticket = m0.send(1, tag, &big, Proto::Rendezvous, None).unwrap();
+        let deadline = soon();
+        loop {
+            if matches!(m1.shared.lock().posted.get(&(0, tag)), Some(Posted::Claimed | Posted::Done | Posted::Failed(_))) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the posted receive was never claimed");
+            std::hint::spin_loop();
+        }
+        // Returns once nothing writes `dst` any more.
+        drop(p);
+        let snapshot: Vec<u8> = dst.clone();
+        let status = m1.shared.lock().peers[0].status.clone();
+        assert!(!m1.shared.lock().posted.contains_key(&(0, tag)), "the receive is forgotten");
+        match status {
+            PeerStatus::Up => assert!(dst == big, "the link stayed up, so the whole message was placed"),
+            PeerStatus::Failed(why) => {
+                assert!(why.contains("abandoned"), "{why}");
+                stopped += 1;
+            }
+            other => panic!("unexpected link state {other:?}"),
+        }
+        let _ = m0.wait(ticket, soon());
+        drop(meshes);
+        assert!(dst == snapshot, "the buffer was written after its receive was given up");
+    }
+    eprintln!("{stopped} of 10 give-ups stopped a placement in progress");
 }

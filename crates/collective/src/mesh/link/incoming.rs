@@ -277,10 +277,11 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
             // a send it read is done, not failed by its departure.
             mesh_after(conn);
             let m = mesh_mut(conn);
-            m.end_posted("the peer closed its mesh");
+            // Left first, so a receive the goodbye ends reports the peer left.
             if let Some(peer) = m.peer {
                 m.shared.peer_left(peer);
             }
+            m.end_posted("the peer closed its mesh");
             // Nothing more comes on this link.
             lp.close(conn, "the peer closed its mesh".into(), false);
             Ok(())
