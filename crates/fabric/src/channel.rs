@@ -271,21 +271,7 @@ pub(crate) enum ChannelCmd {
 }
 
 /// The channel listeners of a loop, by id.
-#[derive(Default)]
-pub(crate) struct ChanListeners(HashMap<u64, ChanListenerEp>);
-
-impl std::ops::Deref for ChanListeners {
-    type Target = HashMap<u64, ChanListenerEp>;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for ChanListeners {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.0
-    }
-}
+pub(crate) type ChanListeners = HashMap<u64, ChanListenerEp>;
 
 /// A channel listener inside the loop.
 pub(crate) struct ChanListenerEp {

@@ -121,21 +121,7 @@ pub(crate) struct MeshEp {
 }
 
 /// The meshes of a loop, by id (the loop's [state](Loop::state) for this protocol).
-#[derive(Default)]
-pub(crate) struct Meshes(HashMap<u64, MeshEp>);
-
-impl std::ops::Deref for Meshes {
-    type Target = HashMap<u64, MeshEp>;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Meshes {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.0
-    }
-}
+pub(crate) type Meshes = HashMap<u64, MeshEp>;
 
 /// Hands a mesh's accepted connections to it, once the mesh has started (until then they
 /// wait in the listener's backlog).
