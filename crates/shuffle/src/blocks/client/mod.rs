@@ -222,7 +222,14 @@ impl ClientEndpoint {
         pool.add_release_hook(Arc::downgrade(&hook));
         let stats = Arc::new(ClientStats::default());
         let a = AddClient { id, config, pool: pool.clone(), budget, stats: stats.clone() };
-        driver.submit(move |lp| add_client(lp, a))?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        driver.submit(move |lp| {
+            add_client(lp, a);
+            let _ = tx.send(());
+        })?;
+        // The endpoint (and the loop's delivery thread, made with its first endpoint) exists
+        // when this returns, as a server endpoint's listener does.
+        rx.recv_timeout(Duration::from_secs(30)).map_err(|_| FabricError::Shutdown)?;
         Ok(ClientEndpoint { driver: driver.clone(), id, pool, stats, closed: AtomicBool::new(false) })
     }
 
