@@ -115,9 +115,16 @@ impl Transport for MeshTransport {
 
     type Posted = PostedRecv;
 
-    unsafe fn post_recv(&self, peer: usize, tag: Tag, ptr: *mut u8, len: usize) -> Result<PostedRecv, TransportError> {
+    unsafe fn post_recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        reg: Option<&Registration>,
+    ) -> Result<PostedRecv, TransportError> {
         // SAFETY: forwarded contract.
-        unsafe { self.mesh.post_recv(peer, tag, ptr, len) }.map_err(convert)
+        unsafe { self.mesh.post_recv(peer, tag, ptr, len, reg) }.map_err(convert)
     }
 
     fn wait_posted(

@@ -169,7 +169,14 @@ pub trait Transport: Send + Sync {
     /// # Safety
     /// The memory must stay valid, and untouched by anyone else, until the posted receive
     /// was waited for or dropped.
-    unsafe fn post_recv(&self, peer: usize, tag: Tag, ptr: *mut u8, len: usize) -> Result<Self::Posted, TransportError>;
+    unsafe fn post_recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        reg: Option<&Self::Reg>,
+    ) -> Result<Self::Posted, TransportError>;
 
     /// Waits for a posted receive, or — when `also` is given — whichever of it and that
     /// message comes first: `(0, None)` the message is in the posted memory; `(0, Some(buf))`

@@ -143,3 +143,24 @@ fn small_messages_go_eager_and_large_ones_rendezvous_with_rdma_reads() {
         }
     }
 }
+
+/// The ring posts its allgather half's receives with the registration of the caller's
+/// buffer, so each rendezvous segment is READ straight into that buffer (no pool buffer,
+/// no copy out of one), and the result is right.
+#[test]
+fn the_ring_allgather_half_is_read_straight_into_the_callers_buffer() {
+    for (label, ranks) in [("rxe0", one_device as fn() -> _), ("rxe_a<->rxe_b", two_devices)] {
+        let comms = group_on(ranks(), |c, _| c.overrides = Overrides::parse(Some("ring"), None, None).unwrap());
+        on_all(&comms, |rank, c| {
+            let mut big = vec![(rank + 1) as f32; 1 << 20];
+            c.allreduce(&mut big, ReduceOp::Sum).unwrap();
+            assert!(big.iter().all(|v| *v == 3.0), "{label} rank {rank}");
+        });
+        for (r, c) in comms.iter().enumerate() {
+            let t = c.stats().transport;
+            assert!(t.placed > 0 && t.placed_bytes >= 1 << 20, "{label} rank {r}: no READ landed in place: {t:?}");
+            assert!(t.one_sided_reads > 0, "{label} rank {r}: {t:?}");
+        }
+        eprintln!("{label}: ring 4 MiB, rank 0 {:?}", comms[0].stats().transport);
+    }
+}

@@ -532,6 +532,8 @@ impl Loop {
                     let _ = reply.send((lease, result));
                 }
             }
+            // A channel starts no reads into user memory.
+            Incoming::UserReadDone { .. } => {}
             Incoming::Attach(data) => {
                 let accepted = chan_mut(conn).accepted;
                 let key = conn.key.to_u64();

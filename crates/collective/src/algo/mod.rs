@@ -322,7 +322,11 @@ impl<'t, T: Transport> Ctx<'t, T> {
         // SAFETY: `dst..dst+len` is in a caller buffer or scratch that outlives the posted
         // receive (a local of the caller, dropped before the call returns), and no pending
         // send reads it (fenced).
-        unsafe { self.t.post_recv(real, want, dst, len) }.map_err(|e| self.err(e))
+        // A registration of the caller's buffer (made for rendezvous sends out of it) lets a
+        // one-sided transport READ the message straight into it.
+        let (start, end) = (dst as usize, dst as usize + len);
+        let reg = self.regs.iter().find(|(p, l, _)| start >= *p && end <= p + l).map(|(_, _, r)| r);
+        unsafe { self.t.post_recv(real, want, dst, len, reg) }.map_err(|e| self.err(e))
     }
 
     /// The real rank of view rank `peer`, and the tag of segment `seg` of `step` with it.

@@ -3,7 +3,7 @@
 //! out of the sender's buffer), with no pool buffer and no copy out of one.
 
 use super::shared::{MeshShared, Posted, State};
-use super::{Mesh, MeshError, Message, Tag, RELEASE_WAIT};
+use super::{Mesh, MeshError, Message, Registration, Tag, UserReg, RELEASE_WAIT};
 use crate::mesh::link::{submit, MeshCmd};
 use parking_lot::MutexGuard;
 use rdma_shuffle_fabric::driver::Driver;
@@ -21,6 +21,8 @@ pub struct PostedRecv {
     /// Whether an entry is in the mesh's table (not when a message under the tag was queued
     /// already, or once the receive ended).
     active: bool,
+    /// (verbs) The registration a READ into the memory uses; dropped after the receive is.
+    _reg: Option<UserReg>,
 }
 
 impl std::fmt::Debug for PostedRecv {
@@ -45,12 +47,27 @@ impl Mesh {
     /// Posts a receive of the next message from `peer` under `tag` into `len` bytes at
     /// `ptr`. A message of exactly `len` bytes that starts to arrive after this call goes
     /// straight there; one that arrived before, or of another length, is kept in a buffer of
-    /// the mesh as usual, and [`wait_posted`](Mesh::wait_posted) hands it over.
+    /// the mesh as usual, and [`wait_posted`](Mesh::wait_posted) hands it over. On verbs a
+    /// rendezvous message is READ straight there only when `reg` (a [`register`](Mesh::register)ed
+    /// range that holds the receive's, with pages that took a writable pin) is given; else
+    /// it is read into a pool buffer.
     ///
     /// # Safety
     /// `ptr..ptr + len` must stay valid, and must be neither read nor written by anyone else,
     /// until the [`PostedRecv`] was waited for or dropped.
-    pub unsafe fn post_recv(&self, peer: usize, tag: Tag, ptr: *mut u8, len: usize) -> Result<PostedRecv, MeshError> {
+    pub unsafe fn post_recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        reg: Option<&Registration>,
+    ) -> Result<PostedRecv, MeshError> {
+        let (start, end) = (ptr as usize, ptr as usize + len);
+        let lkey = reg.filter(|r| start >= r.ptr && end <= r.ptr + r.len).and_then(|r| match &r.reg {
+            UserReg::Region(region) => region.write_lkey(),
+            UserReg::Plain => None,
+        });
         let s = &*self.shared;
         self.peer_ok(peer)?;
         let mut st = s.lock();
@@ -62,9 +79,12 @@ impl Mesh {
                     s.rank
                 )));
             }
-            st.posted.insert((peer, tag), Posted::Waiting(ptr as usize, len));
+            st.posted.insert((peer, tag), Posted::Waiting(ptr as usize, len, lkey));
         }
-        Ok(PostedRecv { shared: self.shared.clone(), driver: self.driver.clone(), peer, tag, active })
+        // The registration is the caller's, alive until the receive ends: a clone keeps it
+        // (and the READ's target pages) registered until then in any case.
+        let reg = reg.filter(|_| lkey.is_some()).map(|r| r.reg.clone());
+        Ok(PostedRecv { shared: self.shared.clone(), driver: self.driver.clone(), peer, tag, active, _reg: reg })
     }
 
     /// Waits for a posted receive until `deadline`; with `also`, whichever of it and that

@@ -95,8 +95,8 @@ impl Source for UserMemory {
 /// A user buffer registered for rendezvous (see [`Mesh::register`]). Dropping it releases
 /// the registration, or leaves it in the cache.
 pub struct Registration {
-    ptr: usize,
-    len: usize,
+    pub(super) ptr: usize,
+    pub(super) len: usize,
     pub(super) reg: UserReg,
     /// The cache entry it came from; `None` when nothing was registered.
     owner: Option<(Weak<Regs>, u64)>,

@@ -50,8 +50,9 @@ pub(crate) enum Slot {
 /// A receive posted into the caller's memory ([`Mesh::post_recv`](super::Mesh::post_recv)),
 /// by `(peer, tag)`.
 pub(crate) enum Posted {
-    /// Waits for its message: `(address, length)` of the caller's memory.
-    Waiting(usize, usize),
+    /// Waits for its message: `(address, length)` of the caller's memory, and the key a
+    /// one-sided READ writes it with (verbs, when registered).
+    Waiting(usize, usize, Option<u32>),
     /// The loop is placing a message into it.
     Claimed,
     /// The message is in the caller's memory.
@@ -63,7 +64,8 @@ pub(crate) enum Posted {
 /// Where an arriving message goes: a slot of the inbox, or a posted receive.
 pub(crate) enum Dest {
     Slot(u64),
-    Posted(rdma_shuffle_fabric::providers::link::UserBuf),
+    /// The caller's memory, and (one-sided) the key a READ writes it with.
+    Posted(rdma_shuffle_fabric::providers::link::UserBuf, Option<u32>),
 }
 
 /// What building the mesh saw.
@@ -240,16 +242,18 @@ impl MeshShared {
     /// A message of `len` bytes from `peer` under `tag` starts to arrive: it goes straight
     /// into a receive posted for it, when one of that length waits and no earlier message
     /// under the tag is queued (messages under one tag keep their order); else into a slot.
-    pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64) -> Dest {
+    /// `read`: the message is to be READ one-sided, which needs the receive's write key.
+    pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64, read: bool) -> Dest {
         let mut st = self.state.lock();
         if !st.queued(peer, tag) {
             if let Some(p) = st.posted.get_mut(&(peer, tag)) {
-                if let Posted::Waiting(ptr, plen) = *p {
-                    if plen as u64 == len && len > 0 {
+                if let Posted::Waiting(ptr, plen, lkey) = *p {
+                    if plen as u64 == len && len > 0 && (!read || lkey.is_some()) {
                         *p = Posted::Claimed;
                         // SAFETY: the poster keeps the memory and leaves it alone until the
                         // receive is done or failed (`Mesh::post_recv`).
-                        return Dest::Posted(unsafe { rdma_shuffle_fabric::providers::link::UserBuf::new(ptr as *mut u8, plen) });
+                        let buf = unsafe { rdma_shuffle_fabric::providers::link::UserBuf::new(ptr as *mut u8, plen) };
+                        return Dest::Posted(buf, lkey);
                     }
                 }
             }

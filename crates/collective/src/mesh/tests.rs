@@ -484,7 +484,7 @@ fn a_posted_receive_gets_its_message_in_place_and_early_or_odd_messages_are_stag
         // and shm (a body it lends is copied once, out of the sender's buffer); sim files
         // whole messages (and reads one-sided ones into a pool buffer).
         let mut dst = vec![0u8; big.len()];
-        let mut p = unsafe { m1.post_recv(0, 7, dst.as_mut_ptr(), dst.len()) }.unwrap();
+        let mut p = unsafe { m1.post_recv(0, 7, dst.as_mut_ptr(), dst.len(), None) }.unwrap();
         m0.wait(m0.send(1, 7, &big, Proto::Rendezvous, None).unwrap(), soon()).unwrap();
         match m1.wait_posted(&mut p, None, soon()).unwrap() {
             Posting::Placed => assert!(dst == big, "{name}: placed bytes differ"),
@@ -506,7 +506,7 @@ fn a_posted_receive_gets_its_message_in_place_and_early_or_odd_messages_are_stag
             std::thread::yield_now();
         }
         let mut small = vec![0u8; 1000];
-        let mut p = unsafe { m1.post_recv(0, 8, small.as_mut_ptr(), small.len()) }.unwrap();
+        let mut p = unsafe { m1.post_recv(0, 8, small.as_mut_ptr(), small.len(), None) }.unwrap();
         match m1.wait_posted(&mut p, None, soon()).unwrap() {
             Posting::Staged(m) => assert_eq!(&*m, &big[..1000], "{name}"),
             other => panic!("{name}: a queued message must be staged, got {other:?}"),
@@ -514,7 +514,7 @@ fn a_posted_receive_gets_its_message_in_place_and_early_or_odd_messages_are_stag
         drop(p);
         // Posted for 500 bytes, 1000 come: staged, the caller sees the length.
         let mut half = vec![0u8; 500];
-        let mut p = unsafe { m1.post_recv(0, 9, half.as_mut_ptr(), half.len()) }.unwrap();
+        let mut p = unsafe { m1.post_recv(0, 9, half.as_mut_ptr(), half.len(), None) }.unwrap();
         m0.wait(m0.send(1, 9, &big[..1000], Proto::Eager, None).unwrap(), soon()).unwrap();
         match m1.wait_posted(&mut p, None, soon()).unwrap() {
             Posting::Staged(m) => assert_eq!(m.len(), 1000, "{name}"),
@@ -524,7 +524,7 @@ fn a_posted_receive_gets_its_message_in_place_and_early_or_odd_messages_are_stag
         drop(p);
         // The other message waited for comes first; the receive stays posted.
         let mut dst2 = vec![0u8; 1000];
-        let mut p = unsafe { m1.post_recv(0, 10, dst2.as_mut_ptr(), dst2.len()) }.unwrap();
+        let mut p = unsafe { m1.post_recv(0, 10, dst2.as_mut_ptr(), dst2.len(), None) }.unwrap();
         m0.wait(m0.send(1, 11, b"header", Proto::Eager, None).unwrap(), soon()).unwrap();
         match m1.wait_posted(&mut p, Some((0, 11)), soon()).unwrap() {
             Posting::Also(m) => assert_eq!(&*m, b"header"),
@@ -539,7 +539,7 @@ fn a_posted_receive_gets_its_message_in_place_and_early_or_odd_messages_are_stag
         drop(p);
         // Posted and given up unanswered: the next message under that tag is kept as usual.
         let mut gone = vec![0u8; 1000];
-        let mut p = unsafe { m1.post_recv(0, 12, gone.as_mut_ptr(), gone.len()) }.unwrap();
+        let mut p = unsafe { m1.post_recv(0, 12, gone.as_mut_ptr(), gone.len(), None) }.unwrap();
         let e = m1.wait_posted(&mut p, None, Instant::now() + Duration::from_millis(50)).unwrap_err();
         assert!(matches!(e, MeshError::Timeout { peer: 0, .. }), "{name}: {e}");
         drop(p);
@@ -555,7 +555,7 @@ fn a_peer_that_dies_while_a_receive_is_posted_fails_it() {
         let mut meshes: Vec<Mesh> = build(provider.clone(), 2, |_| {}).into_iter().map(|m| m.unwrap()).collect();
         let m1 = meshes.pop().unwrap();
         let mut dst = vec![0u8; 4096];
-        let mut p = unsafe { m1.post_recv(0, 3, dst.as_mut_ptr(), dst.len()) }.unwrap();
+        let mut p = unsafe { m1.post_recv(0, 3, dst.as_mut_ptr(), dst.len(), None) }.unwrap();
         meshes[0].sever();
         let e = m1.wait_posted(&mut p, None, soon()).unwrap_err();
         assert!(matches!(e, MeshError::PeerFailed { peer: 0, .. }), "{}: {e}", provider.name());
@@ -578,7 +578,7 @@ fn a_receive_given_up_while_its_message_is_placed_never_sees_its_memory_written_
         let (m0, m1) = (&meshes[0], &meshes[1]);
         let tag = 100 + attempt;
         let mut dst = vec![0u8; big.len()];
-        let p = unsafe { m1.post_recv(0, tag, dst.as_mut_ptr(), dst.len()) }.unwrap();
+        let p = unsafe { m1.post_recv(0, tag, dst.as_mut_ptr(), dst.len(), None) }.unwrap();
         let ticket = m0.send(1, tag, &big, Proto::Rendezvous, None).unwrap();
         let deadline = soon();
         loop {

@@ -111,6 +111,16 @@ pub enum Incoming {
         /// Whether the read succeeded.
         result: Result<(), FabricError>,
     },
+    /// A one-sided read into user memory ([`Link::start_read_user`]) finished, or was
+    /// flushed: the memory is the caller's again either way.
+    UserReadDone {
+        /// The tag the read was started with.
+        tag: u64,
+        /// Bytes read.
+        len: u64,
+        /// Whether the read succeeded.
+        result: Result<(), FabricError>,
+    },
     /// (links with a data plane) The peer's data-plane bootstrap record: the role passes it
     /// to [`Link::complete_attach`] or [`Link::accept_attach`].
     Attach(Vec<u8>),
@@ -398,6 +408,23 @@ pub trait Link: Send {
     fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
         let _ = (net, tag, desc);
         Err(Box::new((lease, FabricError::Unsupported("this provider has no one-sided read".into()))))
+    }
+
+    /// (one-sided) Starts reading `desc` from the peer straight into the caller's memory
+    /// `dst`, registered with this provider (`lkey`:
+    /// [`UserRegion::write_lkey`](super::UserRegion::write_lkey)). It completes through
+    /// [`next`](Link::next) as [`Incoming::UserReadDone`] with `tag`; until then `dst` is
+    /// the device's. On `Err` nothing was posted.
+    fn start_read_user(
+        &mut self,
+        net: &mut Net,
+        tag: u64,
+        desc: &Descriptor,
+        dst: UserBuf,
+        lkey: u32,
+    ) -> Result<(), FabricError> {
+        let _ = (net, tag, desc, dst, lkey);
+        Err(FabricError::Unsupported("this provider has no one-sided read into user memory".into()))
     }
 
     /// Whether everything sent has left (stream: written to the socket; verbs: completed).

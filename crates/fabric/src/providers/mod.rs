@@ -134,6 +134,11 @@ pub trait Provider: Send + Sync + fmt::Debug {
 pub trait UserRegion: Send + Sync {
     /// The key a peer names the region with.
     fn rkey(&self) -> u32;
+    /// The key a one-sided read of this process writes the region with
+    /// ([`Link::start_read_user`](link::Link::start_read_user)), if it may be written.
+    fn write_lkey(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Which provider [`open_provider`] opens.

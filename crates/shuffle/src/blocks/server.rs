@@ -454,7 +454,7 @@ pub(crate) fn server_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
             server_frame(lp, conn, frame);
         }
         Incoming::Message(frame, _) => server_frame(lp, conn, frame),
-        Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } => {}
+        Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } | Incoming::UserReadDone { .. } => {}
         Incoming::Attach(data) => server_attach(lp, conn, data),
         Incoming::Attached => {}
     }

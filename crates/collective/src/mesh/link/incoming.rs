@@ -32,6 +32,7 @@ pub(crate) fn mesh_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
             mesh_message(lp, conn, frame, buf, at)
         }
         Incoming::ReadDone { tag, lease, result } => mesh_read_done(lp, conn, tag, lease, result),
+        Incoming::UserReadDone { tag, result, .. } => mesh_user_read_done(lp, conn, tag, result),
         Incoming::Attach(data) => mesh_attach(lp, conn, &data),
         Incoming::Attached => {
             mesh_up(lp, conn);
@@ -73,8 +74,8 @@ fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: 
         m.rx = Some(Rx::Data { tag, slot, proto, len });
         return conn.transport.place(Placement::Discard);
     }
-    match m.shared.open_slot_or_claim(peer, tag, len) {
-        Dest::Posted(dst) => {
+    match m.shared.open_slot_or_claim(peer, tag, len, false) {
+        Dest::Posted(dst, _) => {
             m.rx = Some(Rx::Data { tag, slot: 0, proto, len });
             conn.transport.place(Placement::User(dst))
         }
@@ -365,14 +366,23 @@ fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(),
     }
     let m = mesh_mut(conn);
     let peer = m.peer.unwrap_or(0);
-    let slot = m.shared.open_slot(peer, tag);
     if len == 0 {
+        let slot = m.shared.open_slot(peer, tag);
         bump(&m.shared.counters.rendezvous_received, 1);
         m.shared.fill_slot(peer, tag, slot, Message { body: Body::Empty, proto: Proto::Rendezvous });
         let (f, p) = control(KIND_DONE, token, Vec::new());
         return conn.transport.send(lp.net(), &f, p);
     }
-    m.rts.push_back(RtsJob { tag, slot, token, desc: Descriptor { region: token, addr, len, rkey } });
+    // A receive posted for it, with the key to write its memory, takes the READ straight in.
+    let (slot, user) = match m.shared.open_slot_or_claim(peer, tag, len, true) {
+        Dest::Posted(buf, Some(lkey)) => (0, Some((buf, lkey))),
+        Dest::Posted(_, None) => {
+            m.shared.posted_end(peer, tag, Some("claimed for a READ without a write key".into()));
+            return Err(protocol(conn, "internal: a posted receive was claimed for a READ without its write key".into()));
+        }
+        Dest::Slot(id) => (id, None),
+    };
+    m.rts.push_back(RtsJob { tag, slot, token, desc: Descriptor { region: token, addr, len, rkey }, user });
     mesh_pump_reads(lp, conn)
 }
 
@@ -387,6 +397,22 @@ pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), Fabr
         let Some(job) = m.rts.front() else { return Ok(()) };
         let peer = m.peer.unwrap_or(0);
         let len = job.desc.len;
+        if job.user.is_some() {
+            // Straight into the posted receive's registered memory: no pool buffer.
+            let Some(job) = m.rts.pop_front() else { return Ok(()) };
+            let Some((buf, lkey)) = job.user else { return Ok(()) };
+            let read_tag = m.next_read;
+            m.next_read += 1;
+            m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: 0, token: job.token, len, user: true, unposted: None });
+            if let Err(e) = conn.transport.start_read_user(lp.net(), read_tag, &job.desc, buf, lkey) {
+                let m = mesh_mut(conn);
+                m.reads.remove(&read_tag);
+                m.shared.posted_end(peer, job.tag, Some(e.to_string()));
+                return Err(e);
+            }
+            lp.stats().note_reads(1);
+            continue;
+        }
         let lease = match m.shared.pool.try_acquire(len as usize) {
             Ok(Some(l)) => l,
             Ok(None) => {
@@ -400,7 +426,7 @@ pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), Fabr
         let Some(job) = m.rts.pop_front() else { return Ok(()) };
         let read_tag = m.next_read;
         m.next_read += 1;
-        m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: job.slot, token: job.token, len });
+        m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: job.slot, token: job.token, len, user: false, unposted: None });
         if let Err(failed) = conn.transport.start_read(lp.net(), read_tag, &job.desc, lease) {
             let (_lease, e) = *failed;
             return Err(e);
@@ -428,6 +454,38 @@ fn mesh_read_done(
     bump(&c.staged, 1);
     bump(&c.staged_bytes, job.len);
     m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
+    let (f, p) = control(KIND_DONE, job.token, Vec::new());
+    conn.transport.send(lp.net(), &f, p)?;
+    mesh_pump_reads(lp, conn)
+}
+
+/// A READ into a posted receive's memory completed (or was flushed): the memory is the
+/// caller's again. A failed one fails the receive, then the link.
+fn mesh_user_read_done(
+    lp: &mut Loop,
+    conn: &mut Conn,
+    read_tag: u64,
+    result: Result<(), FabricError>,
+) -> Result<(), FabricError> {
+    lp.stats().note_reads(-1);
+    let m: &mut MeshConn = mesh_mut(conn);
+    let Some(job) = m.reads.remove(&read_tag) else { return Ok(()) };
+    let peer = m.peer.unwrap_or(0);
+    if let Some(reply) = job.unposted {
+        // Its caller gave it up and waits until the device is done with the memory.
+        let _ = reply.send(());
+    }
+    if let Err(e) = result {
+        m.shared.posted_end(peer, job.tag, Some(e.to_string()));
+        return Err(e);
+    }
+    let c = &m.shared.counters;
+    bump(&c.reads, 1);
+    bump(&c.rendezvous_received, 1);
+    bump(&c.rendezvous_received_bytes, job.len);
+    bump(&c.placed, 1);
+    bump(&c.placed_bytes, job.len);
+    m.shared.posted_end(peer, job.tag, None);
     let (f, p) = control(KIND_DONE, job.token, Vec::new());
     conn.transport.send(lp.net(), &f, p)?;
     mesh_pump_reads(lp, conn)

@@ -159,6 +159,8 @@ pub(crate) struct RtsJob {
     slot: u64,
     token: u64,
     desc: Descriptor,
+    /// (claimed by a posted receive) Its memory and the key a READ writes it with.
+    user: Option<(rdma_shuffle_fabric::providers::link::UserBuf, u32)>,
 }
 
 /// A READ in flight.
@@ -167,6 +169,10 @@ pub(crate) struct ReadJob {
     slot: u64,
     token: u64,
     len: u64,
+    /// Into a posted receive's memory (no slot, no pool buffer).
+    user: bool,
+    /// Its receive was given up: told once the device is done with the memory.
+    unposted: Option<Sender<()>>,
 }
 
 /// (stream) The frame whose payload is being read.
@@ -227,9 +233,29 @@ impl MeshConn {
     /// The link stops reading (it failed or closes): a receive it was placing into is told,
     /// so its caller may have its memory back.
     pub(crate) fn end_posted(&mut self, why: &str) {
-        if let (Some(tag), Some(peer)) = (self.rx.as_ref().and_then(Rx::posted), self.peer) {
+        let Some(peer) = self.peer else { return };
+        if let Some(tag) = self.rx.as_ref().and_then(Rx::posted) {
             self.rx = None;
             self.shared.posted_end(peer, tag, Some(why.to_string()));
+        }
+        // Claimed READs not started yet: nothing was posted to the device.
+        for job in self.rts.iter().filter(|j| j.user.is_some()) {
+            self.shared.posted_end(peer, job.tag, Some(why.to_string()));
+        }
+        self.rts.retain(|j| j.user.is_none());
+        // READs posted into a receive's memory end with their completion (a flush, once the
+        // queue pair stopped): until then the device may still write the memory.
+    }
+
+    /// The link is removed: receives whose READs never completed end now (the loop only
+    /// removes a link once its device work completed, or after the close limit).
+    fn end_user_reads(&mut self, why: &str) {
+        let Some(peer) = self.peer else { return };
+        for (_, job) in self.reads.drain().filter(|(_, j)| j.user) {
+            if let Some(reply) = job.unposted {
+                let _ = reply.send(());
+            }
+            self.shared.posted_end(peer, job.tag, Some(why.to_string()));
         }
     }
 
@@ -431,14 +457,29 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
             let _ = reply.send(());
         }
         MeshCmd::Unpost { key, tag, reply } => {
+            let mut reply = Some(reply);
             with_mesh(lp, key, |lp, conn| {
-                if mesh_mut(conn).rx.as_ref().and_then(Rx::posted) == Some(tag) {
-                    // The payload cannot be skipped from the middle of a stream frame
-                    // once its memory is gone: the link goes.
+                let m = mesh_mut(conn);
+                // (verbs) A READ into the memory is in flight: the queue pair stops, and the
+                // caller hears back once the flushed READ completed, not before.
+                let reading = match m.reads.values_mut().find(|j| j.user && j.tag == tag) {
+                    Some(job) => {
+                        job.unposted = reply.take();
+                        true
+                    }
+                    None => false,
+                };
+                // The payload cannot be skipped from the middle of a stream frame, nor a
+                // claimed READ handed back, once the memory is gone: the link goes.
+                let claimed =
+                    m.rx.as_ref().and_then(Rx::posted) == Some(tag) || m.rts.iter().any(|j| j.user.is_some() && j.tag == tag);
+                if reading || claimed {
                     lp.fail(conn, FabricError::Unsupported("a posted receive was abandoned while its message arrived".into()));
                 }
             });
-            let _ = reply.send(());
+            if let Some(reply) = reply {
+                let _ = reply.send(());
+            }
         }
         MeshCmd::Abort { id, reason } => {
             let Some(ep) = lp.state::<Meshes>().get(&id) else { return };
@@ -637,6 +678,8 @@ pub(crate) fn mesh_removed(lp: &mut Loop, conn: &mut Conn) {
     if let (Phase::Up, Some(peer)) = (&m.phase, m.peer) {
         m.shared.peer_failed(peer, key, "the connection closed".into());
     }
+    m.end_posted("the connection closed");
+    m.end_user_reads("the connection closed");
     let ep = m.ep;
     if let Some(ep) = lp.state::<Meshes>().get_mut(&ep) {
         ep.conns.retain(|k| *k != key);

@@ -8,7 +8,7 @@ use super::engine::{Event, VerbsEngine};
 use super::sys::{Completed, Exposure, Qp};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
-use crate::providers::link::{encode_message, FailedRead, Incoming, Link, MsgPayload, Net, Placement, ProviderCounters};
+use crate::providers::link::{encode_message, FailedRead, Incoming, Link, MsgPayload, Net, Placement, ProviderCounters, UserBuf};
 use crate::providers::tcp::{OutPayload, TcpConn, TcpRead};
 use crate::providers::Source;
 use mio::{Interest, Registry, Token};
@@ -428,6 +428,28 @@ impl VerbsConn {
                         }
                         self.ready.push_back(Incoming::ReadDone { tag, lease, result });
                     }
+                    Some(Completed::ReadUser { tag, len }) => {
+                        self.reads -= 1;
+                        if let Some(e) = net.engine_mut::<VerbsEngine>() {
+                            e.reads -= 1;
+                        }
+                        let result = if wc.ok() {
+                            if let Some(e) = net.engine_ref::<VerbsEngine>() {
+                                let c = &e.counters;
+                                c.reads.fetch_add(1, Ordering::Relaxed);
+                                c.read_bytes.fetch_add(len, Ordering::Relaxed);
+                            }
+                            Ok(())
+                        } else if wc.remote_access() {
+                            Err(FabricError::RemoteAccess { peer: self.control_peer(), what: wc.status_text() })
+                        } else {
+                            Err(dead(&format!("RDMA READ failed: {}", wc.status_text())))
+                        };
+                        if !wc.ok() && !wc.flushed() {
+                            self.fail(dead(&format!("RDMA READ failed: {}", wc.status_text())));
+                        }
+                        self.ready.push_back(Incoming::UserReadDone { tag, len, result });
+                    }
                     Some(Completed::Bind) => {
                         if let Some(e) = net.engine_mut::<VerbsEngine>() {
                             e.binds -= 1;
@@ -506,6 +528,25 @@ impl VerbsConn {
             Err(e) => return Err(Box::new((lease, e))),
         };
         poster.read(tag, desc, lease)?;
+        self.reads += 1;
+        if let Some(e) = net.engine_mut::<VerbsEngine>() {
+            e.reads += 1;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn start_read_user(
+        &mut self,
+        net: &mut Net,
+        tag: u64,
+        desc: &Descriptor,
+        dst: UserBuf,
+        lkey: u32,
+    ) -> Result<(), FabricError> {
+        let Some(qp) = self.qp.as_mut() else {
+            return Err(dead("the data plane is not up"));
+        };
+        qp.poster()?.read_user(tag, desc, dst, lkey)?;
         self.reads += 1;
         if let Some(e) = net.engine_mut::<VerbsEngine>() {
             e.reads += 1;
@@ -614,6 +655,17 @@ impl Link for VerbsConn {
 
     fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
         VerbsConn::start_read(self, net, tag, desc, lease)
+    }
+
+    fn start_read_user(
+        &mut self,
+        net: &mut Net,
+        tag: u64,
+        desc: &Descriptor,
+        dst: UserBuf,
+        lkey: u32,
+    ) -> Result<(), FabricError> {
+        VerbsConn::start_read_user(self, net, tag, desc, dst, lkey)
     }
 
     fn sends_done(&self) -> bool {

@@ -196,6 +196,10 @@ mod provider {
         fn rkey(&self) -> u32 {
             sys::UserRegion::rkey(self)
         }
+
+        fn write_lkey(&self) -> Option<u32> {
+            sys::UserRegion::write_lkey(self)
+        }
     }
 
     impl Provider for VerbsProvider {

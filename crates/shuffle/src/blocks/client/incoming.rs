@@ -35,6 +35,8 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
         Incoming::Payload(lease) => client_payload(lp, conn, lease),
         Incoming::PayloadVec(_) => {}
         Incoming::ReadDone { tag, lease, result } => client_read_done(lp, conn, tag, lease, result),
+        // Blocks land in pool buffers: the client starts no reads into user memory.
+        Incoming::UserReadDone { .. } => {}
         Incoming::Attach(data) => {
             if let Err(e) = conn.transport.complete_attach(lp.net(), &data) {
                 lp.fail(conn, e);

@@ -265,6 +265,8 @@ impl Exposure {
 /// and, when the pages are writable, a target of this side's READs (local write).
 pub(crate) struct UserRegion {
     mr: Mr,
+    /// Registered for local write too (a READ may land in it); read-only pages are not.
+    writable: bool,
 }
 
 impl UserRegion {
@@ -276,7 +278,7 @@ impl UserRegion {
         let both = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_READ;
         // SAFETY: the caller keeps the range mapped for the region's life.
         match unsafe { Mr::register(&dev.pd, ptr as *mut u8, len, both) } {
-            Ok(mr) => Ok(UserRegion { mr }),
+            Ok(mr) => Ok(UserRegion { mr, writable: true }),
             Err(first) => {
                 // Read-only pages (a numpy array over `bytes`) refuse a writable pin: such a
                 // buffer can still be sent from.
@@ -290,7 +292,7 @@ impl UserRegion {
                         };
                         err(format!("registering a {len}-byte user buffer: {first} (read-only: {e}){advice}"))
                     })?;
-                Ok(UserRegion { mr })
+                Ok(UserRegion { mr, writable: false })
             }
         }
     }
@@ -298,5 +300,10 @@ impl UserRegion {
     /// The key peers read it with.
     pub(crate) fn rkey(&self) -> u32 {
         self.mr.rkey()
+    }
+
+    /// The key this process's READs write it with, if the pages took a writable pin.
+    pub(crate) fn write_lkey(&self) -> Option<u32> {
+        self.writable.then(|| self.mr.lkey())
     }
 }

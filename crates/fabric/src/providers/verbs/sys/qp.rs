@@ -5,7 +5,7 @@ use super::memory::Exposure;
 use super::queues::{Cq, SendBuffers, Srq, SrqHandle, Wc};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
-use crate::providers::link::FailedRead;
+use crate::providers::link::{FailedRead, UserBuf};
 use crate::providers::verbs::bootstrap::AttachRecord;
 use rdma_shuffle_wire::Descriptor;
 use rdma_sys::*;
@@ -19,6 +19,7 @@ use std::sync::Arc;
 enum Posted {
     Send,
     Read { tag: u64, lease: Lease },
+    ReadUser { tag: u64, len: u64 },
     Bind { _exposure: Arc<Exposure> },
 }
 
@@ -28,6 +29,8 @@ pub(crate) enum Completed {
     Send,
     /// A READ's completion, with its buffer.
     Read { tag: u64, lease: Lease },
+    /// A READ into user memory completed.
+    ReadUser { tag: u64, len: u64 },
     /// A window bind's completion.
     Bind,
 }
@@ -224,6 +227,7 @@ impl Qp {
         Some(match self.posted.remove(&wc.wr_id)? {
             Posted::Send => Completed::Send,
             Posted::Read { tag, lease } => Completed::Read { tag, lease },
+            Posted::ReadUser { tag, len } => Completed::ReadUser { tag, len },
             Posted::Bind { .. } => Completed::Bind,
         })
     }
@@ -316,6 +320,28 @@ impl Poster<'_> {
             return Err(Box::new((lease, e)));
         }
         self.qp.posted.insert(wr_id, Posted::Read { tag, lease });
+        Ok(())
+    }
+
+    /// Posts an RDMA READ of `desc` into the user memory `dst` (registered, `lkey`). The
+    /// caller keeps `dst` alive and untouched until the completion.
+    pub(crate) fn read_user(&mut self, tag: u64, desc: &Descriptor, mut dst: UserBuf, lkey: u32) -> Result<(), FabricError> {
+        if (dst.len() as u64) < desc.len {
+            return Err(err(format!("user buffer of {} bytes for a {}-byte READ", dst.len(), desc.len)));
+        }
+        let mut sge = ibv_sge { addr: dst.as_mut_ptr() as u64, length: desc.len as u32, lkey };
+        let wr_id = self.qp.next_wr;
+        self.qp.next_wr = (self.qp.next_wr + 1) & !(WR_RECV | WR_SEND);
+        // SAFETY: a zeroed send WR with the fields set below is valid.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.wr.rdma = rdma_t { remote_addr: desc.addr, rkey: desc.rkey };
+        self.qp.post(&mut wr)?;
+        self.qp.posted.insert(wr_id, Posted::ReadUser { tag, len: desc.len });
         Ok(())
     }
 
