@@ -7,7 +7,7 @@
 //! persistent peer channels, pipelined chunks) builds on. Authentication is the caller's: run
 //! a `wire` session's handshake over the channel first, then attach.
 
-use crate::driver::{Conn, ConnKey, Driver, Handler, Loop, Role, Shared, Transport};
+use crate::driver::{Conn, ConnKey, Driver, Handler, Loop, Role, Transport};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
 use crate::providers::link::OutPayload;
@@ -79,12 +79,7 @@ impl Channel {
     pub fn connect(driver: &Driver, addr: SocketAddr, timeout: Duration) -> Result<Channel, FabricError> {
         let shared = ChannelShared::new();
         let (tx, rx) = crossbeam_channel::bounded(1);
-        driver.shared().run_channel(ChannelCmd::Connect {
-            addr,
-            shared: shared.clone(),
-            limits: Limits::default(),
-            reply: tx,
-        })?;
+        run(driver, ChannelCmd::Connect { addr, shared: shared.clone(), limits: Limits::default(), reply: tx })?;
         match rx.recv_timeout(timeout) {
             Ok(Ok(key)) => Ok(Channel { driver: driver.clone(), key, peer: addr.to_string(), shared }),
             Ok(Err(e)) => Err(e),
@@ -98,7 +93,7 @@ impl Channel {
     }
 
     fn cmd(&self, c: ChannelCmd) -> Result<(), FabricError> {
-        self.driver.shared().run_channel(c)
+        run(&self.driver, c)
     }
 
     /// Sends `frame` followed by `payload` (which must be `frame.payload_len()` bytes).
@@ -215,10 +210,10 @@ pub struct ChannelListener {
 impl ChannelListener {
     /// Listens on `addr` (port 0 picks one).
     pub fn bind(driver: &Driver, addr: SocketAddr) -> Result<ChannelListener, FabricError> {
-        let id = driver.shared().next_id();
+        let id = driver.next_id();
         let accepted = Arc::new(AcceptQueue { queue: Mutex::new(VecDeque::new()), cv: Condvar::new() });
         let (tx, rx) = crossbeam_channel::bounded(1);
-        driver.shared().run_channel(ChannelCmd::Listen { id, addr, accepted: accepted.clone(), reply: tx })?;
+        run(driver, ChannelCmd::Listen { id, addr, accepted: accepted.clone(), reply: tx })?;
         let addr = rx.recv().map_err(|_| FabricError::Shutdown)??;
         Ok(ChannelListener { driver: driver.clone(), id, addr, accepted })
     }
@@ -245,7 +240,7 @@ impl ChannelListener {
     /// Stops listening (returns once the socket is closed). Idempotent.
     pub fn shutdown(&self) {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        if self.driver.shared().run_channel(ChannelCmd::Unlisten { id: self.id, done: tx }).is_ok() {
+        if run(&self.driver, ChannelCmd::Unlisten { id: self.id, done: tx }).is_ok() {
             let _ = rx.recv_timeout(Duration::from_secs(10));
         }
     }
@@ -330,10 +325,9 @@ impl Handler for ChannelHandler {
     }
 }
 
-impl Shared {
-    fn run_channel(&self, c: ChannelCmd) -> Result<(), FabricError> {
-        self.run(move |lp| lp.channel_command(c))
-    }
+/// Queues `c` for `driver`'s loop.
+fn run(driver: &Driver, c: ChannelCmd) -> Result<(), FabricError> {
+    driver.submit(move |lp| lp.channel_command(c))
 }
 
 /// Hands a channel listener's accepted connections to it.

@@ -98,12 +98,6 @@ impl Shared {
         Ok(())
     }
 
-    /// Queues `f` for the loop.
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn run(&self, f: impl FnOnce(&mut Loop) + Send + 'static) -> Result<(), FabricError> {
-        self.command(Command::Run(Box::new(job::FnJob(f))))
-    }
-
     pub(crate) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
@@ -214,11 +208,6 @@ impl Driver {
         *shared.thread.lock() = Some(thread);
         tracing::debug!(name = %shared.name, provider = provider.name(), "driver started");
         Ok(Driver { owner: Arc::new(Owner { shared, progress }) })
-    }
-
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.owner.shared
     }
 
     /// Runs `f` on the loop (on its thread, or on a caller's that drives it): how a protocol

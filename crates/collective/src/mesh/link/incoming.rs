@@ -4,7 +4,7 @@
 use super::{control, mesh_after, mesh_mut, mesh_refuse, MeshConn, Phase, ReadJob, RtsJob, Rx};
 use crate::mesh::handshake::Reader;
 use crate::mesh::link::Meshes;
-use crate::mesh::shared::{bump, Dest};
+use crate::mesh::shared::{bump, Counters, Dest};
 use crate::mesh::{
     memory_advice, Body, MeshError, Message, Proto, Tag, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_DATA, KIND_DONE, KIND_HELLO,
     KIND_MARK, KIND_PROOF, KIND_READY, KIND_REFUSE, KIND_RTS, KIND_WELCOME,
@@ -400,10 +400,8 @@ pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), Fabr
         if job.user.is_some() {
             // Straight into the posted receive's registered memory: no pool buffer.
             let Some(job) = m.rts.pop_front() else { return Ok(()) };
+            let read_tag = start_job(m, &job);
             let Some((buf, lkey)) = job.user else { return Ok(()) };
-            let read_tag = m.next_read;
-            m.next_read += 1;
-            m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: 0, token: job.token, len, user: true, unposted: None });
             if let Err(e) = conn.transport.start_read_user(lp.net(), read_tag, &job.desc, buf, lkey) {
                 let m = mesh_mut(conn);
                 m.reads.remove(&read_tag);
@@ -424,14 +422,35 @@ pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), Fabr
         };
         m.shared.memory_wait(peer, None);
         let Some(job) = m.rts.pop_front() else { return Ok(()) };
-        let read_tag = m.next_read;
-        m.next_read += 1;
-        m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: job.slot, token: job.token, len, user: false, unposted: None });
+        let read_tag = start_job(m, &job);
         if let Err(failed) = conn.transport.start_read(lp.net(), read_tag, &job.desc, lease) {
             let (_lease, e) = *failed;
             return Err(e);
         }
         lp.stats().note_reads(1);
+    }
+}
+
+/// Files `job` as a READ in flight; its read tag.
+fn start_job(m: &mut MeshConn, job: &RtsJob) -> u64 {
+    let read_tag = m.next_read;
+    m.next_read += 1;
+    m.reads.insert(read_tag, ReadJob { tag: job.tag, slot: job.slot, token: job.token, len: job.desc.len, unposted: None });
+    read_tag
+}
+
+/// Counts a rendezvous message of `len` bytes READ: `placed` into a posted receive, else
+/// staged in a pool buffer.
+fn count_read(c: &Counters, len: u64, placed: bool) {
+    bump(&c.reads, 1);
+    bump(&c.rendezvous_received, 1);
+    bump(&c.rendezvous_received_bytes, len);
+    if placed {
+        bump(&c.placed, 1);
+        bump(&c.placed_bytes, len);
+    } else {
+        bump(&c.staged, 1);
+        bump(&c.staged_bytes, len);
     }
 }
 
@@ -447,12 +466,7 @@ fn mesh_read_done(
     let Some(job) = m.reads.remove(&read_tag) else { return Ok(()) };
     result?;
     let peer = m.peer.unwrap_or(0);
-    let c = &m.shared.counters;
-    bump(&c.reads, 1);
-    bump(&c.rendezvous_received, 1);
-    bump(&c.rendezvous_received_bytes, job.len);
-    bump(&c.staged, 1);
-    bump(&c.staged_bytes, job.len);
+    count_read(&m.shared.counters, job.len, false);
     m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
     let (f, p) = control(KIND_DONE, job.token, Vec::new());
     conn.transport.send(lp.net(), &f, p)?;
@@ -479,12 +493,7 @@ fn mesh_user_read_done(
         m.shared.posted_end(peer, job.tag, Some(e.to_string()));
         return Err(e);
     }
-    let c = &m.shared.counters;
-    bump(&c.reads, 1);
-    bump(&c.rendezvous_received, 1);
-    bump(&c.rendezvous_received_bytes, job.len);
-    bump(&c.placed, 1);
-    bump(&c.placed_bytes, job.len);
+    count_read(&m.shared.counters, job.len, true);
     m.shared.posted_end(peer, job.tag, None);
     let (f, p) = control(KIND_DONE, job.token, Vec::new());
     conn.transport.send(lp.net(), &f, p)?;

@@ -169,10 +169,16 @@ pub(crate) struct ReadJob {
     slot: u64,
     token: u64,
     len: u64,
-    /// Into a posted receive's memory (no slot, no pool buffer).
-    user: bool,
     /// Its receive was given up: told once the device is done with the memory.
     unposted: Option<Sender<()>>,
+}
+
+impl ReadJob {
+    /// Whether it reads into a posted receive's memory (slot 0, as in [`Rx::Data`]): no
+    /// slot, no pool buffer.
+    fn posted(&self) -> bool {
+        self.slot == 0
+    }
 }
 
 /// (stream) The frame whose payload is being read.
@@ -251,7 +257,7 @@ impl MeshConn {
     /// removes a link once its device work completed, or after the close limit).
     fn end_user_reads(&mut self, why: &str) {
         let Some(peer) = self.peer else { return };
-        for (_, job) in self.reads.drain().filter(|(_, j)| j.user) {
+        for (_, job) in self.reads.drain().filter(|(_, j)| j.posted()) {
             if let Some(reply) = job.unposted {
                 let _ = reply.send(());
             }
@@ -462,7 +468,7 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
                 let m = mesh_mut(conn);
                 // (verbs) A READ into the memory is in flight: the queue pair stops, and the
                 // caller hears back once the flushed READ completed, not before.
-                let reading = match m.reads.values_mut().find(|j| j.user && j.tag == tag) {
+                let reading = match m.reads.values_mut().find(|j| j.posted() && j.tag == tag) {
                     Some(job) => {
                         job.unposted = reply.take();
                         true

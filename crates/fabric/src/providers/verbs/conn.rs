@@ -5,7 +5,7 @@
 
 use super::bootstrap::AttachRecord;
 use super::engine::{Event, VerbsEngine};
-use super::sys::{Completed, Exposure, Qp};
+use super::sys::{Completed, Exposure, Qp, Wc};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
 use crate::providers::link::{encode_message, FailedRead, Incoming, Link, MsgPayload, Net, Placement, ProviderCounters, UserBuf};
@@ -406,48 +406,11 @@ impl VerbsConn {
                         }
                     }
                     Some(Completed::Read { tag, lease }) => {
-                        self.reads -= 1;
-                        if let Some(e) = net.engine_mut::<VerbsEngine>() {
-                            e.reads -= 1;
-                        }
-                        let result = if wc.ok() {
-                            if let Some(e) = net.engine_ref::<VerbsEngine>() {
-                                let c = &e.counters;
-                                c.reads.fetch_add(1, Ordering::Relaxed);
-                                c.read_bytes.fetch_add(lease.len() as u64, Ordering::Relaxed);
-                            }
-                            Ok(())
-                        } else if wc.remote_access() {
-                            Err(FabricError::RemoteAccess { peer: self.control_peer(), what: wc.status_text() })
-                        } else {
-                            Err(dead(&format!("RDMA READ failed: {}", wc.status_text())))
-                        };
-                        if !wc.ok() && !wc.flushed() {
-                            // An error completion moves the queue pair to the error state.
-                            self.fail(dead(&format!("RDMA READ failed: {}", wc.status_text())));
-                        }
+                        let result = self.read_completed(net, &wc, lease.len() as u64);
                         self.ready.push_back(Incoming::ReadDone { tag, lease, result });
                     }
                     Some(Completed::ReadUser { tag, len }) => {
-                        self.reads -= 1;
-                        if let Some(e) = net.engine_mut::<VerbsEngine>() {
-                            e.reads -= 1;
-                        }
-                        let result = if wc.ok() {
-                            if let Some(e) = net.engine_ref::<VerbsEngine>() {
-                                let c = &e.counters;
-                                c.reads.fetch_add(1, Ordering::Relaxed);
-                                c.read_bytes.fetch_add(len, Ordering::Relaxed);
-                            }
-                            Ok(())
-                        } else if wc.remote_access() {
-                            Err(FabricError::RemoteAccess { peer: self.control_peer(), what: wc.status_text() })
-                        } else {
-                            Err(dead(&format!("RDMA READ failed: {}", wc.status_text())))
-                        };
-                        if !wc.ok() && !wc.flushed() {
-                            self.fail(dead(&format!("RDMA READ failed: {}", wc.status_text())));
-                        }
+                        let result = self.read_completed(net, &wc, len);
                         self.ready.push_back(Incoming::UserReadDone { tag, len, result });
                     }
                     Some(Completed::Bind) => {
@@ -463,6 +426,32 @@ impl VerbsConn {
             }
         }
         Ok(())
+    }
+
+    /// A READ of `bytes` completed (or was flushed): the read caps and counters are
+    /// updated, and its outcome returned. An error completion that is not a flush fails the
+    /// link (it moved the queue pair to the error state).
+    fn read_completed(&mut self, net: &mut Net, wc: &Wc, bytes: u64) -> Result<(), FabricError> {
+        self.reads -= 1;
+        if let Some(e) = net.engine_mut::<VerbsEngine>() {
+            e.reads -= 1;
+        }
+        let result = if wc.ok() {
+            if let Some(e) = net.engine_ref::<VerbsEngine>() {
+                let c = &e.counters;
+                c.reads.fetch_add(1, Ordering::Relaxed);
+                c.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
+            Ok(())
+        } else if wc.remote_access() {
+            Err(FabricError::RemoteAccess { peer: self.control_peer(), what: wc.status_text() })
+        } else {
+            Err(dead(&format!("RDMA READ failed: {}", wc.status_text())))
+        };
+        if !wc.ok() && !wc.flushed() {
+            self.fail(dead(&format!("RDMA READ failed: {}", wc.status_text())));
+        }
+        result
     }
 
     fn fail(&mut self, e: FabricError) {

@@ -517,7 +517,7 @@ pub(crate) struct Clients {
     pub(crate) eps: HashMap<u64, ClientEp>,
     /// Blocks waiting for local memory, in arrival order.
     pub(crate) waiters: std::collections::VecDeque<MemWaiter>,
-    delivery: Option<Arc<Delivery>>,
+    delivery: Option<Delivery>,
 }
 
 /// The loop's client state (made on first use).
@@ -565,7 +565,7 @@ pub(crate) fn add_client(lp: &mut Loop, a: AddClient) {
     if clients(lp).delivery.is_none() {
         let name = lp.name().to_string();
         match Delivery::start(&name) {
-            Ok(d) => clients(lp).delivery = Some(Arc::new(d)),
+            Ok(d) => clients(lp).delivery = Some(d),
             // Outcomes are then delivered on the loop thread: slower sinks stall I/O, but
             // nothing is lost.
             Err(e) => {

@@ -305,22 +305,14 @@ impl Poster<'_> {
             let e = err("pool buffer is not registered with the device (pool built without the verbs registrar)");
             return Err(Box::new((lease, e)));
         }
-        let mut sge = ibv_sge { addr: lease.as_mut_ptr() as u64, length: desc.len as u32, lkey };
-        let wr_id = self.qp.next_wr;
-        self.qp.next_wr = (self.qp.next_wr + 1) & !(WR_RECV | WR_SEND);
-        // SAFETY: a zeroed send WR with the fields set below is valid.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        wr.wr.rdma = rdma_t { remote_addr: desc.addr, rkey: desc.rkey };
-        if let Err(e) = self.qp.post(&mut wr) {
-            return Err(Box::new((lease, e)));
+        let addr = lease.as_mut_ptr() as u64;
+        match self.post_read(desc, addr, lkey) {
+            Ok(wr_id) => {
+                self.qp.posted.insert(wr_id, Posted::Read { tag, lease });
+                Ok(())
+            }
+            Err(e) => Err(Box::new((lease, e))),
         }
-        self.qp.posted.insert(wr_id, Posted::Read { tag, lease });
-        Ok(())
     }
 
     /// Posts an RDMA READ of `desc` into the user memory `dst` (registered, `lkey`). The
@@ -329,7 +321,15 @@ impl Poster<'_> {
         if (dst.len() as u64) < desc.len {
             return Err(err(format!("user buffer of {} bytes for a {}-byte READ", dst.len(), desc.len)));
         }
-        let mut sge = ibv_sge { addr: dst.as_mut_ptr() as u64, length: desc.len as u32, lkey };
+        let wr_id = self.post_read(desc, dst.as_mut_ptr() as u64, lkey)?;
+        self.qp.posted.insert(wr_id, Posted::ReadUser { tag, len: desc.len });
+        Ok(())
+    }
+
+    /// Posts a signaled RDMA READ of `desc` into `desc.len` bytes at `addr` (local key
+    /// `lkey`); the work request's id, for the caller to file what the completion returns.
+    fn post_read(&mut self, desc: &Descriptor, addr: u64, lkey: u32) -> Result<u64, FabricError> {
+        let mut sge = ibv_sge { addr, length: desc.len as u32, lkey };
         let wr_id = self.qp.next_wr;
         self.qp.next_wr = (self.qp.next_wr + 1) & !(WR_RECV | WR_SEND);
         // SAFETY: a zeroed send WR with the fields set below is valid.
@@ -341,8 +341,7 @@ impl Poster<'_> {
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         wr.wr.rdma = rdma_t { remote_addr: desc.addr, rkey: desc.rkey };
         self.qp.post(&mut wr)?;
-        self.qp.posted.insert(wr_id, Posted::ReadUser { tag, len: desc.len });
-        Ok(())
+        Ok(wr_id)
     }
 
     /// Binds `exposure`'s window to this queue pair with remote read over its region.
