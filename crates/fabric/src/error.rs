@@ -1,7 +1,8 @@
 //! Errors of the fabric layer.
 
 use crate::memory::pool::PoolError;
-use rdma_shuffle_wire::{FrameError, Knob, SessionError};
+use crate::providers::codec::CodecError;
+use rdma_shuffle_wire::Knob;
 use std::io;
 use thiserror::Error;
 
@@ -26,18 +27,15 @@ pub enum FabricError {
         /// Peer address or name.
         peer: String,
     },
-    /// The peer sent bytes that are not a valid frame.
+    /// The peer sent bytes that are not a valid frame of the connection's protocol.
     #[error("peer {peer} sent an invalid frame: {source}")]
     Frame {
         /// Peer address or name.
         peer: String,
-        /// What was wrong.
+        /// What the protocol's codec found wrong (its own error type, boxed).
         #[source]
-        source: FrameError,
+        source: CodecError,
     },
-    /// The protocol session failed.
-    #[error(transparent)]
-    Session(#[from] SessionError),
     /// Registered memory could not be had.
     #[error(transparent)]
     Pool(#[from] PoolError),
@@ -95,7 +93,6 @@ impl FabricError {
     /// The setting a user changes to cure this error, where there is one.
     pub fn knob(&self) -> Option<Knob> {
         match self {
-            FabricError::Session(s) => s.error.knob(),
             FabricError::Pool(p) => p.knob(),
             FabricError::ConnectTimeout { .. } => Some(Knob::ConnectTimeout),
             FabricError::Provider { knob, .. } => *knob,

@@ -7,23 +7,21 @@
 //! * [`driver`] — one event loop per engine that runs every connection of every provider.
 //!   A protocol plugs in from outside: a [`Handler`](driver::Handler) per connection, an
 //!   [`Acceptor`](driver::Acceptor) per listener, [`Job`](driver::Job)s from its callers, and
-//!   loop-wide [state](driver::Loop::state). The block client and server endpoints (and
-//!   the raw test channels) still live here; Mobius's mesh lives in crates/collective.
+//!   loop-wide [state](driver::Loop::state). The protocols live with their owners: the
+//!   shuffle's block endpoints in crates/shuffle, Mobius's mesh in crates/collective. Each
+//!   frames its own messages; a provider cuts them with the protocol's
+//!   [`Codec`](driver::Codec) and never reads inside them.
 //!
 //! Nothing here is specific to Spark: settings arrive as plain values, and errors name the
 //! setting to change as a [`Knob`](rdma_shuffle_wire::Knob). The shuffle crate and the
 //! collectives (crates/collective) build on these pieces.
 #![deny(missing_docs)]
 
-#[cfg(any(test, feature = "testing"))]
-pub mod channel;
 pub mod driver;
 pub mod error;
 pub mod memory;
 pub mod providers;
 
-#[cfg(any(test, feature = "testing"))]
-pub use channel::{Channel, ChannelListener, PendingRead, Received};
 pub use driver::{Driver, DriverConfig, DriverStats, DEFAULT_SPIN, MAX_SPIN};
 pub use error::FabricError;
 pub use memory::pool;

@@ -111,6 +111,12 @@ impl BlockClient {
         self.endpoint.stats()
     }
 
+    /// The block protocol's counters of this client's loop (deliveries, the exposure budget
+    /// of servers on the same loop).
+    pub fn loop_stats(&self) -> &crate::blocks::BlockLoopStats {
+        self.endpoint.loop_stats()
+    }
+
     /// The pool blocks land in.
     pub fn pool(&self) -> &TieredPool {
         self.endpoint.pool()

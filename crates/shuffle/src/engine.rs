@@ -162,13 +162,7 @@ impl Engine {
         tracing::info!(executor = %config.executor_id, transport = provider.name(), "{why}");
         let driver = Driver::new(
             provider.clone(),
-            DriverConfig {
-                name: config.executor_id.clone(),
-                idle_timeout: config.idle_timeout,
-                max_bytes_exposed: config.max_bytes_exposed,
-                spin: config.spin,
-                ..DriverConfig::default()
-            },
+            DriverConfig { name: config.executor_id.clone(), idle_timeout: config.idle_timeout, spin: config.spin },
         )?;
         let pool_cfg = PoolConfig { tiers: config.pool_tiers.clone(), cap_bytes: config.pool_cap, ..PoolConfig::default() };
         let pool = TieredPool::new(pool_cfg, provider.registrar())?;
@@ -182,6 +176,8 @@ impl Engine {
             limits,
             handshake_timeout,
             name: config.executor_id.clone(),
+            max_bytes_exposed: config.max_bytes_exposed,
+            ..ServerEndpointConfig::default()
         };
         let server = BlockServer::bind_on_with_files(
             &driver,
@@ -245,6 +241,7 @@ impl Engine {
             let _ = writeln!(out, "{k}={v}");
         };
         let d = self.driver.stats();
+        let b = self.server.loop_stats();
         kv("blocks_served", s.blocks_served());
         kv("bytes_served", s.bytes_served());
         kv("blocks_fetched", r(&c.blocks_fetched));
@@ -276,7 +273,7 @@ impl Engine {
         kv("connections_open", r(&d.connections_open));
         kv("idle_closes", r(&d.idle_closes));
         kv("auth_failures", r(&s.auth_failures));
-        kv("pending_handshakes", r(&d.pending_handshakes));
+        kv("pending_handshakes", r(&b.pending_handshakes));
         kv("handshake_timeouts", r(&d.handshake_timeouts));
         kv("handshake_evictions", r(&d.handshake_evictions));
         kv("registered_bytes", self.provider.registered_bytes() + r(&d.registered_bytes));
@@ -284,9 +281,9 @@ impl Engine {
         kv("reads_in_flight", r(&d.reads_in_flight));
         kv("peak_reads_in_flight", r(&d.peak_reads_in_flight));
         kv("unflushed_closes", r(&d.unflushed_closes));
-        kv("exposed_bytes", r(&d.exposed_bytes));
-        kv("peak_exposed_bytes", r(&d.peak_exposed_bytes));
-        kv("exposure_waits", r(&d.exposure_waits));
+        kv("exposed_bytes", r(&b.exposed_bytes));
+        kv("peak_exposed_bytes", r(&b.peak_exposed_bytes));
+        kv("exposure_waits", r(&b.exposure_waits));
         kv("pool_bytes_allocated", p.bytes_allocated);
         kv("pool_bytes_in_use", p.bytes_in_use);
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);

@@ -10,11 +10,15 @@
 //! * [`knobs`] — the Spark key behind each setting an error of a lower layer points at.
 //! * [`settings`] — the `spark.shuffle.rdma.*` schema (`settings/settings.tsv`, compiled in):
 //!   defaults, parsing and validation of [`EngineConfig`].
+//! * `channel` (feature `testing`) — raw `wire` frames over any provider, for the
+//!   conformance and security suites to play a misbehaving peer.
 //! * [`testkit`] — writes map outputs in Spark's exact layout (and corrupt variants) for tests
 //!   and benchmarks.
 #![deny(missing_docs)]
 
 pub mod blocks;
+#[cfg(any(test, feature = "testing"))]
+pub mod channel;
 pub mod client;
 pub mod engine;
 pub mod knobs;

@@ -163,6 +163,12 @@ impl BlockServer {
         self.endpoint.stats()
     }
 
+    /// The block protocol's counters of this server's loop (exposure budget, pending
+    /// handshakes, deliveries).
+    pub fn loop_stats(&self) -> &crate::blocks::BlockLoopStats {
+        self.endpoint.loop_stats()
+    }
+
     /// The driver (event loop) serving this server.
     pub fn driver(&self) -> &Driver {
         self.endpoint.driver()

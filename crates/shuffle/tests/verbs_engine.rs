@@ -6,8 +6,9 @@ mod suite;
 
 use rdma_shuffle_fabric::pool::PoolConfig;
 use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
-use rdma_shuffle_fabric::{Channel, Driver, DriverConfig, Provider, Source};
+use rdma_shuffle_fabric::{Driver, DriverConfig, Provider, Source};
 use rdma_shuffle_shuffle::blocks::{BlockSink, BlockSource, ClientEndpointConfig, ServerEndpoint, ServerEndpointConfig};
+use rdma_shuffle_shuffle::channel::Channel;
 use rdma_shuffle_shuffle::testkit::write_map_output;
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
 use rdma_shuffle_wire::{BlockFailure, BlockSpan, ClientConfig, ClientSession, FailureCode, Frame, Resolved};
@@ -27,9 +28,9 @@ fn counter(d: &Driver, name: &str) -> u64 {
 
 const MSG: u32 = 16 * 1024 + 8192;
 
-/// A server's driver that may expose `bytes` of rendezvous regions at once.
-fn exposing_driver(p: &Arc<dyn Provider>, bytes: u64) -> Driver {
-    Driver::new(p.clone(), DriverConfig { name: "server".into(), max_bytes_exposed: bytes, ..DriverConfig::default() }).unwrap()
+/// A server's driver.
+fn server_driver(p: &Arc<dyn Provider>) -> Driver {
+    Driver::new(p.clone(), DriverConfig { name: "server".into(), ..DriverConfig::default() }).unwrap()
 }
 /// Pool tiers for the small pools of these tests (the defaults go up to 16 MiB).
 const SMALL_TIERS: [usize; 4] = [4096, 64 << 10, 256 << 10, 1 << 20];
@@ -182,9 +183,14 @@ fn many_reads(small: usize) -> Fixture {
     let mut sizes = vec![small; 64];
     sizes.push(64 * small);
     let out = write_map_output(dir.path(), 6, 1, &sizes, 21).unwrap();
-    let scfg = ServerEndpointConfig { credits: 128, eager_threshold: 16 * 1024, ..ServerEndpointConfig::default() };
     // Every block exposed at once (the big one and the 64 small ones): a budget that holds them.
-    let server = BlockServer::bind_on(&exposing_driver(&p, 128 * small as u64), listen_addr(), scfg).unwrap();
+    let scfg = ServerEndpointConfig {
+        credits: 128,
+        eager_threshold: 16 * 1024,
+        max_bytes_exposed: 128 * small as u64,
+        ..ServerEndpointConfig::default()
+    };
+    let server = BlockServer::bind_on(&server_driver(&p), listen_addr(), scfg).unwrap();
     server.register(out.map_output_files()).unwrap();
     // Budget: half the pool = the big block, or the 64 small ones.
     let pool = pool_for(&p, PoolConfig { cap_bytes: 128 * small as u64, ..PoolConfig::default() });
@@ -244,9 +250,14 @@ fn a_failed_connection_flushes_its_reads_before_their_buffers_go_back() {
     let p = provider(VerbsConfig { max_message: MSG, ..VerbsConfig::default() });
     let dir = tempfile::tempdir().unwrap();
     let out = write_map_output(dir.path(), 7, 1, &vec![1 << 20; 64], 5).unwrap();
-    let scfg = ServerEndpointConfig { credits: 64, eager_threshold: 16 * 1024, ..ServerEndpointConfig::default() };
     // All 64 regions exposed before the first READ: a budget that holds them.
-    let server = BlockServer::bind_on(&exposing_driver(&p, 65 << 20), listen_addr(), scfg).unwrap();
+    let scfg = ServerEndpointConfig {
+        credits: 64,
+        eager_threshold: 16 * 1024,
+        max_bytes_exposed: 65 << 20,
+        ..ServerEndpointConfig::default()
+    };
+    let server = BlockServer::bind_on(&server_driver(&p), listen_addr(), scfg).unwrap();
     server.register(out.map_output_files()).unwrap();
     let addr = server.local_addr();
     let cd = Driver::new(p.clone(), DriverConfig { name: "reader".into(), ..DriverConfig::default() }).unwrap();

@@ -41,6 +41,17 @@ impl Transcript {
         Transcript(h.finalize().into())
     }
 
+    /// The transcript of two handshake messages of a protocol that is not this one (the shm
+    /// provider's, Mobius's mesh): each is length-prefixed, so no two pairs hash alike.
+    pub fn of_messages(first: &[u8], second: &[u8]) -> Self {
+        let mut h = Sha256::new();
+        for m in [first, second] {
+            h.update((m.len() as u64).to_be_bytes());
+            h.update(m);
+        }
+        Transcript(h.finalize().into())
+    }
+
     /// The hash bytes.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0

@@ -18,7 +18,7 @@
 
 use super::MAX_JOB_LEN;
 use rdma_shuffle_wire::frame::PROOF_LEN;
-use rdma_shuffle_wire::{Frame, Secret, Transcript};
+use rdma_shuffle_wire::{Secret, Transcript};
 
 /// Version of the mesh handshake; both sides must speak the same.
 const MESH_VERSION: u32 = 2;
@@ -120,7 +120,7 @@ fn nonce() -> [u8; NONCE_LEN] {
 
 /// The transcript both proofs cover: the exact HELLO and WELCOME fields.
 fn transcript(hello: &[u8], welcome_fields: &[u8]) -> Transcript {
-    Transcript::new(&Frame::Attach { data: hello.to_vec() }, &Frame::Attach { data: welcome_fields.to_vec() })
+    Transcript::of_messages(hello, welcome_fields)
 }
 
 const NO_SECRET_HERE: &str = "it requires a shared secret and this rank has none; set the same MOBIUS_SECRET on every rank";

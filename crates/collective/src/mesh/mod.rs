@@ -49,10 +49,11 @@
 //!
 //! # Wire format
 //!
-//! Mesh messages are `wire` frames, so every provider carries them unchanged: eager data and
-//! control messages travel as [`Frame::Eager`] (`req` = tag, `index` = message kind), tcp
-//! rendezvous payloads as [`Frame::PullData`] (`region` = tag).
+//! The mesh has frames of its own ([`codec`]): a 24-byte header (magic, kind, tag, length),
+//! control bodies inside the fixed part, eager and streamed rendezvous payloads after it.
+//! The providers cut them with the mesh's codec and never read inside them.
 
+mod codec;
 mod config;
 pub(crate) mod handshake;
 mod link;
@@ -81,7 +82,6 @@ use rdma_shuffle_fabric::driver::{Driver, DriverConfig};
 use rdma_shuffle_fabric::memory::pool::{PoolError, TieredPool};
 use rdma_shuffle_fabric::providers::Provider;
 use rdma_shuffle_fabric::FabricError;
-use rdma_shuffle_wire::{Frame, Limits};
 use regcache::RegCache;
 use registration::Regs;
 use shared::{bump, MeshShared, PeerStatus};
@@ -98,18 +98,6 @@ use tracing::debug;
 /// number, a step and a segment into it); the mesh only matches it.
 pub type Tag = u64;
 
-/// Upper 16 bits of the `index` of every mesh frame; lets a link reject stray traffic.
-pub(crate) const KIND_MARK: u32 = 0x4d42_0000;
-pub(crate) const KIND_HELLO: u32 = KIND_MARK | 1;
-pub(crate) const KIND_WELCOME: u32 = KIND_MARK | 2;
-pub(crate) const KIND_PROOF: u32 = KIND_MARK | 3;
-pub(crate) const KIND_READY: u32 = KIND_MARK | 4;
-pub(crate) const KIND_REFUSE: u32 = KIND_MARK | 5;
-pub(crate) const KIND_DATA: u32 = KIND_MARK | 16;
-pub(crate) const KIND_RTS: u32 = KIND_MARK | 17;
-pub(crate) const KIND_DONE: u32 = KIND_MARK | 18;
-pub(crate) const KIND_ABORT: u32 = KIND_MARK | 19;
-pub(crate) const KIND_BYE: u32 = KIND_MARK | 20;
 /// Largest handshake or control message (hello with a job name, abort reasons).
 pub(crate) const CONTROL_MAX: usize = 4096;
 /// Pause between connection attempts to a peer whose listener refused.
@@ -271,16 +259,9 @@ impl Mesh {
         let pool = TieredPool::new(config.pool.clone(), provider.registrar())
             .map_err(|e| MeshError::Memory { rank, message: format!("receive pool: {e}") })?;
         let hs = Handshaker { rank, world, job: config.job.clone(), secret: config.secret.clone() };
-        let limits = Limits {
-            max_control: CONTROL_MAX as u32,
-            max_eager: config.eager_limit.max(CONTROL_MAX) as u32,
-            max_pull: config.max_message as u64,
-            max_blocks_per_fetch: 0,
-        };
         let names = addrs.iter().map(|a| a.to_string()).collect();
         let shared = Arc::new(MeshShared::new(
             hs,
-            limits,
             config.eager_limit,
             config.max_message,
             pool,
@@ -480,8 +461,8 @@ impl Mesh {
                         setting: "MOBIUS_EAGER_LIMIT",
                     });
                 }
-                let frame = Frame::Eager { req: tag, index: KIND_DATA, len: len as u32 };
-                self.post(MeshCmd::Send { key, frame, body: OutBody::Bytes(data.to_vec()), mark: None })?;
+                let head = codec::encode(codec::Kind::Data, tag, len as u64, &[]);
+                self.post(MeshCmd::Send { key, head, body: OutBody::Bytes(data.to_vec()), mark: None })?;
                 bump(&s.counters.eager_sent, 1);
                 bump(&s.counters.eager_sent_bytes, len as u64);
                 Ok(SendTicket::done(peer))
@@ -503,8 +484,8 @@ impl Mesh {
                 let memory = Arc::new(UserMemory { ptr: data.as_ptr() as usize, len });
                 let mut temporary = None;
                 if !self.one_sided {
-                    let frame = Frame::PullData { region: tag, offset: 0, len: len as u64 };
-                    self.post(MeshCmd::Send { key, frame, body: OutBody::User(memory), mark: Some(token) })?;
+                    let head = codec::encode(codec::Kind::Bulk, tag, len as u64, &[]);
+                    self.post(MeshCmd::Send { key, head, body: OutBody::User(memory), mark: Some(token) })?;
                 } else {
                     let r = match reg {
                         Some(r) if r.covers(data) => r,

@@ -10,7 +10,6 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use rdma_shuffle_fabric::driver::ConnKey;
 use rdma_shuffle_fabric::driver::Driver;
 use rdma_shuffle_fabric::memory::pool::TieredPool;
-use rdma_shuffle_wire::Limits;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -135,8 +134,6 @@ pub(crate) struct MeshShared {
     pub(crate) rank: usize,
     pub(crate) world: usize,
     pub(crate) hs: Handshaker,
-    /// Frame limits of a link once it is up.
-    pub(crate) limits: Limits,
     pub(crate) eager_limit: usize,
     pub(crate) max_message: usize,
     /// Limit for one connection's handshake (see [`MeshConfig::handshake_timeout`](super::MeshConfig)).
@@ -152,7 +149,6 @@ impl MeshShared {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         hs: Handshaker,
-        limits: Limits,
         eager_limit: usize,
         max_message: usize,
         pool: TieredPool,
@@ -174,7 +170,6 @@ impl MeshShared {
             rank,
             world,
             hs,
-            limits,
             eager_limit,
             max_message,
             handshake_timeout,

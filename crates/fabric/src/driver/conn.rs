@@ -1,8 +1,10 @@
-//! One connection inside the loop: its transport (a provider's [`Link`]), its role (block client, block server, raw
-//! channel), and the state every role shares (timers, liveness, closing).
+//! One connection inside the loop: its transport (a provider's [`Link`]), its role (the protocol that runs it: its handler,
+//! state and codec), and the state every role shares (timers, liveness, closing).
 
 use super::types::{ConnKey, Handler, Role};
+use crate::providers::codec::Codec;
 use std::any::Any;
+use std::sync::Arc;
 
 impl ConnKey {
     /// The key as one number (a timer's or a completion's key).
@@ -16,9 +18,14 @@ impl ConnKey {
 }
 
 impl Role {
-    /// A role run by `handler` with `state`.
-    pub fn new<S: Any + Send>(handler: &'static dyn Handler, state: S) -> Role {
-        Role { handler, state: Box::new(state) }
+    /// A role run by `handler` with `state`, its frames cut by `codec`.
+    pub fn new<S: Any + Send>(handler: &'static dyn Handler, state: S, codec: Arc<dyn Codec>) -> Role {
+        Role { handler, state: Box::new(state), codec }
+    }
+
+    /// The protocol's framing.
+    pub fn codec(&self) -> &dyn Codec {
+        &*self.codec
     }
 
     /// The protocol's handler.

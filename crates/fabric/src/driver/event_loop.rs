@@ -316,11 +316,6 @@ impl Loop {
         slot.conn.as_mut()
     }
 
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn contains(&self, key: ConnKey) -> bool {
-        self.conns.get(key.index as usize).is_some_and(|s| s.gen == key.gen && s.conn.is_some())
-    }
-
     /// Whether `key` is a connection that is not closing.
     pub fn live(&self, key: ConnKey) -> bool {
         self.conns
@@ -369,11 +364,11 @@ impl Loop {
             let mut budget = DRIVE_BUDGET;
             while budget > 0 && conn.closing.is_none() && !self.blocked(&conn) {
                 budget -= 1;
-                let limits = self.limits(&conn);
+                let codec = &*conn.role.codec;
                 let next = if polled {
-                    conn.transport.next_polled(&mut self.net, &limits)
+                    conn.transport.next_polled(&mut self.net, codec)
                 } else {
-                    conn.transport.next(&mut self.net, &limits)
+                    conn.transport.next(&mut self.net, codec)
                 };
                 match next {
                     Ok(Some(inc)) => {
@@ -395,8 +390,7 @@ impl Loop {
         if conn.closing.is_some() {
             // A closing connection reads nothing but must still collect device completions
             // (the flushes that give back the buffers its posted work targets).
-            let limits = self.limits(&conn);
-            while let Ok(Some(inc)) = conn.transport.next(&mut self.net, &limits) {
+            while let Ok(Some(inc)) = conn.transport.next(&mut self.net, &*conn.role.codec) {
                 self.incoming(&mut conn, inc);
             }
         }
@@ -422,10 +416,6 @@ impl Loop {
     /// Whether the connection cannot read on for now (its payload waits for memory).
     fn blocked(&self, conn: &Conn) -> bool {
         conn.role.handler().blocked(conn)
-    }
-
-    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
-        conn.role.handler().limits(conn)
     }
 
     fn incoming(&mut self, conn: &mut Conn, inc: crate::providers::link::Incoming) {

@@ -35,8 +35,8 @@
 //! * Timers come from the protocols ([`Handler::deadline`]) and from the loop's own limits
 //!   (close), in one heap.
 //! * Work before authentication is bounded: protocols allocate, register or expose nothing
-//!   for a connection until its peer proved the secret, and keep at most
-//!   [`DriverConfig::max_pending_handshakes`] unauthenticated connections.
+//!   for a connection until its peer proved the secret, and each keeps its unauthenticated
+//!   connections under a cap of its own (counted in [`DriverStats::handshake_evictions`]).
 //!
 //! # Connections
 //!
@@ -44,18 +44,22 @@
 //! tcp, sim, shm, verbs, whatever `providers/` holds; the driver never asks which) and a
 //! [`Role`]: the protocol that runs on it and its state. The protocols live with their
 //! owners: the shuffle's block client and server in `rdma_shuffle_shuffle::blocks`, Mobius's
-//! mesh links in `mobius_collective::mesh`. The raw test channel (feature `testing`,
-//! [`crate::channel`]) is one more, for the provider conformance suites.
+//! mesh links in `mobius_collective::mesh`, and the shuffle's raw test channel
+//! (`rdma_shuffle_shuffle::channel`, feature `testing`) for the provider conformance suites.
 //!
 //! # How a protocol plugs in
 //!
 //! The loop names no protocol. A protocol gives it:
-//! * a [`Handler`] for its connections (`Role::new(&MyHandler, state)` at [`Loop::insert`]):
-//!   what to do when bytes or messages arrive, a connect completes, a deadline passes, the
+//! * a [`Handler`] for its connections (`Role::new(&MyHandler, state, codec)` at
+//!   [`Loop::insert`]): what to do when frames or messages arrive, a connect completes, a deadline passes, the
 //!   link fails, memory it [parked](Loop::park_for_memory) for comes back, or it is removed;
 //! * an [`Acceptor`] for each listener it opens ([`Loop::listen`]);
 //! * [`Job`]s from its callers' threads ([`Driver::submit`]), which run with the loop in hand;
-//! * its loop-wide bookkeeping (its endpoints by id) as [`Loop::state`], typed and lock-free.
+//! * its loop-wide bookkeeping (its endpoints by id) as [`Loop::state`], typed and lock-free;
+//! * a [`Codec`] for its frames: the loop's links ask it only how long a frame is (and
+//!   where a provider's bootstrap record goes), and hand the protocol the frame's fixed part
+//!   to decode ([`Incoming::Frame`], [`Incoming::Message`]) and its payload where the
+//!   protocol places it.
 
 mod commands;
 mod conn;
@@ -68,6 +72,7 @@ mod stats;
 mod timers;
 mod types;
 
+pub use crate::providers::codec::{Codec, CodecError, FrameShape};
 pub use crate::providers::link::{Incoming, MsgPayload, Net, Placement};
 pub use stats::DriverStats;
 pub use types::{

@@ -9,11 +9,10 @@ use std::sync::Arc;
 pub struct DriverStats {
     /// Connections open now (every role).
     pub connections_open: AtomicU64,
-    /// Server connections accepted but not yet authenticated, now.
-    pub pending_handshakes: AtomicU64,
-    /// Unauthenticated connections closed at the handshake timeout.
+    /// Unauthenticated connections (any protocol's) closed at their handshake limit.
     pub handshake_timeouts: AtomicU64,
-    /// Unauthenticated connections evicted for newer ones at the pending cap.
+    /// Unauthenticated connections (any protocol's) evicted for newer ones at the
+    /// protocol's cap.
     pub handshake_evictions: AtomicU64,
     /// Memory this driver registered with the device now: receive and send buffers and
     /// exposed regions (sim counts exposed regions too). Pool slabs are the provider's.
@@ -21,13 +20,6 @@ pub struct DriverStats {
     /// Memory ever registered for a peer before it authenticated. Stays 0: the counter is
     /// the proof.
     pub preauth_registered_bytes: AtomicU64,
-    /// Bytes of rendezvous regions exposed to peers now (one-sided transports), within the
-    /// engine's exposure budget.
-    pub exposed_bytes: AtomicU64,
-    /// The most bytes ever exposed at once.
-    pub peak_exposed_bytes: AtomicU64,
-    /// Regions that waited for room in the exposure budget before being exposed.
-    pub exposure_waits: AtomicU64,
     /// Connections closed after their idle timeout.
     pub idle_closes: AtomicU64,
     /// One-sided reads posted and not yet completed, now.
@@ -37,10 +29,6 @@ pub struct DriverStats {
     /// Connections removed with device work still posted after the close limit (their
     /// buffers are leaked, never reused). Stays 0 when every flush completion came back.
     pub unflushed_closes: AtomicU64,
-    /// Block outcomes handed to their sinks on the loop thread (the shuffle's inline sinks).
-    pub inline_deliveries: AtomicU64,
-    /// Block outcomes handed to the delivery thread.
-    pub queued_deliveries: AtomicU64,
     /// Loop turns run by the loop's own thread.
     pub loop_turns: AtomicU64,
     /// Loop turns run by callers driving progress themselves (a Mobius call waiting for a

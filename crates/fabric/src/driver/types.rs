@@ -8,11 +8,11 @@
 use super::stats::DriverStats;
 use super::timers::Timers;
 use crate::error::FabricError;
+use crate::providers::codec::Codec;
 use crate::providers::link::{Incoming, Link, Listener, Net};
 use crate::providers::Provider;
 use mio::{Poll, Waker};
 use parking_lot::Mutex;
-use rdma_shuffle_wire::Limits;
 use std::any::{Any, TypeId};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -25,16 +25,10 @@ use std::time::{Duration, Instant};
 pub struct DriverConfig {
     /// Name in thread names, logs and errors (the executor id).
     pub name: String,
-    /// Most connections accepted but not yet authenticated; a new one evicts the oldest.
-    pub max_pending_handshakes: usize,
     /// A connection with nothing outstanding for this long is closed (clients close at this
     /// limit, servers at twice it, so the client side normally goes first); the next fetch
     /// opens a new one.
     pub idle_timeout: Duration,
-    /// Most bytes of rendezvous regions exposed to peers at once, over all server
-    /// connections (one-sided transports: each exposed region is registered memory). Regions
-    /// beyond it wait for releases (the shuffle's block server keeps the budget).
-    pub max_bytes_exposed: u64,
     /// While the loop waits for answers to requests it sent (a fetch in flight), it polls
     /// without sleeping for up to this long after its last turn with work before it blocks
     /// in the kernel (as UCX's and NCCL's progress threads spin before they sleep): an
@@ -49,15 +43,9 @@ pub struct DriverConfig {
 pub const MAX_SPIN: Duration = Duration::from_millis(1);
 
 impl Default for DriverConfig {
-    /// 256 pending handshakes, 120 s idle timeout, 4 MiB exposed, 50 µs spin.
+    /// 120 s idle timeout, 50 µs spin.
     fn default() -> Self {
-        DriverConfig {
-            name: "engine".into(),
-            max_pending_handshakes: 256,
-            idle_timeout: Duration::from_secs(120),
-            max_bytes_exposed: 4 << 20,
-            spin: DEFAULT_SPIN,
-        }
+        DriverConfig { name: "engine".into(), idle_timeout: Duration::from_secs(120), spin: DEFAULT_SPIN }
     }
 }
 
@@ -161,8 +149,6 @@ pub struct ConnKey {
 /// loop and the connection (taken out of the table while it is handled), so a handler can
 /// send, expose and revoke memory, post reads and arm timers through them.
 pub trait Handler: Sync {
-    /// Limits for decoding what arrives on the connection.
-    fn limits(&self, conn: &Conn) -> Limits;
     /// Whether the connection reads nothing more for now (its payload waits for memory).
     fn blocked(&self, conn: &Conn) -> bool {
         let _ = conn;
@@ -199,10 +185,12 @@ pub trait Handler: Sync {
     fn removed(&self, lp: &mut Loop, conn: &mut Conn);
 }
 
-/// A connection's protocol: its [`Handler`] and its state.
+/// A connection's protocol: its [`Handler`], its state, and its framing (the [`Codec`] its
+/// link cuts frames with).
 pub struct Role {
     pub(super) handler: &'static dyn Handler,
     pub(super) state: Box<dyn Any + Send>,
+    pub(super) codec: Arc<dyn Codec>,
 }
 
 /// The transport of a connection: its provider's link (the driver never asks which).

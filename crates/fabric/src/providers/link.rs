@@ -16,9 +16,10 @@
 
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
+use crate::providers::codec::Codec;
 use crate::providers::Source;
 use mio::{Registry, Token};
-use rdma_shuffle_wire::{Descriptor, Frame, Limits};
+use rdma_shuffle_wire::Descriptor;
 use std::any::Any;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -73,14 +74,19 @@ impl OutPayload {
 /// A read that could not be posted: its buffer and why.
 pub type FailedRead = Box<(Lease, FabricError)>;
 
-/// A received message's payload (message links hand over whole frames): the message and
-/// where its payload starts.
+/// A whole received message (message links hand over whole frames): its bytes and where
+/// its payload starts (the end of the fixed part its codec described).
 pub struct MsgPayload {
     pub(crate) buf: Vec<u8>,
     pub(crate) at: usize,
 }
 
 impl MsgPayload {
+    /// The frame's fixed part, header included: what the protocol decodes.
+    pub fn head(&self) -> &[u8] {
+        &self.buf[..self.at]
+    }
+
     /// The payload's bytes.
     pub fn bytes(&self) -> &[u8] {
         &self.buf[self.at..]
@@ -94,10 +100,11 @@ impl MsgPayload {
 
 /// Something that arrived on a connection.
 pub enum Incoming {
-    /// (stream) A frame's fixed part; a payload, if its kind has one, awaits placement.
-    Frame(Frame),
-    /// (messages) A whole frame with its payload bytes.
-    Message(Frame, MsgPayload),
+    /// (stream) A frame's fixed part, header included, for the protocol to decode; a
+    /// payload, if its [shape](super::codec::FrameShape) has one, awaits placement.
+    Frame(Vec<u8>),
+    /// (messages) A whole frame: its fixed part and its payload.
+    Message(MsgPayload),
     /// (stream) The placed payload is complete.
     Payload(Option<Lease>),
     /// (stream) The payload placed into a vector is complete.
@@ -326,8 +333,9 @@ pub trait Link: Send {
         Ok(false)
     }
 
-    /// Sends a frame and its payload (queued where the link must wait).
-    fn send(&mut self, net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError>;
+    /// Sends a frame: its fixed part `head`, encoded by the protocol, and its payload
+    /// (queued where the link must wait).
+    fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError>;
 
     /// Holds what is sent from now on until [`uncork`](Link::uncork), which sends it
     /// together (tcp: one `writev` for many small frames). A no-op where each send is one
@@ -349,8 +357,8 @@ pub trait Link: Send {
         None
     }
 
-    /// The next thing that arrived, if any.
-    fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError>;
+    /// The next thing that arrived, if any; frames are cut with the connection's `codec`.
+    fn next(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError>;
 
     /// Whether the loop looks at this link on every turn in which it spins, event or not: a
     /// link whose messages arrive in memory (shm rings) is read there without a system call,
@@ -361,8 +369,8 @@ pub trait Link: Send {
 
     /// [`next`](Link::next) for a look with no event behind it (a polled link, on a spin
     /// turn): checks that cost a system call may wait for an event.
-    fn next_polled(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
-        self.next(net, limits)
+    fn next_polled(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+        self.next(net, codec)
     }
 
     /// (polled links) Whether a look would find something, without a system call: the spin
@@ -463,9 +471,10 @@ pub trait Link: Send {
     /// registered for it through this link (both sides expose rendezvous buffers).
     fn allow_remote_read(&mut self) {}
 
-    /// (connecting side, after the handshake) Starts attaching the data plane.
-    fn begin_attach(&mut self, net: &mut Net, key: u64) -> Result<(), FabricError> {
-        let _ = (net, key);
+    /// (connecting side, after the handshake) Starts attaching the data plane; its record
+    /// travels in the protocol's frame for it ([`Codec::attach_frame`]).
+    fn begin_attach(&mut self, net: &mut Net, key: u64, codec: &dyn Codec) -> Result<(), FabricError> {
+        let _ = (net, key, codec);
         Ok(())
     }
 
@@ -481,9 +490,10 @@ pub trait Link: Send {
         Err(FabricError::Unsupported("an attach record on a connection without a data plane".into()))
     }
 
-    /// (accepting side) The authenticated peer's attach record arrived: attach and answer.
-    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8]) -> Result<(), FabricError> {
-        let _ = (net, key, data);
+    /// (accepting side) The authenticated peer's attach record arrived: attach and answer
+    /// (in the protocol's frame, [`Codec::attach_frame`]).
+    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
+        let _ = (net, key, data, codec);
         Err(FabricError::Unsupported("an attach record on a connection without a data plane".into()))
     }
 
@@ -524,10 +534,10 @@ pub trait Link: Send {
     }
 }
 
-/// A frame and its payload as one message.
-pub(crate) fn encode_message(frame: &Frame, payload: OutPayload) -> Result<Vec<u8>, FabricError> {
-    let mut msg = Vec::with_capacity(64 + payload.len() as usize);
-    frame.encode(&mut msg);
+/// A frame's fixed part and its payload as one message.
+pub(crate) fn encode_message(head: Vec<u8>, payload: OutPayload) -> Result<Vec<u8>, FabricError> {
+    let mut msg = head;
+    msg.reserve(payload.len() as usize);
     match payload {
         OutPayload::None => {}
         OutPayload::Bytes(b) => msg.extend_from_slice(&b),

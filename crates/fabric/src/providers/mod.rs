@@ -25,6 +25,7 @@
 //! and [`Listener`](link::Listener), plus its `mod` line below and its arm in
 //! [`open_provider`] (with the [`ProviderChoice`] variant that asks for it).
 
+pub mod codec;
 pub mod link;
 pub mod shm;
 pub mod sim;

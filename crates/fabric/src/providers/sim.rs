@@ -16,6 +16,7 @@
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, NoRegistration};
 use crate::memory::registration::Registrar;
+use crate::providers::codec::{message_head, Codec};
 pub(crate) use crate::providers::link::Notify;
 use crate::providers::link::ProviderCounters;
 use crate::providers::link::{
@@ -24,7 +25,7 @@ use crate::providers::link::{
 use crate::providers::{Provider, Source};
 use mio::{Registry, Token};
 use parking_lot::Mutex;
-use rdma_shuffle_wire::{Descriptor, Frame, Limits};
+use rdma_shuffle_wire::Descriptor;
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
@@ -219,15 +220,15 @@ impl Link for SimLink {
         Ok(false)
     }
 
-    fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
-        self.conn.send(encode_message(frame, payload)?)
+    fn send(&mut self, _net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+        self.conn.send(encode_message(head, payload)?)
     }
 
     fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
         self.conn.send(bytes)
     }
 
-    fn next(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+    fn next(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         if let Some((tag, lease, result)) = self.reads_done.pop_front() {
             return Ok(Some(Incoming::ReadDone { tag, lease, result }));
         }
@@ -235,9 +236,8 @@ impl Link for SimLink {
             None => Ok(None),
             Some(buf) => {
                 let peer = self.conn.peer_name();
-                let (frame, at) =
-                    Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: peer.into(), source: e })?;
-                Ok(Some(Incoming::Message(frame, MsgPayload { buf, at })))
+                let at = message_head(codec, &buf).map_err(|e| FabricError::Frame { peer: peer.into(), source: e })?;
+                Ok(Some(Incoming::Message(MsgPayload { buf, at })))
             }
         }
     }

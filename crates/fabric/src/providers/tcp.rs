@@ -13,12 +13,11 @@
 use crate::error::FabricError;
 use crate::memory::pool::{Lease, NoRegistration};
 use crate::memory::registration::Registrar;
+use crate::providers::codec::{checked_shape, Codec, FrameShape};
 use crate::providers::link::{EngineCtx, Incoming, Link, Listener, Net, ProviderEngine};
 pub(crate) use crate::providers::link::{OutPayload, Placement, UserBuf};
 use crate::providers::Provider;
 use mio::{Interest, Registry, Token};
-use rdma_shuffle_wire::frame::HEADER_LEN;
-use rdma_shuffle_wire::{Frame, Header, Limits};
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::SocketAddr;
@@ -149,8 +148,8 @@ impl Link for TcpConn {
         TcpConn::on_writable(self)
     }
 
-    fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
-        TcpConn::send(self, frame, payload)
+    fn send(&mut self, _net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+        TcpConn::send(self, head, payload)
     }
 
     fn cork(&mut self) {
@@ -169,8 +168,8 @@ impl Link for TcpConn {
         Some((self.queued_total, self.sent_total))
     }
 
-    fn next(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
-        Ok(match TcpConn::next(self, limits)? {
+    fn next(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+        Ok(match TcpConn::next(self, codec)? {
             TcpRead::Frame(f) => Some(Incoming::Frame(f)),
             TcpRead::Payload(l) => Some(Incoming::Payload(l)),
             TcpRead::PayloadVec(v) => Some(Incoming::PayloadVec(v)),
@@ -215,7 +214,7 @@ struct OutFrame {
 
 enum ReadState {
     Header,
-    Fixed(Header),
+    Fixed(FrameShape),
     /// A payload frame was returned; its owner has not placed the payload yet.
     AwaitPlacement {
         remaining: u64,
@@ -262,9 +261,9 @@ impl std::ops::DerefMut for Dst {
 
 /// One step of reading.
 pub(crate) enum TcpRead {
-    /// A frame's header and fixed part. For `Eager` and `PullData` frames the payload follows:
-    /// call [`TcpConn::place`] before reading on.
-    Frame(Frame),
+    /// A frame's fixed part, header included. Where its shape has a payload, the payload
+    /// follows: call [`TcpConn::place`] before reading on.
+    Frame(Vec<u8>),
     /// The placed payload is complete (`None` when it was discarded).
     Payload(Option<Lease>),
     /// The placed payload is complete, as a vector.
@@ -398,8 +397,9 @@ impl TcpConn {
         FabricError::io(&self.peer, op, e)
     }
 
-    /// Queues `frame` and its payload and writes as much as the socket takes.
-    pub(crate) fn send(&mut self, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+    /// Queues a frame (its fixed part `head` and its payload) and writes as much as the
+    /// socket takes.
+    pub(crate) fn send(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         let payload = match payload {
             OutPayload::Source { source, offset, len } => {
                 let have = source.len();
@@ -425,8 +425,6 @@ impl TcpConn {
             }
             p => p,
         };
-        let mut head = Vec::with_capacity(64);
-        frame.encode(&mut head);
         self.push(head, payload)
     }
 
@@ -599,39 +597,37 @@ impl TcpConn {
 
     /// Reads the next frame or payload. Errors are fatal for the connection (end of stream
     /// included: [`FabricError::Closed`]).
-    pub(crate) fn next(&mut self, limits: &Limits) -> Result<TcpRead, FabricError> {
+    pub(crate) fn next(&mut self, codec: &dyn Codec) -> Result<TcpRead, FabricError> {
         loop {
             match &mut self.rstate {
                 ReadState::AwaitPlacement { .. } => return Ok(TcpRead::Idle),
                 ReadState::Header => {
-                    if self.buffered() < HEADER_LEN {
-                        if !self.fill(HEADER_LEN)? {
+                    let hl = codec.header_len();
+                    if self.buffered() < hl {
+                        if !self.fill(hl)? {
                             return Ok(TcpRead::Idle);
                         }
                         continue;
                     }
-                    let h = Header::decode(&self.rbuf[self.rstart..self.rstart + HEADER_LEN], limits)
+                    let shape = checked_shape(codec, &self.rbuf[self.rstart..self.rstart + hl])
                         .map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
-                    self.rstart += HEADER_LEN;
-                    self.rstate = ReadState::Fixed(h);
+                    self.rstate = ReadState::Fixed(shape);
                 }
-                ReadState::Fixed(h) => {
-                    let (h, need) = (*h, h.fixed_len());
-                    if self.buffered() < need {
-                        if !self.fill(need)? {
+                ReadState::Fixed(shape) => {
+                    let shape = *shape;
+                    if self.buffered() < shape.head {
+                        if !self.fill(shape.head)? {
                             return Ok(TcpRead::Idle);
                         }
                         continue;
                     }
-                    let frame = Frame::decode_body(&h, &self.rbuf[self.rstart..self.rstart + need], limits)
-                        .map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
-                    self.rstart += need;
-                    self.rstate = if h.kind.payload_offset().is_some() {
-                        ReadState::AwaitPlacement { remaining: h.payload_len() }
-                    } else {
-                        ReadState::Header
+                    let head = self.rbuf[self.rstart..self.rstart + shape.head].to_vec();
+                    self.rstart += shape.head;
+                    self.rstate = match shape.payload {
+                        Some(remaining) => ReadState::AwaitPlacement { remaining },
+                        None => ReadState::Header,
                     };
-                    return Ok(TcpRead::Frame(frame));
+                    return Ok(TcpRead::Frame(head));
                 }
                 ReadState::Skip { remaining } => {
                     let take = (*remaining).min((self.rend - self.rstart) as u64) as usize;

@@ -4,9 +4,9 @@
 //! never stalls the loop's I/O.
 
 use super::client::{BlockSink, FetchedBlock};
+use super::BlockLoopStats;
 use crossbeam_channel::{unbounded, Sender};
 use parking_lot::Mutex;
-use rdma_shuffle_fabric::DriverStats;
 use rdma_shuffle_wire::BlockFailure;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -19,10 +19,11 @@ pub(crate) type Job = (Arc<dyn BlockSink>, usize, Result<FetchedBlock, BlockFail
 pub(crate) struct Delivery {
     tx: Mutex<Option<Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    stats: Arc<BlockLoopStats>,
 }
 
 impl Delivery {
-    pub(crate) fn start(name: &str) -> std::io::Result<Delivery> {
+    pub(crate) fn start(name: &str, stats: Arc<BlockLoopStats>) -> std::io::Result<Delivery> {
         let (tx, rx) = unbounded::<Job>();
         let thread = std::thread::Builder::new().name(format!("rdma-shuffle-deliver-{name}")).spawn(move || {
             for (sink, index, result) in rx.iter() {
@@ -33,14 +34,15 @@ impl Delivery {
                 }
             }
         })?;
-        Ok(Delivery { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
+        Ok(Delivery { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)), stats })
     }
 
     /// Delivers an outcome: a fetched block of an [`inline`](BlockSink::inline) sink on the
     /// calling thread now (counted in `inline`), anything else through the delivery thread's
     /// queue (counted in `queued`). After [`stop`](Self::stop) every outcome is delivered on
     /// the calling thread, so none is ever lost.
-    pub(crate) fn send(&self, job: Job, stats: &DriverStats) {
+    pub(crate) fn send(&self, job: Job) {
+        let stats = &self.stats;
         if job.2.is_ok() && job.0.inline() {
             stats.inline_deliveries.fetch_add(1, Ordering::Relaxed);
             let (sink, index, result) = job;

@@ -4,7 +4,7 @@
 //! rendezvous is a region mapped, registered with the device and readable by one peer until
 //! that peer releases it. Without a bound, the bytes exposed at once grow with the number of
 //! clients (each may hold up to its credits of regions). The loop keeps their sum within
-//! [`DriverConfig::max_bytes_exposed`](super::DriverConfig): a region that does not fit waits
+//! [`ServerEndpointConfig::max_bytes_exposed`](super::ServerEndpointConfig): a region that does not fit waits
 //! in its connection's queue (in the session's order) until releases make room. No peer
 //! starves: waiting connections are served one region each in turn, and a connection with
 //! nothing exposed goes first (every peer gets at least one region in turn, whatever the
@@ -32,7 +32,7 @@ pub(crate) struct ExposureBudget {
 }
 
 impl Default for ExposureBudget {
-    /// No limit until the first server sets the driver's ([`ExposureBudget::set_limit`]).
+    /// No limit until the first server sets its own ([`ExposureBudget::lower_limit`]).
     fn default() -> Self {
         ExposureBudget::new(u64::MAX)
     }
@@ -43,9 +43,10 @@ impl ExposureBudget {
         ExposureBudget { limit: limit.max(1), used: 0, waiters: VecDeque::new(), dirty: false }
     }
 
-    /// Sets the limit (the driver's `max_bytes_exposed`).
-    pub(crate) fn set_limit(&mut self, limit: u64) {
-        self.limit = limit.max(1);
+    /// Lowers the limit to a server's `max_bytes_exposed` (servers on one loop share the
+    /// budget: the smallest of their limits holds).
+    pub(crate) fn lower_limit(&mut self, limit: u64) {
+        self.limit = self.limit.min(limit.max(1));
     }
 
     /// Bytes exposed now.

@@ -5,10 +5,11 @@
 //!
 //! Before a client authenticated, its connection is a socket and a session — nothing is
 //! exposed, registered or granted for it, and at most
-//! [`DriverConfig::max_pending_handshakes`](super::DriverConfig) such connections exist: a
-//! new one evicts the oldest.
+//! [`ServerEndpointConfig::max_pending_handshakes`] such connections exist on a loop: a new
+//! one evicts the oldest.
 
-use super::exposure;
+use super::codec::{frame_error_of, WireCodec};
+use super::{exposure, loop_stats, BlockLoopStats};
 use rdma_shuffle_fabric::driver::{Acceptor, Driver, Loop, Service};
 use rdma_shuffle_fabric::driver::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
 use rdma_shuffle_fabric::providers::link::OutPayload;
@@ -50,9 +51,18 @@ pub struct ServerEndpointConfig {
     pub handshake_timeout: Duration,
     /// Name used in logs (the executor id).
     pub name: String,
+    /// Most connections accepted but not yet authenticated, over the loop's servers (the
+    /// smallest of their settings holds); a new one evicts the oldest.
+    pub max_pending_handshakes: usize,
+    /// Most bytes of rendezvous regions exposed to peers at once, over the loop's server
+    /// connections (one-sided transports: each exposed region is registered memory; the
+    /// smallest of the loop's servers' settings holds). Regions beyond it wait for releases.
+    pub max_bytes_exposed: u64,
 }
 
 impl Default for ServerEndpointConfig {
+    /// 64 credits, 64 KiB eager threshold, 30 s handshake limit, 256 pending handshakes,
+    /// 4 MiB exposed.
     fn default() -> Self {
         ServerEndpointConfig {
             secret: None,
@@ -62,6 +72,8 @@ impl Default for ServerEndpointConfig {
             limits: Limits::default(),
             handshake_timeout: Duration::from_secs(30),
             name: "server".into(),
+            max_pending_handshakes: 256,
+            max_bytes_exposed: 4 << 20,
         }
     }
 }
@@ -121,6 +133,7 @@ pub struct ServerEndpoint {
     id: u64,
     addr: SocketAddr,
     stats: Arc<ServerStats>,
+    loop_stats: Arc<BlockLoopStats>,
     closed: AtomicBool,
 }
 
@@ -138,9 +151,15 @@ impl ServerEndpoint {
         let name = config.name.clone();
         let a = AddServer { id, addr, config, source, stats: stats.clone(), reply: tx };
         driver.submit(move |lp| add_server(lp, a))?;
-        let addr = rx.recv().map_err(|_| FabricError::Shutdown)??;
+        let (addr, loop_stats) = rx.recv().map_err(|_| FabricError::Shutdown)??;
         tracing::info!(%addr, provider = driver.provider_name(), %name, "block server listening");
-        Ok(ServerEndpoint { driver: driver.clone(), id, addr, stats, closed: AtomicBool::new(false) })
+        Ok(ServerEndpoint { driver: driver.clone(), id, addr, stats, loop_stats, closed: AtomicBool::new(false) })
+    }
+
+    /// The counters this endpoint shares with the other endpoints of its loop (exposure
+    /// budget, pending handshakes, deliveries).
+    pub fn loop_stats(&self) -> &BlockLoopStats {
+        &self.loop_stats
     }
 
     /// The bound address.
@@ -198,7 +217,7 @@ pub(crate) struct AddServer {
     config: ServerEndpointConfig,
     source: Arc<dyn BlockSource>,
     stats: Arc<ServerStats>,
-    reply: crossbeam_channel::Sender<Result<SocketAddr, FabricError>>,
+    reply: crossbeam_channel::Sender<Result<(SocketAddr, Arc<BlockLoopStats>), FabricError>>,
 }
 
 /// A server endpoint, inside the loop.
@@ -250,10 +269,6 @@ fn unreachable_role() -> ! {
 pub(crate) struct ServerHandler;
 
 impl Handler for ServerHandler {
-    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
-        conn.role.get::<ServerConn>().map(|s| s.session.limits()).unwrap_or_default()
-    }
-
     fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
         server_incoming(lp, conn, inc)
     }
@@ -312,6 +327,8 @@ pub(crate) struct Servers {
     pub(crate) pending: VecDeque<ConnKey>,
     /// Rendezvous regions exposed over all server connections, and those waiting for room.
     pub(crate) exposure: exposure::ExposureBudget,
+    /// The most unauthenticated connections kept (0: not set yet, no server).
+    pub(crate) pending_cap: usize,
 }
 
 /// The loop's server state (made on first use).
@@ -324,8 +341,9 @@ fn take_exposure(lp: &mut Loop, bytes: u64) {
     let e = &mut servers(lp).exposure;
     e.take(bytes);
     let used = e.used();
-    lp.stats().exposed_bytes.store(used, Ordering::Relaxed);
-    lp.stats().peak_exposed_bytes.fetch_max(used, Ordering::Relaxed);
+    let st = loop_stats(lp);
+    st.exposed_bytes.store(used, Ordering::Relaxed);
+    st.peak_exposed_bytes.fetch_max(used, Ordering::Relaxed);
 }
 
 /// `bytes` no longer exposed: waiting regions get a pass at the end of the turn.
@@ -333,7 +351,7 @@ fn give_exposure(lp: &mut Loop, bytes: u64) {
     let e = &mut servers(lp).exposure;
     let due = e.give(bytes);
     let used = e.used();
-    lp.stats().exposed_bytes.store(used, Ordering::Relaxed);
+    loop_stats(lp).exposed_bytes.store(used, Ordering::Relaxed);
     if due {
         lp.defer(service_exposures);
     }
@@ -354,12 +372,16 @@ impl Service for ServerService {
 pub(crate) fn add_server(lp: &mut Loop, a: AddServer) {
     let AddServer { id, addr, config, source, stats, reply } = a;
     lp.add_service(&ServerService);
-    let limit = lp.config().max_bytes_exposed;
-    servers(lp).exposure.set_limit(limit);
+    let s = servers(lp);
+    s.exposure.lower_limit(config.max_bytes_exposed);
+    s.pending_cap = match s.pending_cap {
+        0 => config.max_pending_handshakes.max(1),
+        cap => cap.min(config.max_pending_handshakes.max(1)),
+    };
     match lp.listen(id, addr, &ServerAcceptor) {
         Ok(local) => {
             servers(lp).eps.insert(id, ServerEp { config, source, stats, conns: HashSet::new() });
-            let _ = reply.send(Ok(local));
+            let _ = reply.send(Ok((local, loop_stats(lp))));
         }
         Err(e) => {
             let _ = reply.send(Err(e));
@@ -399,6 +421,7 @@ pub(crate) fn server_accepted(lp: &mut Loop, id: u64, peer: String, transport: T
         sc.caps &= !rdma_shuffle_wire::caps::RDMA_READ;
     }
     let session = ServerSession::new(sc, Instant::now());
+    let codec = WireCodec::new(session.limits());
     let role = Role::new(
         &ServerHandler,
         ServerConn {
@@ -411,6 +434,7 @@ pub(crate) fn server_accepted(lp: &mut Loop, id: u64, peer: String, transport: T
             published: ServerCounters::default(),
             pending: true,
         },
+        codec,
     );
     ep.stats.connections.fetch_add(1, Ordering::Relaxed);
     ep.stats.connections_open.fetch_add(1, Ordering::Relaxed);
@@ -419,10 +443,10 @@ pub(crate) fn server_accepted(lp: &mut Loop, id: u64, peer: String, transport: T
         ep.conns.insert(key);
     }
     servers(lp).pending.push_back(key);
-    lp.stats().pending_handshakes.fetch_add(1, Ordering::Relaxed);
+    loop_stats(lp).pending_handshakes.fetch_add(1, Ordering::Relaxed);
     // Oldest first: a flood of silent peers cannot keep out the ones behind it, and it
     // never holds more than the cap.
-    while servers(lp).pending.len() > lp.config().max_pending_handshakes.max(1) {
+    while servers(lp).pending.len() > servers(lp).pending_cap.max(1) {
         let Some(oldest) = servers(lp).pending.pop_front() else { break };
         if let Some(mut conn) = lp.take(oldest) {
             lp.stats().handshake_evictions.fetch_add(1, Ordering::Relaxed);
@@ -438,7 +462,7 @@ fn leave_pending(lp: &mut Loop, conn: &mut Conn) {
     let s = server_mut(conn);
     if s.pending {
         s.pending = false;
-        lp.stats().pending_handshakes.fetch_sub(1, Ordering::Relaxed);
+        loop_stats(lp).pending_handshakes.fetch_sub(1, Ordering::Relaxed);
         let key = conn.key;
         servers(lp).pending.retain(|k| *k != key);
     }
@@ -446,17 +470,35 @@ fn leave_pending(lp: &mut Loop, conn: &mut Conn) {
 
 pub(crate) fn server_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
     match inc {
-        Incoming::Frame(frame) => {
+        Incoming::Frame(head) => {
+            let Some(frame) = server_decode(lp, conn, &head) else { return };
             if frame.kind().payload_offset().is_some() {
                 // Clients send no payloads; the session refuses the frame, the bytes go.
                 let _ = conn.transport.place(Placement::Discard);
             }
             server_frame(lp, conn, frame);
         }
-        Incoming::Message(frame, _) => server_frame(lp, conn, frame),
+        Incoming::Message(p) => {
+            if let Some(frame) = server_decode(lp, conn, p.head()) {
+                server_frame(lp, conn, frame)
+            }
+        }
         Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } | Incoming::UserReadDone { .. } => {}
         Incoming::Attach(data) => server_attach(lp, conn, data),
         Incoming::Attached => {}
+    }
+}
+
+/// The frame whose fixed part arrived; a malformed one fails the connection (the session
+/// answers it with an `Error` frame first, see [`ServerHandler::failed`]).
+fn server_decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
+    match Frame::decode_head(head, &server_mut(conn).session.limits()) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            let peer = conn.peer.clone();
+            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
+            None
+        }
     }
 }
 
@@ -470,7 +512,8 @@ fn server_attach(lp: &mut Loop, conn: &mut Conn, data: Vec<u8>) {
         return;
     }
     let key = conn.key.to_u64();
-    if let Err(e) = conn.transport.accept_attach(lp.net(), key, &data) {
+    let Conn { transport, role, .. } = conn;
+    if let Err(e) = transport.accept_attach(lp.net(), key, &data, role.codec()) {
         lp.fail(conn, e);
     }
 }
@@ -524,9 +567,9 @@ fn server_outputs(lp: &mut Loop, conn: &mut Conn) {
     let ep_id = server_mut(conn).ep;
     while let Some(out) = server_mut(conn).session.poll_output() {
         let r = match out {
-            ServerOutput::Frame(f) => conn.transport.send(lp.net(), &f, OutPayload::None),
+            ServerOutput::Frame(f) => conn.transport.send(lp.net(), f.to_vec(), OutPayload::None),
             ServerOutput::Eager { frame, source, offset, len } | ServerOutput::PullData { frame, source, offset, len } => {
-                conn.transport.send(lp.net(), &frame, OutPayload::Source { source, offset, len })
+                conn.transport.send(lp.net(), frame.to_vec(), OutPayload::Source { source, offset, len })
             }
             ServerOutput::Expose { req, index, region, source, offset, len, block_len } => {
                 if !conn.authenticated {
@@ -544,7 +587,7 @@ fn server_outputs(lp: &mut Loop, conn: &mut Conn) {
                     expose_region(lp, conn, d)
                 } else {
                     s.deferred.push_back(d);
-                    lp.stats().exposure_waits.fetch_add(1, Ordering::Relaxed);
+                    loop_stats(lp).exposure_waits.fetch_add(1, Ordering::Relaxed);
                     servers(lp).exposure.wait(conn.key);
                     Ok(())
                 }
@@ -583,7 +626,7 @@ fn expose_region(lp: &mut Loop, conn: &mut Conn, d: Deferred) -> Result<(), Fabr
             // Counted before the descriptor leaves.
             lp.update_registered();
             let desc = Descriptor { region, addr, len, rkey };
-            conn.transport.send(lp.net(), &Frame::Rendezvous { req, index, desc, block_len }, OutPayload::None)
+            conn.transport.send(lp.net(), Frame::Rendezvous { req, index, desc, block_len }.to_vec(), OutPayload::None)
         }
         Err(e) => {
             tracing::warn!(peer = %conn.peer, error = %e, "cannot expose a rendezvous region; the block fails");
@@ -695,7 +738,7 @@ pub(crate) fn server_failed(lp: &mut Loop, conn: &mut Conn, error: &FabricError)
         tracing::debug!(peer = %conn.peer, "client disconnected");
     }
     let s = server_mut(conn);
-    if let FabricError::Frame { source, .. } = error {
+    if let Some(source) = frame_error_of(error) {
         s.session.handle_decode_error(source.clone());
         server_after(lp, conn);
         return true;

@@ -18,8 +18,9 @@ pub use security::*;
 
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
-use rdma_shuffle_fabric::{Channel, ChannelListener, Driver, DriverConfig, Provider};
+use rdma_shuffle_fabric::{Driver, DriverConfig, Provider};
 use rdma_shuffle_shuffle::blocks::{BlockSink, ClientEndpointConfig, FetchedBlock, ServerEndpointConfig};
+use rdma_shuffle_shuffle::channel::{Channel, ChannelListener};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::testkit::{corrupt_index, write_map_output, GeneratedOutput, IndexCorruption};
 use rdma_shuffle_shuffle::{BlockClient, BlockServer, ShuffleBlock};
@@ -336,7 +337,7 @@ pub fn an_inline_sink_gets_its_blocks_on_the_loop_and_its_failures_on_the_delive
         ShuffleBlock::single(3, o.map_id, 0),
         ShuffleBlock::single(77, 1, 0),
     ];
-    let stats = c.driver().stats();
+    let stats = c.loop_stats();
     for inline in [true, false] {
         let (in0, queued0) = (stats.inline_deliveries.load(Ordering::Relaxed), stats.queued_deliveries.load(Ordering::Relaxed));
         let sink = Arc::new(ThreadSink { inline, got: Mutex::new(Vec::new()), cv: Condvar::new() });

@@ -137,9 +137,10 @@ pub fn a_thousand_silent_connections_leave_an_honest_client_served(f: Factory) {
 
     let silent: Vec<std::net::TcpStream> = (0..SILENT).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
     let d = fx.server.driver().stats();
-    let cap = DriverConfig::default().max_pending_handshakes as u64;
+    let cap = server_cfg(None).max_pending_handshakes as u64;
     wait_for(|| d.handshake_evictions.load(Ordering::Relaxed) >= SILENT as u64 - cap, "the server accepted every silent peer");
-    assert!(d.pending_handshakes.load(Ordering::Relaxed) <= cap, "pending handshakes stay under the cap");
+    let pending = fx.server.loop_stats().pending_handshakes.load(Ordering::Relaxed);
+    assert!(pending <= cap, "pending handshakes stay under the cap: {pending}");
 
     let with_silent = honest_fetch(f, addr, o);
     eprintln!("honest fetch: {baseline:?} alone, {with_silent:?} behind {SILENT} silent connections");
@@ -187,10 +188,9 @@ pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factor
     let (clients_n, blocks_n) = if emulated { (8, 6) } else { (24, 12) };
     let sizes = vec![200_000usize; blocks_n];
     let dir = tempfile::tempdir().unwrap();
-    let sd =
-        Driver::new(f(), DriverConfig { name: "budget-server".into(), max_bytes_exposed: BUDGET, ..DriverConfig::default() })
-            .unwrap();
-    let server = BlockServer::bind_on(&sd, listen_addr(), server_cfg(None)).unwrap();
+    let sd = Driver::new(f(), DriverConfig { name: "budget-server".into(), ..DriverConfig::default() }).unwrap();
+    let server =
+        BlockServer::bind_on(&sd, listen_addr(), ServerEndpointConfig { max_bytes_exposed: BUDGET, ..server_cfg(None) }).unwrap();
     let out = write_map_output(dir.path(), 9, 1, &sizes, 77).unwrap();
     server.register(out.map_output_files()).unwrap();
     let addr = server.local_addr();
@@ -241,7 +241,7 @@ pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factor
     }
     stop.store(true, Ordering::Relaxed);
     let sampled = sampler.join().unwrap();
-    let st = sd.stats();
+    let st = server.loop_stats();
     let (peak, waits) = (st.peak_exposed_bytes.load(Ordering::Relaxed), st.exposure_waits.load(Ordering::Relaxed));
     eprintln!(
         "{}: peak exposed {peak} bytes (budget {BUDGET}), {waits} regions waited, sampled registered {sampled}",

@@ -634,6 +634,24 @@ impl Frame {
         Ok(frame)
     }
 
+    /// Decodes a frame's fixed part (header and body without payload), as a link hands it
+    /// over after cutting it with the frame's [`Header`]. Its length must be exactly what
+    /// the header describes.
+    pub fn decode_head(buf: &[u8], limits: &Limits) -> Result<Frame, FrameError> {
+        let header = Header::decode(buf, limits)?;
+        let fixed_end = HEADER_LEN + header.fixed_len();
+        if buf.len() < fixed_end {
+            return Err(FrameError::Truncated { needed: fixed_end, have: buf.len() });
+        }
+        if buf.len() > fixed_end {
+            return Err(FrameError::Malformed {
+                kind: header.kind,
+                what: format!("{} bytes after the frame", buf.len() - fixed_end),
+            });
+        }
+        Frame::decode_body(&header, &buf[HEADER_LEN..], limits)
+    }
+
     /// Decodes one whole message (header, body and payload), as a message transport (verbs
     /// SEND, sim) delivers it. Returns the frame and the byte offset where its payload starts.
     pub fn decode_message(buf: &[u8], limits: &Limits) -> Result<(Frame, usize), FrameError> {

@@ -2,18 +2,16 @@
 //! completions, and the memory a payload waits for.
 
 use super::{control, mesh_after, mesh_mut, mesh_refuse, MeshConn, Phase, ReadJob, RtsJob, Rx};
+use crate::mesh::codec::{Head, Kind};
 use crate::mesh::handshake::Reader;
 use crate::mesh::link::Meshes;
 use crate::mesh::shared::{bump, Counters, Dest};
-use crate::mesh::{
-    memory_advice, Body, MeshError, Message, Proto, Tag, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_DATA, KIND_DONE, KIND_HELLO,
-    KIND_MARK, KIND_PROOF, KIND_READY, KIND_REFUSE, KIND_RTS, KIND_WELCOME,
-};
+use crate::mesh::{memory_advice, Body, MeshError, Message, Proto, Tag};
 use rdma_shuffle_fabric::driver::Loop;
-use rdma_shuffle_fabric::driver::{Conn, Incoming, Placement};
+use rdma_shuffle_fabric::driver::{Conn, Incoming, MsgPayload, Placement};
 use rdma_shuffle_fabric::memory::pool::Lease;
 use rdma_shuffle_fabric::FabricError;
-use rdma_shuffle_wire::{Descriptor, Frame};
+use rdma_shuffle_wire::Descriptor;
 
 fn protocol(conn: &Conn, what: String) -> FabricError {
     FabricError::Unsupported(format!("mesh peer {}: {what}", conn.peer))
@@ -21,16 +19,11 @@ fn protocol(conn: &Conn, what: String) -> FabricError {
 
 pub(crate) fn mesh_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
     let r = match inc {
-        Incoming::Frame(frame) => mesh_frame(lp, conn, frame),
+        Incoming::Frame(head) => mesh_frame(lp, conn, &head),
         Incoming::Payload(lease) => mesh_payload(conn, lease.map(Body::Lease).unwrap_or(Body::Empty)),
-        Incoming::PayloadVec(v) => match mesh_mut(conn).rx.take() {
-            Some(Rx::Control { kind, req }) => mesh_control(lp, conn, kind, req, &v),
-            _ => Err(protocol(conn, "a payload arrived that no frame announced".into())),
-        },
-        Incoming::Message(frame, p) => {
-            let (buf, at) = p.into_parts();
-            mesh_message(lp, conn, frame, buf, at)
-        }
+        // The mesh places no payload into a vector.
+        Incoming::PayloadVec(_) => Err(protocol(conn, "a payload arrived that no frame announced".into())),
+        Incoming::Message(p) => mesh_message(lp, conn, p),
         Incoming::ReadDone { tag, lease, result } => mesh_read_done(lp, conn, tag, lease, result),
         Incoming::UserReadDone { tag, result, .. } => mesh_user_read_done(lp, conn, tag, result),
         Incoming::Attach(data) => mesh_attach(lp, conn, &data),
@@ -44,20 +37,22 @@ pub(crate) fn mesh_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
     }
 }
 
-/// (stream) A frame's fixed part: chooses where its payload goes.
-fn mesh_frame(lp: &mut Loop, conn: &mut Conn, frame: Frame) -> Result<(), FabricError> {
+/// A frame's fixed part, decoded with the link's codec.
+fn decode<'a>(conn: &Conn, head: &'a [u8]) -> Result<Head<'a>, FabricError> {
+    let m = conn.role.get::<MeshConn>().ok_or_else(|| protocol(conn, "not a mesh link".into()))?;
+    m.codec.decode(head).map_err(|e| FabricError::Frame { peer: conn.peer.clone(), source: Box::new(e) })
+}
+
+/// (stream) A frame's fixed part: a control message is whole; a data frame's payload is
+/// placed.
+fn mesh_frame(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Result<(), FabricError> {
     let up = matches!(mesh_mut(conn).phase, Phase::Up);
-    match frame {
-        Frame::Eager { req, index: KIND_DATA, len } if up => mesh_data_frame(lp, conn, req, Proto::Eager, len as u64),
-        Frame::PullData { region, offset: 0, len } if up => mesh_data_frame(lp, conn, region, Proto::Rendezvous, len),
-        Frame::Eager { req, index, len } if index & 0xffff_0000 == KIND_MARK && index != KIND_DATA => {
-            if len as usize > CONTROL_MAX {
-                return Err(protocol(conn, format!("a control message of {len} bytes")));
-            }
-            mesh_mut(conn).rx = Some(Rx::Control { kind: index, req });
-            conn.transport.place(Placement::Vec)
-        }
-        other => Err(protocol(conn, format!("unexpected {:?} frame on a mesh link", other.kind()))),
+    let h = decode(conn, head)?;
+    match h.kind {
+        Kind::Data if up => mesh_data_frame(lp, conn, h.tag, Proto::Eager, h.len),
+        Kind::Bulk if up => mesh_data_frame(lp, conn, h.tag, Proto::Rendezvous, h.len),
+        Kind::Data | Kind::Bulk => Err(protocol(conn, format!("a {:?} frame before the handshake completed", h.kind))),
+        kind => mesh_control(lp, conn, kind, h.tag, h.body),
     }
 }
 
@@ -71,21 +66,21 @@ fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: 
     }
     if len == 0 {
         let slot = m.shared.open_slot(peer, tag);
-        m.rx = Some(Rx::Data { tag, slot, proto, len });
+        m.rx = Some(Rx { tag, slot, proto, len });
         return conn.transport.place(Placement::Discard);
     }
     match m.shared.open_slot_or_claim(peer, tag, len, false) {
         Dest::Posted(dst, _) => {
-            m.rx = Some(Rx::Data { tag, slot: 0, proto, len });
+            m.rx = Some(Rx { tag, slot: 0, proto, len });
             conn.transport.place(Placement::User(dst))
         }
-        Dest::Slot(slot) => mesh_place(lp, conn, Rx::Data { tag, slot, proto, len }),
+        Dest::Slot(slot) => mesh_place(lp, conn, Rx { tag, slot, proto, len }),
     }
 }
 
 /// Places a data payload into a pool buffer, or parks the link until memory comes back.
 fn mesh_place(lp: &mut Loop, conn: &mut Conn, rx: Rx) -> Result<(), FabricError> {
-    let Rx::Data { len, .. } = rx else { return Ok(()) };
+    let len = rx.len;
     let m = mesh_mut(conn);
     let peer = m.peer.unwrap_or(0);
     match m.shared.pool.try_acquire(len as usize) {
@@ -107,7 +102,7 @@ fn mesh_place(lp: &mut Loop, conn: &mut Conn, rx: Rx) -> Result<(), FabricError>
 /// (stream) A data payload is complete.
 fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
     let m = mesh_mut(conn);
-    let Some(Rx::Data { tag, slot, proto, len }) = m.rx.take() else {
+    let Some(Rx { tag, slot, proto, len }) = m.rx.take() else {
         return Err(protocol(conn, "a payload arrived that no frame announced".into()));
     };
     let peer = m.peer.unwrap_or(0);
@@ -135,53 +130,50 @@ fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
 }
 
 /// (messages) A whole frame and its payload.
-fn mesh_message(lp: &mut Loop, conn: &mut Conn, frame: Frame, buf: Vec<u8>, at: usize) -> Result<(), FabricError> {
+fn mesh_message(lp: &mut Loop, conn: &mut Conn, p: MsgPayload) -> Result<(), FabricError> {
+    let h = decode(conn, p.head())?;
+    let (kind, tag, len) = (h.kind, h.tag, h.len);
     let m = mesh_mut(conn);
     let up = matches!(m.phase, Phase::Up);
     let peer = m.peer.unwrap_or(0);
-    match frame {
-        Frame::Eager { req, index: KIND_DATA, len } if up => {
-            let c = &m.shared.counters;
-            bump(&c.eager_received, 1);
-            bump(&c.eager_received_bytes, len as u64);
-            let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
-            m.shared.push_ready(peer, req, Message { body, proto: Proto::Eager });
-            Ok(())
+    let proto = match kind {
+        Kind::Data if up => Proto::Eager,
+        Kind::Bulk if up => Proto::Rendezvous,
+        Kind::Data | Kind::Bulk => return Err(protocol(conn, format!("a {kind:?} frame before the handshake completed"))),
+        _ => {
+            let (buf, at) = p.into_parts();
+            return mesh_control(lp, conn, kind, tag, &buf[crate::mesh::codec::HEADER_LEN..at]);
         }
-        Frame::PullData { region, offset: 0, len } if up => {
-            if len > m.shared.max_message as u64 {
-                return Err(protocol(conn, format!("a rendezvous message of {len} bytes")));
-            }
-            let c = &m.shared.counters;
-            bump(&c.rendezvous_received, 1);
-            bump(&c.rendezvous_received_bytes, len);
-            let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
-            m.shared.push_ready(peer, region, Message { body, proto: Proto::Rendezvous });
-            Ok(())
-        }
-        Frame::Eager { req, index, .. } if index & 0xffff_0000 == KIND_MARK && index != KIND_DATA => {
-            let body = buf.get(at..).unwrap_or(&[]);
-            mesh_control(lp, conn, index, req, body)
-        }
-        other => Err(protocol(conn, format!("unexpected {:?} frame on a mesh link", other.kind()))),
+    };
+    let c = &m.shared.counters;
+    if proto == Proto::Eager {
+        bump(&c.eager_received, 1);
+        bump(&c.eager_received_bytes, len);
+    } else {
+        bump(&c.rendezvous_received, 1);
+        bump(&c.rendezvous_received_bytes, len);
     }
+    let (buf, at) = p.into_parts();
+    let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
+    m.shared.push_ready(peer, tag, Message { body, proto });
+    Ok(())
 }
 
 /// A whole control or handshake message.
-fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]) -> Result<(), FabricError> {
+fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8]) -> Result<(), FabricError> {
     let name = conn.peer.clone();
     let m = mesh_mut(conn);
     let phase = std::mem::replace(&mut m.phase, Phase::Attaching);
     match (phase, kind) {
-        (Phase::Hello, KIND_HELLO) => {
+        (Phase::Hello, Kind::Hello) => {
             let hs = m.shared.hs.clone();
             match hs.server_hello(body) {
                 Ok((state, welcome)) => {
                     let from = state.from;
                     m.peer = Some(from);
                     m.phase = Phase::Proof(state);
-                    let (f, p) = control(KIND_WELCOME, 0, welcome);
-                    conn.transport.send(lp.net(), &f, p)?;
+                    let (f, p) = control(Kind::Welcome, 0, &welcome);
+                    conn.transport.send(lp.net(), f, p)?;
                     let _ = from;
                 }
                 Err((_, why)) => {
@@ -192,12 +184,12 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
             }
             Ok(())
         }
-        (Phase::Proof(state), KIND_PROOF) => {
+        (Phase::Proof(state), Kind::Proof) => {
             let hs = m.shared.hs.clone();
             match hs.server_proof(&state, body) {
                 Ok(()) => {
-                    let (f, p) = control(KIND_READY, 0, Vec::new());
-                    conn.transport.send(lp.net(), &f, p)?;
+                    let (f, p) = control(Kind::Ready, 0, &[]);
+                    conn.transport.send(lp.net(), f, p)?;
                     // The peer proved the secret (or none is required).
                     conn.authenticated = true;
                     mesh_authenticated(lp, conn)
@@ -211,13 +203,13 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
                 }
             }
         }
-        (Phase::Welcome(state), KIND_WELCOME) => {
+        (Phase::Welcome(state), Kind::Welcome) => {
             let hs = m.shared.hs.clone();
             match hs.client_welcome(&state, body) {
                 Ok(proof) => {
                     m.phase = Phase::Ready;
-                    let (f, p) = control(KIND_PROOF, 0, proof);
-                    conn.transport.send(lp.net(), &f, p)
+                    let (f, p) = control(Kind::Proof, 0, &proof);
+                    conn.transport.send(lp.net(), f, p)
                 }
                 Err(why) => {
                     let peer = m.peer.unwrap_or(0);
@@ -229,11 +221,11 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
                 }
             }
         }
-        (Phase::Ready, KIND_READY) => {
+        (Phase::Ready, Kind::Ready) => {
             conn.authenticated = true;
             mesh_authenticated(lp, conn)
         }
-        (phase, KIND_REFUSE) => {
+        (phase, Kind::Refuse) => {
             let why = String::from_utf8_lossy(body).into_owned();
             let outgoing = m.outgoing;
             m.phase = phase;
@@ -249,11 +241,11 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
             lp.close(conn, format!("refused by the peer: {why}"), false);
             Ok(())
         }
-        (Phase::Up, KIND_RTS) => {
+        (Phase::Up, Kind::Rts) => {
             m.phase = Phase::Up;
             mesh_rts(lp, conn, req, body)
         }
-        (Phase::Up, KIND_DONE) => {
+        (Phase::Up, Kind::Done) => {
             m.phase = Phase::Up;
             if let Some(rkey) = m.exposures.remove(&req) {
                 conn.transport.revoke(lp.net(), rkey);
@@ -264,14 +256,14 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
             }
             Ok(())
         }
-        (Phase::Up, KIND_ABORT) => {
+        (Phase::Up, Kind::Abort) => {
             m.phase = Phase::Up;
             if let Some(peer) = m.peer {
                 m.shared.aborted(peer, String::from_utf8_lossy(body).into_owned());
             }
             Ok(())
         }
-        (Phase::Up, KIND_BYE) => {
+        (Phase::Up, Kind::Bye) => {
             m.phase = Phase::Up;
             // What the peer acknowledged before its goodbye (over shm, the acknowledgement
             // of a borrowed send may have been read in this same look) completes first:
@@ -293,7 +285,7 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: u32, req: u64, body: &[u8]
                 _ => "during the handshake",
             };
             m.phase = phase;
-            Err(protocol(conn, format!("unexpected mesh message kind {:#x} {what}", kind & 0xffff)))
+            Err(protocol(conn, format!("unexpected mesh message {kind:?} {what}")))
         }
     }
 }
@@ -308,7 +300,9 @@ fn mesh_authenticated(lp: &mut Loop, conn: &mut Conn) -> Result<(), FabricError>
         // Both sides of a mesh link send rendezvous messages: both queue pairs let the
         // (authenticated) peer read.
         v.allow_remote_read();
-        return if outgoing { v.begin_attach(lp.net(), key) } else { v.expect_attach() };
+        let codec = mesh_mut(conn).codec.clone();
+        let v = &mut conn.transport;
+        return if outgoing { v.begin_attach(lp.net(), key, &*codec) } else { v.expect_attach() };
     }
     mesh_up(lp, conn);
     Ok(())
@@ -326,11 +320,12 @@ fn mesh_attach(lp: &mut Loop, conn: &mut Conn, data: &[u8]) -> Result<(), Fabric
     if !conn.transport.needs_attach() {
         return Err(protocol(conn, "an attach record on a connection without a data plane".into()));
     }
+    let codec = mesh_mut(conn).codec.clone();
     let v = &mut conn.transport;
     if outgoing {
         v.complete_attach(lp.net(), data)
     } else {
-        v.accept_attach(lp.net(), key, data)
+        v.accept_attach(lp.net(), key, data, &*codec)
     }
 }
 
@@ -341,7 +336,7 @@ fn mesh_up(lp: &mut Loop, conn: &mut Conn) {
     let m = mesh_mut(conn);
     let Some(peer) = m.peer else { return };
     m.phase = Phase::Up;
-    m.limits = m.shared.limits;
+    m.codec.up();
     let ep = m.ep;
     let fresh = m.shared.peer_up(peer, key, name);
     if let Some(ep) = lp.state::<Meshes>().get_mut(&ep) {
@@ -370,8 +365,8 @@ fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(),
         let slot = m.shared.open_slot(peer, tag);
         bump(&m.shared.counters.rendezvous_received, 1);
         m.shared.fill_slot(peer, tag, slot, Message { body: Body::Empty, proto: Proto::Rendezvous });
-        let (f, p) = control(KIND_DONE, token, Vec::new());
-        return conn.transport.send(lp.net(), &f, p);
+        let (f, p) = control(Kind::Done, token, &[]);
+        return conn.transport.send(lp.net(), f, p);
     }
     // A receive posted for it, with the key to write its memory, takes the READ straight in.
     let (slot, user) = match m.shared.open_slot_or_claim(peer, tag, len, true) {
@@ -468,8 +463,8 @@ fn mesh_read_done(
     let peer = m.peer.unwrap_or(0);
     count_read(&m.shared.counters, job.len, false);
     m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
-    let (f, p) = control(KIND_DONE, job.token, Vec::new());
-    conn.transport.send(lp.net(), &f, p)?;
+    let (f, p) = control(Kind::Done, job.token, &[]);
+    conn.transport.send(lp.net(), f, p)?;
     mesh_pump_reads(lp, conn)
 }
 
@@ -495,8 +490,8 @@ fn mesh_user_read_done(
     }
     count_read(&m.shared.counters, job.len, true);
     m.shared.posted_end(peer, job.tag, None);
-    let (f, p) = control(KIND_DONE, job.token, Vec::new());
-    conn.transport.send(lp.net(), &f, p)?;
+    let (f, p) = control(Kind::Done, job.token, &[]);
+    conn.transport.send(lp.net(), f, p)?;
     mesh_pump_reads(lp, conn)
 }
 

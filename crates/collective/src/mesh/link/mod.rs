@@ -16,16 +16,17 @@ mod incoming;
 
 use incoming::{mesh_incoming, mesh_memory};
 
+use crate::mesh::codec::{Kind, MeshCodec};
 use crate::mesh::handshake::{ClientHs, ServerHs};
 use crate::mesh::shared::MeshShared;
-use crate::mesh::{MeshError, Tag, UserMemory, CONTROL_MAX, KIND_ABORT, KIND_BYE, KIND_HELLO, KIND_REFUSE, KIND_RTS};
+use crate::mesh::{MeshError, Tag, UserMemory};
 use crossbeam_channel::Sender;
 use rdma_shuffle_fabric::driver::{Acceptor, Loop};
 use rdma_shuffle_fabric::driver::{Conn, ConnKey, Handler, Incoming, Role, Transport};
 use rdma_shuffle_fabric::providers::link::OutPayload;
 use rdma_shuffle_fabric::providers::Source;
 use rdma_shuffle_fabric::FabricError;
-use rdma_shuffle_wire::{Descriptor, Frame, Limits};
+use rdma_shuffle_wire::Descriptor;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -67,7 +68,8 @@ pub(crate) enum MeshCmd {
     },
     Send {
         key: ConnKey,
-        frame: Frame,
+        /// The frame's fixed part (the mesh's own encoding).
+        head: Vec<u8>,
         body: OutBody,
         mark: Option<u64>,
     },
@@ -174,35 +176,27 @@ pub(crate) struct ReadJob {
 }
 
 impl ReadJob {
-    /// Whether it reads into a posted receive's memory (slot 0, as in [`Rx::Data`]): no
+    /// Whether it reads into a posted receive's memory (slot 0, as in [`Rx`]): no
     /// slot, no pool buffer.
     fn posted(&self) -> bool {
         self.slot == 0
     }
 }
 
-/// (stream) The frame whose payload is being read.
-pub(crate) enum Rx {
-    Control {
-        kind: u32,
-        req: u64,
-    },
-    /// A data payload, into slot `slot`, or (`slot` 0) into the receive posted for `tag`.
-    Data {
-        tag: Tag,
-        slot: u64,
-        proto: crate::mesh::Proto,
-        len: u64,
-    },
+/// (stream) The data frame whose payload is being read: into slot `slot`, or (`slot` 0)
+/// into the receive posted for `tag`.
+pub(crate) struct Rx {
+    pub(crate) tag: Tag,
+    /// The slot the payload fills, or 0: the receive posted for `tag`.
+    pub(crate) slot: u64,
+    pub(crate) proto: crate::mesh::Proto,
+    pub(crate) len: u64,
 }
 
 impl Rx {
     /// A data payload being placed into a posted receive.
     fn posted(&self) -> Option<Tag> {
-        match self {
-            Rx::Data { tag, slot: 0, .. } => Some(*tag),
-            _ => None,
-        }
+        (self.slot == 0).then_some(self.tag)
     }
 }
 
@@ -210,7 +204,8 @@ impl Rx {
 pub(crate) struct MeshConn {
     ep: u64,
     shared: Arc<MeshShared>,
-    pub(crate) limits: Limits,
+    /// This link's codec: bounded to handshake sizes until the peer authenticated.
+    pub(crate) codec: Arc<MeshCodec>,
     /// The peer's rank: the target of an outgoing link; learnt from HELLO on an accepted one.
     peer: Option<usize>,
     outgoing: bool,
@@ -268,10 +263,11 @@ impl MeshConn {
     /// A link's role for mesh `ep`: outgoing to `peer` (a lower rank), or accepted (`None`:
     /// the peer names itself in its hello).
     fn role(ep: u64, shared: Arc<MeshShared>, peer: Option<usize>, connected: bool, phase: Phase) -> Role {
+        let codec = MeshCodec::new(shared.eager_limit, shared.max_message);
         let conn = MeshConn {
             ep,
             shared,
-            limits: handshake_limits(),
+            codec: codec.clone(),
             peer,
             outgoing: peer.is_some(),
             connected,
@@ -285,12 +281,8 @@ impl MeshConn {
             next_read: 1,
             opened: Instant::now(),
         };
-        Role::new(&MeshHandler, conn)
+        Role::new(&MeshHandler, conn, codec)
     }
-}
-
-fn handshake_limits() -> Limits {
-    Limits { max_control: CONTROL_MAX as u32, max_eager: CONTROL_MAX as u32, max_pull: 0, max_blocks_per_fetch: 0 }
 }
 
 pub(crate) fn mesh_mut(conn: &mut Conn) -> &mut MeshConn {
@@ -307,10 +299,6 @@ fn unreachable_role() -> ! {
 pub(crate) struct MeshHandler;
 
 impl Handler for MeshHandler {
-    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
-        conn.role.get::<MeshConn>().map(|m| m.limits).unwrap_or_default()
-    }
-
     fn blocked(&self, conn: &Conn) -> bool {
         conn.role.get::<MeshConn>().is_some_and(|m| m.starved.is_some())
     }
@@ -349,9 +337,9 @@ impl Handler for MeshHandler {
     }
 }
 
-/// A control message on a link.
-pub(crate) fn control(kind: u32, req: u64, body: Vec<u8>) -> (Frame, OutPayload) {
-    (Frame::Eager { req, index: kind, len: body.len() as u32 }, OutPayload::Bytes(body))
+/// A control message on a link: its frame (the body inside the fixed part), and no payload.
+pub(crate) fn control(kind: Kind, tag: Tag, body: &[u8]) -> (Vec<u8>, OutPayload) {
+    (crate::mesh::codec::control(kind, tag, body), OutPayload::None)
 }
 
 pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
@@ -394,7 +382,7 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
                 });
             }
         }
-        MeshCmd::Send { key, frame, body, mark } => with_mesh(lp, key, |lp, conn| {
+        MeshCmd::Send { key, head, body, mark } => with_mesh(lp, key, |lp, conn| {
             if conn.closing.is_some() {
                 return;
             }
@@ -405,7 +393,7 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
                     OutPayload::Source { source: m as Arc<dyn Source>, offset: 0, len }
                 }
             };
-            if let Err(e) = conn.transport.send(lp.net(), &frame, payload) {
+            if let Err(e) = conn.transport.send(lp.net(), head, payload) {
                 lp.fail(conn, e);
                 return;
             }
@@ -443,8 +431,8 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
             body.extend_from_slice(&rkey.to_be_bytes());
             body.extend_from_slice(&len.to_be_bytes());
             body.extend_from_slice(&token.to_be_bytes());
-            let (f, p) = control(KIND_RTS, tag, body);
-            if let Err(e) = conn.transport.send(lp.net(), &f, p) {
+            let (f, p) = control(Kind::Rts, tag, &body);
+            if let Err(e) = conn.transport.send(lp.net(), f, p) {
                 lp.fail(conn, e);
             }
         }),
@@ -492,8 +480,8 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
             for key in ep.conns.clone() {
                 with_mesh(lp, key, |lp, conn| {
                     if conn.closing.is_none() && matches!(mesh_mut(conn).phase, Phase::Up) {
-                        let (f, p) = control(KIND_ABORT, 0, reason.as_bytes().to_vec());
-                        let _ = conn.transport.send(lp.net(), &f, p);
+                        let (f, p) = control(Kind::Abort, 0, reason.as_bytes());
+                        let _ = conn.transport.send(lp.net(), f, p);
                     }
                 });
             }
@@ -518,8 +506,8 @@ pub(crate) fn remove_mesh(lp: &mut Loop, id: u64, bye: bool) {
             m.marks.clear();
             m.end_posted("the mesh was closed");
             if clean {
-                let (f, p) = control(KIND_BYE, 0, Vec::new());
-                let _ = conn.transport.send(lp.net(), &f, p);
+                let (f, p) = control(Kind::Bye, 0, &[]);
+                let _ = conn.transport.send(lp.net(), f, p);
             }
             lp.close(&mut conn, "the mesh was closed".into(), clean);
         }
@@ -558,8 +546,8 @@ fn mesh_connect(lp: &mut Loop, id: u64, peer: usize) {
         ep.conns.push(key);
     }
     if let Some(mut conn) = lp.take(key) {
-        let (f, p) = control(KIND_HELLO, 0, hello);
-        if let Err(e) = conn.transport.send(lp.net(), &f, p) {
+        let (f, p) = control(Kind::Hello, 0, &hello);
+        if let Err(e) = conn.transport.send(lp.net(), f, p) {
             lp.fail(&mut conn, e);
         }
         lp.put(conn);
@@ -702,7 +690,7 @@ fn mesh_refuse(lp: &mut Loop, conn: &mut Conn, why: &str) {
         tracing::warn!(rank = m.shared.rank, %from, claimed = ?m.peer, reason = %why,
             "mesh: refused a connection");
     }
-    let (f, p) = control(KIND_REFUSE, 0, why.as_bytes().to_vec());
-    let _ = conn.transport.send(lp.net(), &f, p);
+    let (f, p) = control(Kind::Refuse, 0, why.as_bytes());
+    let _ = conn.transport.send(lp.net(), f, p);
     lp.close(conn, format!("mesh handshake refused: {why}"), true);
 }

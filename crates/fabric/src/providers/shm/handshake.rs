@@ -24,7 +24,7 @@ use super::segment::{check_ring, Segment, Side};
 use super::sys::{self, Recv};
 use crate::error::FabricError;
 use rdma_shuffle_wire::frame::PROOF_LEN;
-use rdma_shuffle_wire::{Frame, Transcript};
+use rdma_shuffle_wire::Transcript;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -78,7 +78,7 @@ fn probe_of(m: &[u8]) -> (u64, u64) {
 }
 
 fn transcript(hello: &[u8], welcome_fields: &[u8]) -> Transcript {
-    Transcript::new(&Frame::Attach { data: hello.to_vec() }, &Frame::Attach { data: welcome_fields.to_vec() })
+    Transcript::of_messages(hello, welcome_fields)
 }
 
 static LOGGED_SINGLE_COPY: AtomicBool = AtomicBool::new(false);

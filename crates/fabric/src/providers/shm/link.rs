@@ -15,14 +15,13 @@ use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn,
 use crate::error::FabricError;
 use crate::memory::pool::NoRegistration;
 use crate::memory::registration::Registrar;
+use crate::providers::codec::{checked_shape, message_head, Codec};
 use crate::providers::link::{
     encode_message, EngineCtx, Incoming, Link, Listener, MsgPayload, Net, OutPayload, Placement, ProviderEngine,
 };
 use crate::providers::Provider;
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
-use rdma_shuffle_wire::frame::{Header, HEADER_LEN};
-use rdma_shuffle_wire::{Frame, Limits};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
@@ -230,31 +229,28 @@ impl ShmLink {
     /// What arrived, for the loop: a whole message as [`Incoming::Message`]; a head whose
     /// body waits in the peer's memory as [`Incoming::Frame`], as a stream link hands over a
     /// frame, and its body follows once the protocol [placed](Link::place) it.
-    fn received(&mut self, got: Received, limits: &Limits) -> Result<Incoming, FabricError> {
-        let b = match got {
-            Received::Msg(buf) => return self.decode(buf, limits),
+    fn received(&mut self, got: Received, codec: &dyn Codec) -> Result<Incoming, FabricError> {
+        let frame_err = |e| FabricError::Frame { peer: self.peer.clone(), source: e };
+        let mut b = match got {
+            Received::Msg(buf) => {
+                let at = message_head(codec, &buf).map_err(frame_err)?;
+                return Ok(Incoming::Message(MsgPayload { buf, at }));
+            }
             Received::Lent(b) => b,
         };
-        let bad = |what: String| FabricError::Unsupported(format!("{}: {what}", self.peer));
-        let frame_err = |e| FabricError::Frame { peer: self.peer.clone(), source: e };
-        let h = Header::decode(&b.head, limits).map_err(frame_err)?;
-        if b.head.len() != HEADER_LEN + h.fixed_len() || h.kind.payload_offset().is_none() || h.payload_len() != b.len() {
-            return Err(bad(format!(
-                "a {:?} head of {} bytes before a body of {} sent by reference does not describe it",
-                h.kind,
+        let header = b.head.get(..codec.header_len()).unwrap_or(&b.head);
+        let shape = checked_shape(codec, header).map_err(frame_err)?;
+        if b.head.len() != shape.head || shape.payload != Some(b.len()) {
+            return Err(FabricError::Unsupported(format!(
+                "{}: a head of {} bytes before a body of {} sent by reference does not describe it",
+                self.peer,
                 b.head.len(),
                 b.len()
             )));
         }
-        let frame = Frame::decode_body(&h, &b.head[HEADER_LEN..], limits).map_err(frame_err)?;
+        let head = std::mem::take(&mut b.head);
         self.body = Some(b);
-        Ok(Incoming::Frame(frame))
-    }
-
-    fn decode(&self, buf: Vec<u8>, limits: &Limits) -> Result<Incoming, FabricError> {
-        let (frame, at) =
-            Frame::decode_message(&buf, limits).map_err(|e| FabricError::Frame { peer: self.peer.clone(), source: e })?;
-        Ok(Incoming::Message(frame, MsgPayload { buf, at }))
+        Ok(Incoming::Frame(head))
     }
 
     /// What a look hands over before the ring is read: a placed body (`Some(Some)`), or
@@ -305,7 +301,7 @@ impl Link for ShmLink {
         Ok(())
     }
 
-    fn send(&mut self, _net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+    fn send(&mut self, _net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         // A large body in the caller's memory (a Mobius rendezvous send) is left there for
         // the peer to copy: one copy in all, where encoding it into a message first made two.
         // The caller waits until `write_progress` says the peer read it.
@@ -315,8 +311,6 @@ impl Link for ShmLink {
                 let body = usize::try_from(*offset).ok().and_then(|at| mem.get(at..at.checked_add(*len as usize)?)).ok_or_else(
                     || FabricError::Unsupported(format!("payload {offset}+{len} outside its {}-byte source", mem.len())),
                 )?;
-                let mut head = Vec::with_capacity(64);
-                frame.encode(&mut head);
                 let total = (head.len() + body.len()) as u64;
                 let owner: Arc<dyn Send + Sync> = Arc::new(source.clone());
                 // SAFETY: `source` is memory its owner keeps unchanged until the send is
@@ -328,7 +322,7 @@ impl Link for ShmLink {
                 return Ok(());
             }
         }
-        let m = encode_message(frame, payload)?;
+        let m = encode_message(head, payload)?;
         self.queued += m.len() as u64;
         self.send_msg(m)
     }
@@ -344,7 +338,7 @@ impl Link for ShmLink {
         self.send_msg(bytes)
     }
 
-    fn next(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+    fn next(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         if !self.progress()? {
             return Ok(None);
         }
@@ -370,14 +364,14 @@ impl Link for ShmLink {
                 }
             }
         };
-        self.received(got, limits).map(Some)
+        self.received(got, codec).map(Some)
     }
 
     fn polled(&self) -> bool {
         true
     }
 
-    fn next_polled(&mut self, _net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+    fn next_polled(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         // No event behind this look: the handshake and the peer's liveness (a read of the
         // control socket each) wait for one; the ring costs no system call.
         if let Some(held) = self.held() {
@@ -385,7 +379,7 @@ impl Link for ShmLink {
         }
         let State::Up(c) = &mut self.state else { return Ok(None) };
         match c.try_recv_parts()? {
-            Some(got) => self.received(got, limits).map(Some),
+            Some(got) => self.received(got, codec).map(Some),
             None => Ok(None),
         }
     }

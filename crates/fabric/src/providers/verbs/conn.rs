@@ -8,11 +8,12 @@ use super::engine::{Event, VerbsEngine};
 use super::sys::{Completed, Exposure, Qp, Wc};
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
+use crate::providers::codec::{message_head, Codec};
 use crate::providers::link::{encode_message, FailedRead, Incoming, Link, MsgPayload, Net, Placement, ProviderCounters, UserBuf};
 use crate::providers::tcp::{OutPayload, TcpConn, TcpRead};
 use crate::providers::Source;
 use mio::{Interest, Registry, Token};
-use rdma_shuffle_wire::{Descriptor, Frame, Knob, Limits};
+use rdma_shuffle_wire::{Descriptor, Knob};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -160,7 +161,7 @@ impl VerbsConn {
 
     /// (connecting side, after the handshake) Creates the queue pair and sends our attach
     /// record; frames wait until the peer's answers.
-    pub(crate) fn begin_attach(&mut self, net: &mut Net, key: u64) -> Result<(), FabricError> {
+    pub(crate) fn begin_attach(&mut self, net: &mut Net, key: u64, codec: &dyn Codec) -> Result<(), FabricError> {
         if self.phase != Phase::Control {
             return Ok(());
         }
@@ -173,7 +174,7 @@ impl VerbsConn {
         self.psn = psn;
         let counters = self.engine(net)?.counters.clone();
         self.count_qp(&counters);
-        self.control.send(&Frame::Attach { data: rec.encode().to_vec() }, OutPayload::None)?;
+        self.control.send(codec.attach_frame(&rec.encode()), OutPayload::None)?;
         self.phase = Phase::Attaching;
         Ok(())
     }
@@ -206,7 +207,7 @@ impl VerbsConn {
     /// (accepting side) The peer's record arrived and the peer is authenticated: create and
     /// connect our queue pair — with remote read, since it is ours that exposes windows —
     /// and answer with our record.
-    pub(crate) fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8]) -> Result<(), FabricError> {
+    pub(crate) fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
         if self.phase != Phase::Control {
             return Err(dead("a second attach record"));
         }
@@ -225,7 +226,7 @@ impl VerbsConn {
         self.peer_max_message = remote.max_message as usize;
         // The record goes over the control socket before any message: the peer connects
         // its queue pair when it reads it, and sends nothing on it before.
-        self.control.send(&Frame::Attach { data: rec.encode().to_vec() }, OutPayload::None)?;
+        self.control.send(codec.attach_frame(&rec.encode()), OutPayload::None)?;
         self.phase = Phase::Open;
         if self.expecting {
             self.expecting = false;
@@ -234,14 +235,12 @@ impl VerbsConn {
         self.flush(net)
     }
 
-    pub(crate) fn send(&mut self, net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
+    pub(crate) fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         if self.phase == Phase::Control {
-            return self.control.send(frame, payload);
+            return self.control.send(head, payload);
         }
         // Fast path: straight into a send slot from the header and the source's bytes.
         if self.phase == Phase::Open && self.out.is_empty() && self.failed.is_none() {
-            let mut head = Vec::with_capacity(64);
-            frame.encode(&mut head);
             // File bytes are read with pread (never through a mapping, see `Source`).
             let read;
             let body: &[u8] = match &payload {
@@ -272,7 +271,7 @@ impl VerbsConn {
                 return Ok(());
             }
         }
-        let msg = encode_message(frame, payload)?;
+        let msg = encode_message(head, payload)?;
         self.out.push_back(msg);
         self.flush(net)
     }
@@ -341,7 +340,7 @@ impl VerbsConn {
 
     /// The next thing that arrived: completions routed to this connection first, then the
     /// control socket (which must stay silent once the data plane is up).
-    pub(crate) fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
+    pub(crate) fn next(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         // Woken as a send-slot waiter, or slots freed by other connections: go on posting.
         if !self.out.is_empty() {
             if let Err(e) = self.flush(net) {
@@ -357,7 +356,7 @@ impl VerbsConn {
                 _ => None,
             };
             let Some(ev) = ev else { break };
-            self.event(net, ev, limits)?;
+            self.event(net, ev, codec)?;
         }
         if self.closing {
             // Collecting completions only; the failure was reported already.
@@ -368,9 +367,11 @@ impl VerbsConn {
             return Err(e);
         }
         match self.phase {
-            Phase::Control | Phase::Attaching => Ok(match self.control.next(limits)? {
-                TcpRead::Frame(Frame::Attach { data }) => Some(Incoming::Attach(data)),
-                TcpRead::Frame(f) => Some(Incoming::Frame(f)),
+            Phase::Control | Phase::Attaching => Ok(match self.control.next(codec)? {
+                TcpRead::Frame(head) => Some(match codec.attach_record(&head) {
+                    Some(data) => Incoming::Attach(data),
+                    None => Incoming::Frame(head),
+                }),
                 TcpRead::Payload(l) => Some(Incoming::Payload(l)),
                 TcpRead::PayloadVec(v) => Some(Incoming::PayloadVec(v)),
                 TcpRead::Idle => None,
@@ -387,10 +388,10 @@ impl VerbsConn {
         }
     }
 
-    fn event(&mut self, net: &mut Net, ev: Event, limits: &Limits) -> Result<(), FabricError> {
+    fn event(&mut self, net: &mut Net, ev: Event, codec: &dyn Codec) -> Result<(), FabricError> {
         match ev {
-            Event::Recv(Ok(bytes)) => match Frame::decode_message(&bytes, limits) {
-                Ok((frame, at)) => self.ready.push_back(Incoming::Message(frame, MsgPayload { buf: bytes, at })),
+            Event::Recv(Ok(bytes)) => match message_head(codec, &bytes) {
+                Ok(at) => self.ready.push_back(Incoming::Message(MsgPayload { buf: bytes, at })),
                 Err(source) => return Err(FabricError::Frame { peer: self.control_peer(), source }),
             },
             Event::Recv(Err(why)) => self.fail(dead(&why)),
@@ -614,16 +615,16 @@ impl Link for VerbsConn {
         VerbsConn::on_writable(self)
     }
 
-    fn send(&mut self, net: &mut Net, frame: &Frame, payload: OutPayload) -> Result<(), FabricError> {
-        VerbsConn::send(self, net, frame, payload)
+    fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+        VerbsConn::send(self, net, head, payload)
     }
 
     fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
         VerbsConn::send_raw(self, net, bytes)
     }
 
-    fn next(&mut self, net: &mut Net, limits: &Limits) -> Result<Option<Incoming>, FabricError> {
-        VerbsConn::next(self, net, limits)
+    fn next(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+        VerbsConn::next(self, net, codec)
     }
 
     fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
@@ -685,8 +686,8 @@ impl Link for VerbsConn {
         self.grant_remote_read()
     }
 
-    fn begin_attach(&mut self, net: &mut Net, key: u64) -> Result<(), FabricError> {
-        VerbsConn::begin_attach(self, net, key)
+    fn begin_attach(&mut self, net: &mut Net, key: u64, codec: &dyn Codec) -> Result<(), FabricError> {
+        VerbsConn::begin_attach(self, net, key, codec)
     }
 
     fn expect_attach(&mut self) -> Result<(), FabricError> {
@@ -697,8 +698,8 @@ impl Link for VerbsConn {
         VerbsConn::complete_attach(self, net, data)
     }
 
-    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8]) -> Result<(), FabricError> {
-        VerbsConn::accept_attach(self, net, key, data)
+    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
+        VerbsConn::accept_attach(self, net, key, data, codec)
     }
 
     /// Answers land in the shared receive queue: requests go out only as far as it has

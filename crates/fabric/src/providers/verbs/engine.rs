@@ -99,7 +99,7 @@ impl VerbsEngine {
 
     /// Largest eager payload this engine's buffers hold.
     pub(crate) fn max_eager(&self) -> u32 {
-        self.cfg.max_message - rdma_shuffle_wire::frame::HEADER_LEN as u32 - 64
+        self.cfg.max_message - crate::providers::codec::HEAD_ROOM as u32
     }
 
     /// Transport timers of this engine's queue pairs.

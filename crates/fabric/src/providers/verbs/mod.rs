@@ -221,7 +221,7 @@ mod provider {
 
         fn max_eager(&self) -> Option<usize> {
             // The message buffer holds the frame header, the eager fixed part and the payload.
-            Some(self.config.max_message as usize - rdma_shuffle_wire::frame::HEADER_LEN - 64)
+            Some(self.config.max_message as usize - crate::providers::codec::HEAD_ROOM)
         }
 
         fn counters(&self, c: &ProviderCounters) -> Vec<(&'static str, u64)> {

@@ -15,14 +15,16 @@ use std::time::Instant;
 pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
     let now = Instant::now();
     match inc {
-        Incoming::Frame(frame) => {
+        Incoming::Frame(head) => {
+            let Some(frame) = client_decode(lp, conn, &head) else { return };
             let r = client_mut(conn).session.handle_frame(frame, now);
             client_events(lp, conn, None);
             if r.is_err() {
                 client_session_failed(lp, conn);
             }
         }
-        Incoming::Message(frame, payload) => {
+        Incoming::Message(payload) => {
+            let Some(frame) = client_decode(lp, conn, payload.head()) else { return };
             if matches!(frame, Frame::Eager { .. } | Frame::Rendezvous { .. } | Frame::BlockFailed { .. }) {
                 client_answer(lp, conn);
             }
@@ -43,6 +45,19 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
             }
         }
         Incoming::Attached => {}
+    }
+}
+
+/// The frame whose fixed part arrived; a malformed one fails the connection (the session
+/// reports it to the fetches waiting on it).
+fn client_decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
+    match Frame::decode_head(head, &client_mut(conn).session.limits()) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            let peer = conn.peer.clone();
+            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
+            None
+        }
     }
 }
 
@@ -143,7 +158,8 @@ pub(crate) fn client_events(lp: &mut Loop, conn: &mut Conn, msg: Option<MsgPaylo
                     // Authenticated: only now is a data plane (a queue pair) created for
                     // this peer.
                     let key = conn.key.to_u64();
-                    if let Err(e) = conn.transport.begin_attach(lp.net(), key) {
+                    let Conn { transport, role, .. } = &mut *conn;
+                    if let Err(e) = transport.begin_attach(lp.net(), key, role.codec()) {
                         lp.fail(conn, e);
                         return;
                     }

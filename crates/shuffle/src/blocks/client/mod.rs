@@ -203,6 +203,7 @@ pub struct ClientEndpoint {
     id: u64,
     pool: TieredPool,
     stats: Arc<ClientStats>,
+    loop_stats: Arc<super::BlockLoopStats>,
     closed: AtomicBool,
 }
 
@@ -225,17 +226,23 @@ impl ClientEndpoint {
         let (tx, rx) = crossbeam_channel::bounded(1);
         driver.submit(move |lp| {
             add_client(lp, a);
-            let _ = tx.send(());
+            let _ = tx.send(super::loop_stats(lp));
         })?;
         // The endpoint (and the loop's delivery thread, made with its first endpoint) exists
         // when this returns, as a server endpoint's listener does.
-        rx.recv_timeout(Duration::from_secs(30)).map_err(|_| FabricError::Shutdown)?;
-        Ok(ClientEndpoint { driver: driver.clone(), id, pool, stats, closed: AtomicBool::new(false) })
+        let loop_stats = rx.recv_timeout(Duration::from_secs(30)).map_err(|_| FabricError::Shutdown)?;
+        Ok(ClientEndpoint { driver: driver.clone(), id, pool, stats, loop_stats, closed: AtomicBool::new(false) })
     }
 
     /// Counters.
     pub fn stats(&self) -> &ClientStats {
         &self.stats
+    }
+
+    /// The counters this endpoint shares with the other endpoints of its loop (deliveries,
+    /// the servers' exposure budget).
+    pub fn loop_stats(&self) -> &super::BlockLoopStats {
+        &self.loop_stats
     }
 
     /// The pool blocks land in.
@@ -468,10 +475,6 @@ fn unreachable_role() -> ! {
 pub(crate) struct ClientHandler;
 
 impl Handler for ClientHandler {
-    fn limits(&self, conn: &Conn) -> rdma_shuffle_wire::Limits {
-        conn.role.get::<ClientConn>().map(|c| c.session.limits()).unwrap_or_default()
-    }
-
     fn blocked(&self, conn: &Conn) -> bool {
         conn.role.get::<ClientConn>().is_some_and(|c| c.blocked())
     }
@@ -534,7 +537,7 @@ pub(crate) fn clients_ref(lp: &Loop) -> Option<&Clients> {
 /// anything else through the delivery thread.
 pub(crate) fn deliver(lp: &Loop, job: DeliveryJob) {
     match clients_ref(lp).and_then(|c| c.delivery.as_ref()) {
-        Some(d) => d.send(job, lp.stats()),
+        Some(d) => d.send(job),
         None => Delivery::deliver_here(job),
     }
 }
@@ -564,7 +567,8 @@ pub(crate) fn add_client(lp: &mut Loop, a: AddClient) {
     lp.add_service(&ClientService);
     if clients(lp).delivery.is_none() {
         let name = lp.name().to_string();
-        match Delivery::start(&name) {
+        let stats = super::loop_stats(lp);
+        match Delivery::start(&name, stats) {
             Ok(d) => clients(lp).delivery = Some(d),
             // Outcomes are then delivered on the loop thread: slower sinks stall I/O, but
             // nothing is lost.
@@ -672,13 +676,15 @@ pub(super) fn client_connect(lp: &mut Loop, ep_id: u64, addr: SocketAddr) -> Res
         sc.caps &= !caps::RDMA_READ;
     }
     let connect_deadline = now + cfg.connect_timeout;
+    let session = ClientSession::new(sc, now);
+    let codec = crate::blocks::codec::WireCodec::new(session.limits());
     let role = Role::new(
         &ClientHandler,
         ClientConn {
             ep: ep_id,
             stats: ep.stats.clone(),
             addr,
-            session: ClientSession::new(sc, now),
+            session,
             sinks: HashMap::new(),
             pull_leases: HashMap::new(),
             pull_guards: HashMap::new(),
@@ -690,6 +696,7 @@ pub(super) fn client_connect(lp: &mut Loop, ep_id: u64, addr: SocketAddr) -> Res
             connect_deadline,
             counted: false,
         },
+        codec,
     );
     let stats = ep.stats.clone();
     let key = lp.insert(addr.to_string(), transport, role);
@@ -720,7 +727,7 @@ pub(crate) fn client_after(lp: &mut Loop, conn: &mut Conn) {
     conn.transport.cork();
     let mut sent = Ok(());
     while let Some(f) = client_mut(conn).session.poll_transmit() {
-        sent = conn.transport.send(lp.net(), &f, OutPayload::None);
+        sent = conn.transport.send(lp.net(), f.to_vec(), OutPayload::None);
         if sent.is_err() {
             break;
         }
@@ -777,11 +784,11 @@ pub(crate) fn client_timeout(lp: &mut Loop, conn: &mut Conn, now: Instant) {
 pub(crate) fn client_failed(lp: &mut Loop, conn: &mut Conn, error: &FabricError) {
     let c = client_mut(conn);
     if !c.session.is_closed() {
-        match error {
-            FabricError::Frame { source, .. } => {
+        match crate::blocks::codec::frame_error_of(error) {
+            Some(source) => {
                 c.session.handle_decode_error(source.clone());
             }
-            _ => c.session.handle_connection_lost(error.to_string()),
+            None => c.session.handle_connection_lost(error.to_string()),
         }
     }
     client_events(lp, conn, None);

@@ -1,19 +1,21 @@
-//! Raw channels: the provider-level primitives, without a session on top.
+//! Raw channels (feature `testing`): `wire` frames over any provider of the fabric, without
+//! a session on top.
 //!
 //! A [`Channel`] connects (or is accepted), sends frames with payloads, receives whole frames,
 //! bootstraps the provider's data plane ([`Channel::attach`]; verbs builds its queue pair
-//! then) and performs one-sided reads of regions its peer exposed. It is what tests use to
-//! play a misbehaving peer, and the base a protocol other than block fetching (collectives:
-//! persistent peer channels, pipelined chunks) builds on. Authentication is the caller's: run
-//! a `wire` session's handshake over the channel first, then attach.
+//! then) and performs one-sided reads of regions its peer exposed. It is what the provider
+//! conformance and security suites use to play a misbehaving peer of the block protocol.
+//! Authentication is the caller's: run a `wire` session's handshake over the channel first,
+//! then attach. It is a protocol on the fabric like the block endpoints, through the same
+//! public seams (a handler, an acceptor, jobs, loop state).
 
-use crate::driver::{Conn, ConnKey, Driver, Handler, Loop, Role, Transport};
-use crate::error::FabricError;
-use crate::memory::pool::Lease;
-use crate::providers::link::OutPayload;
-use crate::providers::link::{Incoming, Placement};
+use crate::blocks::codec::WireCodec;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
+use rdma_shuffle_fabric::driver::{Acceptor, Conn, ConnKey, Driver, Handler, Incoming, Loop, Placement, Role, Transport};
+use rdma_shuffle_fabric::memory::pool::Lease;
+use rdma_shuffle_fabric::providers::link::OutPayload;
+use rdma_shuffle_fabric::FabricError;
 use rdma_shuffle_wire::{Descriptor, Frame, Limits};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -36,7 +38,7 @@ struct Inbox {
 }
 
 /// What a channel handle shares with its connection in the loop.
-pub(crate) struct ChannelShared {
+struct ChannelShared {
     inbox: Mutex<Inbox>,
     cv: Condvar,
 }
@@ -194,7 +196,7 @@ impl PendingRead {
     }
 }
 
-pub(crate) struct AcceptQueue {
+struct AcceptQueue {
     queue: Mutex<VecDeque<(ConnKey, String, Arc<ChannelShared>)>>,
     cv: Condvar,
 }
@@ -254,7 +256,7 @@ impl Drop for ChannelListener {
 
 type ReadReply = Sender<(Lease, Result<(), FabricError>)>;
 
-pub(crate) enum ChannelCmd {
+enum ChannelCmd {
     Connect { addr: SocketAddr, shared: Arc<ChannelShared>, limits: Limits, reply: Sender<Result<ConnKey, FabricError>> },
     Listen { id: u64, addr: SocketAddr, accepted: Arc<AcceptQueue>, reply: Sender<Result<SocketAddr, FabricError>> },
     Unlisten { id: u64, done: Sender<()> },
@@ -266,17 +268,17 @@ pub(crate) enum ChannelCmd {
 }
 
 /// The channel listeners of a loop, by id.
-pub(crate) type ChanListeners = HashMap<u64, ChanListenerEp>;
+type ChanListeners = HashMap<u64, ChanListenerEp>;
 
 /// A channel listener inside the loop.
-pub(crate) struct ChanListenerEp {
+struct ChanListenerEp {
     accepted: Arc<AcceptQueue>,
 }
 
 /// A channel inside the loop.
-pub(crate) struct ChannelConn {
+struct ChannelConn {
     shared: Arc<ChannelShared>,
-    pub(crate) limits: Limits,
+    limits: Limits,
     /// (stream) the frame whose payload is being read.
     pending: Option<Frame>,
     reads: HashMap<u64, ReadReply>,
@@ -299,271 +301,273 @@ fn unreachable_role() -> ! {
 }
 
 /// The raw channel's [`Handler`]: frames in and out, no session.
-pub(crate) struct ChannelHandler;
+struct ChannelHandler;
 
 impl Handler for ChannelHandler {
-    fn limits(&self, conn: &Conn) -> Limits {
-        conn.role.get::<ChannelConn>().map(|c| c.limits).unwrap_or_default()
-    }
-
-    fn connected(&self, lp: &mut Loop, conn: &mut Conn) {
-        lp.channel_connected(conn)
+    fn connected(&self, _lp: &mut Loop, conn: &mut Conn) {
+        channel_connected(conn)
     }
 
     fn incoming(&self, lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
-        lp.channel_incoming(conn, inc)
+        channel_incoming(lp, conn, inc)
     }
 
-    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
-        lp.channel_failed(conn, error.to_string());
+    fn failed(&self, _lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        channel_failed(conn, error.to_string());
         false
     }
 
-    fn removed(&self, lp: &mut Loop, conn: &mut Conn) {
+    fn removed(&self, _lp: &mut Loop, conn: &mut Conn) {
         let why = format!("connection to {} closed", conn.peer);
-        lp.channel_failed(conn, why)
+        channel_failed(conn, why)
     }
 }
 
 /// Queues `c` for `driver`'s loop.
 fn run(driver: &Driver, c: ChannelCmd) -> Result<(), FabricError> {
-    driver.submit(move |lp| lp.channel_command(c))
+    driver.submit(move |lp| channel_command(lp, c))
 }
 
 /// Hands a channel listener's accepted connections to it.
 struct ChannelAcceptor;
 
-impl crate::driver::Acceptor for ChannelAcceptor {
+impl Acceptor for ChannelAcceptor {
     fn accepted(&self, lp: &mut Loop, id: u64, peer: String, transport: Transport) {
-        lp.channel_accepted(id, peer, transport)
+        channel_accepted(lp, id, peer, transport)
     }
 }
 
-impl Loop {
-    pub(crate) fn channel_command(&mut self, c: ChannelCmd) {
-        match c {
-            ChannelCmd::Connect { addr, shared, limits, reply } => {
-                let transport = match self.connect(addr) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                        return;
-                    }
-                };
-                let connected = transport.is_connected();
-                let role = Role::new(
-                    &ChannelHandler,
-                    ChannelConn {
-                        shared,
-                        limits,
-                        pending: None,
-                        reads: HashMap::new(),
-                        next_tag: 1,
-                        connect_reply: Some(reply),
-                        attach_reply: None,
-                        accepted: false,
-                    },
-                );
-                let key = self.insert(addr.to_string(), transport, role);
-                if connected {
-                    if let Some(mut conn) = self.take(key) {
-                        self.channel_connected(&mut conn);
-                        self.put(conn);
-                    }
-                }
-                self.activate(key);
-            }
-            ChannelCmd::Listen { id, addr, accepted, reply } => match self.listen(id, addr, &ChannelAcceptor) {
-                Ok(local) => {
-                    self.state::<ChanListeners>().insert(id, ChanListenerEp { accepted });
-                    let _ = reply.send(Ok(local));
-                }
+fn channel_role(shared: Arc<ChannelShared>, limits: Limits, connect_reply: Option<Sender<Result<ConnKey, FabricError>>>) -> Role {
+    let accepted = connect_reply.is_none();
+    Role::new(
+        &ChannelHandler,
+        ChannelConn {
+            shared,
+            limits,
+            pending: None,
+            reads: HashMap::new(),
+            next_tag: 1,
+            connect_reply,
+            attach_reply: None,
+            accepted,
+        },
+        WireCodec::new(limits),
+    )
+}
+
+fn channel_command(lp: &mut Loop, c: ChannelCmd) {
+    match c {
+        ChannelCmd::Connect { addr, shared, limits, reply } => {
+            let transport = match lp.connect(addr) {
+                Ok(t) => t,
                 Err(e) => {
                     let _ = reply.send(Err(e));
-                }
-            },
-            ChannelCmd::Unlisten { id, done } => {
-                self.remove_chan_listener(id);
-                let _ = done.send(());
-            }
-            ChannelCmd::Send { key, frame, payload } => self.with_channel(key, |lp, conn| {
-                let p = if payload.is_empty() { OutPayload::None } else { OutPayload::Bytes(payload) };
-                if let Err(e) = conn.transport.send(&mut lp.net, &frame, p) {
-                    lp.fail(conn, e);
-                }
-            }),
-            ChannelCmd::Raw { key, bytes } => self.with_channel(key, |lp, conn| {
-                if let Err(e) = conn.transport.send_raw(&mut lp.net, bytes) {
-                    lp.fail(conn, e);
-                }
-            }),
-            ChannelCmd::Attach { key, reply } => {
-                if !self.contains(key) {
-                    let _ = reply.send(Err(FabricError::Closed { peer: "channel".into() }));
                     return;
                 }
-                self.with_channel(key, |lp, conn| lp.channel_attach(conn, reply))
-            }
-            ChannelCmd::Read { key, reads } => {
-                if !self.contains(key) {
-                    for (_, lease, reply) in reads {
-                        let _ = reply.send((lease, Err(FabricError::Closed { peer: "channel".into() })));
-                    }
-                    return;
+            };
+            let connected = transport.is_connected();
+            let role = channel_role(shared, limits, Some(reply));
+            let key = lp.insert(addr.to_string(), transport, role);
+            if connected {
+                if let Some(mut conn) = lp.take(key) {
+                    channel_connected(&mut conn);
+                    lp.put(conn);
                 }
-                self.with_channel(key, |lp, conn| {
-                    for (desc, lease, reply) in reads {
-                        let c = chan_mut(conn);
-                        let tag = c.next_tag;
-                        c.next_tag += 1;
-                        match conn.transport.start_read(&mut lp.net, tag, &desc, lease) {
-                            Ok(()) => {
-                                lp.shared.stats.note_reads(1);
-                                chan_mut(conn).reads.insert(tag, reply);
-                            }
-                            Err(failed) => {
-                                let (lease, e) = *failed;
-                                let _ = reply.send((lease, Err(e)));
-                            }
+            }
+            lp.activate(key);
+        }
+        ChannelCmd::Listen { id, addr, accepted, reply } => match lp.listen(id, addr, &ChannelAcceptor) {
+            Ok(local) => {
+                lp.state::<ChanListeners>().insert(id, ChanListenerEp { accepted });
+                let _ = reply.send(Ok(local));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        },
+        ChannelCmd::Unlisten { id, done } => {
+            lp.unlisten(id);
+            lp.state::<ChanListeners>().remove(&id);
+            let _ = done.send(());
+        }
+        ChannelCmd::Send { key, frame, payload } => with_channel(lp, key, |lp, conn| {
+            let p = if payload.is_empty() { OutPayload::None } else { OutPayload::Bytes(payload) };
+            if let Err(e) = conn.transport.send(lp.net(), frame.to_vec(), p) {
+                lp.fail(conn, e);
+            }
+        }),
+        ChannelCmd::Raw { key, bytes } => with_channel(lp, key, |lp, conn| {
+            if let Err(e) = conn.transport.send_raw(lp.net(), bytes) {
+                lp.fail(conn, e);
+            }
+        }),
+        ChannelCmd::Attach { key, reply } => {
+            if lp.conn_ref(key).is_none() {
+                let _ = reply.send(Err(FabricError::Closed { peer: "channel".into() }));
+                return;
+            }
+            with_channel(lp, key, |lp, conn| channel_attach(lp, conn, reply))
+        }
+        ChannelCmd::Read { key, reads } => {
+            if lp.conn_ref(key).is_none() {
+                for (_, lease, reply) in reads {
+                    let _ = reply.send((lease, Err(FabricError::Closed { peer: "channel".into() })));
+                }
+                return;
+            }
+            with_channel(lp, key, |lp, conn| {
+                for (desc, lease, reply) in reads {
+                    let c = chan_mut(conn);
+                    let tag = c.next_tag;
+                    c.next_tag += 1;
+                    match conn.transport.start_read(lp.net(), tag, &desc, lease) {
+                        Ok(()) => {
+                            lp.stats().note_reads(1);
+                            chan_mut(conn).reads.insert(tag, reply);
+                        }
+                        Err(failed) => {
+                            let (lease, e) = *failed;
+                            let _ = reply.send((lease, Err(e)));
                         }
                     }
-                })
+                }
+            })
+        }
+        ChannelCmd::Close { key } => with_channel(lp, key, |lp, conn| {
+            channel_failed(conn, "closed locally".into());
+            lp.close(conn, "channel closed locally".into(), true);
+        }),
+    }
+}
+
+fn with_channel(lp: &mut Loop, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
+    let Some(mut conn) = lp.take(key) else { return };
+    if conn.role.is::<ChannelConn>() {
+        f(lp, &mut conn);
+    }
+    let k = conn.key;
+    lp.put(conn);
+    // Whatever the command started (a read, an attach) may have completed already.
+    lp.drive_again(k);
+}
+
+fn channel_attach(lp: &mut Loop, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
+    if conn.transport.needs_attach() {
+        // The caller ran the handshake itself: it vouches for the peer.
+        conn.authenticated = true;
+        let accepted = chan_mut(conn).accepted;
+        let key = conn.key.to_u64();
+        let Conn { transport, role, .. } = conn;
+        let r = if accepted { transport.expect_attach() } else { transport.begin_attach(lp.net(), key, role.codec()) };
+        match r {
+            Ok(()) => chan_mut(conn).attach_reply = Some(reply),
+            Err(e) => {
+                let _ = reply.send(Err(e));
             }
-            ChannelCmd::Close { key } => self.with_channel(key, |lp, conn| {
-                lp.channel_failed(conn, "closed locally".into());
-                lp.close(conn, "channel closed locally".into(), true);
-            }),
+        }
+        return;
+    }
+    let _ = reply.send(Ok(()));
+}
+
+fn channel_accepted(lp: &mut Loop, id: u64, peer: String, transport: Transport) {
+    let Some(l) = lp.state::<ChanListeners>().get(&id) else { return };
+    let accepted = l.accepted.clone();
+    let shared = ChannelShared::new();
+    let role = channel_role(shared.clone(), Limits::default(), None);
+    let key = lp.insert(peer.clone(), transport, role);
+    accepted.queue.lock().push_back((key, peer, shared));
+    accepted.cv.notify_all();
+    lp.activate(key);
+}
+
+fn channel_connected(conn: &mut Conn) {
+    if let Some(r) = chan_mut(conn).connect_reply.take() {
+        let _ = r.send(Ok(conn.key));
+    }
+}
+
+/// The frame whose fixed part arrived, decoded as a `wire` frame.
+fn decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
+    match Frame::decode_head(head, &chan_mut(conn).limits) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            let peer = conn.peer.clone();
+            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
+            None
         }
     }
+}
 
-    fn with_channel(&mut self, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
-        let Some(mut conn) = self.take(key) else { return };
-        if conn.role.is::<ChannelConn>() {
-            f(self, &mut conn);
+fn channel_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
+    match inc {
+        Incoming::Frame(head) => {
+            let Some(frame) = decode(lp, conn, &head) else { return };
+            if frame.kind().payload_offset().is_some() {
+                chan_mut(conn).pending = Some(frame);
+                if let Err(e) = conn.transport.place(Placement::Vec) {
+                    lp.fail(conn, e);
+                }
+            } else {
+                chan_mut(conn).shared.push(Received { frame, payload: Vec::new() });
+            }
         }
-        let k = conn.key;
-        self.put(conn);
-        // Whatever the command started (a read, an attach) may have completed already.
-        self.drive_again(k);
-    }
-
-    fn channel_attach(&mut self, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
-        if conn.transport.needs_attach() {
-            // The caller ran the handshake itself: it vouches for the peer.
-            conn.authenticated = true;
+        Incoming::PayloadVec(payload) => {
+            let c = chan_mut(conn);
+            if let Some(frame) = c.pending.take() {
+                c.shared.push(Received { frame, payload });
+            }
+        }
+        Incoming::Payload(_) => {}
+        Incoming::Message(p) => {
+            if let Some(frame) = decode(lp, conn, p.head()) {
+                chan_mut(conn).shared.push(Received { frame, payload: p.bytes().to_vec() })
+            }
+        }
+        Incoming::ReadDone { tag, lease, result } => {
+            lp.stats().note_reads(-1);
+            if let Some(reply) = chan_mut(conn).reads.remove(&tag) {
+                let _ = reply.send((lease, result));
+            }
+        }
+        // A channel starts no reads into user memory.
+        Incoming::UserReadDone { .. } => {}
+        Incoming::Attach(data) => {
             let accepted = chan_mut(conn).accepted;
             let key = conn.key.to_u64();
-            let v = &mut conn.transport;
-            let r = if accepted { v.expect_attach() } else { v.begin_attach(&mut self.net, key) };
-            match r {
-                Ok(()) => chan_mut(conn).attach_reply = Some(reply),
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                }
-            }
-            return;
-        }
-        let _ = reply.send(Ok(()));
-    }
-
-    pub(crate) fn remove_chan_listener(&mut self, id: u64) {
-        self.unlisten(id);
-        self.state::<ChanListeners>().remove(&id);
-    }
-
-    pub(crate) fn channel_accepted(&mut self, id: u64, peer: String, transport: Transport) {
-        let Some(l) = self.state::<ChanListeners>().get(&id) else { return };
-        let accepted = l.accepted.clone();
-        let shared = ChannelShared::new();
-        let role = Role::new(
-            &ChannelHandler,
-            ChannelConn {
-                shared: shared.clone(),
-                limits: Limits::default(),
-                pending: None,
-                reads: HashMap::new(),
-                next_tag: 1,
-                connect_reply: None,
-                attach_reply: None,
-                accepted: true,
-            },
-        );
-        let key = self.insert(peer.clone(), transport, role);
-        accepted.queue.lock().push_back((key, peer, shared));
-        accepted.cv.notify_all();
-        self.activate(key);
-    }
-
-    pub(crate) fn channel_connected(&mut self, conn: &mut Conn) {
-        if let Some(r) = chan_mut(conn).connect_reply.take() {
-            let _ = r.send(Ok(conn.key));
-        }
-    }
-
-    pub(crate) fn channel_incoming(&mut self, conn: &mut Conn, inc: Incoming) {
-        match inc {
-            Incoming::Frame(frame) => {
-                if frame.kind().payload_offset().is_some() {
-                    chan_mut(conn).pending = Some(frame);
-                    if let Err(e) = conn.transport.place(Placement::Vec) {
-                        self.fail(conn, e);
-                    }
-                } else {
-                    chan_mut(conn).shared.push(Received { frame, payload: Vec::new() });
-                }
-            }
-            Incoming::PayloadVec(payload) => {
-                let c = chan_mut(conn);
-                if let Some(frame) = c.pending.take() {
-                    c.shared.push(Received { frame, payload });
-                }
-            }
-            Incoming::Payload(_) => {}
-            Incoming::Message(frame, p) => chan_mut(conn).shared.push(Received { frame, payload: p.bytes().to_vec() }),
-            Incoming::ReadDone { tag, lease, result } => {
-                self.shared.stats.note_reads(-1);
-                if let Some(reply) = chan_mut(conn).reads.remove(&tag) {
-                    let _ = reply.send((lease, result));
-                }
-            }
-            // A channel starts no reads into user memory.
-            Incoming::UserReadDone { .. } => {}
-            Incoming::Attach(data) => {
-                let accepted = chan_mut(conn).accepted;
-                let key = conn.key.to_u64();
-                let v = &mut conn.transport;
-                // An accepting channel attaches only when its owner asked (after running the
-                // handshake it trusts); the connecting side only answers its own request.
-                let r = if accepted && conn.authenticated {
-                    v.accept_attach(&mut self.net, key, &data)
-                } else if accepted {
-                    Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
-                } else {
-                    v.complete_attach(&mut self.net, &data)
-                };
-                if let Err(e) = r {
-                    if let Some(reply) = chan_mut(conn).attach_reply.take() {
-                        let _ = reply.send(Err(FabricError::Unsupported(e.to_string())));
-                    }
-                    self.fail(conn, e);
-                }
-            }
-            Incoming::Attached => {
+            let authenticated = conn.authenticated;
+            let Conn { transport, role, .. } = &mut *conn;
+            // An accepting channel attaches only when its owner asked (after running the
+            // handshake it trusts); the connecting side only answers its own request.
+            let r = if accepted && authenticated {
+                transport.accept_attach(lp.net(), key, &data, role.codec())
+            } else if accepted {
+                Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
+            } else {
+                transport.complete_attach(lp.net(), &data)
+            };
+            if let Err(e) = r {
                 if let Some(reply) = chan_mut(conn).attach_reply.take() {
-                    let _ = reply.send(Ok(()));
+                    let _ = reply.send(Err(FabricError::Unsupported(e.to_string())));
                 }
+                lp.fail(conn, e);
+            }
+        }
+        Incoming::Attached => {
+            if let Some(reply) = chan_mut(conn).attach_reply.take() {
+                let _ = reply.send(Ok(()));
             }
         }
     }
+}
 
-    pub(crate) fn channel_failed(&mut self, conn: &mut Conn, why: String) {
-        let c = chan_mut(conn);
-        if let Some(r) = c.connect_reply.take() {
-            let _ = r.send(Err(FabricError::Unsupported(why.clone())));
-        }
-        if let Some(r) = c.attach_reply.take() {
-            let _ = r.send(Err(FabricError::Unsupported(why.clone())));
-        }
-        c.shared.fail(why);
+fn channel_failed(conn: &mut Conn, why: String) {
+    let c = chan_mut(conn);
+    if let Some(r) = c.connect_reply.take() {
+        let _ = r.send(Err(FabricError::Unsupported(why.clone())));
     }
+    if let Some(r) = c.attach_reply.take() {
+        let _ = r.send(Err(FabricError::Unsupported(why.clone())));
+    }
+    c.shared.fail(why);
 }
