@@ -437,6 +437,8 @@ impl PyComm {
             ("registration_hits", t.registration_hits),
             ("placed", t.placed),
             ("placed_bytes", t.placed_bytes),
+            ("folded", t.folded),
+            ("folded_bytes", t.folded_bytes),
             ("staged", t.staged),
             ("staged_bytes", t.staged_bytes),
         ] {

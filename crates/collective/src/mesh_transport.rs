@@ -1,8 +1,11 @@
 //! The fabric-backed [`Transport`]: a thin adapter over [`crate::mesh`], which
 //! holds every provider-facing piece of Mobius.
 
+use crate::dtype::{reduce_into, DType, ReduceOp};
 use crate::mesh::{self, Mesh, MeshError, Message, PostedRecv, Posting, Registration, SendTicket};
 use crate::transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
+use rdma_shuffle_fabric::providers::link::Fold;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// [`Transport`] over a fabric [`Mesh`] (tcp, sim or verbs provider).
@@ -127,6 +130,20 @@ impl Transport for MeshTransport {
         unsafe { self.mesh.post_recv(peer, tag, ptr, len, reg) }.map_err(convert)
     }
 
+    unsafe fn post_recv_reduce(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Option<PostedRecv>, TransportError> {
+        let fold = Fold { align: dtype.size(), apply: Arc::new(move |d: &mut [u8], s: &[u8]| reduce_into(dtype, op, d, s)) };
+        // SAFETY: forwarded contract.
+        unsafe { self.mesh.post_recv_fold(peer, tag, ptr, len, fold) }.map(Some).map_err(convert)
+    }
+
     fn wait_posted(
         &self,
         posted: &mut PostedRecv,
@@ -158,6 +175,8 @@ impl Transport for MeshTransport {
             registration_hits: s.registration_hits,
             placed: s.placed,
             placed_bytes: s.placed_bytes,
+            folded: s.folded,
+            folded_bytes: s.folded_bytes,
             staged: s.staged,
             staged_bytes: s.staged_bytes,
         }

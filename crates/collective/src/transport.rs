@@ -97,6 +97,10 @@ pub struct TransportStats {
     pub placed: u64,
     /// Bytes of those.
     pub placed_bytes: u64,
+    /// Of those, messages reduced into the caller's memory as they arrived.
+    pub folded: u64,
+    /// Bytes of those.
+    pub folded_bytes: u64,
     /// Messages received into a buffer of the transport first.
     pub staged: u64,
     /// Bytes of those.
@@ -177,6 +181,28 @@ pub trait Transport: Send + Sync {
         len: usize,
         reg: Option<&Self::Reg>,
     ) -> Result<Self::Posted, TransportError>;
+
+    /// Posts a reducing receive: the next message from `peer` under `tag`, of `len` bytes, is
+    /// reduced (`op` over `dtype` elements) into the memory at `ptr` as it arrives, where the
+    /// transport can do that; [`wait_posted`](Transport::wait_posted) hands over a message it
+    /// could not reduce on the way (the caller reduces it). `None`: this transport never
+    /// reduces on the way; receive and reduce as usual.
+    ///
+    /// # Safety
+    /// As for [`post_recv`](Transport::post_recv); the memory holds the partial result the
+    /// message is reduced into.
+    unsafe fn post_recv_reduce(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        dtype: crate::dtype::DType,
+        op: crate::dtype::ReduceOp,
+    ) -> Result<Option<Self::Posted>, TransportError> {
+        let _ = (peer, tag, ptr, len, dtype, op);
+        Ok(None)
+    }
 
     /// Waits for a posted receive, or — when `also` is given — whichever of it and that
     /// message comes first: `(0, None)` the message is in the posted memory; `(0, Some(buf))`

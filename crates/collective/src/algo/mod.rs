@@ -311,7 +311,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
                 self.post(peer, step, seg, dst, len)?
             }
         };
-        self.wait_copy(posted, peer, step, seg, dst, len)
+        self.wait_into(posted, peer, step, seg, dst, len, false)
     }
 
     /// Posts the receive of segment `seg` of `step` from `peer` into `dst`: a message that
@@ -361,9 +361,50 @@ impl<'t, T: Transport> Ctx<'t, T> {
         Ok(())
     }
 
+    /// Posts the reducing receives of every segment of `[dst, dst + len)` not posted yet:
+    /// segments that arrive from now on are reduced into `dst` on their way in (see
+    /// [`Transport::post_recv_reduce`]); [`recv_reduce`](Ctx::recv_reduce) waits for them.
+    /// Nothing is posted where the transport cannot reduce on the way.
+    pub(crate) fn post_reduce_all(&mut self, peer: usize, step: u32, dst: *mut u8, len: usize) -> Result<(), CollectiveError> {
+        let segs: Vec<_> = self.segs(len).filter(|(j, _, _)| !self.posted.contains_key(&self.key(peer, step, *j))).collect();
+        if segs.is_empty() {
+            return Ok(());
+        }
+        self.fence(dst, len)?;
+        for (j, off, l) in segs {
+            // SAFETY: the segment lies inside the range.
+            match self.post_reduce(peer, step, j, unsafe { dst.add(off) }, l)? {
+                Some(p) => {
+                    self.posted.insert(self.key(peer, step, j), p);
+                }
+                None => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts the reducing receive of segment `seg` of `step` from `peer` into `dst` (`None`:
+    /// the transport cannot reduce on the way). The caller fenced `dst`.
+    fn post_reduce(
+        &mut self,
+        peer: usize,
+        step: u32,
+        seg: u32,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<Option<T::Posted>, CollectiveError> {
+        let (real, want) = self.key(peer, step, seg);
+        // SAFETY: as in `post`: `dst..dst+len` outlives the posted receive and no pending
+        // send reads it; it holds this rank's partial result, which the message is reduced
+        // into.
+        unsafe { self.t.post_recv_reduce(real, want, dst, len, self.dtype, self.op) }.map_err(|e| self.err(e))
+    }
+
     /// Waits for a posted receive (checking the left neighbour's header when it comes
-    /// first); copies the message into `dst` when it came in a buffer instead.
-    fn wait_copy(
+    /// first); copies the message into `dst` (reduces it into `dst`, for a reducing
+    /// receive) when it came in a buffer instead.
+    #[allow(clippy::too_many_arguments)]
+    fn wait_into(
         &mut self,
         mut posted: T::Posted,
         peer: usize,
@@ -371,6 +412,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
         seg: u32,
         dst: *mut u8,
         len: usize,
+        reduce: bool,
     ) -> Result<(), CollectiveError> {
         loop {
             let also = self.header.as_ref().map(|_| (self.left(), tag(0, STEP_HEADER, 0)));
@@ -385,7 +427,12 @@ impl<'t, T: Transport> Ctx<'t, T> {
                     }
                     // SAFETY: `dst..dst+len` is in a caller buffer or scratch, no pending send
                     // reads it, and its posted receive is gone.
-                    unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, len) };
+                    if reduce {
+                        let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+                        reduce_into(self.dtype, self.op, d, &msg);
+                    } else {
+                        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), dst, len) };
+                    }
                     return Ok(());
                 }
             }
@@ -401,7 +448,19 @@ impl<'t, T: Transport> Ctx<'t, T> {
         dst: *mut u8,
         len: usize,
     ) -> Result<(), CollectiveError> {
-        self.fence(dst, len)?;
+        // A reducing receive, posted ahead or now, takes a segment that arrives from here on
+        // straight into `dst`; one that came earlier, or a transport that cannot, is reduced
+        // out of the transport's buffer.
+        let posted = match self.posted.remove(&self.key(peer, step, seg)) {
+            Some(p) => Some(p),
+            None => {
+                self.fence(dst, len)?;
+                self.post_reduce(peer, step, seg, dst, len)?
+            }
+        };
+        if let Some(posted) = posted {
+            return self.wait_into(posted, peer, step, seg, dst, len, true);
+        }
         let msg = self.recv(peer, step, seg, len)?;
         // SAFETY: as in `recv_copy`.
         let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
@@ -458,7 +517,15 @@ impl<'t, T: Transport> Ctx<'t, T> {
             self.send(to, step, j, unsafe { src.add(off) }, l)?;
             sent += 1;
         }
-        if !reduce {
+        if reduce {
+            // Reduced into on their way in, so posted ahead only where nothing sent here reads
+            // them (recursive doubling sends and reduces the same buffer: each segment is
+            // posted at its turn there, once its own send went out and was fenced).
+            let (s0, d0) = (src as usize, dst as usize);
+            if s0 + slen <= d0 || d0 + rlen <= s0 {
+                self.post_reduce_all(from, step, dst, rlen)?;
+            }
+        } else {
             self.post_all(from, step, dst, rlen, false)?;
         }
         for (j, off, l) in recvs {
@@ -527,7 +594,12 @@ impl<'t, T: Transport> Ctx<'t, T> {
             let (b_off, b_len) = blocks[c];
             let segs: Vec<_> = self.segs(b_len).collect();
             let step = step_base + k as u32;
-            if !reduce {
+            // Every receive of the step posted first, so a segment that arrives while an
+            // earlier one is handled lands in place (reduced into it, for a reducing pass:
+            // nothing reads block `c` until its segments are reduced and forwarded).
+            if reduce {
+                self.post_reduce_all(left, step, unsafe { buf.add(b_off) }, b_len)?;
+            } else {
                 self.post_all(left, step, unsafe { buf.add(b_off) }, b_len, false)?;
             }
             for (j, off, l) in segs {

@@ -193,6 +193,11 @@ pub struct MeshStats {
     pub placed: u64,
     /// Bytes of those.
     pub placed_bytes: u64,
+    /// Of the placed messages, those reduced into the caller's buffer as they arrived (a
+    /// reducing receive, [`Mesh::post_recv_fold`]).
+    pub folded: u64,
+    /// Bytes of those.
+    pub folded_bytes: u64,
     /// Messages received into a pool buffer first (they arrived before their receive was
     /// posted, or a reduction consumes them from there).
     pub staged: u64,
@@ -393,6 +398,8 @@ impl Mesh {
             registrations: l(&c.registrations),
             placed: l(&c.placed),
             placed_bytes: l(&c.placed_bytes),
+            folded: l(&c.folded),
+            folded_bytes: l(&c.folded_bytes),
             staged: l(&c.staged),
             staged_bytes: l(&c.staged_bytes),
         }

@@ -7,6 +7,7 @@ use super::{Mesh, MeshError, Message, Registration, Tag, UserReg, RELEASE_WAIT};
 use crate::mesh::link::{submit, MeshCmd};
 use parking_lot::MutexGuard;
 use rdma_shuffle_fabric::driver::Driver;
+use rdma_shuffle_fabric::providers::link::Fold;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -63,6 +64,44 @@ impl Mesh {
         len: usize,
         reg: Option<&Registration>,
     ) -> Result<PostedRecv, MeshError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.post_into(peer, tag, ptr, len, reg, None) }
+    }
+
+    /// Posts a reducing receive: like [`post_recv`](Mesh::post_recv), but the message is
+    /// reduced into `len` bytes at `ptr` by `fold` as it arrives (tcp: out of the socket's
+    /// read buffer a 64 KiB piece at a time; shm: copied out of the sender's memory a piece
+    /// at a time), so its bytes are touched once, in cache, instead of being written to a
+    /// pool buffer and read back. A message that arrived before, a one-sided READ (verbs),
+    /// and a message that comes whole (sim, small shm and verbs messages) are handed over by
+    /// [`wait_posted`](Mesh::wait_posted) as [`Posting::Staged`] for the caller to reduce.
+    ///
+    /// # Safety
+    /// As for [`post_recv`](Mesh::post_recv); also, the memory is read and written by the
+    /// fold on the thread that drives the mesh until the receive ended.
+    pub unsafe fn post_recv_fold(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        fold: Fold,
+    ) -> Result<PostedRecv, MeshError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.post_into(peer, tag, ptr, len, None, Some(fold)) }
+    }
+
+    /// # Safety
+    /// As for [`post_recv`](Mesh::post_recv).
+    unsafe fn post_into(
+        &self,
+        peer: usize,
+        tag: Tag,
+        ptr: *mut u8,
+        len: usize,
+        reg: Option<&Registration>,
+        fold: Option<Fold>,
+    ) -> Result<PostedRecv, MeshError> {
         let (start, end) = (ptr as usize, ptr as usize + len);
         let lkey = reg.filter(|r| start >= r.ptr && end <= r.ptr + r.len).and_then(|r| match &r.reg {
             UserReg::Region(region) => region.write_lkey(),
@@ -79,7 +118,7 @@ impl Mesh {
                     s.rank
                 )));
             }
-            st.posted.insert((peer, tag), Posted::Waiting(ptr as usize, len, lkey));
+            st.posted.insert((peer, tag), Posted::Waiting(ptr as usize, len, lkey, fold));
         }
         // The registration is the caller's, alive until the receive ends: a clone keeps it
         // (and the READ's target pages) registered until then in any case.

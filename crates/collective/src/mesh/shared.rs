@@ -10,6 +10,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use rdma_shuffle_fabric::driver::ConnKey;
 use rdma_shuffle_fabric::driver::Driver;
 use rdma_shuffle_fabric::memory::pool::TieredPool;
+use rdma_shuffle_fabric::providers::link::Fold;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -49,9 +50,10 @@ pub(crate) enum Slot {
 /// A receive posted into the caller's memory ([`Mesh::post_recv`](super::Mesh::post_recv)),
 /// by `(peer, tag)`.
 pub(crate) enum Posted {
-    /// Waits for its message: `(address, length)` of the caller's memory, and the key a
-    /// one-sided READ writes it with (verbs, when registered).
-    Waiting(usize, usize, Option<u32>),
+    /// Waits for its message: `(address, length)` of the caller's memory, the key a
+    /// one-sided READ writes it with (verbs, when registered), and for a reducing receive
+    /// how the message is reduced into the memory instead of written there.
+    Waiting(usize, usize, Option<u32>, Option<Fold>),
     /// The loop is placing a message into it.
     Claimed,
     /// The message is in the caller's memory.
@@ -63,8 +65,9 @@ pub(crate) enum Posted {
 /// Where an arriving message goes: a slot of the inbox, or a posted receive.
 pub(crate) enum Dest {
     Slot(u64),
-    /// The caller's memory, and (one-sided) the key a READ writes it with.
-    Posted(rdma_shuffle_fabric::providers::link::UserBuf, Option<u32>),
+    /// The caller's memory, (one-sided) the key a READ writes it with, and (a reducing
+    /// receive) how the message is reduced into it.
+    Posted(rdma_shuffle_fabric::providers::link::UserBuf, Option<u32>, Option<Fold>),
 }
 
 /// What building the mesh saw.
@@ -121,6 +124,8 @@ pub(crate) struct Counters {
     pub(crate) registrations: AtomicU64,
     pub(crate) placed: AtomicU64,
     pub(crate) placed_bytes: AtomicU64,
+    pub(crate) folded: AtomicU64,
+    pub(crate) folded_bytes: AtomicU64,
     pub(crate) staged: AtomicU64,
     pub(crate) staged_bytes: AtomicU64,
 }
@@ -237,18 +242,22 @@ impl MeshShared {
     /// A message of `len` bytes from `peer` under `tag` starts to arrive: it goes straight
     /// into a receive posted for it, when one of that length waits and no earlier message
     /// under the tag is queued (messages under one tag keep their order); else into a slot.
-    /// `read`: the message is to be READ one-sided, which needs the receive's write key.
+    /// `read`: the message is to be READ one-sided, which needs the receive's write key (and
+    /// cannot be reduced on its way: a reducing receive is not claimed for a READ).
     pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64, read: bool) -> Dest {
         let mut st = self.state.lock();
         if !st.queued(peer, tag) {
             if let Some(p) = st.posted.get_mut(&(peer, tag)) {
-                if let Posted::Waiting(ptr, plen, lkey) = *p {
-                    if plen as u64 == len && len > 0 && (!read || lkey.is_some()) {
+                if let Posted::Waiting(ptr, plen, lkey, fold) = p {
+                    let (ptr, plen, lkey) = (*ptr, *plen, *lkey);
+                    let claim = if read { lkey.is_some() && fold.is_none() } else { true };
+                    if plen as u64 == len && len > 0 && claim {
+                        let fold = fold.take();
                         *p = Posted::Claimed;
                         // SAFETY: the poster keeps the memory and leaves it alone until the
                         // receive is done or failed (`Mesh::post_recv`).
                         let buf = unsafe { rdma_shuffle_fabric::providers::link::UserBuf::new(ptr as *mut u8, plen) };
-                        return Dest::Posted(buf, lkey);
+                        return Dest::Posted(buf, lkey, fold);
                     }
                 }
             }

@@ -151,7 +151,36 @@ pub enum Placement {
     /// Straight into the caller's memory (a posted receive); the link answers
     /// [`Incoming::Payload`]`(None)` once the payload is complete.
     User(UserBuf),
+    /// Reduced into the caller's memory as it arrives (a posted receive of a reducing
+    /// collective): the link reads the payload in pieces small enough to stay in cache and
+    /// folds each into `dst` at its offset, so the bytes are touched once on their way in
+    /// instead of being written to a buffer and read back. Answered like
+    /// [`User`](Placement::User).
+    Fold {
+        /// The memory reduced into; exactly the payload's length.
+        dst: UserBuf,
+        /// How a piece is reduced into it.
+        fold: Fold,
+    },
 }
+
+/// The reduction of one piece of a payload into memory: `(dst, src)`, same lengths.
+pub type FoldFn = dyn Fn(&mut [u8], &[u8]) + Send + Sync;
+
+/// How received bytes are reduced into memory ([`Placement::Fold`]): `apply(dst, src)`
+/// combines `src` into `dst` (same length), called on consecutive pieces of the payload
+/// whose lengths are multiples of `align` (an element's size), in order.
+#[derive(Clone)]
+pub struct Fold {
+    /// Bytes every piece is a multiple of.
+    pub align: usize,
+    /// The reduction of one piece.
+    pub apply: Arc<FoldFn>,
+}
+
+/// Bytes a link folds at a time ([`Placement::Fold`]): small enough for the piece and its
+/// destination to stay in a core's cache between the copy in and the reduction.
+pub const FOLD_PIECE: usize = 64 * 1024;
 
 /// Memory of a caller that a payload is placed into (a posted receive of the mesh). The
 /// link writes it only while the payload is being read: once it answered the payload, or

@@ -15,7 +15,7 @@ use crate::memory::pool::{Lease, NoRegistration};
 use crate::memory::registration::Registrar;
 use crate::providers::codec::{checked_shape, Codec, FrameShape};
 use crate::providers::link::{EngineCtx, Incoming, Link, Listener, Net, ProviderEngine};
-pub(crate) use crate::providers::link::{OutPayload, Placement, UserBuf};
+pub(crate) use crate::providers::link::{Fold, OutPayload, Placement, UserBuf};
 use crate::providers::Provider;
 use mio::{Interest, Registry, Token};
 use std::collections::VecDeque;
@@ -230,6 +230,13 @@ enum ReadState {
     },
     FillVec {
         buf: Vec<u8>,
+        total: u64,
+    },
+    /// A payload reduced into the caller's memory out of the read buffer, a piece at a time.
+    Fold {
+        dst: UserBuf,
+        fold: Fold,
+        done: u64,
         total: u64,
     },
 }
@@ -585,6 +592,17 @@ impl TcpConn {
                 ReadState::Fill { lease: Dst::User(dst), at: 0, done: 0, total: remaining }
             }
             Placement::Vec => ReadState::FillVec { buf: Vec::with_capacity(remaining as usize), total: remaining },
+            Placement::Fold { dst, fold } => {
+                if dst.len() as u64 != remaining || fold.align == 0 || !remaining.is_multiple_of(fold.align as u64) {
+                    return Err(FabricError::Unsupported(format!(
+                        "{}: payload of {remaining} bytes folded into a receive of {} in pieces of {}",
+                        self.peer,
+                        dst.len(),
+                        fold.align
+                    )));
+                }
+                ReadState::Fold { dst, fold, done: 0, total: remaining }
+            }
         };
         Ok(())
     }
@@ -652,6 +670,25 @@ impl TcpConn {
                         return Ok(TcpRead::PayloadVec(buf));
                     }
                     if !self.fill(1)? {
+                        return Ok(TcpRead::Idle);
+                    }
+                }
+                ReadState::Fold { dst, fold, done, total } => {
+                    // Whole elements out of the read buffer (at most its 64 KiB at a time, so
+                    // a piece is still in cache when it is reduced), then the next read.
+                    let align = fold.align;
+                    let take = ((*total - *done) as usize).min(self.rend - self.rstart) / align * align;
+                    if take > 0 {
+                        let at = *done as usize;
+                        (fold.apply)(&mut dst[at..at + take], &self.rbuf[self.rstart..self.rstart + take]);
+                        self.rstart += take;
+                        *done += take as u64;
+                    }
+                    if *done == *total {
+                        self.rstate = ReadState::Header;
+                        return Ok(TcpRead::Payload(None));
+                    }
+                    if !self.fill(align)? {
                         return Ok(TcpRead::Idle);
                     }
                 }

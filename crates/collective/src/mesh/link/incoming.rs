@@ -66,15 +66,18 @@ fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: 
     }
     if len == 0 {
         let slot = m.shared.open_slot(peer, tag);
-        m.rx = Some(Rx { tag, slot, proto, len });
+        m.rx = Some(Rx { tag, slot, proto, len, folded: false });
         return conn.transport.place(Placement::Discard);
     }
     match m.shared.open_slot_or_claim(peer, tag, len, false) {
-        Dest::Posted(dst, _) => {
-            m.rx = Some(Rx { tag, slot: 0, proto, len });
-            conn.transport.place(Placement::User(dst))
+        Dest::Posted(dst, _, fold) => {
+            m.rx = Some(Rx { tag, slot: 0, proto, len, folded: fold.is_some() });
+            conn.transport.place(match fold {
+                Some(fold) => Placement::Fold { dst, fold },
+                None => Placement::User(dst),
+            })
         }
-        Dest::Slot(slot) => mesh_place(lp, conn, Rx { tag, slot, proto, len }),
+        Dest::Slot(slot) => mesh_place(lp, conn, Rx { tag, slot, proto, len, folded: false }),
     }
 }
 
@@ -102,7 +105,7 @@ fn mesh_place(lp: &mut Loop, conn: &mut Conn, rx: Rx) -> Result<(), FabricError>
 /// (stream) A data payload is complete.
 fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
     let m = mesh_mut(conn);
-    let Some(Rx { tag, slot, proto, len }) = m.rx.take() else {
+    let Some(Rx { tag, slot, proto, len, folded }) = m.rx.take() else {
         return Err(protocol(conn, "a payload arrived that no frame announced".into()));
     };
     let peer = m.peer.unwrap_or(0);
@@ -118,6 +121,10 @@ fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
         // Placed into the receive posted for it.
         bump(&c.placed, 1);
         bump(&c.placed_bytes, len);
+        if folded {
+            bump(&c.folded, 1);
+            bump(&c.folded_bytes, len);
+        }
         m.shared.posted_end(peer, tag, None);
         return Ok(());
     }
@@ -370,8 +377,8 @@ fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(),
     }
     // A receive posted for it, with the key to write its memory, takes the READ straight in.
     let (slot, user) = match m.shared.open_slot_or_claim(peer, tag, len, true) {
-        Dest::Posted(buf, Some(lkey)) => (0, Some((buf, lkey))),
-        Dest::Posted(_, None) => {
+        Dest::Posted(buf, Some(lkey), None) => (0, Some((buf, lkey))),
+        Dest::Posted(..) => {
             m.shared.posted_end(peer, tag, Some("claimed for a READ without a write key".into()));
             return Err(protocol(conn, "internal: a posted receive was claimed for a READ without its write key".into()));
         }

@@ -191,6 +191,8 @@ pub(crate) struct Rx {
     pub(crate) slot: u64,
     pub(crate) proto: crate::mesh::Proto,
     pub(crate) len: u64,
+    /// Reduced into the posted receive's memory as it arrives.
+    pub(crate) folded: bool,
 }
 
 impl Rx {

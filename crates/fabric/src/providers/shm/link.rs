@@ -159,6 +159,8 @@ struct ShmLink {
     /// position where each starts in `queued`, and its id on the connection. Everything
     /// before the first one still lent is "written" (copied, or read by the peer).
     borrowed: VecDeque<(u64, u64)>,
+    /// Where a folded body's pieces are copied before each is reduced (made on first use).
+    scratch: Vec<u8>,
 }
 
 impl ShmLink {
@@ -173,6 +175,7 @@ impl ShmLink {
             placed: None,
             queued: 0,
             borrowed: VecDeque::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -440,6 +443,10 @@ impl Link for ShmLink {
                     )));
                 }
                 c.copy_body(b, Some(&mut dst))?;
+                Incoming::Payload(None)
+            }
+            Placement::Fold { mut dst, fold } => {
+                c.fold_body(b, &mut dst, &fold, &mut self.scratch)?;
                 Incoming::Payload(None)
             }
         });
