@@ -236,14 +236,60 @@ def run(args):
                      "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
                      "time_us_min": min(ts) * 1e6, "time_us_max": max(ts) * 1e6, "rounds": len(ts),
                      "iters": args.iters})
-    report = {"rows": rows, "config": vars(args),
+    report = {"rows": rows, "config": vars(args), "targets": targets(rows),
               "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"],
                                                          "transport": e["stats"].get("transport")}
                                 for (op, w), e in extras.items()}}
     (out / "collective.json").write_text(json.dumps(report, indent=1))
     print_table(rows, libs)
+    for t in report["targets"]:
+        print(f"issue {t['issue']} {t['library']:10s} w{t['world']} {t['bytes']:>10d} B  {t['target']}: "
+              f"{t['value']} (bound {t['bound']}) {'met' if t['met'] else 'MISSED'}")
     plot(rows, out / "collective.png")
     print(f"\nwrote {out / 'collective.json'} and {out / 'collective.png'}")
+
+
+def targets(rows):
+    """The speed targets of issues 21 (against Open MPI over tcp, gloo and the TCP ring
+    ceiling) and 24 (against Open MPI's shared memory), each with the value this run reached;
+    a target whose libraries or sizes were not in the run is left out. Mobius is measured as
+    ``mobius-tcp`` against tcp peers and as ``mobius`` (shm between ranks of one host)
+    against Open MPI sm."""
+    at = {(r["library"], r["op"], r["world"], r["bytes"]): r for r in rows}
+    out = []
+
+    def add(issue, what, lib, peer, world, size, value, target, smaller_is_better):
+        met = value <= target if smaller_is_better else value >= target
+        out.append({"issue": issue, "target": what, "library": lib, "peer": peer, "world": world, "bytes": size,
+                    "value": round(value, 3), "bound": round(target, 3), "met": met})
+
+    for (lib, op, world, size), r in sorted(at.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0])):
+        if op != "allreduce" or lib not in ("mobius", "mobius-tcp"):
+            continue
+        tcp_peer = lib == "mobius-tcp"
+        mpi = at.get(("mpi", op, world, size))
+        sm = at.get(("openmpi-sm", op, world, size))
+        gloo = at.get(("gloo", op, world, size))
+        ring = at.get(("ring", op, world, size))
+        if tcp_peer and mpi and size == 4096:
+            add(21, "4 KiB time <= Open MPI tcp (ratio)", lib, "mpi", world, size, r["time_us"] / mpi["time_us"], 1.0, True)
+        if tcp_peer and mpi and size in (65536, 1 << 20):
+            add(21, "busbw >= 0.8x Open MPI tcp", lib, "mpi", world, size, r["busbw_gbs"] / mpi["busbw_gbs"], 0.8, False)
+        if tcp_peer and ring and size >= 16 << 20:
+            add(21, "busbw >= 0.9x the TCP ring ceiling", lib, "ring", world, size, r["busbw_gbs"] / ring["busbw_gbs"], 0.9, False)
+        if gloo:
+            add(21, "never below gloo (busbw ratio)", lib, "gloo", world, size, r["busbw_gbs"] / gloo["busbw_gbs"], 1.0, False)
+        if not tcp_peer and sm:
+            if size == 4096:
+                add(24, "4 KiB time <= 2x Open MPI sm (ratio)", lib, "openmpi-sm", world, size,
+                    r["time_us"] / sm["time_us"], 2.0, True)
+            if size == 1 << 20:
+                add(24, "busbw >= 0.8x Open MPI sm", lib, "openmpi-sm", world, size, r["busbw_gbs"] / sm["busbw_gbs"], 0.8, False)
+            if size >= 16 << 20:
+                add(24, "busbw >= 0.9x Open MPI sm", lib, "openmpi-sm", world, size, r["busbw_gbs"] / sm["busbw_gbs"], 0.9, False)
+        if not tcp_peer and gloo and size == 1 << 20:
+            add(24, "busbw >= 10x gloo", lib, "gloo", world, size, r["busbw_gbs"] / gloo["busbw_gbs"], 10.0, False)
+    return out
 
 
 def print_table(rows, libs):

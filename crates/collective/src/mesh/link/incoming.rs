@@ -110,13 +110,7 @@ fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
     };
     let peer = m.peer.unwrap_or(0);
     let c = &m.shared.counters;
-    if proto == Proto::Eager {
-        bump(&c.eager_received, 1);
-        bump(&c.eager_received_bytes, len);
-    } else {
-        bump(&c.rendezvous_received, 1);
-        bump(&c.rendezvous_received_bytes, len);
-    }
+    count_received(c, proto, len);
     if slot == 0 {
         // Placed into the receive posted for it.
         bump(&c.placed, 1);
@@ -136,6 +130,17 @@ fn mesh_payload(conn: &mut Conn, body: Body) -> Result<(), FabricError> {
     Ok(())
 }
 
+/// A data message of `len` bytes was received.
+fn count_received(c: &Counters, proto: Proto, len: u64) {
+    if proto == Proto::Eager {
+        bump(&c.eager_received, 1);
+        bump(&c.eager_received_bytes, len);
+    } else {
+        bump(&c.rendezvous_received, 1);
+        bump(&c.rendezvous_received_bytes, len);
+    }
+}
+
 /// (messages) A whole frame and its payload.
 fn mesh_message(lp: &mut Loop, conn: &mut Conn, p: MsgPayload) -> Result<(), FabricError> {
     let h = decode(conn, p.head())?;
@@ -153,13 +158,7 @@ fn mesh_message(lp: &mut Loop, conn: &mut Conn, p: MsgPayload) -> Result<(), Fab
         }
     };
     let c = &m.shared.counters;
-    if proto == Proto::Eager {
-        bump(&c.eager_received, 1);
-        bump(&c.eager_received_bytes, len);
-    } else {
-        bump(&c.rendezvous_received, 1);
-        bump(&c.rendezvous_received_bytes, len);
-    }
+    count_received(c, proto, len);
     let (buf, at) = p.into_parts();
     let body = if len == 0 { Body::Empty } else { Body::Bytes(buf, at) };
     m.shared.push_ready(peer, tag, Message { body, proto });
