@@ -69,12 +69,12 @@ impl Mesh {
     }
 
     /// Posts a reducing receive: like [`post_recv`](Mesh::post_recv), but the message is
-    /// reduced into `len` bytes at `ptr` by `fold` as it arrives (tcp: out of the socket's
-    /// read buffer a 64 KiB piece at a time; shm: copied out of the sender's memory a piece
-    /// at a time), so its bytes are touched once, in cache, instead of being written to a
-    /// pool buffer and read back. A message that arrived before, a one-sided READ (verbs),
-    /// and a message that comes whole (sim, small shm and verbs messages) are handed over by
-    /// [`wait_posted`](Mesh::wait_posted) as [`Posting::Staged`] for the caller to reduce.
+    /// reduced into `len` bytes at `ptr` by `fold` as it arrives, on links that can (tcp:
+    /// out of the socket's 64 KiB read buffer, a piece at a time), so its bytes are touched
+    /// once, in cache, instead of being written to a pool buffer and read back. A message
+    /// that arrived before, and one on a link that does not fold (shm, sim, verbs), is handed
+    /// over by [`wait_posted`](Mesh::wait_posted) as [`Posting::Staged`] for the caller to
+    /// reduce.
     ///
     /// # Safety
     /// As for [`post_recv`](Mesh::post_recv); also, the memory is read and written by the

@@ -243,14 +243,15 @@ impl MeshShared {
     /// into a receive posted for it, when one of that length waits and no earlier message
     /// under the tag is queued (messages under one tag keep their order); else into a slot.
     /// `read`: the message is to be READ one-sided, which needs the receive's write key (and
-    /// cannot be reduced on its way: a reducing receive is not claimed for a READ).
-    pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64, read: bool) -> Dest {
+    /// cannot be reduced on its way: a reducing receive is not claimed for a READ). `folds`:
+    /// the link can reduce the message on its way in; a reducing receive is claimed only then.
+    pub(crate) fn open_slot_or_claim(&self, peer: usize, tag: Tag, len: u64, read: bool, folds: bool) -> Dest {
         let mut st = self.state.lock();
         if !st.queued(peer, tag) {
             if let Some(p) = st.posted.get_mut(&(peer, tag)) {
                 if let Posted::Waiting(ptr, plen, lkey, fold) = p {
                     let (ptr, plen, lkey) = (*ptr, *plen, *lkey);
-                    let claim = if read { lkey.is_some() && fold.is_none() } else { true };
+                    let claim = if read { lkey.is_some() && fold.is_none() } else { fold.is_none() || folds };
                     if plen as u64 == len && len > 0 && claim {
                         let fold = fold.take();
                         *p = Posted::Claimed;

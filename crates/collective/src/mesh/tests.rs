@@ -476,8 +476,8 @@ fn a_send_the_peer_read_before_it_closed_completes() {
 #[test]
 fn a_reducing_receive_sums_a_message_into_place_as_it_arrives() {
     // u32 sums: each arriving piece is added to what the buffer holds. 3 MB, so tcp folds it
-    // in many 64 KiB pieces out of its read buffer and shm (lending the body) in pieces
-    // copied out of the sender's memory; sim hands the whole message over (staged).
+    // in many 64 KiB pieces out of its read buffer; shm and sim do not fold (the message is
+    // staged and the caller reduces it).
     let words = 750_001usize;
     let msg: Vec<u8> = (0..words as u32).flat_map(|i| i.wrapping_mul(7).to_le_bytes()).collect();
     let acc: Vec<u8> = (0..words as u32).flat_map(|i| (i ^ 0x5a5a).to_le_bytes()).collect();
@@ -501,9 +501,7 @@ fn a_reducing_receive_sums_a_message_into_place_as_it_arrives() {
         let name = provider.name();
         let meshes: Vec<Mesh> = build(provider.clone(), 2, |_| {}).into_iter().map(|m| m.unwrap()).collect();
         let (m0, m1) = (&meshes[0], &meshes[1]);
-        // tcp folds every message it reads; shm the bodies it lends (large ones: a small
-        // message comes whole in the ring); sim none.
-        let folds = |len: usize| name == "tcp" || (name == "shm" && len > 1 << 20);
+        let folds = |_len: usize| name == "tcp";
         let mut folded = (0, 0);
         for (proto, tag, len) in [(Proto::Rendezvous, 7, msg.len()), (Proto::Eager, 8, 4096)] {
             let mut dst = acc[..len].to_vec();
@@ -511,7 +509,7 @@ fn a_reducing_receive_sums_a_message_into_place_as_it_arrives() {
             m0.wait(m0.send(1, tag, &msg[..len], proto, None).unwrap(), soon()).unwrap();
             match m1.wait_posted(&mut p, None, soon()).unwrap() {
                 Posting::Placed => {
-                    assert!(name != "sim", "{name}: reduced in place");
+                    assert!(name == "tcp", "{name}: reduced in place");
                     assert!(dst == want[..len], "{name} {proto}: folded sums differ");
                     folded = (folded.0 + 1, folded.1 + len as u64);
                 }

@@ -152,10 +152,10 @@ pub enum Placement {
     /// [`Incoming::Payload`]`(None)` once the payload is complete.
     User(UserBuf),
     /// Reduced into the caller's memory as it arrives (a posted receive of a reducing
-    /// collective): the link reads the payload in pieces small enough to stay in cache and
-    /// folds each into `dst` at its offset, so the bytes are touched once on their way in
-    /// instead of being written to a buffer and read back. Answered like
-    /// [`User`](Placement::User).
+    /// collective), by links that [fold](Link::folds): the link reads the payload in pieces
+    /// small enough to stay in cache (tcp: its 64 KiB read buffer) and folds each into `dst`
+    /// at its offset, so the bytes are touched once on their way in instead of being written
+    /// to a buffer and read back. Answered like [`User`](Placement::User).
     Fold {
         /// The memory reduced into; exactly the payload's length.
         dst: UserBuf,
@@ -177,10 +177,6 @@ pub struct Fold {
     /// The reduction of one piece.
     pub apply: Arc<FoldFn>,
 }
-
-/// Bytes a link folds at a time ([`Placement::Fold`]): small enough for the piece and its
-/// destination to stay in a core's cache between the copy in and the reduction.
-pub const FOLD_PIECE: usize = 64 * 1024;
 
 /// Memory of a caller that a payload is placed into (a posted receive of the mesh). The
 /// link writes it only while the payload is being read: once it answered the payload, or
@@ -411,6 +407,13 @@ pub trait Link: Send {
     /// (polled links) The loop is about to sleep: make the next arrival an event on this
     /// link's descriptors. `true` when something is there already (the loop must not sleep).
     fn arm(&mut self) -> bool {
+        false
+    }
+
+    /// Whether [`Placement::Fold`] may be asked of this link (tcp: it reduces a payload out
+    /// of its read buffer as it arrives). A protocol asks only links that say so, and
+    /// places into its own buffer elsewhere.
+    fn folds(&self) -> bool {
         false
     }
 

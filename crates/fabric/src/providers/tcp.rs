@@ -177,6 +177,10 @@ impl Link for TcpConn {
         })
     }
 
+    fn folds(&self) -> bool {
+        true
+    }
+
     fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
         TcpConn::place(self, placement)
     }

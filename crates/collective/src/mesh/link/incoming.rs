@@ -58,6 +58,7 @@ fn mesh_frame(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Result<(), FabricE
 
 /// (stream) A data frame: its payload goes into a pool buffer of its size.
 fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: u64) -> Result<(), FabricError> {
+    let folds = conn.transport.folds();
     let m = mesh_mut(conn);
     let peer = m.peer.unwrap_or(0);
     let limit = if proto == Proto::Eager { m.shared.eager_limit } else { m.shared.max_message } as u64;
@@ -69,7 +70,7 @@ fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: 
         m.rx = Some(Rx { tag, slot, proto, len, folded: false });
         return conn.transport.place(Placement::Discard);
     }
-    match m.shared.open_slot_or_claim(peer, tag, len, false) {
+    match m.shared.open_slot_or_claim(peer, tag, len, false, folds) {
         Dest::Posted(dst, _, fold) => {
             m.rx = Some(Rx { tag, slot: 0, proto, len, folded: fold.is_some() });
             conn.transport.place(match fold {
@@ -375,7 +376,7 @@ fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(),
         return conn.transport.send(lp.net(), f, p);
     }
     // A receive posted for it, with the key to write its memory, takes the READ straight in.
-    let (slot, user) = match m.shared.open_slot_or_claim(peer, tag, len, true) {
+    let (slot, user) = match m.shared.open_slot_or_claim(peer, tag, len, true, false) {
         Dest::Posted(buf, Some(lkey), None) => (0, Some((buf, lkey))),
         Dest::Posted(..) => {
             m.shared.posted_end(peer, tag, Some("claimed for a READ without a write key".into()));

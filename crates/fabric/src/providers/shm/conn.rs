@@ -486,38 +486,6 @@ impl ShmConn {
         self.flush()
     }
 
-    /// Like [`copy_body`](Self::copy_body) into `dst`, but reduced into it: the body is
-    /// copied out of the peer's memory a cache-sized piece at a time into `scratch`, and each
-    /// piece folded into `dst` at once.
-    pub fn fold_body(
-        &mut self,
-        b: LentBody,
-        dst: &mut [u8],
-        fold: &crate::providers::link::Fold,
-        scratch: &mut Vec<u8>,
-    ) -> Result<(), FabricError> {
-        let align = fold.align.max(1);
-        if dst.len() as u64 != b.len || !dst.len().is_multiple_of(align) {
-            return Err(FabricError::Unsupported(format!(
-                "{}: a body of {} bytes does not fold into {} bytes in pieces of {align}",
-                self.peer,
-                b.len,
-                dst.len()
-            )));
-        }
-        let piece = (crate::providers::link::FOLD_PIECE / align).max(1) * align;
-        scratch.resize(piece.min(dst.len()), 0);
-        let mut at = 0;
-        while at < dst.len() {
-            let n = piece.min(dst.len() - at);
-            self.vm_read(b.addr + at as u64, &mut scratch[..n])?;
-            (fold.apply)(&mut dst[at..at + n], &scratch[..n]);
-            at += n;
-        }
-        self.acks.push_back(b.id);
-        self.flush()
-    }
-
     fn vm_read(&self, addr: u64, dst: &mut [u8]) -> Result<(), FabricError> {
         sys::vm_read(self.peer_pid, addr, dst).map_err(|e| match e.raw_os_error() {
             // The process is gone (its socket's hangup may not have been seen yet).

@@ -159,8 +159,6 @@ struct ShmLink {
     /// position where each starts in `queued`, and its id on the connection. Everything
     /// before the first one still lent is "written" (copied, or read by the peer).
     borrowed: VecDeque<(u64, u64)>,
-    /// Where a folded body's pieces are copied before each is reduced (made on first use).
-    scratch: Vec<u8>,
 }
 
 impl ShmLink {
@@ -175,7 +173,6 @@ impl ShmLink {
             placed: None,
             queued: 0,
             borrowed: VecDeque::new(),
-            scratch: Vec::new(),
         }
     }
 
@@ -445,9 +442,9 @@ impl Link for ShmLink {
                 c.copy_body(b, Some(&mut dst))?;
                 Incoming::Payload(None)
             }
-            Placement::Fold { mut dst, fold } => {
-                c.fold_body(b, &mut dst, &fold, &mut self.scratch)?;
-                Incoming::Payload(None)
+            // Not offered (`Link::folds` is false here): a protocol error if asked.
+            Placement::Fold { .. } => {
+                return Err(FabricError::Unsupported(format!("{}: shm links do not reduce on the way", self.peer)))
             }
         });
         Ok(())
