@@ -9,7 +9,7 @@
 //! then attach. It is a protocol on the fabric like the block endpoints, through the same
 //! public seams (a handler, an acceptor, jobs, loop state).
 
-use crate::blocks::codec::WireCodec;
+use crate::blocks::codec::{decode_or_fail, WireCodec};
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::driver::{Acceptor, Conn, ConnKey, Driver, Handler, Incoming, Loop, Placement, Role, Transport};
@@ -489,14 +489,8 @@ fn channel_connected(conn: &mut Conn) {
 
 /// The frame whose fixed part arrived, decoded as a `wire` frame.
 fn decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
-    match Frame::decode_head(head, &chan_mut(conn).limits) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            let peer = conn.peer.clone();
-            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
-            None
-        }
-    }
+    let limits = chan_mut(conn).limits;
+    decode_or_fail(lp, conn, head, &limits)
 }
 
 fn channel_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {

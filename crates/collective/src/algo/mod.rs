@@ -346,6 +346,27 @@ impl<'t, T: Transport> Ctx<'t, T> {
         len: usize,
         unfenced: bool,
     ) -> Result<(), CollectiveError> {
+        self.post_segments(peer, step, dst, len, unfenced, false)
+    }
+
+    /// Posts the reducing receives of every segment of `[dst, dst + len)` not posted yet:
+    /// segments that arrive from now on are reduced into `dst` on their way in (see
+    /// [`Transport::post_recv_reduce`]); [`recv_reduce`](Ctx::recv_reduce) waits for them.
+    /// Nothing is posted where the transport cannot reduce on the way.
+    pub(crate) fn post_reduce_all(&mut self, peer: usize, step: u32, dst: *mut u8, len: usize) -> Result<(), CollectiveError> {
+        self.post_segments(peer, step, dst, len, false, true)
+    }
+
+    /// [`post_all`](Ctx::post_all), or with `reduce` [`post_reduce_all`](Ctx::post_reduce_all).
+    fn post_segments(
+        &mut self,
+        peer: usize,
+        step: u32,
+        dst: *mut u8,
+        len: usize,
+        unfenced: bool,
+        reduce: bool,
+    ) -> Result<(), CollectiveError> {
         let segs: Vec<_> = self.segs(len).filter(|(j, _, _)| !self.posted.contains_key(&self.key(peer, step, *j))).collect();
         if segs.is_empty() {
             return Ok(());
@@ -355,30 +376,16 @@ impl<'t, T: Transport> Ctx<'t, T> {
         }
         for (j, off, l) in segs {
             // SAFETY: the segment lies inside the range.
-            let p = self.post(peer, step, j, unsafe { dst.add(off) }, l)?;
-            self.posted.insert(self.key(peer, step, j), p);
-        }
-        Ok(())
-    }
-
-    /// Posts the reducing receives of every segment of `[dst, dst + len)` not posted yet:
-    /// segments that arrive from now on are reduced into `dst` on their way in (see
-    /// [`Transport::post_recv_reduce`]); [`recv_reduce`](Ctx::recv_reduce) waits for them.
-    /// Nothing is posted where the transport cannot reduce on the way.
-    pub(crate) fn post_reduce_all(&mut self, peer: usize, step: u32, dst: *mut u8, len: usize) -> Result<(), CollectiveError> {
-        let segs: Vec<_> = self.segs(len).filter(|(j, _, _)| !self.posted.contains_key(&self.key(peer, step, *j))).collect();
-        if segs.is_empty() {
-            return Ok(());
-        }
-        self.fence(dst, len)?;
-        for (j, off, l) in segs {
-            // SAFETY: the segment lies inside the range.
-            match self.post_reduce(peer, step, j, unsafe { dst.add(off) }, l)? {
-                Some(p) => {
-                    self.posted.insert(self.key(peer, step, j), p);
+            let at = unsafe { dst.add(off) };
+            let p = if reduce {
+                match self.post_reduce(peer, step, j, at, l)? {
+                    Some(p) => p,
+                    None => return Ok(()),
                 }
-                None => return Ok(()),
-            }
+            } else {
+                self.post(peer, step, j, at, l)?
+            };
+            self.posted.insert(self.key(peer, step, j), p);
         }
         Ok(())
     }
@@ -597,11 +604,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
             // Every receive of the step posted first, so a segment that arrives while an
             // earlier one is handled lands in place (reduced into it, for a reducing pass:
             // nothing reads block `c` until its segments are reduced and forwarded).
-            if reduce {
-                self.post_reduce_all(left, step, unsafe { buf.add(b_off) }, b_len)?;
-            } else {
-                self.post_all(left, step, unsafe { buf.add(b_off) }, b_len, false)?;
-            }
+            self.post_segments(left, step, unsafe { buf.add(b_off) }, b_len, false, reduce)?;
             for (j, off, l) in segs {
                 let dst = unsafe { buf.add(b_off + off) };
                 if reduce {

@@ -1,7 +1,7 @@
 //! The block protocol's framing, as the fabric's links need it ([`WireCodec`]): `wire`
 //! frames, cut by their 12-byte header, every length bounded by the session's [`Limits`].
 
-use rdma_shuffle_fabric::driver::{Codec, CodecError, FrameShape};
+use rdma_shuffle_fabric::driver::{Codec, CodecError, Conn, FrameShape, Loop};
 use rdma_shuffle_fabric::FabricError;
 use rdma_shuffle_wire::frame::HEADER_LEN;
 use rdma_shuffle_wire::{Frame, FrameError, FrameKind, Header, Limits};
@@ -35,14 +35,28 @@ impl Codec for WireCodec {
     }
 
     fn attach_record(&self, head: &[u8]) -> Option<Vec<u8>> {
-        // Only a head whose kind byte says Attach is decoded here: any other goes to the
-        // session whole, which reports its errors in its own terms.
-        if head.get(5).copied() != Some(FrameKind::Attach as u8) {
+        // Only a head whose header says Attach is decoded here: any other goes to the session
+        // whole, which reports its errors in its own terms.
+        if Header::decode(head, &self.limits).map(|h| h.kind) != Ok(FrameKind::Attach) {
             return None;
         }
         match Frame::decode_head(head, &self.limits) {
             Ok(Frame::Attach { data }) => Some(data),
             _ => None,
+        }
+    }
+}
+
+/// The `wire` frame whose fixed part arrived on `conn`, decoded with `limits`. A malformed
+/// one fails the connection, as a [`FabricError::Frame`] whose source the connection's
+/// session reports in its own terms ([`frame_error_of`]).
+pub(crate) fn decode_or_fail(lp: &mut Loop, conn: &mut Conn, head: &[u8], limits: &Limits) -> Option<Frame> {
+    match Frame::decode_head(head, limits) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            let peer = conn.peer.clone();
+            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
+            None
         }
     }
 }

@@ -8,7 +8,7 @@
 //! [`ServerEndpointConfig::max_pending_handshakes`] such connections exist on a loop: a new
 //! one evicts the oldest.
 
-use super::codec::{frame_error_of, WireCodec};
+use super::codec::{decode_or_fail, frame_error_of, WireCodec};
 use super::{exposure, loop_stats, BlockLoopStats};
 use rdma_shuffle_fabric::driver::{Acceptor, Driver, Loop, Service};
 use rdma_shuffle_fabric::driver::{Conn, ConnKey, Handler, Incoming, Placement, Role, Transport};
@@ -492,14 +492,8 @@ pub(crate) fn server_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
 /// The frame whose fixed part arrived; a malformed one fails the connection (the session
 /// answers it with an `Error` frame first, see [`ServerHandler::failed`]).
 fn server_decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
-    match Frame::decode_head(head, &server_mut(conn).session.limits()) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            let peer = conn.peer.clone();
-            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
-            None
-        }
-    }
+    let limits = server_mut(conn).session.limits();
+    decode_or_fail(lp, conn, head, &limits)
 }
 
 fn server_attach(lp: &mut Loop, conn: &mut Conn, data: Vec<u8>) {

@@ -146,18 +146,15 @@ fn count_received(c: &Counters, proto: Proto, len: u64) {
 fn mesh_message(lp: &mut Loop, conn: &mut Conn, p: MsgPayload) -> Result<(), FabricError> {
     let h = decode(conn, p.head())?;
     let (kind, tag, len) = (h.kind, h.tag, h.len);
-    let m = mesh_mut(conn);
-    let up = matches!(m.phase, Phase::Up);
-    let peer = m.peer.unwrap_or(0);
+    let up = matches!(mesh_mut(conn).phase, Phase::Up);
     let proto = match kind {
         Kind::Data if up => Proto::Eager,
         Kind::Bulk if up => Proto::Rendezvous,
         Kind::Data | Kind::Bulk => return Err(protocol(conn, format!("a {kind:?} frame before the handshake completed"))),
-        _ => {
-            let (buf, at) = p.into_parts();
-            return mesh_control(lp, conn, kind, tag, &buf[crate::mesh::codec::HEADER_LEN..at]);
-        }
+        _ => return mesh_control(lp, conn, kind, tag, h.body),
     };
+    let m = mesh_mut(conn);
+    let peer = m.peer.unwrap_or(0);
     let c = &m.shared.counters;
     count_received(c, proto, len);
     let (buf, at) = p.into_parts();

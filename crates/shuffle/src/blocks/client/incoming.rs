@@ -51,14 +51,8 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
 /// The frame whose fixed part arrived; a malformed one fails the connection (the session
 /// reports it to the fetches waiting on it).
 fn client_decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
-    match Frame::decode_head(head, &client_mut(conn).session.limits()) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            let peer = conn.peer.clone();
-            lp.fail(conn, FabricError::Frame { peer, source: Box::new(e) });
-            None
-        }
-    }
+    let limits = client_mut(conn).session.limits();
+    crate::blocks::codec::decode_or_fail(lp, conn, head, &limits)
 }
 
 /// An answer arrived: where answers take room in a shared receive queue (verbs), its
