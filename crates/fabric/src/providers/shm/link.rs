@@ -372,8 +372,12 @@ impl Link for ShmLink {
     }
 
     fn next_polled(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
-        // No event behind this look: the handshake and the peer's liveness (a read of the
-        // control socket each) wait for one; the ring costs no system call.
+        // No event behind this look: the peer's liveness (a read of the control socket)
+        // waits for one; the ring costs no system call. A handshake still running is driven
+        // (its socket reads are the handshake's own, and a command may have queued sends).
+        if matches!(self.state, State::Accepting(_) | State::Connecting(_)) && !self.progress()? {
+            return Ok(None);
+        }
         if let Some(held) = self.held() {
             return Ok(held);
         }
