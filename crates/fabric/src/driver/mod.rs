@@ -272,6 +272,21 @@ impl Driver {
         self.owner.shared.yield_when_idle.store(yes, Ordering::Relaxed);
     }
 
+    /// Runs `f` with the loop on this thread at once if nobody holds it, after the commands
+    /// other threads queued (so what they queued before goes first); `Err(f)` when the loop
+    /// is held (its thread sleeps in it, or another caller drives it): queue the work then.
+    /// No turn runs after `f`: a caller that waits next drives the loop anyway. This is the
+    /// path of a small send from a caller that drives progress: no boxed job, no queue.
+    pub fn try_run<R, F: FnOnce(&mut Loop) -> R>(&self, f: F) -> Result<R, F> {
+        match self.owner.progress.lp.try_lock() {
+            Some(mut lp) => {
+                lp.commands();
+                Ok(f(&mut lp))
+            }
+            None => Err(f),
+        }
+    }
+
     /// Runs one loop turn on this thread if nobody holds the loop (it picks up queued
     /// commands without sleeping); otherwise rings the waker of whoever sleeps in it.
     pub fn kick(&self) {

@@ -362,6 +362,14 @@ pub trait Link: Send {
     /// (queued where the link must wait).
     fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError>;
 
+    /// Sends a small frame, `head` then `body`, straight from the caller's bytes if this link
+    /// can put it out at once with no copy of its own in between (shm: into the ring, when
+    /// nothing is queued before it). `Ok(false)`: not taken, nothing was sent; use
+    /// [`send`](Link::send). The default takes nothing.
+    fn send_now(&mut self, _net: &mut Net, _head: &[u8], _body: &[u8]) -> Result<bool, FabricError> {
+        Ok(false)
+    }
+
     /// Holds what is sent from now on until [`uncork`](Link::uncork), which sends it
     /// together (tcp: one `writev` for many small frames). A no-op where each send is one
     /// message.

@@ -517,6 +517,28 @@ pub(crate) fn remove_mesh(lp: &mut Loop, id: u64, bye: bool) {
     }
 }
 
+/// An eager message, `head` then `body`, put out at once by a caller holding the loop, where
+/// the link takes it without a copy of its own ([`Link::send_now`]); `false`: not taken
+/// (send it through the queue). A link that fails on it is failed here, as the queued send
+/// would have been, and counts as taken.
+///
+/// [`Link::send_now`]: rdma_shuffle_fabric::providers::link::Link::send_now
+pub(crate) fn send_now(lp: &mut Loop, key: ConnKey, head: &[u8], body: &[u8]) -> bool {
+    let Some(mut conn) = lp.take(key) else { return false };
+    let mut taken = false;
+    if conn.closing.is_none() && conn.role.is::<MeshConn>() {
+        match conn.transport.send_now(lp.net(), head, body) {
+            Ok(t) => taken = t,
+            Err(e) => {
+                lp.fail(&mut conn, e);
+                taken = true;
+            }
+        }
+    }
+    lp.put(conn);
+    taken
+}
+
 pub(crate) fn with_mesh(lp: &mut Loop, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn)) {
     let Some(mut conn) = lp.take(key) else { return };
     if conn.role.is::<MeshConn>() {

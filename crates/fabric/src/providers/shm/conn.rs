@@ -259,6 +259,26 @@ impl ShmConn {
         self.flush()
     }
 
+    /// Puts one whole message, the concatenation of `parts`, into the ring at once if nothing
+    /// is queued before it and it fits a record (and is below the single-copy size): no
+    /// vector, no queue. `Ok(false)`: not taken (send it with [`send`](Self::send)).
+    pub fn send_parts(&mut self, parts: &[&[u8]]) -> Result<bool, FabricError> {
+        if self.peer_gone {
+            return Err(self.closed());
+        }
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let small = len < self.single_copy_min || self.large == LargeMessages::CopyThroughSegment;
+        if !self.out.is_empty() || !self.acks.is_empty() || !small || len > self.tx.max_record() || len > self.max_message {
+            return Ok(false);
+        }
+        if !self.tx.push(KIND_MSG, parts) {
+            return Ok(false);
+        }
+        self.stats.inline += 1;
+        self.wake_peer(WANT_DATA)?;
+        Ok(true)
+    }
+
     /// Queues a message of `head` followed by `len` bytes at `addr` in this process, which
     /// the peer copies straight from there (no copy on this side): for a large message of a
     /// caller's own buffer. `owner` keeps the buffer's owner alive until the peer's

@@ -327,6 +327,15 @@ impl Link for ShmLink {
         self.send_msg(m)
     }
 
+    fn send_now(&mut self, _net: &mut Net, head: &[u8], body: &[u8]) -> Result<bool, FabricError> {
+        let State::Up(c) = &mut self.state else { return Ok(false) };
+        if !self.pending.is_empty() || !c.send_parts(&[head, body])? {
+            return Ok(false);
+        }
+        self.queued += (head.len() + body.len()) as u64;
+        Ok(true)
+    }
+
     fn write_progress(&self) -> Option<(u64, u64)> {
         let lent = |id: &u64| matches!(&self.state, State::Up(c) if c.lent(*id));
         let written = self.borrowed.iter().find(|(_, id)| lent(id)).map_or(self.queued, |(at, _)| *at);
