@@ -108,8 +108,25 @@ pub(crate) struct Ctx<'t, T: Transport> {
     policy: &'t Policy,
     /// The header expected from the left neighbour, until it has been checked.
     header: Option<Header>,
-    label: String,
+    label: CallLabel,
     op_name: &'static str,
+}
+
+/// What a collective call's errors name (`allreduce (call #7, ring, 4096 bytes of f32)`),
+/// kept as its parts and formatted only when an error needs it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallLabel {
+    pub op: crate::policy::Op,
+    pub call: u64,
+    pub algo: crate::policy::Algo,
+    pub bytes: usize,
+    pub dtype: DType,
+}
+
+impl std::fmt::Display for CallLabel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (call #{}, {}, {} bytes of {})", self.op, self.call, self.algo, self.bytes, self.dtype)
+    }
 }
 
 impl<'t, T: Transport> Ctx<'t, T> {
@@ -123,7 +140,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
         op: ReduceOp,
         seg: usize,
         header: Option<Header>,
-        label: String,
+        label: CallLabel,
         op_name: &'static str,
     ) -> Self {
         Ctx {
@@ -176,7 +193,7 @@ impl<'t, T: Transport> Ctx<'t, T> {
     }
 
     fn err(&self, source: TransportError) -> CollectiveError {
-        CollectiveError::Transport { rank: self.me, op: self.label.clone(), source }
+        CollectiveError::Transport { rank: self.me, op: self.label.to_string(), source }
     }
 
     /// A zeroed scratch buffer owned by the call (freed only after every send from it).

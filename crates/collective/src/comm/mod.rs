@@ -9,7 +9,7 @@ mod config;
 mod ops;
 mod rendezvous;
 
-use crate::algo::{self, Ctx, MAX_SEGMENTS, MAX_STEP, STEP_HEADER};
+use crate::algo::{self, CallLabel, Ctx, MAX_SEGMENTS, MAX_STEP, STEP_HEADER};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::CollectiveError;
 use crate::header::Header;
@@ -66,7 +66,10 @@ pub struct CommStats {
 struct State {
     calls: u64,
     broken: Option<String>,
-    stats: CommStats,
+    /// Calls per (op, algorithm) and bytes per op, keyed by static names: counting a call
+    /// allocates nothing (the string keys of [`CommStats`] are made when it is read).
+    per_algo: BTreeMap<(&'static str, &'static str), u64>,
+    per_op: BTreeMap<&'static str, u64>,
 }
 
 /// A group of ranks that run collectives together.
@@ -306,7 +309,7 @@ impl<T: Transport> Communicator<T> {
             world,
             timeout: config.timeout,
             policy,
-            state: Mutex::new(State { calls: 0, broken: None, stats: CommStats::default() }),
+            state: Mutex::new(State { calls: 0, broken: None, per_algo: BTreeMap::new(), per_op: BTreeMap::new() }),
             addresses: Vec::new(),
             links: Vec::new(),
             p2p_sent: AtomicU64::new(0),
@@ -555,7 +558,12 @@ impl<T: Transport> Communicator<T> {
 
     /// Counters.
     pub fn stats(&self) -> CommStats {
-        let mut s = self.state.lock().stats.clone();
+        let mut s = CommStats::default();
+        {
+            let st = self.state.lock();
+            s.calls = st.per_algo.iter().map(|((op, algo), n)| (format!("{op}.{algo}"), *n)).collect();
+            s.bytes = st.per_op.iter().map(|(op, n)| (op.to_string(), *n)).collect();
+        }
         for (key, n) in [("send", &self.p2p_sent), ("recv", &self.p2p_received)] {
             let n = n.load(Ordering::Relaxed);
             if n > 0 {
@@ -625,28 +633,28 @@ impl<T: Transport> Communicator<T> {
         }
         let header =
             Header { call, op, dtype, reduce, algo: d.algo, root: root as u32, count: count as u64, segment: seg as u64 };
-        let label = format!("{op} (call #{call}, {}, {policy_bytes} bytes of {dtype})", d.algo);
+        // Formatted only for an error: a small call's time is a few microseconds.
+        let label = CallLabel { op, call, algo: d.algo, bytes: policy_bytes, dtype };
         let deadline = Instant::now() + self.timeout;
         let seq = ((call - 1) % 0x7FFF_FFFF) as u32 + 1;
         let result = (|| {
             if self.world > 1 {
                 let right = (self.rank + 1) % self.world;
                 let bytes = header.encode();
-                let err = |source| CollectiveError::Transport { rank: self.rank, op: label.clone(), source };
+                let err = |source| CollectiveError::Transport { rank: self.rank, op: label.to_string(), source };
                 let tk = self.t.send(right, algo::tag(0, STEP_HEADER, 0), &bytes, Proto::Eager, None).map_err(err)?;
                 self.t.wait(tk, deadline).map_err(err)?;
             }
             let expect = (self.world > 1).then_some(header);
             let op_value = reduce.unwrap_or(ReduceOp::Sum);
-            let mut ctx = Ctx::new(&self.t, &self.policy, seq, deadline, dtype, op_value, seg, expect, label.clone(), op.name());
+            let mut ctx = Ctx::new(&self.t, &self.policy, seq, deadline, dtype, op_value, seg, expect, label, op.name());
             ctx.inner = d.inner;
             body(&mut ctx, d.algo)
         })();
         match result {
             Ok(()) => {
-                let key = format!("{}.{}", op.name(), d.algo.name());
-                *st.stats.calls.entry(key).or_default() += 1;
-                *st.stats.bytes.entry(op.name().to_string()).or_default() += policy_bytes as u64;
+                *st.per_algo.entry((op.name(), d.algo.name())).or_default() += 1;
+                *st.per_op.entry(op.name()).or_default() += policy_bytes as u64;
                 Ok(())
             }
             Err(e) => {
