@@ -32,6 +32,10 @@ pub(crate) struct Producer {
     cap: u64,
     /// Our copy of `head` (only we write it).
     pos: u64,
+    /// The consumer's `tail` as last read: room up to it is certain (it only grows), so a
+    /// push reads the consumer's line only when that room runs out. Reading it on every
+    /// record was the largest cost of a small send (a line the other core just wrote).
+    seen_tail: u64,
 }
 
 /// The reading end of a ring.
@@ -42,6 +46,9 @@ pub(crate) struct Consumer {
     cap: u64,
     /// Our copy of `tail` (only we write it).
     pos: u64,
+    /// The producer's `head` as last read (checked): records up to it are published, so a
+    /// pop reads the producer's line only once it has consumed them.
+    seen_head: u64,
 }
 
 // SAFETY: the pointers point into a shared mapping that the owning connection keeps alive as
@@ -67,7 +74,9 @@ impl Producer {
     pub(crate) unsafe fn new(p: RingPtrs) -> Producer {
         // SAFETY: the caller guarantees `head` is live.
         let pos = unsafe { (*p.head).load(Ordering::Relaxed) };
-        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos }
+        // SAFETY: as above, for `tail`.
+        let seen_tail = unsafe { (*p.tail).load(Ordering::Acquire) };
+        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_tail }
     }
 
     /// Largest payload one record carries (so a record and its padding fit an empty ring).
@@ -85,12 +94,16 @@ impl Producer {
         let at = self.pos & (self.cap - 1);
         let to_end = self.cap - at;
         let total = if need > to_end { to_end + need } else { need };
-        // SAFETY: `tail` is live (constructor contract).
-        let tail = unsafe { (*self.tail).load(Ordering::Acquire) };
         // A hostile consumer could move `tail` past `head`; then this wraps to a huge number
         // and we see no room, which only stalls our own sends to it.
-        if self.pos.wrapping_sub(tail).saturating_add(total) > self.cap {
-            return false;
+        let room = |tail: u64| self.pos.wrapping_sub(tail).saturating_add(total) <= self.cap;
+        if !room(self.seen_tail) {
+            // SAFETY: `tail` is live (constructor contract); acquire orders the consumer's
+            // reads of the records it freed before our overwrite.
+            self.seen_tail = unsafe { (*self.tail).load(Ordering::Acquire) };
+            if !room(self.seen_tail) {
+                return false;
+            }
         }
         let mut at = at;
         if need > to_end {
@@ -127,21 +140,25 @@ impl Consumer {
     pub(crate) unsafe fn new(p: RingPtrs) -> Consumer {
         // SAFETY: the caller guarantees `tail` is live.
         let pos = unsafe { (*p.tail).load(Ordering::Relaxed) };
-        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos }
+        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_head: pos }
     }
 
     /// Whether a record is waiting.
     pub(crate) fn has_data(&self) -> bool {
         // SAFETY: `head` is live (constructor contract).
-        unsafe { (*self.head).load(Ordering::Acquire) != self.pos }
+        self.seen_head != self.pos || unsafe { (*self.head).load(Ordering::Acquire) != self.pos }
     }
 
     /// Hands the next record to `f` (kind and payload, valid only during the call), then frees
     /// its space. `Ok(None)` when the ring is empty; `Err` names what the peer corrupted.
     pub(crate) fn pop<R>(&mut self, f: impl FnOnce(u32, &[u8]) -> R) -> Result<Option<R>, String> {
         loop {
-            // SAFETY: `head` is live; acquire pairs with the producer's release.
-            let head = unsafe { (*self.head).load(Ordering::Acquire) };
+            let head = if self.seen_head != self.pos {
+                self.seen_head
+            } else {
+                // SAFETY: `head` is live; acquire pairs with the producer's release.
+                unsafe { (*self.head).load(Ordering::Acquire) }
+            };
             if head == self.pos {
                 return Ok(None);
             }
@@ -149,6 +166,7 @@ impl Consumer {
             if avail > self.cap || avail < RECORD_HEADER {
                 return Err(format!("ring head {head} is not within {} bytes after tail {}", self.cap, self.pos));
             }
+            self.seen_head = head;
             let at = self.pos & (self.cap - 1);
             let mut h = [0u8; 8];
             // SAFETY: `at` is 8-aligned (positions advance by multiples of 8), so 8 bytes fit.
