@@ -289,6 +289,19 @@ impl Topology {
         (0..self.hosts()).map(|h| self.host_of.iter().filter(|&&x| x == h).count()).max().unwrap_or(0)
     }
 
+    /// The ranks per host when every host has the same number (`None` otherwise, or with no
+    /// rank at all).
+    pub fn uniform(&self) -> Option<usize> {
+        let m = self.max_local();
+        (m > 0 && (0..self.hosts()).all(|h| self.host_of.iter().filter(|&&x| x == h).count() == m)).then_some(m)
+    }
+
+    /// The rank at position `i` of each host (in host order): the ranks that hold the same
+    /// share of the buffer in the split hierarchical allreduce.
+    pub fn column(&self, i: usize) -> Vec<usize> {
+        (0..self.hosts()).filter_map(|h| self.members(h).get(i).copied()).collect()
+    }
+
     /// Whether ranks `a` and `b` share a host.
     pub fn same_host(&self, a: usize, b: usize) -> bool {
         self.host_of.get(a).is_some() && self.host_of.get(a) == self.host_of.get(b)
@@ -466,17 +479,26 @@ impl Policy {
             Op::ReduceScatter => return Some((n * c + reduce + leaders_ring(true) + gather, Algo::Ring)),
             _ => return None,
         }
-        let inside = if m > 1 {
-            self.cost_in(&local, Op::Reduce, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
-                + self.cost_in(&local, Op::Broadcast, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
+        // Every host with m ranks (m > 1), and at least m elements: the split form (see
+        // `algo::hier`), a ring reduce-scatter and allgather inside each host around m
+        // allreduces of n/m bytes among the hosts at once. Else the leader's tree form.
+        let split = self.topology.uniform().is_some_and(|u| u > 1 && bytes >= u * 8);
+        let (inside, across) = if split {
+            (self.cost_in(&local, Op::AllReduce, Algo::Ring, bytes, m, seg).unwrap_or(0.0), bytes.div_ceil(m))
+        } else if m > 1 {
+            (
+                self.cost_in(&local, Op::Reduce, Algo::Tree, bytes, m, seg).unwrap_or(0.0)
+                    + self.cost_in(&local, Op::Broadcast, Algo::Tree, bytes, m, seg).unwrap_or(0.0),
+                bytes,
+            )
         } else {
-            0.0
+            (0.0, bytes)
         };
         let mut best = (0.0, Algo::Ring);
         if h > 1 {
             best = (f64::INFINITY, Algo::Ring);
             for a in [Algo::Ring, Algo::RecursiveDoubling, Algo::HalvingDoubling] {
-                if let Some(t) = self.cost_in(&self.model, Op::AllReduce, a, bytes, h, seg) {
+                if let Some(t) = self.cost_in(&self.model, Op::AllReduce, a, across, h, seg) {
                     if t < best.0 {
                         best = (t, a);
                     }
@@ -600,7 +622,11 @@ impl Policy {
         let mut best: Option<(Algo, f64)> = None;
         for &algo in op.algorithms() {
             if let Some(t) = self.cost(op, algo, bytes, p, seg) {
-                if best.is_none_or(|(_, bt)| t < bt) {
+                // The hierarchy must win clearly: where same-host links are no faster than the
+                // network, its split form moves exactly what a flat halving-doubling does
+                // (2 × 2 ranks), and its phases run one after another.
+                let margin = if algo == Algo::Hierarchical { 1.02 } else { 1.0 };
+                if best.is_none_or(|(_, bt)| t * margin < bt) {
                     best = Some((algo, t));
                 }
             }

@@ -91,3 +91,34 @@ fn without_host_ids_every_rank_is_on_this_host_and_forced_hier_still_reduces() {
     let fails = run_matrix_sizes(&comms, "one host", &[1, 1000]);
     assert!(fails.is_empty(), "{}", fails.join("\n"));
 }
+
+#[test]
+fn equal_hosts_split_the_buffer_so_every_rank_moves_a_share() {
+    // Two hosts of two ranks: the split form (reduce-scatter inside the host, each half
+    // allreduced between the hosts, allgather inside) has every rank send 3n/2 bytes: n/2
+    // inside, n/4 + n/4 to the other host, n/2 inside. The leader's form would have the
+    // second rank of a host send the whole buffer once and nothing else.
+    let hosts = [0usize, 0, 1, 1];
+    let comms = group(Arc::new(SimProvider::new(true)), hosts.len(), |c, _| {
+        c.overrides = Overrides::parse(Some("hier"), None, None).unwrap();
+        c.host_id = Some(format!("h{}", hosts[c.rank]));
+    });
+    assert_eq!(comms[0].topology().uniform(), Some(2));
+    assert_eq!(comms[0].topology().column(1), vec![1, 3]);
+    let n = 1 << 20;
+    let sent: Vec<u64> = on_all(&comms, |rank, c| {
+        let before = c.stats().transport;
+        let mut buf = input(rank, n, ReduceOp::Sum, DType::F32);
+        c.allreduce_bytes(&mut buf, DType::F32, ReduceOp::Sum).unwrap();
+        let mut fails = Vec::new();
+        check(&mut fails, format!("rank {rank}"), &buf, &expect(4, n, ReduceOp::Sum, DType::F32, 0));
+        assert!(fails.is_empty(), "{}", fails.join("\n"));
+        let after = c.stats().transport;
+        (after.eager_bytes + after.rendezvous_bytes) - (before.eager_bytes + before.rendezvous_bytes)
+    });
+    let bytes = (n * 4) as f64;
+    for (rank, s) in sent.iter().enumerate() {
+        let share = *s as f64 / bytes;
+        assert!((1.45..1.55).contains(&share), "rank {rank} sent {s} bytes, {share:.3} of the buffer");
+    }
+}

@@ -19,7 +19,9 @@ use crate::error::CollectiveError;
 use crate::policy::{Algo, Topology};
 use crate::transport::Transport;
 
-/// Hierarchical allreduce of `count` elements in place; `inner` is the leaders' algorithm.
+/// Hierarchical allreduce of `count` elements in place; `inner` is the algorithm among the
+/// hosts. Every host with the same number of ranks m > 1 (and at least m elements): the split
+/// form ([`allreduce_split`]); else the leader's tree form below.
 pub(crate) fn allreduce_hier<T: Transport>(
     ctx: &mut Ctx<'_, T>,
     buf: *mut u8,
@@ -27,6 +29,9 @@ pub(crate) fn allreduce_hier<T: Transport>(
     topo: &Topology,
     inner: Algo,
 ) -> Result<(), CollectiveError> {
+    if let Some(m) = topo.uniform().filter(|&m| m > 1 && count >= m) {
+        return allreduce_split(ctx, buf, count, topo, inner, m);
+    }
     let len = count * ctx.elem();
     let me = ctx.rank;
     let local = topo.members(topo.host_of[me]);
@@ -47,6 +52,56 @@ pub(crate) fn allreduce_hier<T: Transport>(
         ctx.view(&local, MAX_STEP);
         rooted::broadcast_tree(ctx, buf, len, 0)?;
     }
+    ctx.finish()
+}
+
+/// The split hierarchical allreduce (Horovod's and NCCL's two-level shape), for hosts of m
+/// ranks each:
+///
+/// 1. **reduce-scatter inside each host** (ring over the same-host links, steps from 0): the
+///    rank at position i of its host ends with block i of m, reduced over the host;
+/// 2. **allreduce of block i among the hosts** by the ranks at position i of every host (m
+///    such allreduces at once, each over its own network links; steps from m);
+/// 3. **allgather inside each host** (ring, steps from m: phase 2 uses only links between
+///    hosts, phase 1 only steps below m − 1 on the links inside one).
+///
+/// Against the leader's form, the network carries n/m bytes per rank instead of n per
+/// leader, every rank works in every phase, and no rank reduces the whole buffer alone.
+/// Against a flat ring over all ranks, each byte crosses a network link fewer times
+/// (2·(h − 1)/h · n/m per rank, where the ring's slowest links carry 2·(p − 1)/p · n).
+fn allreduce_split<T: Transport>(
+    ctx: &mut Ctx<'_, T>,
+    buf: *mut u8,
+    count: usize,
+    topo: &Topology,
+    inner: Algo,
+    m: usize,
+) -> Result<(), CollectiveError> {
+    let elem = ctx.elem();
+    let me = ctx.rank;
+    let local = topo.members(topo.host_of[me]);
+    let i = local.iter().position(|&r| r == me).unwrap_or(0);
+    let b = super::blocks(count, m, elem);
+    ctx.register(buf, count * elem)?;
+    ctx.view(&local, 0);
+    // The ring reduce-scatter of `allreduce_ring`, without forwarding its last block: rank i
+    // of the host ends with block i reduced.
+    ctx.ring_pass(buf, &b, (i + m - 1) % m, 0, true, true, false)?;
+    let column = topo.column(i);
+    if column.len() > 1 {
+        let (off, len) = b[i];
+        ctx.view(&column, m as u32);
+        // SAFETY: `blocks` partitions the buffer.
+        let part = unsafe { buf.add(off) };
+        let n = len / elem;
+        match inner {
+            Algo::RecursiveDoubling => reducing::allreduce_rd(ctx, part, n)?,
+            Algo::HalvingDoubling => reducing::allreduce_rhd(ctx, part, n)?,
+            _ => reducing::allreduce_ring(ctx, part, n)?,
+        }
+    }
+    ctx.view(&local, m as u32);
+    ctx.ring_pass(buf, &b, i, 0, false, true, false)?;
     ctx.finish()
 }
 
