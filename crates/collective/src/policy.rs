@@ -284,16 +284,26 @@ impl Topology {
         (0..self.hosts()).filter_map(|h| self.host_of.iter().position(|&x| x == h)).collect()
     }
 
+    /// Ranks on each host, in host order.
+    fn host_sizes(&self) -> Vec<usize> {
+        let mut n = vec![0; self.hosts()];
+        for &h in &self.host_of {
+            n[h] += 1;
+        }
+        n
+    }
+
     /// The most ranks any host has.
     pub fn max_local(&self) -> usize {
-        (0..self.hosts()).map(|h| self.host_of.iter().filter(|&&x| x == h).count()).max().unwrap_or(0)
+        self.host_sizes().into_iter().max().unwrap_or(0)
     }
 
     /// The ranks per host when every host has the same number (`None` otherwise, or with no
     /// rank at all).
     pub fn uniform(&self) -> Option<usize> {
-        let m = self.max_local();
-        (m > 0 && (0..self.hosts()).all(|h| self.host_of.iter().filter(|&&x| x == h).count() == m)).then_some(m)
+        let sizes = self.host_sizes();
+        let m = *sizes.first()?;
+        sizes.iter().all(|&n| n == m).then_some(m)
     }
 
     /// The rank at position `i` of each host (in host order): the ranks that hold the same

@@ -42,11 +42,7 @@ pub(crate) fn allreduce_hier<T: Transport>(
     }
     if local[0] == me && leaders.len() > 1 {
         ctx.view(&leaders, 1);
-        match inner {
-            Algo::RecursiveDoubling => reducing::allreduce_rd(ctx, buf, count)?,
-            Algo::HalvingDoubling => reducing::allreduce_rhd(ctx, buf, count)?,
-            _ => reducing::allreduce_ring(ctx, buf, count)?,
-        }
+        reducing::allreduce_flat(ctx, inner, buf, count)?;
     }
     if local.len() > 1 {
         ctx.view(&local, MAX_STEP);
@@ -94,11 +90,7 @@ fn allreduce_split<T: Transport>(
         // SAFETY: `blocks` partitions the buffer.
         let part = unsafe { buf.add(off) };
         let n = len / elem;
-        match inner {
-            Algo::RecursiveDoubling => reducing::allreduce_rd(ctx, part, n)?,
-            Algo::HalvingDoubling => reducing::allreduce_rhd(ctx, part, n)?,
-            _ => reducing::allreduce_ring(ctx, part, n)?,
-        }
+        reducing::allreduce_flat(ctx, inner, part, n)?;
     }
     ctx.view(&local, m as u32);
     ctx.ring_pass(buf, &b, i, 0, false, true, false)?;

@@ -16,6 +16,7 @@
 
 use super::{blocks, log2_floor, span, Ctx};
 use crate::error::CollectiveError;
+use crate::policy::Algo;
 use crate::transport::Transport;
 
 /// The virtual rank of `r` after folding (`None` for the even ranks that sit out).
@@ -73,6 +74,21 @@ fn fold_in<T: Transport>(ctx: &mut Ctx<'_, T>, buf: *mut u8, len: usize, rem: us
         }
     }
     Ok(vr)
+}
+
+/// The flat allreduce `algo` names (recursive doubling, Rabenseifner, else the ring) in
+/// place: the one dispatch for a call and for the hierarchy's allreduce among hosts.
+pub(crate) fn allreduce_flat<T: Transport>(
+    ctx: &mut Ctx<'_, T>,
+    algo: Algo,
+    buf: *mut u8,
+    count: usize,
+) -> Result<(), CollectiveError> {
+    match algo {
+        Algo::RecursiveDoubling => allreduce_rd(ctx, buf, count),
+        Algo::HalvingDoubling => allreduce_rhd(ctx, buf, count),
+        _ => allreduce_ring(ctx, buf, count),
+    }
 }
 
 /// Recursive-doubling allreduce in place.

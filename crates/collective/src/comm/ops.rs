@@ -22,13 +22,11 @@ impl<T: Transport> Communicator<T> {
         self.run(Op::AllReduce, dtype, Some(op), 0, count, len, |ctx, algo| {
             if world > 1 {
                 match algo {
-                    Algo::RecursiveDoubling => reducing::allreduce_rd(ctx, ptr, count)?,
-                    Algo::HalvingDoubling => reducing::allreduce_rhd(ctx, ptr, count)?,
                     Algo::Hierarchical => {
                         let inner = ctx.inner.unwrap_or(Algo::Ring);
                         hier::allreduce_hier(ctx, ptr, count, &self.policy.topology, inner)?
                     }
-                    _ => reducing::allreduce_ring(ctx, ptr, count)?,
+                    flat => reducing::allreduce_flat(ctx, flat, ptr, count)?,
                 }
             }
             Ok(())

@@ -267,8 +267,7 @@ impl ShmConn {
             return Err(self.closed());
         }
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let small = len < self.single_copy_min || self.large == LargeMessages::CopyThroughSegment;
-        if !self.out.is_empty() || !self.acks.is_empty() || !small || len > self.tx.max_record() || len > self.max_message {
+        if !self.out.is_empty() || !self.acks.is_empty() || len >= self.inline_below() || len > self.max_message {
             return Ok(false);
         }
         if !self.tx.push(KIND_MSG, parts) {
@@ -360,6 +359,17 @@ impl ShmConn {
         Ok(())
     }
 
+    /// Messages shorter than this travel whole in one ring record: they fit one, and they are
+    /// below the single-copy size (unless single copy is off). The rule of both
+    /// [`send_parts`](Self::send_parts) and the queue's [`flush_once`](Self::flush_once).
+    fn inline_below(&self) -> usize {
+        let fits = self.tx.max_record() + 1;
+        match self.large {
+            LargeMessages::CopyThroughSegment => fits,
+            LargeMessages::SingleCopy => fits.min(self.single_copy_min),
+        }
+    }
+
     /// One pass of pushes; whether anything went into the ring.
     fn flush_once(&mut self) -> bool {
         let mut any = false;
@@ -371,6 +381,7 @@ impl ShmConn {
             any = true;
         }
         let max = self.tx.max_record();
+        let inline_below = self.inline_below();
         while let Some(o) = self.out.front_mut() {
             let len = o.msg.len();
             if let Some((id, addr, body)) = o.borrowed {
@@ -383,7 +394,7 @@ impl ShmConn {
                 any = true;
                 continue;
             }
-            if o.sent == 0 && len <= max && (len < self.single_copy_min || self.large == LargeMessages::CopyThroughSegment) {
+            if o.sent == 0 && len < inline_below {
                 if !self.tx.push(KIND_MSG, &[&o.msg]) {
                     return any;
                 }
