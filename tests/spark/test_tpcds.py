@@ -98,3 +98,33 @@ def test_plugin_engines_served_the_remote_blocks(tpcds_runs):
     assert total("failed_blocks_fetched") == 0, eng
     assert total("bytes_fetched") == spark_remote, eng
     assert total("blocks_fetched") == spark_blocks, eng
+
+
+def test_report_keeps_retries_and_the_share_a_shuffle_can_save():
+    """The bench's report over synthetic rounds (no Spark): a run retried on Spark's
+    execution-memory limit is counted, not hidden; the transport bound is the tasks' fetch wait
+    plus shuffle write over their run time, summed over every stage of every query."""
+    def q(name, wall, run_ms, fetch_ms, write_ms, span, retried=False):
+        r = {"query": name, "wall_s": wall, "rows": 1, "digest": "d" + name, "jobs_span_s": span,
+             "shuffle_write_bytes": 10, "shuffle_read_bytes": 10, "shuffle_remote_bytes": 5,
+             "shuffle_remote_blocks": 1, "fetch_wait_ms": fetch_ms, "stages": 1, "rerun_stages": [],
+             "fetch_failed": False,
+             "stage_detail": [{"run_ms": run_ms, "fetch_wait_ms": fetch_ms, "write_ms": write_ms}]}
+        if retried:
+            r["failed_attempt"] = {"wall_s": 0.5, "error": "UNABLE_TO_ACQUIRE_MEMORY"}
+        return r
+
+    runs = {
+        "default": [{"queries": [q("q1", 2.0, 3000, 30, 60, 1.5), q("q2", 1.0, 1000, 0, 10, 0.8)]}],
+        "plugin": [{"queries": [q("q1", 2.2, 3300, 20, 60, 1.6, retried=True), q("q2", 1.0, 1000, 0, 10, 0.9)]}],
+    }
+    rep = tpcds.compare(runs, ["q1", "q2"])
+    assert rep["equal"] == 2 and rep["total"] == 2
+    assert rep["retried"] == {"q1": {"default": 0, "plugin": 1}}
+    d, p = rep["time_shares"]["default"][0], rep["time_shares"]["plugin"][0]
+    assert d["task_s"] == 4.0 and d["fetch_wait_s"] == 0.03 and d["shuffle_write_s"] == 0.07
+    assert d["transport_bound"] == round(0.1 / 4.0, 4)
+    assert p["driver_s"] == round(0.6 + 0.1, 1)
+    row = next(r for r in rep["queries"] if r["query"] == "q1")
+    assert row["task_s"] == {"default": [3.0], "plugin": [3.3]}
+    assert rep["sum_ratio"] == round(3.2 / 3.0, 3)
