@@ -535,21 +535,29 @@ impl<'t, T: Transport> Ctx<'t, T> {
         let sends: Vec<_> = self.segs(slen).collect();
         let recvs: Vec<_> = self.segs(rlen).collect();
         let mut sent = 0;
+        let (s0, d0) = (src as usize, dst as usize);
+        let disjoint = s0 + slen <= d0 || d0 + rlen <= s0;
+        // Where nothing sent here reads the destination, the receives are posted before the
+        // first window goes out: the peer's segments, sent as soon as it sees ours, then find
+        // their receive posted and land in place (reduced on the way in, tcp and shm) instead
+        // of being staged in pool buffers.
+        if disjoint {
+            if reduce {
+                self.post_reduce_all(from, step, dst, rlen)?;
+            } else {
+                self.post_all(from, step, dst, rlen, false)?;
+            }
+        }
         // SAFETY (every `add`): segment offsets lie inside their ranges.
         while sent < sends.len() && sent < window {
             let (j, off, l) = sends[sent];
             self.send(to, step, j, unsafe { src.add(off) }, l)?;
             sent += 1;
         }
-        if reduce {
-            // Reduced into on their way in, so posted ahead only where nothing sent here reads
-            // them (recursive doubling sends and reduces the same buffer: each segment is
-            // posted at its turn there, once its own send went out and was fenced).
-            let (s0, d0) = (src as usize, dst as usize);
-            if s0 + slen <= d0 || d0 + rlen <= s0 {
-                self.post_reduce_all(from, step, dst, rlen)?;
-            }
-        } else {
+        // Overlapping ranges: a reducing receive is posted at its turn (recursive doubling
+        // sends and reduces the same buffer: each segment once its own send went out and was
+        // fenced); a copying one after the window, the fence waiting for sends that read it.
+        if !disjoint && !reduce {
             self.post_all(from, step, dst, rlen, false)?;
         }
         for (j, off, l) in recvs {
@@ -606,6 +614,12 @@ impl<'t, T: Transport> Ctx<'t, T> {
         let first_segs: Vec<_> = self.segs(f_len).collect();
         let mut sent = 0;
         // SAFETY (every `buf.add`): offsets come from `blocks`, which partition `buf`.
+        // The first step's receives are posted before the first window goes out: the peer
+        // answers with its own first segments as soon as it sees ours, and a segment that
+        // finds its reducing receive posted is reduced on its way in (tcp, shm) rather than
+        // staged in a pool buffer and reduced from there.
+        let (c0_off, c0_len) = blocks[(first + 2 * p - 1) % p];
+        self.post_segments(left, step_base, unsafe { buf.add(c0_off) }, c0_len, false, reduce)?;
         if send_first {
             while sent < first_segs.len() && sent < window {
                 let (j, off, l) = first_segs[sent];
