@@ -418,10 +418,11 @@ pub trait Link: Send {
         false
     }
 
-    /// Whether [`Placement::Fold`] may be asked of this link (tcp: it reduces a payload out
-    /// of its read buffer as it arrives). A protocol asks only links that say so, and
-    /// places into its own buffer elsewhere.
-    fn folds(&self) -> bool {
+    /// Whether [`Placement::Fold`] may be asked of this link for a payload of `len` bytes
+    /// (tcp: it reduces a payload out of its read buffer as it arrives; shm: large bodies).
+    /// A protocol asks only links that say so, and places into its own buffer elsewhere.
+    fn folds(&self, len: u64) -> bool {
+        let _ = len;
         false
     }
 

@@ -177,7 +177,7 @@ impl Link for TcpConn {
         })
     }
 
-    fn folds(&self) -> bool {
+    fn folds(&self, _len: u64) -> bool {
         true
     }
 

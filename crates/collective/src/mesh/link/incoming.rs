@@ -58,7 +58,7 @@ fn mesh_frame(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Result<(), FabricE
 
 /// (stream) A data frame: its payload goes into a pool buffer of its size.
 fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: u64) -> Result<(), FabricError> {
-    let folds = conn.transport.folds();
+    let folds = conn.transport.folds(len);
     let m = mesh_mut(conn);
     let peer = m.peer.unwrap_or(0);
     let limit = if proto == Proto::Eager { m.shared.eager_limit } else { m.shared.max_message } as u64;

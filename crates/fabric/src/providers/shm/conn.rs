@@ -517,6 +517,38 @@ impl ShmConn {
         self.flush()
     }
 
+    /// Reduces the body of `b` from the peer into `dst` (exactly its length) and acknowledges
+    /// it. The body is copied a piece at a time into `scratch` (small enough to stay in the
+    /// core's cache) and each piece folded into `dst` at its offset with `fold(dst, piece)`:
+    /// the bytes are read once from the peer and once from cache, instead of being written
+    /// to a staging buffer in memory and read back from it. Pieces are `scratch.len()` bytes
+    /// but the last; the caller makes that a multiple of an element's size.
+    pub fn fold_body(
+        &mut self,
+        b: LentBody,
+        dst: &mut [u8],
+        scratch: &mut [u8],
+        mut fold: impl FnMut(&mut [u8], &[u8]),
+    ) -> Result<(), FabricError> {
+        if dst.len() as u64 != b.len || scratch.is_empty() {
+            return Err(FabricError::Unsupported(format!(
+                "{}: a body of {} bytes is not folded into {} bytes in pieces of {}",
+                self.peer,
+                b.len,
+                dst.len(),
+                scratch.len()
+            )));
+        }
+        let step = scratch.len();
+        for (i, d) in dst.chunks_mut(step).enumerate() {
+            let piece = &mut scratch[..d.len()];
+            self.vm_read(b.addr + (i * step) as u64, piece)?;
+            fold(d, piece);
+        }
+        self.acks.push_back(b.id);
+        self.flush()
+    }
+
     fn vm_read(&self, addr: u64, dst: &mut [u8]) -> Result<(), FabricError> {
         sys::vm_read(self.peer_pid, addr, dst).map_err(|e| match e.raw_os_error() {
             // The process is gone (its socket's hangup may not have been seen yet).

@@ -122,6 +122,49 @@ fn shm_a_borrowed_body_is_read_from_the_senders_buffer_when_the_peer_copies_it()
 }
 
 #[test]
+fn shm_a_borrowed_body_is_folded_into_place_piece_by_piece() {
+    let (mut a, mut b) = pair(&cfg(true));
+    // Not a multiple of the piece: the last piece is short.
+    let len = 3 * 4096 + 1000;
+    let buf = body(len, 3);
+    let owner: std::sync::Arc<dyn Send + Sync> = std::sync::Arc::new(());
+    fn next_body(a: &mut ShmConn, b: &mut ShmConn, buf: &[u8], owner: &std::sync::Arc<dyn Send + Sync>) -> LentBody {
+        // SAFETY: `buf` lives, unchanged, until the end of the test.
+        unsafe { b.send_borrowed(b"HD".to_vec(), buf.as_ptr() as u64, buf.len(), owner.clone()).unwrap() };
+        loop {
+            match a.try_recv_parts().unwrap() {
+                Some(Received::Lent(l)) => return l,
+                Some(Received::Msg(m)) => panic!("a message of {} bytes instead of a lent body", m.len()),
+                None => std::thread::yield_now(),
+            }
+        }
+    }
+    let l = next_body(&mut a, &mut b, &buf, &owner);
+    let acc = body(len, 9);
+    let mut dst = acc.clone();
+    let mut scratch = vec![0u8; 4096];
+    let mut pieces = Vec::new();
+    a.fold_body(l, &mut dst, &mut scratch, |d, s| {
+        pieces.push(d.len());
+        for (d, s) in d.iter_mut().zip(s) {
+            *d ^= *s;
+        }
+    })
+    .unwrap();
+    assert_eq!(pieces, [4096, 4096, 4096, 1000]);
+    let want: Vec<u8> = acc.iter().zip(&buf).map(|(x, y)| x ^ y).collect();
+    assert!(dst == want, "every byte folded once, at its own offset");
+    // Acknowledged: the sender lets its buffer go.
+    b.send_all(T).unwrap();
+    assert_eq!(b.queued_bytes(), 0);
+
+    // A destination of another length is refused, with the sizes.
+    let l = next_body(&mut a, &mut b, &buf, &owner);
+    let e = a.fold_body(l, &mut dst[..len - 1], &mut scratch, |_, _| panic!("nothing is folded")).unwrap_err();
+    assert!(e.to_string().contains(&format!("{len} bytes is not folded into {}", len - 1)), "{e}");
+}
+
+#[test]
 fn shm_a_flood_in_one_direction_sleeps_and_wakes_on_the_doorbells() {
     let (mut a, mut b) = pair(&ShmConfig { spin: Duration::ZERO, ..cfg(false) });
     let n = 5000usize;
