@@ -53,7 +53,11 @@
 //! head to the protocol as a frame, as a stream link would, and copies the body with
 //! `process_vm_readv` straight into the buffer the protocol places it in (a pool buffer),
 //! then acknowledges. The send is complete (`write_progress`) only on that acknowledgement,
-//! so the caller keeps its buffer until the peer has read it: one copy in all.
+//! so the caller keeps its buffer until the peer has read it: one copy in all. A body of at
+//! least [`link::FOLD_MIN`] bytes whose receive reduces (a Mobius reduce-scatter segment,
+//! [`Placement::Fold`](crate::providers::link::Placement::Fold)) is reduced on its way in
+//! instead: copied a piece at a time into a scratch buffer and folded into the receive
+//! ([`ShmConn::fold_body`]), so no pool buffer holds it whole.
 //! Which one is used is logged once per process (`tracing`, with the reason) and reported by
 //! [`ShmConn::large_messages`].
 //!
