@@ -8,7 +8,9 @@ use std::time::Duration;
 #[derive(Clone, Debug)]
 pub struct ShmConfig {
     /// Bytes of each direction's ring (a power of two, 8 KiB–256 MiB). Chosen by the accepting
-    /// side. Messages up to half of it travel inline; larger ones by single copy or fragments.
+    /// side. Messages up to half of it travel inline, a caller's body up to
+    /// [`largest_ring_body`](Self::largest_ring_body) with its head in one record; larger
+    /// ones by single copy or fragments.
     pub ring_bytes: usize,
     /// Whether large messages may go by single copy (process_vm_readv) where the kernel
     /// allows it. Off: always through the segment.
@@ -23,10 +25,23 @@ pub struct ShmConfig {
     pub spin: Duration,
 }
 
+impl ShmConfig {
+    /// The largest body of a caller's memory that goes into the ring with its head, in one
+    /// record ([`ShmConn::send_through_ring`](super::ShmConn::send_through_ring)), with rings
+    /// of [`ring_bytes`](Self::ring_bytes): half a ring, less a record header and the room
+    /// kept for the head ([`RING_HEAD_ROOM`](super::RING_HEAD_ROOM)).
+    pub fn largest_ring_body(&self) -> usize {
+        (self.ring_bytes / 2).saturating_sub(8 + super::RING_HEAD_ROOM)
+    }
+}
+
 impl Default for ShmConfig {
     fn default() -> Self {
         ShmConfig {
-            ring_bytes: 1 << 20,
+            // A record takes up to half a ring: 2 MiB carries a 1 MiB allreduce's 512 KiB
+            // halves (2 ranks) through the ring. Shared memory of 4 MiB per same-host peer,
+            // touched only as far as messages reach.
+            ring_bytes: 2 << 20,
             single_copy: true,
             // Above 64 KiB by a header's room: a protocol's message at a 64 KiB eager limit
             // (Mobius') still travels through the ring. With the bare 64 KiB every such message

@@ -11,7 +11,7 @@
 //! Sends made while the shm handshake is still running are queued and go out once it is
 //! done, so a link is "connected" at once for the protocol above it.
 
-use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener};
+use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener, RING_HEAD_ROOM};
 use crate::error::FabricError;
 use crate::memory::pool::NoRegistration;
 use crate::memory::registration::Registrar;
@@ -170,7 +170,9 @@ struct ShmLink {
 /// ranks) and 16 MiB 1.0-1.2x, but folding 0.5-2 MiB bodies made 1 and 4 MiB allreduces
 /// 1.3-1.8x slower: the ranks spent the difference waiting for each other (`perf`:
 /// scheduling and yields), the peer's acknowledgement coming only after the reduction.
-/// 4 MiB is the largest segment Mobius sends over shm, so only full-size segments fold.
+/// Since Mobius sends segments that fit a ring record over shm (reduced straight out of the
+/// ring, see [`ShmConn::send_through_ring`]), this applies to larger bodies only (a forced
+/// `MOBIUS_SEGMENT`, another protocol).
 pub const FOLD_MIN: u64 = 4 << 20;
 
 /// Bytes of a folded body copied and reduced at a time. Pieces of 0.5-4 MiB measured the
@@ -308,11 +310,11 @@ impl Link for ShmLink {
         false
     }
 
-    /// A body sent by reference (the only payload an shm link hands over as a frame) of at
-    /// least [`FOLD_MIN`] bytes is reduced piece by piece as it is copied (see
-    /// [`ShmConn::fold_body`]).
+    /// A body sent by reference of at least [`FOLD_MIN`] bytes is reduced piece by piece as
+    /// it is copied (see [`ShmConn::fold_body`]); a body in the ring (the peer sends a body
+    /// of this length that way, [`ShmConn::ring_takes`]) is reduced straight out of it.
     fn folds(&self, len: u64) -> bool {
-        len >= FOLD_MIN
+        len >= FOLD_MIN || matches!(&self.state, State::Up(c) if usize::try_from(len).is_ok_and(|l| c.ring_takes(l)))
     }
 
     fn register(&mut self, registry: &Registry, token: Token, _key: u64) -> std::io::Result<bool> {
@@ -330,9 +332,13 @@ impl Link for ShmLink {
         // A large body in the caller's memory (a Mobius rendezvous send) is left there for
         // the peer to copy: one copy in all, where encoding it into a message first made two.
         // The caller waits until `write_progress` says the peer read it.
+        // One that fits a record of the ring goes into it straight from the caller's memory,
+        // and the peer copies (or reduces) it straight out: two copies, cheaper than one
+        // single copy where the kernel pins pages one by one (see `KIND_HEAD_BODY`).
         if let (State::Up(c), OutPayload::Source { source, offset, len }) = (&mut self.state, &payload) {
+            let ring = c.ring_takes(*len as usize) && head.len() + 8 <= RING_HEAD_ROOM;
             let single = c.large_messages() == LargeMessages::SingleCopy && *len as usize >= c.single_copy_min();
-            if let (true, Some(mem)) = (single, source.memory()) {
+            if let (true, Some(mem)) = (ring || single, source.memory()) {
                 let body = usize::try_from(*offset).ok().and_then(|at| mem.get(at..at.checked_add(*len as usize)?)).ok_or_else(
                     || FabricError::Unsupported(format!("payload {offset}+{len} outside its {}-byte source", mem.len())),
                 )?;
@@ -341,7 +347,11 @@ impl Link for ShmLink {
                 // SAFETY: `source` is memory its owner keeps unchanged until the send is
                 // written (`write_progress`), which it is only once the peer acknowledged
                 // its copy; `owner` keeps the source itself alive until then.
-                let id = unsafe { c.send_borrowed(head, body.as_ptr() as u64, body.len(), owner)? };
+                let id = if ring {
+                    unsafe { c.send_through_ring(head, body.as_ptr() as u64, body.len(), owner)? }
+                } else {
+                    unsafe { c.send_borrowed(head, body.as_ptr() as u64, body.len(), owner)? }
+                };
                 self.borrowed.push_back((self.queued, id));
                 self.queued += total;
                 return Ok(());

@@ -49,6 +49,9 @@ pub(crate) struct Consumer {
     /// The producer's `head` as last read (checked): records up to it are published, so a
     /// pop reads the producer's line only once it has consumed them.
     seen_head: u64,
+    /// Bytes of the record [`pop_keep`](Self::pop_keep) left in the ring, not yet released
+    /// (0: none).
+    held: u64,
 }
 
 // SAFETY: the pointers point into a shared mapping that the owning connection keeps alive as
@@ -140,18 +143,31 @@ impl Consumer {
     pub(crate) unsafe fn new(p: RingPtrs) -> Consumer {
         // SAFETY: the caller guarantees `tail` is live.
         let pos = unsafe { (*p.tail).load(Ordering::Relaxed) };
-        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_head: pos }
+        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_head: pos, held: 0 }
     }
 
-    /// Whether a record is waiting.
+    /// Whether a record is waiting (after a held one).
     pub(crate) fn has_data(&self) -> bool {
+        let next = self.pos + self.held;
         // SAFETY: `head` is live (constructor contract).
-        self.seen_head != self.pos || unsafe { (*self.head).load(Ordering::Acquire) != self.pos }
+        self.seen_head != next || unsafe { (*self.head).load(Ordering::Acquire) != next }
     }
 
     /// Hands the next record to `f` (kind and payload, valid only during the call), then frees
     /// its space. `Ok(None)` when the ring is empty; `Err` names what the peer corrupted.
+    #[cfg(test)]
     pub(crate) fn pop<R>(&mut self, f: impl FnOnce(u32, &[u8]) -> R) -> Result<Option<R>, String> {
+        self.pop_keep(|kind, payload| (f(kind, payload), false))
+    }
+
+    /// Like [`pop`](Self::pop), but when `f` answers `true` the record stays in the ring: its
+    /// payload (a slice of the shared mapping) stays valid and its space unfreed until
+    /// [`release_held`](Self::release_held), so the caller may copy it straight to where it
+    /// belongs later. Nothing more is popped meanwhile (`Ok(None)`).
+    pub(crate) fn pop_keep<R>(&mut self, f: impl FnOnce(u32, &[u8]) -> (R, bool)) -> Result<Option<R>, String> {
+        if self.held != 0 {
+            return Ok(None);
+        }
         loop {
             let head = if self.seen_head != self.pos {
                 self.seen_head
@@ -184,9 +200,22 @@ impl Consumer {
             // SAFETY: the record lies inside the data area and inside what the producer
             // published (both checked above).
             let payload = unsafe { std::slice::from_raw_parts(self.data.add((at + RECORD_HEADER) as usize), len as usize) };
-            let r = f(kind, payload);
-            self.release(need);
+            let (r, keep) = f(kind, payload);
+            if keep {
+                self.held = need;
+            } else {
+                self.release(need);
+            }
             return Ok(Some(r));
+        }
+    }
+
+    /// Frees the record [`pop_keep`](Self::pop_keep) kept (a no-op without one): the producer
+    /// may overwrite it from now on.
+    pub(crate) fn release_held(&mut self) {
+        let n = std::mem::take(&mut self.held);
+        if n != 0 {
+            self.release(n);
         }
     }
 
@@ -259,6 +288,31 @@ mod tests {
         }
         consumer.join().unwrap();
         assert!(full > 0, "a 4 KiB ring must have pushed back at some point");
+    }
+
+    #[test]
+    fn a_held_record_stays_in_place_and_unfreed_until_released() {
+        let ring = local(4096);
+        // SAFETY: one producer and one consumer over `ring`, which outlives both.
+        let (mut p, mut c) = unsafe { (Producer::new(ring.ptrs), Consumer::new(ring.ptrs)) };
+        let big = vec![7u8; p.max_record()];
+        assert!(p.push(1, &[&big]));
+        assert!(p.push(3, &[b"small"]));
+        let at = c.pop_keep(|kind, bytes| ((kind, bytes.as_ptr() as usize, bytes.len()), true)).unwrap().unwrap();
+        assert_eq!((at.0, at.2), (1, big.len()));
+        // Held: the producer has no room for another record of half the ring, the consumer
+        // pops nothing more, but sees what waits behind the held record.
+        assert!(!p.push(2, &[&big]), "a held record's space is not freed");
+        assert!(c.has_data());
+        assert_eq!(c.pop(|k, _| k).unwrap(), None, "nothing is popped past a held record");
+        // SAFETY: the held record's bytes stay in the ring until released.
+        assert!(unsafe { std::slice::from_raw_parts(at.1 as *const u8, at.2) }.iter().all(|&b| b == 7));
+        c.release_held();
+        assert_eq!(c.pop(|k, b| (k, b.to_vec())).unwrap(), Some((3, b"small".to_vec())));
+        assert!(p.push(2, &[&big]), "released: room again");
+        assert_eq!(c.pop(|k, b| (k, b.len())).unwrap(), Some((2, big.len())));
+        c.release_held();
+        assert!(!c.has_data());
     }
 
     #[test]

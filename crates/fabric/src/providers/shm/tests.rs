@@ -164,6 +164,121 @@ fn shm_a_borrowed_body_is_folded_into_place_piece_by_piece() {
     assert!(e.to_string().contains(&format!("{len} bytes is not folded into {}", len - 1)), "{e}");
 }
 
+/// The next message of `a`, which must be a head with its body held (in the ring or lent).
+fn next_lent(a: &mut ShmConn) -> LentBody {
+    let deadline = Instant::now() + T;
+    loop {
+        match a.try_recv_parts().unwrap() {
+            Some(Received::Lent(l)) => return l,
+            Some(Received::Msg(m)) => panic!("a message of {} bytes instead of a head and its body", m.len()),
+            None if Instant::now() < deadline => std::thread::yield_now(),
+            None => panic!("nothing arrived within {T:?}"),
+        }
+    }
+}
+
+#[test]
+fn shm_a_body_through_the_ring_is_copied_or_folded_straight_out_of_it() {
+    // No single copy: the ring needs no permission to read the peer's memory.
+    let c = cfg(false);
+    let (mut a, mut b) = pair(&c);
+    // A 64 KiB ring: records of up to 32 KiB − 8, of which a body takes all but the head's room.
+    let largest = c.largest_ring_body();
+    assert_eq!(largest, 32 * 1024 - 8 - RING_HEAD_ROOM);
+    assert!(b.ring_takes(largest) && !b.ring_takes(largest + 1), "decided by the length alone");
+    assert!(!b.ring_takes(c.single_copy_min - 1), "a small message goes whole");
+    let len = 5 * 4096 + 1000;
+    let mut buf = body(len, 5);
+    let sent = buf.clone();
+    let owner: std::sync::Arc<dyn Send + Sync> = std::sync::Arc::new(());
+    // SAFETY: `buf` lives until the end of the test; it is pushed at once (the ring is empty).
+    let id = unsafe { b.send_through_ring(b"HEAD".to_vec(), buf.as_ptr() as u64, len, owner.clone()).unwrap() };
+    // Copied into the ring by the send: the caller's buffer is its own again at once.
+    assert!(!b.lent(id));
+    assert_eq!((b.stats().through_ring, b.stats().single_copy, b.queued_bytes()), (1, 0, 0));
+    assert_eq!(std::sync::Arc::strong_count(&owner), 1, "the owner is let go of once the body is in the ring");
+    buf[0] = buf[0].wrapping_add(1);
+    b.send(body(10, 1)).unwrap();
+    let l = next_lent(&mut a);
+    assert_eq!((&l.head[..], l.len()), (&b"HEAD"[..], len as u64));
+    // Held in the ring until placed: what came after it waits, and is seen waiting.
+    assert!(a.try_recv_parts().unwrap().is_none(), "nothing is read past a held body");
+    assert!(a.has_input());
+    let mut dst = vec![0u8; len];
+    a.copy_body(l, Some(&mut dst)).unwrap();
+    assert!(dst == sent, "the bytes as they were sent, not as the caller changed them after");
+    assert_eq!(a.recv_timeout(T).unwrap(), body(10, 1), "the next message follows");
+
+    // Folded out of the ring in the pieces asked for, every byte once at its own offset.
+    // SAFETY: as above.
+    unsafe { b.send_through_ring(b"HD".to_vec(), sent.as_ptr() as u64, len, owner.clone()).unwrap() };
+    let l = next_lent(&mut a);
+    let acc = body(len, 9);
+    let mut dst = acc.clone();
+    let mut scratch = vec![0u8; 4096];
+    let mut pieces = Vec::new();
+    a.fold_body(l, &mut dst, &mut scratch, |d, s| {
+        pieces.push(d.len());
+        for (d, s) in d.iter_mut().zip(s) {
+            *d ^= *s;
+        }
+    })
+    .unwrap();
+    assert_eq!(pieces, [4096, 4096, 4096, 4096, 4096, 1000]);
+    assert!(dst.iter().zip(&acc).zip(&sent).all(|((d, x), y)| *d == x ^ y), "folded sums differ");
+
+    // Each record's space comes back once its body is taken: many times the ring's size go
+    // through, each pushed at once.
+    for i in 0..20 {
+        let m = body(largest, i);
+        // SAFETY: `m` lives until its body was taken below.
+        let id = unsafe { b.send_through_ring(Vec::new(), m.as_ptr() as u64, largest, owner.clone()).unwrap() };
+        assert!(!b.lent(id), "record {i} waited for room: the ring was not freed");
+        let l = next_lent(&mut a);
+        let mut got = vec![0u8; largest];
+        a.copy_body(l, Some(&mut got)).unwrap();
+        assert!(got == m, "record {i}");
+    }
+
+    // Refused, with the sizes: a body past a record, a head past its room, a destination of
+    // another length; and a body held by another connection's ring.
+    // SAFETY: refused before anything is queued.
+    let e = unsafe { b.send_through_ring(Vec::new(), sent.as_ptr() as u64, largest + 1, owner.clone()) }.unwrap_err();
+    assert!(e.to_string().contains(&format!("0 + {}", largest + 1)), "{e}");
+    // SAFETY: as above.
+    let e = unsafe { b.send_through_ring(vec![0; RING_HEAD_ROOM], sent.as_ptr() as u64, len, owner.clone()) }.unwrap_err();
+    assert!(e.to_string().contains("does not go this way"), "{e}");
+    // SAFETY: `sent` lives until the end of the test.
+    unsafe { b.send_through_ring(Vec::new(), sent.as_ptr() as u64, len, owner.clone()).unwrap() };
+    let l = next_lent(&mut a);
+    let e = a.copy_body(l, Some(&mut vec![0u8; len - 1])).unwrap_err();
+    assert!(e.to_string().contains(&format!("{len} bytes does not go into {}", len - 1)), "{e}");
+    let (mut x, mut y) = pair(&c);
+    // SAFETY: as above.
+    unsafe { y.send_through_ring(Vec::new(), sent.as_ptr() as u64, len, owner.clone()).unwrap() };
+    let other = next_lent(&mut x);
+    let e = a.copy_body(other, None).unwrap_err();
+    assert!(e.to_string().contains("not the one this ring holds"), "{e}");
+}
+
+#[test]
+fn shm_a_head_and_body_record_that_lies_about_its_head_is_refused() {
+    let max = 1 << 20;
+    let rec = |head_len: u64, rest: &[u8]| [&head_len.to_le_bytes()[..], rest].concat();
+    let ok = conn::head_body(&rec(3, b"abcdefgh"), max).unwrap();
+    assert_eq!((&ok.head[..], ok.len()), (&b"abc"[..], 5));
+    for (bytes, what) in [
+        (rec(9, b"abcdefgh"), "a head of 9 bytes"),
+        (rec(u64::MAX, b"x"), &format!("a head of {} bytes", u64::MAX)),
+        (b"short".to_vec(), "a head-and-body record of 5 bytes"),
+    ] {
+        let e = conn::head_body(&bytes, max).unwrap_err();
+        assert!(e.contains(what), "{e}");
+    }
+    let e = conn::head_body(&rec(0, &[0; 64]), 32).unwrap_err();
+    assert!(e.contains("past the 32-byte limit"), "{e}");
+}
+
 #[test]
 fn shm_a_flood_in_one_direction_sleeps_and_wakes_on_the_doorbells() {
     let (mut a, mut b) = pair(&ShmConfig { spin: Duration::ZERO, ..cfg(false) });
