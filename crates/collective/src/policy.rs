@@ -438,6 +438,22 @@ pub struct Policy {
     pub(crate) cpu_copies: bool,
 }
 
+/// The segment of a balanced op over shm: the largest body the shm provider (as Mobius
+/// configures it) carries in one ring record, in whole 4 KiB pages. Larger segments go by
+/// single copy, `process_vm_readv`, which costs 3.6 memcpys a byte on this project's
+/// machines against the ring's two copies: 2-rank allreduce of 1 MiB 62–65 µs through the
+/// ring against 124–126 by single copy, 4 MiB 279–467 against 540–614 (2 MiB segments by
+/// single copy; back-to-back loops, docs/mobius.md Run 12).
+pub const SHM_SEGMENT: usize = (1 << 20) - 4096;
+
+/// The largest buffer whose balanced op goes over shm in [`SHM_SEGMENT`]s through the ring.
+/// Above it the working set leaves the cache, and the ring's two copies (the sender's into
+/// the ring, then the receiver's out of it, both from and to memory) cost more than one
+/// single copy straight between the ranks' buffers: 4 ranks, 16 MiB, 12.8–18.5 ms through
+/// the ring against 9.9–12.4 by single copy (`perf`: `memmove` 40 % of samples against the
+/// single copy's 26 %); 2 ranks, 16 MiB, level (docs/mobius.md Run 12).
+pub const SHM_RING_MAX: usize = 4 << 20;
+
 fn log2_floor(p: usize) -> usize {
     (usize::BITS - 1 - p.leading_zeros()) as usize
 }
@@ -597,12 +613,16 @@ impl Policy {
     /// and halving/doubling allreduce, allgather, reduce-scatter). Over shared memory
     /// ([`cpu_copies`](Policy::cpu_copies)) no segment overlaps another on the same rank,
     /// and with every rank busy in every step there is no pipeline to fill: the largest
-    /// segment is best. Measured on shm (2 and 4 ranks, 1–64 MiB allreduce): 1–4 MiB
-    /// segments beat the formula's 64–512 KiB by 1.1–1.5x. (Chains and trees, where a rank
-    /// forwards what it received, still pipeline across ranks.)
+    /// segment is best (measured on shm, 2 and 4 ranks, 1–64 MiB allreduce: 1–4 MiB segments
+    /// beat the formula's 64–512 KiB by 1.1–1.5x). Up to [`SHM_RING_MAX`] bytes that is the
+    /// largest body the provider carries through its ring ([`SHM_SEGMENT`]), which the
+    /// receiver reduces straight out of the ring; above, 4 MiB, sent by reference and
+    /// reduced a piece at a time as it is copied. (Chains and trees, where a rank forwards
+    /// what it received, still pipeline across ranks.)
     pub fn balanced_segment(&self, bytes: usize, steps: usize, elem: usize) -> usize {
         if self.cpu_copies && self.overrides.segment.is_none() && self.overrides.proto != Some(Proto::Eager) {
-            return (self.max_message.min(4 << 20) / elem).max(1) * elem;
+            let seg = if bytes <= SHM_RING_MAX { SHM_SEGMENT } else { 4 << 20 };
+            return (self.max_message.min(seg) / elem).max(1) * elem;
         }
         self.segment(bytes, steps, elem)
     }
@@ -724,6 +744,13 @@ mod tests {
         assert_eq!(p.choose(Op::AllGather, 16 << 20, DType::F64, 4).segment, 4 << 20);
         assert_eq!(p.balanced_segment(16 << 20, 4, 12), (4 << 20) / 12 * 12, "whole elements");
         assert!(p.choose(Op::Broadcast, 16 << 20, DType::F32, 4).segment < 4 << 20, "a tree still pipelines");
+        // Up to SHM_RING_MAX, segments that go through the ring.
+        assert_eq!(p.choose(Op::AllReduce, 4 << 20, DType::F32, 2).segment, SHM_SEGMENT);
+        assert_eq!(p.choose(Op::AllReduce, 1 << 20, DType::F32, 4).segment, SHM_SEGMENT);
+        assert_eq!(p.balanced_segment(SHM_RING_MAX, 4, 12), SHM_SEGMENT / 12 * 12, "whole elements");
+        // Every such segment goes through the ring of the shm provider as Mobius sets it up.
+        let shm = rdma_shuffle_fabric::providers::shm::ShmConfig::default();
+        assert!(SHM_SEGMENT <= shm.largest_ring_body() && SHM_SEGMENT > shm.single_copy_min);
         p.overrides.segment = Some(128 << 10);
         assert_eq!(p.choose(Op::AllReduce, 16 << 20, DType::F32, 2).segment, 128 << 10, "a forced segment still wins");
     }

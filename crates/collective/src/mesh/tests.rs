@@ -477,11 +477,15 @@ fn a_send_the_peer_read_before_it_closed_completes() {
 fn a_reducing_receive_sums_a_message_into_place_as_it_arrives() {
     // u32 sums: each arriving piece is added to what the buffer holds. 4.4 MB, so tcp folds
     // it in many 64 KiB pieces out of its read buffer and shm (a body sent by reference, at
-    // least its FOLD_MIN) in 1 MiB pieces copied out of the sender's memory; a small eager
-    // message comes whole in shm's ring and is staged. sim does not fold (the message is
-    // staged and the caller reduces it).
+    // least its FOLD_MIN) in 1 MiB pieces copied out of the sender's memory; 600 kB, which shm
+    // carries in one ring record with its head and reduces straight out of the ring; a small
+    // eager message comes whole in shm's ring and is staged. sim does not fold (the message
+    // is staged and the caller reduces it).
     let words = 1_100_001usize;
     assert!(words as u64 * 4 >= rdma_shuffle_fabric::providers::shm::link::FOLD_MIN);
+    let ring_body = 600_000;
+    let shm = rdma_shuffle_fabric::providers::shm::ShmConfig::default();
+    assert!(ring_body > shm.single_copy_min && ring_body <= shm.largest_ring_body());
     let msg: Vec<u8> = (0..words as u32).flat_map(|i| i.wrapping_mul(7).to_le_bytes()).collect();
     let acc: Vec<u8> = (0..words as u32).flat_map(|i| (i ^ 0x5a5a).to_le_bytes()).collect();
     let want: Vec<u8> = msg
@@ -506,7 +510,8 @@ fn a_reducing_receive_sums_a_message_into_place_as_it_arrives() {
         let (m0, m1) = (&meshes[0], &meshes[1]);
         let folds = |proto: Proto| name == "tcp" || (name == "shm" && proto == Proto::Rendezvous);
         let mut folded = (0, 0);
-        for (proto, tag, len) in [(Proto::Rendezvous, 7, msg.len()), (Proto::Eager, 8, 4096)] {
+        for (proto, tag, len) in [(Proto::Rendezvous, 7, msg.len()), (Proto::Rendezvous, 10, ring_body), (Proto::Eager, 8, 4096)]
+        {
             let mut dst = acc[..len].to_vec();
             let mut p = unsafe { m1.post_recv_fold(0, tag, dst.as_mut_ptr(), len, fold.clone()) }.unwrap();
             m0.wait(m0.send(1, tag, &msg[..len], proto, None).unwrap(), soon()).unwrap();
