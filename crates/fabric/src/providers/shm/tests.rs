@@ -140,7 +140,21 @@ fn shm_a_borrowed_body_is_folded_into_place_piece_by_piece() {
         }
     }
     let l = next_body(&mut a, &mut b, &buf, &owner);
-    let acc = body(len, 9);
+    assert_eq!(fold_xor(&mut a, l, &buf), [4096, 4096, 4096, 1000]);
+    // Acknowledged: the sender lets its buffer go.
+    b.send_all(T).unwrap();
+    assert_eq!(b.queued_bytes(), 0);
+
+    // A destination of another length is refused, with the sizes.
+    let l = next_body(&mut a, &mut b, &buf, &owner);
+    let e = a.fold_body(l, &mut vec![0u8; len - 1], &mut [0u8; 4096], |_, _| panic!("nothing is folded")).unwrap_err();
+    assert!(e.to_string().contains(&format!("{len} bytes is not folded into {}", len - 1)), "{e}");
+}
+
+/// Folds `l` (whose body is `sent`) into a buffer of other bytes by xor in 4 KiB pieces,
+/// checks every byte was folded once at its own offset, and answers the pieces' lengths.
+fn fold_xor(a: &mut ShmConn, l: LentBody, sent: &[u8]) -> Vec<usize> {
+    let acc = body(sent.len(), 9);
     let mut dst = acc.clone();
     let mut scratch = vec![0u8; 4096];
     let mut pieces = Vec::new();
@@ -151,17 +165,8 @@ fn shm_a_borrowed_body_is_folded_into_place_piece_by_piece() {
         }
     })
     .unwrap();
-    assert_eq!(pieces, [4096, 4096, 4096, 1000]);
-    let want: Vec<u8> = acc.iter().zip(&buf).map(|(x, y)| x ^ y).collect();
-    assert!(dst == want, "every byte folded once, at its own offset");
-    // Acknowledged: the sender lets its buffer go.
-    b.send_all(T).unwrap();
-    assert_eq!(b.queued_bytes(), 0);
-
-    // A destination of another length is refused, with the sizes.
-    let l = next_body(&mut a, &mut b, &buf, &owner);
-    let e = a.fold_body(l, &mut dst[..len - 1], &mut scratch, |_, _| panic!("nothing is folded")).unwrap_err();
-    assert!(e.to_string().contains(&format!("{len} bytes is not folded into {}", len - 1)), "{e}");
+    assert!(dst.iter().zip(&acc).zip(sent).all(|((d, x), y)| *d == x ^ y), "every byte folded once, at its own offset");
+    pieces
 }
 
 /// The next message of `a`, which must be a head with its body held (in the ring or lent).
@@ -213,19 +218,7 @@ fn shm_a_body_through_the_ring_is_copied_or_folded_straight_out_of_it() {
     // SAFETY: as above.
     unsafe { b.send_through_ring(b"HD".to_vec(), sent.as_ptr() as u64, len, owner.clone()).unwrap() };
     let l = next_lent(&mut a);
-    let acc = body(len, 9);
-    let mut dst = acc.clone();
-    let mut scratch = vec![0u8; 4096];
-    let mut pieces = Vec::new();
-    a.fold_body(l, &mut dst, &mut scratch, |d, s| {
-        pieces.push(d.len());
-        for (d, s) in d.iter_mut().zip(s) {
-            *d ^= *s;
-        }
-    })
-    .unwrap();
-    assert_eq!(pieces, [4096, 4096, 4096, 4096, 4096, 1000]);
-    assert!(dst.iter().zip(&acc).zip(&sent).all(|((d, x), y)| *d == x ^ y), "folded sums differ");
+    assert_eq!(fold_xor(&mut a, l, &sent), [4096, 4096, 4096, 4096, 4096, 1000]);
 
     // Each record's space comes back once its body is taken: many times the ring's size go
     // through, each pushed at once.
