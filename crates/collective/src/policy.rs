@@ -432,9 +432,10 @@ pub struct Policy {
     pub(crate) eager_limit: usize,
     pub(crate) max_message: usize,
     pub(crate) one_sided: bool,
-    /// Every link is shared memory: the ranks' own CPUs move the bytes (the receiver copies
-    /// a segment out of the sender's memory), so a segment's transfer cannot overlap the
-    /// receiver's reduction of the one before, and smaller segments only add messages.
+    /// Every link is shared memory: the ranks' own CPUs move the bytes (through the ring, or
+    /// the receiver copying a segment out of the sender's memory), so a segment's transfer
+    /// cannot overlap the receiver's reduction of the one before, and smaller segments only
+    /// add messages.
     pub(crate) cpu_copies: bool,
 }
 
