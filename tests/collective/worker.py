@@ -387,11 +387,6 @@ def scenario_ddp(args):
         # without an active exception"); the reference run is done, so skip the teardown.
         os._exit(0)
     dist.destroy_process_group()
-    # torch 2.15 itself can abort at interpreter exit after that ("terminate called without
-    # an active exception", a C++ thread of torch's: the Mobius wheel has no C++), seen once
-    # in about ten 4-rank runs after destroy_process_group had returned. The group is
-    # destroyed and the run reported: leave without the interpreter's teardown.
-    os._exit(0)
 
 
 # ----- the c10d surface: every collective × dtype × op, asynchronous work ------------------
