@@ -19,6 +19,16 @@ def test_torch_distributed_calls_work_through_mobius(world, tmp_path):
         assert len(r) == expected, r
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_destroy_process_group_closes_mobius_so_a_rank_may_leave_at_once(world, tmp_path):
+    # Each rank leaves with os._exit right after destroy_process_group: torch calls the
+    # backend's shutdown, which finishes the queued Works and closes the communicator, so
+    # a rank's last sends reach a slower peer. Every rank must exit 0 with right sums.
+    res = run("destroy_then_exit", world, tmp_path, {"calls": 200})
+    for rank, r in res.items():
+        assert r == {"sums": True, "closed": True}, f"rank {rank}: {r}"
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ddp_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     steps = 50

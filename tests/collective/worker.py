@@ -433,6 +433,27 @@ def matrix_ref(stack: np.ndarray, op: str, dtype: str, world: int) -> np.ndarray
     return out
 
 
+def scenario_destroy_then_exit(args):
+    """Allreduces, then destroy_process_group and at once ``os._exit``: the group's
+    shutdown must have delivered this rank's last sends, or a slower peer fails."""
+    import torch
+    dist = _torch_init("mobius")
+    ok = True
+    for i in range(args.get("calls", 200)):
+        t = torch.full((1024,), float(RANK + i))
+        dist.all_reduce(t)
+        ok &= t[0].item() == sum(r + i for r in range(WORLD))
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    dist.destroy_process_group()
+    try:
+        backend.comm.stats()
+        closed = False
+    except Exception:  # noqa: BLE001 - any refusal of a closed communicator
+        closed = True
+    report({"sums": ok, "closed": closed})
+    os._exit(0)
+
+
 def scenario_torch_matrix(args):
     """Each collective × dtype × reduce op against numpy; unsupported combinations must
     raise an error naming them. Reports the list of failures (empty when all pass), and the

@@ -154,6 +154,9 @@ class _Lane:
     def stop(self) -> None:
         self._q.put(None)
 
+    def join(self) -> None:
+        self._thread.join()
+
 
 def _staged(t: torch.Tensor):
     """``(contiguous tensor to hand to Mobius, function writing it back into t)``."""
@@ -222,6 +225,20 @@ class MobiusBackend(_C10dBackend):
         self.comm = Communicator(_native.Communicator.join(rank, size, _local_ip(store), exchange, settings))
         self._lanes_lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
+
+    def shutdown(self) -> None:
+        """Called by torch's ``destroy_process_group``: every queued Work runs to its end,
+        then the communicator leaves the group (its last sends delivered, its peers told of
+        a clean departure) while the interpreter is whole. Left to the interpreter's
+        teardown instead, a process that then leaves with ``os._exit`` lost sends a peer
+        still waited for."""
+        with self._lanes_lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop()
+        for lane in lanes:
+            lane.join()
+        self.comm.close()
 
     def _lane(self, name: str) -> _Lane:
         with self._lanes_lock:
