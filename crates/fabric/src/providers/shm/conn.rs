@@ -342,6 +342,13 @@ impl ShmConn {
         len >= self.single_copy_min && len.saturating_add(RING_HEAD_ROOM) <= self.tx.max_record()
     }
 
+    /// Whether [`send_through_ring`](Self::send_through_ring) takes a message of a `head`-byte
+    /// head and a `len`-byte body: the body [`ring_takes`](Self::ring_takes), and the head
+    /// and its length fit [`RING_HEAD_ROOM`].
+    pub fn ring_takes_message(&self, head: usize, len: usize) -> bool {
+        head + 8 <= RING_HEAD_ROOM && self.ring_takes(len)
+    }
+
     /// Queues a message of `head` followed by the `len` bytes at `addr` in this process, copied
     /// from there into the ring in one record once it has room (no copy before that). The
     /// peer copies the body out of the ring straight to where it belongs. `owner` keeps the
@@ -360,7 +367,7 @@ impl ShmConn {
         len: usize,
         owner: Arc<dyn Send + Sync>,
     ) -> Result<u64, FabricError> {
-        if head.len() + 8 > RING_HEAD_ROOM || !self.ring_takes(len) {
+        if !self.ring_takes_message(head.len(), len) {
             return Err(self.too_large(head.len(), len));
         }
         // SAFETY: the caller's contract is this one's.

@@ -11,7 +11,7 @@
 //! Sends made while the shm handshake is still running are queued and go out once it is
 //! done, so a link is "connected" at once for the protocol above it.
 
-use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener, RING_HEAD_ROOM};
+use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener};
 use crate::error::FabricError;
 use crate::memory::pool::NoRegistration;
 use crate::memory::registration::Registrar;
@@ -336,7 +336,7 @@ impl Link for ShmLink {
         // and the peer copies (or reduces) it straight out: two copies, cheaper than one
         // single copy where the kernel pins pages one by one (see `KIND_HEAD_BODY`).
         if let (State::Up(c), OutPayload::Source { source, offset, len }) = (&mut self.state, &payload) {
-            let ring = c.ring_takes(*len as usize) && head.len() + 8 <= RING_HEAD_ROOM;
+            let ring = c.ring_takes_message(head.len(), *len as usize);
             let single = c.large_messages() == LargeMessages::SingleCopy && *len as usize >= c.single_copy_min();
             if let (true, Some(mem)) = (ring || single, source.memory()) {
                 let body = usize::try_from(*offset).ok().and_then(|at| mem.get(at..at.checked_add(*len as usize)?)).ok_or_else(
@@ -345,8 +345,9 @@ impl Link for ShmLink {
                 let total = (head.len() + body.len()) as u64;
                 let owner: Arc<dyn Send + Sync> = Arc::new(source.clone());
                 // SAFETY: `source` is memory its owner keeps unchanged until the send is
-                // written (`write_progress`), which it is only once the peer acknowledged
-                // its copy; `owner` keeps the source itself alive until then.
+                // written (`write_progress`), which it is only once the body is in the ring
+                // or, sent by reference, once the peer acknowledged its copy; `owner` keeps
+                // the source itself alive until then.
                 let id = if ring {
                     unsafe { c.send_through_ring(head, body.as_ptr() as u64, body.len(), owner)? }
                 } else {
