@@ -225,6 +225,18 @@ def scenario_zero_copy(args):
         comm.allreduce(t, "max")
         res[f"torch_{dt}_same_memory"] = t.data_ptr() == p
         res[f"torch_{dt}_ok"] = bool((t == WORLD).all())
+    # Overlapping input and output: this rank's block in place (no copy), any other overlap
+    # read from a copy first (here the input starts one element into the output).
+    n = 3
+    want = np.repeat(np.arange(WORLD, dtype=np.float32) + 1, n)
+    out = np.zeros(n * WORLD, dtype=np.float32)
+    out[RANK * n:(RANK + 1) * n] = RANK + 1
+    comm.allgather(out[RANK * n:(RANK + 1) * n], out)
+    res["allgather_in_place"] = bool(np.array_equal(out, want))
+    out = np.zeros(n * WORLD + 1, dtype=np.float32)
+    out[1:n + 1] = RANK + 1
+    comm.allgather(out[1:n + 1], out[:n * WORLD])
+    res["allgather_shifted_overlap"] = bool(np.array_equal(out[:n * WORLD], want))
     v = torch.zeros(10, 10)
     try:
         comm.allreduce(v[:, 0])
@@ -336,6 +348,18 @@ def scenario_torch_ops(args):
     out = torch.zeros(2)
     dist.reduce_scatter_tensor(out, inp)
     res["reduce_scatter_tensor"] = out.tolist() == [WORLD * float(2 * RANK), WORLD * float(2 * RANK + 1)]
+    # In place, as FSDP calls them: the input is this rank's block of the output (all-gather),
+    # the output this rank's block of the input (reduce-scatter); all-to-all on one tensor.
+    out = torch.zeros(2 * WORLD)
+    out[2 * RANK:2 * RANK + 2] = float(RANK)
+    dist.all_gather_into_tensor(out, out[2 * RANK:2 * RANK + 2])
+    res["all_gather_into_tensor_in_place"] = out.tolist() == sum(([float(r)] * 2 for r in range(WORLD)), [])
+    inp = torch.arange(WORLD * 2, dtype=torch.float32)
+    dist.reduce_scatter_tensor(inp[2 * RANK:2 * RANK + 2], inp)
+    res["reduce_scatter_tensor_in_place"] = inp[2 * RANK:2 * RANK + 2].tolist() == [WORLD * float(2 * RANK), WORLD * float(2 * RANK + 1)]
+    buf = torch.arange(WORLD, dtype=torch.int64) + 10 * RANK
+    dist.all_to_all_single(buf, buf)
+    res["all_to_all_single_in_place"] = buf.tolist() == [10 * j + RANK for j in range(WORLD)]
     out = torch.zeros(WORLD, dtype=torch.int64)
     dist.all_to_all_single(out, torch.arange(WORLD, dtype=torch.int64) + 10 * RANK)
     res["all_to_all_single"] = out.tolist() == [10 * j + RANK for j in range(WORLD)]
@@ -386,6 +410,39 @@ def scenario_ddp(args):
         # torch 2.15's gloo sometimes aborts in teardown with 3 ranks ("terminate called
         # without an active exception"); the reference run is done, so skip the teardown.
         os._exit(0)
+    dist.destroy_process_group()
+
+
+def scenario_fsdp(args):
+    """FSDP2 (``fully_shard``, per layer and the root) for `steps` steps on CPU: its
+    all-gathers run in place (the input is the rank's shard inside the output) and its
+    gradients are reduce-scattered. Reports the final full parameters."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist = _torch_init(args["backend"])
+    torch.manual_seed(0)
+    # Sizes that do not divide by every world: FSDP pads the shards.
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 31), nn.Tanh(), nn.Linear(31, 4))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1000 + RANK)
+    for _ in range(args["steps"]):
+        x = torch.randn(32, 16, generator=gen)
+        y = torch.randn(32, 4, generator=gen)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    params = [p.full_tensor().detach().double().reshape(-1).tolist() for p in model.parameters()]
+    report({"params": params, "loss": float(loss.detach())})
+    if args["backend"] == "gloo":
+        os._exit(0)  # see scenario_ddp
     dist.destroy_process_group()
 
 

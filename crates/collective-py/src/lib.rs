@@ -321,10 +321,18 @@ impl PyComm {
         let d = dtype(dtype_)?;
         let (vs, vr) = (View::get(send, false, "input")?, View::get(recv, true, "output")?);
         let (s, r) = (Raw::of(&vs), Raw::of(&vr));
-        if overlaps(s, r) {
-            return Err(PyValueError::new_err("allgather: `input` and `output` overlap; pass a separate input"));
+        if !overlaps(s, r) {
+            return self.run(py, move |c| c.allgather_bytes(unsafe { s.slice() }, unsafe { r.slice() }, d));
         }
-        self.run(py, move |c| c.allgather_bytes(unsafe { s.slice() }, unsafe { r.slice() }, d))
+        self.run(py, move |c| {
+            if s.0 as usize == r.0 as usize + c.rank() * s.1 && r.1 == c.world() * s.1 {
+                // The input is this rank's block of the output: an in-place allgather (FSDP's).
+                return c.allgather_in_place_bytes(unsafe { r.slice() }, d);
+            }
+            // Any other overlap: the input is copied first (the two never alias in Rust).
+            let own = unsafe { s.slice() }.to_vec();
+            c.allgather_bytes(&own, unsafe { r.slice() }, d)
+        })
     }
 
     fn reduce_scatter(
@@ -338,20 +346,15 @@ impl PyComm {
         let (d, o) = (dtype(dtype_)?, reduce_op(op)?);
         let (vs, vr) = (View::get(send, false, "input")?, View::get(recv, true, "output")?);
         let (s, r) = (Raw::of(&vs), Raw::of(&vr));
-        if overlaps(s, r) {
-            return Err(PyValueError::new_err("reduce_scatter: `input` and `output` overlap; pass a separate output"));
-        }
-        self.run(py, move |c| c.reduce_scatter_bytes(unsafe { s.slice() }, unsafe { r.slice() }, d, o))
+        // An output inside the input (an in-place reduce-scatter) reads a copy of the input.
+        self.run(py, move |c| with_input(s, r, |send, recv| c.reduce_scatter_bytes(send, recv, d, o)))
     }
 
     fn alltoall(&self, py: Python<'_>, send: &Bound<'_, PyAny>, recv: &Bound<'_, PyAny>, dtype_: &str) -> PyResult<()> {
         let d = dtype(dtype_)?;
         let (vs, vr) = (View::get(send, false, "input")?, View::get(recv, true, "output")?);
         let (s, r) = (Raw::of(&vs), Raw::of(&vr));
-        if overlaps(s, r) {
-            return Err(PyValueError::new_err("alltoall: `input` and `output` overlap; pass separate buffers"));
-        }
-        self.run(py, move |c| c.alltoall_bytes(unsafe { s.slice() }, unsafe { r.slice() }, d))
+        self.run(py, move |c| with_input(s, r, |send, recv| c.alltoall_bytes(send, recv, d)))
     }
 
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
@@ -465,6 +468,19 @@ impl PyComm {
             py.allow_threads(move || drop(c));
         }
     }
+}
+
+/// Calls `f(input, output)`; an input that overlaps the output is copied first, so the two
+/// slices never alias (torch allows a collective in place: gloo's run on the same memory).
+fn with_input(s: Raw, r: Raw, f: impl FnOnce(&[u8], &mut [u8]) -> Result<(), CollectiveError>) -> Result<(), CollectiveError> {
+    if overlaps(s, r) {
+        // SAFETY (both): the exports are alive across the call; the first slice is gone
+        // before the second is made.
+        let own = unsafe { s.slice() }.to_vec();
+        return f(&own, unsafe { r.slice() });
+    }
+    // SAFETY: alive across the call and disjoint.
+    f(unsafe { s.slice() }, unsafe { r.slice() })
 }
 
 fn overlaps(a: Raw, b: Raw) -> bool {

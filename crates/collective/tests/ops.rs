@@ -95,6 +95,11 @@ fn non_power_of_two_worlds_beyond_four_and_large_buffers() {
                 c.allgather_bytes(&mine, &mut all, DType::U8).unwrap();
                 let want: Vec<u8> = (0..world).flat_map(|r| input(r, 333_333, ReduceOp::Sum, DType::U8)).collect();
                 check(&mut fails, format!("world {world} {algo} allgather"), &all, &want);
+                // In place: the rank's own block of the output is its input.
+                let mut all = vec![0u8; mine.len() * world];
+                all[rank * mine.len()..(rank + 1) * mine.len()].copy_from_slice(&mine);
+                c.allgather_in_place_bytes(&mut all, DType::U8).unwrap();
+                check(&mut fails, format!("world {world} {algo} allgather in place"), &all, &want);
                 fails
             })
             .into_iter()
@@ -211,6 +216,10 @@ fn bad_local_arguments_are_refused_before_any_communication() {
     let comms = group(Arc::new(SimProvider::new(true)), 2, |_, _| {});
     let e = comms[0].allgather(&[1.0f32; 3], &mut [0.0f32; 5]).unwrap_err().to_string();
     assert!(e.contains("`recv`") && e.contains("world (2)"), "{e}");
+    let e = comms[0].allgather_in_place_bytes(&mut [0u8; 6], DType::F32).unwrap_err().to_string();
+    assert!(e.contains("`recv block`") && e.contains("3 bytes"), "{e}");
+    let e = comms[0].allgather_in_place_bytes(&mut [0u8; 5], DType::U8).unwrap_err().to_string();
+    assert!(e.contains("5 bytes do not split into 2 equal blocks"), "{e}");
     let e = comms[0].broadcast(&mut [0u8; 3], 2).unwrap_err().to_string();
     assert!(e.contains("`root`") && e.contains("2 is not a rank"), "{e}");
     let e = comms[0].allreduce_bytes(&mut [0u8; 6], DType::F32, ReduceOp::Sum).unwrap_err().to_string();

@@ -144,7 +144,9 @@ class Communicator:
         return x
 
     def allgather(self, input, output, dtype=None):
-        """``output`` (world × ``input`` elements) gets every rank's ``input`` in rank order."""
+        """``output`` (world × ``input`` elements) gets every rank's ``input`` in rank order.
+        ``input`` may be this rank's block of ``output`` (in place, no copy of it is made);
+        an input overlapping the output elsewhere is copied first."""
         bi, d = as_buffer(input, "input", dtype)
         bo, do = as_buffer(output, "output", dtype)
         _same(d, do, "allgather")
@@ -153,7 +155,7 @@ class Communicator:
 
     def reduce_scatter(self, input, output, op="sum", dtype=None):
         """``input`` holds world blocks of ``output``'s size; rank i's ``output`` gets block i
-        reduced across ranks."""
+        reduced across ranks. ``output`` may lie inside ``input`` (the input is read first)."""
         bi, d = as_buffer(input, "input", dtype)
         bo, do = as_buffer(output, "output", dtype)
         _same(d, do, "reduce_scatter")
@@ -161,7 +163,8 @@ class Communicator:
         return output
 
     def alltoall(self, input, output, dtype=None):
-        """Block j of ``input`` goes to rank j, into block ``rank`` of its ``output``."""
+        """Block j of ``input`` goes to rank j, into block ``rank`` of its ``output``.
+        ``input`` and ``output`` may be the same buffer."""
         bi, d = as_buffer(input, "input", dtype)
         bo, do = as_buffer(output, "output", dtype)
         _same(d, do, "alltoall")

@@ -91,8 +91,28 @@ impl<T: Transport> Communicator<T> {
                 ),
             ));
         }
-        let (world, rank) = (self.world, self.rank);
-        recv[rank * send.len()..(rank + 1) * send.len()].copy_from_slice(send);
+        recv[self.rank * send.len()..(self.rank + 1) * send.len()].copy_from_slice(send);
+        self.gather_all(recv, count, dtype)
+    }
+
+    /// Allgather in place (MPI's `MPI_IN_PLACE`, an "in-place" all-gather of NCCL and torch):
+    /// this rank's block of `recv` (world equal blocks) is its input, and every other block
+    /// gets that rank's. FSDP's all-gather passes its input as a view of its output this way.
+    pub fn allgather_in_place_bytes(&self, recv: &mut [u8], dtype: DType) -> Result<(), CollectiveError> {
+        if !recv.len().is_multiple_of(self.world) {
+            return Err(self.invalid(
+                Op::AllGather,
+                "recv",
+                format!("{} bytes do not split into {} equal blocks", recv.len(), self.world),
+            ));
+        }
+        let count = self.elements(Op::AllGather, "recv block", recv.len() / self.world, dtype)?;
+        self.gather_all(recv, count, dtype)
+    }
+
+    /// Runs the allgather on `recv`, whose own block is in place already.
+    fn gather_all(&self, recv: &mut [u8], count: usize, dtype: DType) -> Result<(), CollectiveError> {
+        let world = self.world;
         let (ptr, total) = (recv.as_mut_ptr(), recv.len());
         self.run(Op::AllGather, dtype, None, 0, count, total, |ctx, algo| {
             if world > 1 {
