@@ -64,3 +64,45 @@ def test_fsdp2_trains_to_the_same_parameters_as_gloo(world, tmp_path):
             norm = math.sqrt(sum(b * b for b in b_list))
             assert diff <= 1e-6 * norm, f"rank {rank} parameter {i}: relative difference {diff / norm:.3g}"
     assert len(ref) == 6 and gloo[0]["loss"] != 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_monitored_barrier_names_the_rank_that_did_not_come(world, tmp_path):
+    # torch allows monitored_barrier on gloo only unless the backend implements it.
+    res = run("monitored_barrier", world, tmp_path)
+    last = world - 1
+    for rank, r in res.items():
+        assert r["passed"] and r["after"], f"rank {rank}: {r}"
+    root = res[0]["error"]
+    assert root and f"rank 0: monitored barrier: rank {last} failed to pass" in root and "within 2000 ms" in root, root
+    for rank in range(1, last):
+        e = res[rank]["error"]
+        assert e and "rank 0 did not release it" in e, f"rank {rank}: {e}"
+    assert "error" not in res[last]
+
+
+def _same(a, b):
+    """Equal, floats to 1e-5 relative (float32 sums, in different orders per backend)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("world,init", [(2, "env"), (3, "file")])
+def test_torch_utilities_give_gloo_s_results(world, init, tmp_path):
+    # What training scripts use beyond the collectives: DDP's unused parameters and Join,
+    # ZeroRedundancyOptimizer, distributed checkpoints, tensor parallelism, DTensor,
+    # subgroups, autograd all_gather, object send/recv, complex all-reduce,
+    # batch_isend_irecv; with torch's env:// and file:// init methods.
+    args = {"init": init}
+    gloo = run("torch_utilities", world, tmp_path / "gloo", {**args, "backend": "gloo"})
+    mob = run("torch_utilities", world, tmp_path / "mobius", {**args, "backend": "mobius"})
+    for rank in range(world):
+        g, m = gloo[rank], mob[rank]
+        assert len(g) == 11 and sorted(g) == sorted(m), (g, m)
+        errors = {k: v for k, v in g.items() if isinstance(v, str) and v.startswith("ERROR")}
+        assert not errors, f"gloo itself failed: {errors}"
+        differ = {k: (g[k], m[k]) for k in g if not _same(g[k], m[k])}
+        assert not differ, f"rank {rank}: gloo vs mobius: {differ}"

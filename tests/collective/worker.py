@@ -237,6 +237,9 @@ def scenario_zero_copy(args):
     out[1:n + 1] = RANK + 1
     comm.allgather(out[1:n + 1], out[:n * WORLD])
     res["allgather_shifted_overlap"] = bool(np.array_equal(out[:n * WORLD], want))
+    comm.monitored_barrier()
+    comm.monitored_barrier(timeout=30, wait_all_ranks=True)
+    res["monitored_barrier"] = True
     v = torch.zeros(10, 10)
     try:
         comm.allreduce(v[:, 0])
@@ -410,6 +413,199 @@ def scenario_ddp(args):
         # torch 2.15's gloo sometimes aborts in teardown with 3 ranks ("terminate called
         # without an active exception"); the reference run is done, so skip the teardown.
         os._exit(0)
+    dist.destroy_process_group()
+
+
+def scenario_monitored_barrier(args):
+    """dist.monitored_barrier as gloo offers it: passes when all come; with the last rank
+    away, rank 0 names it and the ranks that came are not released; the group goes on."""
+    import datetime
+    import torch
+    dist = _torch_init("mobius")
+    res = {}
+    dist.monitored_barrier()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
+    res["passed"] = True
+    if RANK != WORLD - 1:
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=2), wait_all_ranks=True)
+            res["error"] = None
+        except RuntimeError as e:
+            res["error"] = str(e)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    res["after"] = t.tolist() == [float(WORLD)] * 4
+    dist.destroy_process_group()
+    report(res)
+
+
+def scenario_torch_utilities(args):
+    """torch.distributed utilities a training script uses, on `backend`: each case reports
+    a value the test compares with gloo's (or the error it raised)."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    backend = args["backend"]
+    if backend == "mobius":
+        import mobius.torch_backend  # noqa: F401
+    init = f"file://{OUT}/store-{backend}" if args["init"] == "file" else None
+    dist.init_process_group(backend, init_method=init, rank=RANK, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    out = {}
+
+    def case(fn):
+        torch.manual_seed(0)
+        try:
+            out[fn.__name__] = fn()
+        except Exception as e:  # noqa: BLE001 - the test compares errors too
+            out[fn.__name__] = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc()
+
+    def digest(m):
+        return float(sum(p.detach().double().sum() for p in m.parameters()))
+
+    def mlp():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def data(step):
+        g = torch.Generator().manual_seed(100 * step + RANK)
+        return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+    @case
+    def ddp_find_unused_parameters():
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(32, 8), nn.Linear(32, 8)
+
+            def forward(self, x, step):
+                return self.a(x) if step % 2 else self.a(x) + self.b(x)
+        torch.manual_seed(1)
+        m = nn.parallel.DistributedDataParallel(M(), find_unused_parameters=True)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(6):
+            x, y = data(step)
+            opt.zero_grad()
+            ((m(x, step) - y) ** 2).mean().backward()
+            opt.step()
+        return digest(m)
+
+    @case
+    def ddp_join_uneven_inputs():
+        from torch.distributed.algorithms.join import Join
+        m = nn.parallel.DistributedDataParallel(mlp())
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with Join([m]):
+            for step in range(3 + 2 * RANK):
+                x, y = data(step)
+                opt.zero_grad()
+                ((m(x) - y) ** 2).mean().backward()
+                opt.step()
+        return digest(m)
+
+    @case
+    def zero_redundancy_optimizer():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        m = nn.parallel.DistributedDataParallel(mlp())
+        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+        for step in range(4):
+            x, y = data(step)
+            opt.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+        opt.consolidate_state_dict(to=0)
+        return digest(m)
+
+    @case
+    def distributed_checkpoint():
+        import torch.distributed.checkpoint as dcp
+        where = OUT / f"ckpt-{backend}"
+        m = mlp()
+        dcp.save({"model": m.state_dict()}, checkpoint_id=str(where))
+        m2 = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+        sd = {"model": m2.state_dict()}
+        dcp.load(sd, checkpoint_id=str(where))
+        m2.load_state_dict(sd["model"])
+        return digest(m2)
+
+    @case
+    def tensor_parallel():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (WORLD,))
+        torch.manual_seed(3)
+        hidden = 6 * WORLD  # the column and row shards split evenly
+        m = parallelize_module(nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 8)), mesh,
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        torch.manual_seed(4)
+        y = m(torch.randn(4, 8))
+        y.sum().backward()
+        return float(y.detach().sum())
+
+    @case
+    def dtensor_redistribute():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        mesh = init_device_mesh("cpu", (WORLD,))
+        torch.manual_seed(5)
+        big = torch.randn(8 * WORLD, 6)
+        d = distribute_tensor(big, mesh, [Shard(0)])
+        return bool(torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), big)) and \
+            bool(torch.equal(d.redistribute(mesh, [Shard(1)]).full_tensor(), big))
+
+    @case
+    def subgroups_and_objects():
+        evens = dist.new_group([r for r in range(WORLD) if r % 2 == 0])
+        odds = dist.new_group([r for r in range(WORLD) if r % 2 == 1])
+        t = torch.tensor([float(RANK + 1)])
+        dist.all_reduce(t, group=evens if RANK % 2 == 0 else odds)
+        objs = [None] * WORLD
+        dist.all_gather_object(objs, {"r": RANK, "s": "x" * RANK})
+        sub, _ = dist.new_subgroups(group_size=1)
+        u = torch.tensor([2.0])
+        dist.all_reduce(u, group=sub)
+        return [t.item(), objs, u.item()]
+
+    @case
+    def autograd_all_gather():
+        import torch.distributed.nn.functional as F
+        x = torch.full((3,), float(RANK + 1), requires_grad=True)
+        s = sum((y * (i + 1)).sum() for i, y in enumerate(F.all_gather(x)))
+        s.backward()
+        return [float(s), x.grad.tolist()]
+
+    @case
+    def object_send_recv():
+        if RANK == 0:
+            dist.send_object_list([{"a": 1}, "x" * 100000], dst=WORLD - 1)
+            return "sent"
+        if RANK == WORLD - 1:
+            got = [None, None]
+            dist.recv_object_list(got, src=0)
+            return [got[0], len(got[1])]
+        return None
+
+    @case
+    def complex_all_reduce():
+        t = torch.tensor([1 + 2j, 3 - 1j]) * (RANK + 1)
+        dist.all_reduce(t)
+        return [[z.real, z.imag] for z in t.tolist()]
+
+    @case
+    def ring_batch_isend_irecv():
+        send = torch.arange(100000, dtype=torch.float32) + RANK
+        recv = torch.empty(100000)
+        ops = [dist.P2POp(dist.irecv, recv, (RANK - 1) % WORLD), dist.P2POp(dist.isend, send, (RANK + 1) % WORLD)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        return float(recv.double().sum())
+
+    dist.barrier()
+    report(out)
+    if backend == "gloo":
+        os._exit(0)  # see scenario_ddp
     dist.destroy_process_group()
 
 

@@ -361,6 +361,15 @@ impl PyComm {
         self.run(py, |c| c.barrier())
     }
 
+    /// A barrier naming the ranks that did not come within `timeout` seconds (rank 0 fails
+    /// with them; the others fail when rank 0 does not release them).
+    #[pyo3(signature = (timeout, wait_all_ranks=false))]
+    fn monitored_barrier(&self, py: Python<'_>, timeout: f64, wait_all_ranks: bool) -> PyResult<()> {
+        let t = Duration::try_from_secs_f64(timeout)
+            .map_err(|e| PyValueError::new_err(format!("monitored_barrier: timeout {timeout} s: {e}")))?;
+        self.run(py, move |c| c.monitored_barrier(t, wait_all_ranks))
+    }
+
     #[pyo3(signature = (buf, dst, tag=0))]
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, dst: usize, tag: u32) -> PyResult<()> {
         let v = View::get(buf, false, "tensor")?;

@@ -57,6 +57,15 @@ pub enum CollectiveError {
         /// The first failure.
         first: String,
     },
+    /// A monitored barrier failed: on rank 0, the ranks that did not arrive in time; on the
+    /// others, that rank 0 did not release them.
+    #[error("rank {rank}: monitored barrier: {message}")]
+    MonitoredBarrier {
+        /// This rank.
+        rank: usize,
+        /// Which ranks failed to arrive (rank 0), or that rank 0 never released this one.
+        message: String,
+    },
     /// A setting is invalid; the message names it.
     #[error("invalid Mobius setting: {0}")]
     Config(String),

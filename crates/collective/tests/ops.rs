@@ -297,6 +297,39 @@ fn a_rank_that_never_calls_times_out_naming_the_rank_it_waited_for() {
 }
 
 #[test]
+fn a_monitored_barrier_passes_when_all_come_and_names_the_ranks_that_did_not() {
+    let comms = group(Arc::new(TcpProvider::new()), 4, |_, _| {});
+    let long = Duration::from_secs(60);
+    // Everyone comes, three times (each barrier has its own number).
+    for _ in 0..3 {
+        on_all(&comms, |_, c| c.monitored_barrier(long, false).unwrap());
+    }
+    // Ranks 1 and 3 stay away. Rank 2 came on time, though rank 0 only looks at it after
+    // its wait for rank 1 ran out: it is not named.
+    let short = Duration::from_millis(500);
+    let errs = on_all(&comms, |r, c| match r {
+        0 | 2 => Some(c.monitored_barrier(short, true).unwrap_err().to_string()),
+        _ => None,
+    });
+    let root = errs[0].as_deref().unwrap();
+    assert!(root.starts_with("rank 0: monitored barrier: ranks 1, 3 failed to pass") && root.contains("within 500 ms"), "{root}");
+    let other = errs[2].as_deref().unwrap();
+    assert!(other.contains("rank 2: monitored barrier: reached it, but rank 0 did not release it"), "{other}");
+    // The communicator stays usable: the collectives go on.
+    on_all(&comms, |_, c| {
+        let mut v = vec![1.0f32; 10];
+        c.allreduce(&mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![4.0; 10]);
+    });
+    // Without wait_all_ranks rank 0 names the first missing rank only. (Each rank's next
+    // barrier has the number after its last: ranks 1 and 3 skipped one, so they sit this
+    // one out as well and the others are one ahead of them.)
+    let errs = on_all(&comms, |r, c| (r % 2 == 0).then(|| c.monitored_barrier(short, false).unwrap_err().to_string()));
+    let root = errs[0].as_deref().unwrap();
+    assert!(root.starts_with("rank 0: monitored barrier: rank 1 failed to pass"), "{root}");
+}
+
+#[test]
 fn point_to_point_messages_of_any_size_arrive_whole_and_size_mismatches_are_named() {
     let comms = group(Arc::new(TcpProvider::new()), 2, |_, m| m.max_message = 1 << 20);
     on_all(&comms, |r, c| {

@@ -175,6 +175,13 @@ class Communicator:
         """Returns once every rank has called it."""
         self._c.barrier()
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A barrier that names who is missing (as torch's ``monitored_barrier``): rank 0
+        raises ``MobiusError`` naming the first rank that did not come within ``timeout``
+        seconds (default: the communicator's timeout), or all of them with
+        ``wait_all_ranks``; the other ranks raise when rank 0 does not release them."""
+        self._c.monitored_barrier(self._c.timeout if timeout is None else float(timeout), bool(wait_all_ranks))
+
     def send(self, x, dst, tag=0):
         """Sends ``x`` to rank ``dst`` (returns when ``x`` may be reused)."""
         b, _ = as_buffer(x)

@@ -453,6 +453,14 @@ class MobiusBackend(_C10dBackend):
     def barrier(self, opts=None):
         return self._collective("barrier", [], self.comm.barrier)
 
+    def monitored_barrier(self, opts, wait_all_ranks=False):
+        """``dist.monitored_barrier`` (gloo's debugging barrier): after the collectives queued
+        before it, rank 0 waits up to ``opts.timeout`` for every rank and raises naming
+        those that did not come (the first, or all with ``wait_all_ranks``)."""
+        secs = opts.timeout.total_seconds()
+        work = self._collective(f"monitored barrier ({secs:g} s)", [], lambda: self.comm.monitored_barrier(secs, wait_all_ranks))
+        work.wait()
+
     # -- point to point: beside the collectives, never blocking the caller ------------------
     def send(self, tensors, dst, tag):
         tag = _user_tag(tag)

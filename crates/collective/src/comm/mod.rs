@@ -94,6 +94,8 @@ pub struct Communicator<T: Transport = MeshTransport> {
     // whole run: a send or receive on another thread must not wait for it.
     p2p_sent: AtomicU64,
     p2p_received: AtomicU64,
+    /// Monitored barriers so far (their messages carry the number).
+    monitored: AtomicU64,
 }
 
 /// What the start-up measurement found on one link.
@@ -280,6 +282,10 @@ const INIT_PING: u32 = 3;
 const INIT_PONG: u32 = 4;
 const INIT_LINKS: u32 = 5;
 const INIT_HOSTS: u32 = 6;
+/// Tags of the monitored barrier (call number 0 as well; the barrier's own number, modulo
+/// 2^20, is the segment): a rank's arrival at rank 0, and rank 0's release.
+pub(super) const MONITORED_ARRIVE: u32 = 7;
+pub(super) const MONITORED_RELEASE: u32 = 8;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -315,6 +321,7 @@ impl<T: Transport> Communicator<T> {
             links: Vec::new(),
             p2p_sent: AtomicU64::new(0),
             p2p_received: AtomicU64::new(0),
+            monitored: AtomicU64::new(0),
         };
         if world > 1 {
             let mine = config.host_id.clone().unwrap_or_else(host_identity);
@@ -344,7 +351,7 @@ impl<T: Transport> Communicator<T> {
         Ok(comm)
     }
 
-    fn init_tag(step: u32, seg: u32) -> Tag {
+    pub(super) fn init_tag(step: u32, seg: u32) -> Tag {
         algo::tag(0, step, seg)
     }
 

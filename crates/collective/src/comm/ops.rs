@@ -5,11 +5,11 @@ use crate::algo::{exchange, hier, reducing, rooted};
 use crate::dtype::{finish_avg, DType, Element, ReduceOp};
 use crate::error::CollectiveError;
 use crate::policy::{Algo, Op};
-use crate::transport::{Tag, Transport, TransportErrorKind};
+use crate::transport::{Proto, Tag, Transport, TransportError, TransportErrorKind};
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::Communicator;
+use super::{Communicator, MONITORED_ARRIVE, MONITORED_RELEASE};
 
 impl<T: Transport> Communicator<T> {
     /// Allreduce of `buf` in place, as raw bytes of `dtype`.
@@ -196,6 +196,63 @@ impl<T: Transport> Communicator<T> {
     pub fn barrier(&self) -> Result<(), CollectiveError> {
         let world = self.world;
         self.run(Op::Barrier, DType::U8, None, 0, 0, 0, |ctx, _| if world > 1 { exchange::barrier(ctx) } else { Ok(()) })
+    }
+
+    /// A barrier that names the ranks missing from it (torch's `monitored_barrier`, which
+    /// gloo offers): every rank reports to rank 0, which releases them all once each has
+    /// come within `timeout`. Rank 0 fails naming the first rank that did not come in time,
+    /// or every such rank with `wait_all_ranks`, and releases nobody; the others then fail
+    /// when `timeout` passes without a release, pointing at rank 0's error. Unlike a failed
+    /// collective, a failed monitored barrier leaves the communicator usable.
+    pub fn monitored_barrier(&self, timeout: Duration, wait_all_ranks: bool) -> Result<(), CollectiveError> {
+        let deadline = Instant::now() + timeout;
+        // The same number on every rank: all call it in the same order.
+        let n = (self.monitored.fetch_add(1, Ordering::Relaxed) & 0xF_FFFF) as u32;
+        let (arrive, release) = (Self::init_tag(MONITORED_ARRIVE, n), Self::init_tag(MONITORED_RELEASE, n));
+        let ms = timeout.as_millis();
+        let fail = |message: String| CollectiveError::MonitoredBarrier { rank: self.rank, message };
+        if self.world == 1 {
+            return Ok(());
+        }
+        if self.rank != 0 {
+            let met = (|| -> Result<(), TransportError> {
+                let tk = self.t.send(0, arrive, &[], Proto::Eager, None)?;
+                self.t.wait(tk, deadline)?;
+                self.t.recv(0, release, None, deadline).map(|_| ())
+            })();
+            return met.map_err(|e| {
+                fail(format!(
+                    "reached it, but rank 0 did not release it within {ms} ms ({e}); rank 0's error names \
+                     the ranks that did not arrive"
+                ))
+            });
+        }
+        let mut missing: Vec<(usize, TransportError)> = Vec::new();
+        for peer in 1..self.world {
+            // Past the deadline a rank that arrived is still counted: what came is taken
+            // before the deadline is looked at.
+            if let Err(e) = self.t.recv(peer, arrive, None, deadline) {
+                missing.push((peer, e));
+                if !wait_all_ranks {
+                    break;
+                }
+            }
+        }
+        if let Some((first, cause)) = missing.first() {
+            let ranks: Vec<String> = missing.iter().map(|(r, _)| r.to_string()).collect();
+            let who = if ranks.len() == 1 { format!("rank {}", ranks[0]) } else { format!("ranks {}", ranks.join(", ")) };
+            return Err(fail(format!("{who} failed to pass the monitored barrier within {ms} ms (rank {first}: {cause})")));
+        }
+        let mut sent = Vec::with_capacity(self.world - 1);
+        for peer in 1..self.world {
+            let label = format!("release of rank {peer}");
+            sent.push(self.t.send(peer, release, &[], Proto::Eager, None).map_err(|e| fail(format!("{label}: {e}")))?);
+        }
+        let sends_by = Instant::now() + timeout;
+        for tk in sent {
+            self.t.wait(tk, sends_by).map_err(|e| fail(format!("release: {e}")))?;
+        }
+        Ok(())
     }
 
     fn p2p_tag(tag: u32, seg: u32, last: bool) -> Tag {
