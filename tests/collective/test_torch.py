@@ -15,7 +15,7 @@ def test_torch_distributed_calls_work_through_mobius(world, tmp_path):
         assert r.pop("backend_name") == "mobius"
         failed = [k for k, ok in r.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
-        expected = 12 + (rank == 1) + (rank == 0)  # send_recv on rank 1, reduce on rank 0
+        expected = 13 + (rank == 1) + (rank == 0)  # send_recv on rank 1, reduce on rank 0
         assert len(r) == expected, r
 
 

@@ -360,6 +360,11 @@ def scenario_torch_ops(args):
     inp = torch.arange(WORLD * 2, dtype=torch.float32)
     dist.reduce_scatter_tensor(inp[2 * RANK:2 * RANK + 2], inp)
     res["reduce_scatter_tensor_in_place"] = inp[2 * RANK:2 * RANK + 2].tolist() == [WORLD * float(2 * RANK), WORLD * float(2 * RANK + 1)]
+    try:  # gloo refuses it too; the error must name the op, not print an object
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+        res["premul_sum_refused_by_name"] = False
+    except ValueError as e:
+        res["premul_sum_refused_by_name"] = "reduce op PREMUL_SUM" in str(e)
     buf = torch.arange(WORLD, dtype=torch.int64) + 10 * RANK
     dist.all_to_all_single(buf, buf)
     res["all_to_all_single_in_place"] = buf.tolist() == [10 * j + RANK for j in range(WORLD)]

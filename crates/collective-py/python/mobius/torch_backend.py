@@ -60,7 +60,9 @@ def _op(reduce_op) -> str:
     for k, v in _OPS.items():
         if reduce_op == k:
             return v
-    raise ValueError(f"Mobius does not support reduce op {reduce_op}; it supports {', '.join(_OPS.values())}")
+    # A ReduceOp made by a helper (PREMUL_SUM) prints as an object; its `op` has the name.
+    name = str(getattr(reduce_op, "op", reduce_op)).rsplit(".", 1)[-1]
+    raise ValueError(f"Mobius does not support reduce op {name}; it supports {', '.join(_OPS.values())}")
 
 
 def _user_tag(tag: int) -> int:
