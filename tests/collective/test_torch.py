@@ -106,3 +106,18 @@ def test_torch_utilities_give_gloo_s_results(world, init, tmp_path):
         assert not errors, f"gloo itself failed: {errors}"
         differ = {k: (g[k], m[k]) for k in g if not _same(g[k], m[k])}
         assert not differ, f"rank {rank}: gloo vs mobius: {differ}"
+
+
+def test_a_process_group_made_again_on_the_same_store_works_and_groups_leave_nothing(tmp_path):
+    # Under torchrun every init_process_group of a process uses the agent's store, and a
+    # group made again after destroy_process_group has the same key prefix: Mobius read the
+    # last group's secret and addresses from it, and every handshake failed until the timeout.
+    world = 3
+    res = run("torch_reinit", world, tmp_path, timeout=240)
+    for rank, r in res.items():
+        assert r["sums"] == [6.0, 6.0, 6.0], f"rank {rank}: {r}"
+        threads, fds = r["before"]
+        # 20 more groups took threads and fds (each its own mesh)...
+        assert r["with_groups"][0] > threads + 20 and r["with_groups"][1] > fds + 20, f"rank {rank}: {r}"
+        # ...and destroying them gave back every one.
+        assert r["after"][0] <= threads and r["after"][1] <= fds, f"rank {rank}: {r}"

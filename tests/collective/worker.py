@@ -614,6 +614,38 @@ def scenario_torch_utilities(args):
     dist.destroy_process_group()
 
 
+def scenario_torch_reinit(args):
+    """One store for the whole process, as torchrun's agent store is: the process group is
+    made and destroyed three times (the same store keys each time), then 20 groups are made
+    and destroyed; reports sums, and threads and fds before and after."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import mobius.torch_backend  # noqa: F401
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), WORLD, is_master=RANK == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    counts = lambda: (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")))  # noqa: E731
+    res = {"sums": []}
+    for _ in range(3):
+        dist.init_process_group("mobius", store=store, rank=RANK, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))
+        t = torch.ones(4) * (RANK + 1)
+        dist.all_reduce(t)
+        res["sums"].append(t[0].item())
+        if len(res["sums"]) == 1:
+            res["before"] = counts()
+        groups = [dist.new_group() for _ in range(20 if len(res["sums"]) == 3 else 0)]
+        for g in groups:
+            dist.all_reduce(t, group=g)
+        if groups:
+            res["with_groups"] = counts()
+        for g in groups:
+            dist.destroy_process_group(g)
+        res["after"] = counts()
+        dist.destroy_process_group()
+    report(res)
+
+
 def scenario_fsdp(args):
     """FSDP2 (``fully_shard``, per layer and the root) for `steps` steps on CPU: its
     all-gathers run in place (the input is the rank's shard inside the output) and its

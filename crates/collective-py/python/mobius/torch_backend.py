@@ -193,11 +193,21 @@ def _local_ip(store=None) -> str:
     return _native.local_ip(host, port)
 
 
-def _group_key(store, rank: int) -> str:
+def _generation(store, size: int) -> int:
+    """How many groups of this size were made under this store prefix before this one.
+    torch gives each group its own prefix, but a process group made again after
+    ``destroy_process_group`` (the same script initialising twice, a test suite) gets the
+    same prefix on the same store, where the last group's keys still are: read as this
+    group's, its stale secret and addresses failed every handshake until the timeout. Every
+    rank counts itself in; all ranks of one group do so before any can make the next."""
+    return (store.add("mobius/joined", 1) - 1) // size
+
+
+def _group_key(store, rank: int, prefix: str) -> str:
     """The group's id and fresh secret (``id:secret``): rank 0 draws them and sets them in
-    the group's store (torch gives each group its own key prefix), the others read them.
-    Every mesh link of the group proves the secret before anything is accepted."""
-    key = "mobius/group"
+    the group's store, the others read them. Every mesh link of the group proves the secret
+    before anything is accepted."""
+    key = f"{prefix}/group"
     if rank == 0:
         group = _native.new_group_key()
         store.set(key, group)
@@ -217,11 +227,13 @@ class MobiusBackend(_C10dBackend):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
 
-        def exchange(address: str) -> list[str]:
-            store.set(f"mobius/addr/{rank}", address)
-            return [store.get(f"mobius/addr/{r}").decode() for r in range(size)]
+        prefix = f"mobius/{_generation(store, size)}"
 
-        settings = {"group": _group_key(store, rank)}
+        def exchange(address: str) -> list[str]:
+            store.set(f"{prefix}/addr/{rank}", address)
+            return [store.get(f"{prefix}/addr/{r}").decode() for r in range(size)]
+
+        settings = {"group": _group_key(store, rank, prefix)}
         if not os.environ.get("MOBIUS_TIMEOUT") and timeout is not None:
             settings["timeout"] = max(timeout.total_seconds(), 0.001)
         self.comm = Communicator(_native.Communicator.join(rank, size, _local_ip(store), exchange, settings))

@@ -301,8 +301,9 @@ impl Mesh {
             }
             if now >= deadline {
                 let missing = (0..world).filter(|&p| !matches!(st.peers[p].status, PeerStatus::Up)).collect();
-                let details =
-                    if st.build.problems.is_empty() { String::new() } else { format!(" ({})", st.build.problems.join("; ")) };
+                let seen: Vec<String> =
+                    st.build.problems.iter().map(|(p, n)| if *n > 1 { format!("{p} (×{n})") } else { p.clone() }).collect();
+                let details = if seen.is_empty() { String::new() } else { format!(" ({})", seen.join("; ")) };
                 break Err(MeshError::ConnectTimeout {
                     rank,
                     missing,

@@ -70,11 +70,15 @@ pub(crate) enum Dest {
     Posted(rdma_shuffle_fabric::providers::link::UserBuf, Option<u32>, Option<Fold>),
 }
 
+/// Distinct problems kept while building the mesh (the error quotes them).
+const MAX_PROBLEMS: usize = 32;
+
 /// What building the mesh saw.
 #[derive(Default)]
 pub(crate) struct Build {
-    /// Refusals and failures of connections that may yet be replaced.
-    pub(crate) problems: Vec<String>,
+    /// Refusals and failures of connections that may yet be replaced, each once with how
+    /// often it happened (a retried connect fails the same way every 50 ms).
+    pub(crate) problems: Vec<(String, u32)>,
     /// A lower rank refused this one: building stops.
     pub(crate) fatal: Option<MeshError>,
     /// Lower ranks whose listener refused the connection: try again shortly.
@@ -367,7 +371,14 @@ impl MeshShared {
             st.build.retry.push(r);
         }
         if !problem.is_empty() {
-            st.build.problems.push(problem);
+            let problems = &mut st.build.problems;
+            match problems.iter().position(|(p, _)| *p == problem) {
+                Some(i) => problems[i].1 = problems[i].1.saturating_add(1),
+                // Distinct problems are few (one or two per peer); the bound only guards
+                // against a stranger varying what it sends.
+                None if problems.len() < MAX_PROBLEMS => problems.push((problem, 1)),
+                None => {}
+            }
         }
         drop(st);
         self.notify();

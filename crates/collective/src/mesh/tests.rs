@@ -115,6 +115,20 @@ fn eager_messages_above_the_limit_are_refused_with_the_setting() {
 }
 
 #[test]
+fn a_connect_retried_until_the_timeout_is_reported_once_with_its_count() {
+    // Rank 0's published address has no listener: rank 1 retries it every 50 ms, and the
+    // error quotes the refusal once, with how often it happened, not once per try.
+    let l1 = MeshListener::bind(Arc::new(TcpProvider::new()), localhost(), 1).unwrap();
+    let addrs = vec!["127.0.0.1:9".parse().unwrap(), l1.local_addr()];
+    let mut c = MeshConfig::new(1, 2);
+    c.connect_timeout = Duration::from_millis(1000);
+    let e = Mesh::connect(l1, &addrs, c).unwrap_err().to_string();
+    assert_eq!(e.matches("connecting to rank 0 at 127.0.0.1:9").count(), 1, "{e}");
+    let times: u32 = e.split("(×").nth(1).and_then(|t| t.split(')').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(times >= 2, "{e}");
+}
+
+#[test]
 fn a_rank_that_never_joins_is_named_after_the_timeout() {
     let provider: Arc<dyn Provider> = Arc::new(TcpProvider::new());
     let listeners: Vec<MeshListener> = (0..3).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
