@@ -34,19 +34,22 @@ def test_ddp_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     steps = 50
     gloo = run("ddp", world, tmp_path / "gloo", {"backend": "gloo", "steps": steps})
     mob = run("ddp", world, tmp_path / "mobius", {"backend": "mobius", "steps": steps})
+    assert_same_parameters(gloo, mob, world)
+    assert gloo[0]["loss"] != 0
+
+
+def assert_same_parameters(gloo, mob, world):
+    """Every Mobius rank holds rank 0's parameters, and those are gloo's to 1e-6 relative per
+    tensor: ‖mobius − gloo‖ ≤ 1e-6 · ‖gloo‖. (Their sums of gradients run in different
+    orders, so float32 rounding differs by an ulp per step; elements near zero differ more in
+    relative terms than the tensor does.)"""
     ref = gloo[0]["params"]
     for rank in range(world):
-        # DDP keeps replicas identical within a backend...
         assert mob[rank]["params"] == mob[0]["params"], f"mobius rank {rank} diverged from rank 0"
-        # ...and the two backends agree to 1e-6 relative, per parameter tensor:
-        # ‖mobius − gloo‖ ≤ 1e-6 · ‖gloo‖. (Their sums of gradients run in different orders,
-        # so float32 rounding differs by an ulp per step; elements near zero differ more in
-        # relative terms than the tensor does.)
         for i, (a_list, b_list) in enumerate(zip(mob[rank]["params"], ref)):
             diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(a_list, b_list)))
             norm = math.sqrt(sum(b * b for b in b_list))
             assert diff <= 1e-6 * norm, f"rank {rank} parameter {i}: relative difference {diff / norm:.3g}"
-    assert gloo[0]["loss"] != 0
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -56,14 +59,8 @@ def test_fsdp2_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     steps = 20
     gloo = run("fsdp", world, tmp_path / "gloo", {"backend": "gloo", "steps": steps})
     mob = run("fsdp", world, tmp_path / "mobius", {"backend": "mobius", "steps": steps})
-    ref = gloo[0]["params"]
-    for rank in range(world):
-        assert mob[rank]["params"] == mob[0]["params"], f"mobius rank {rank} differs from rank 0"
-        for i, (a_list, b_list) in enumerate(zip(mob[rank]["params"], ref)):
-            diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(a_list, b_list)))
-            norm = math.sqrt(sum(b * b for b in b_list))
-            assert diff <= 1e-6 * norm, f"rank {rank} parameter {i}: relative difference {diff / norm:.3g}"
-    assert len(ref) == 6 and gloo[0]["loss"] != 0
+    assert_same_parameters(gloo, mob, world)
+    assert len(gloo[0]["params"]) == 6 and gloo[0]["loss"] != 0
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -394,6 +394,20 @@ def scenario_torch_ops(args):
     report(res)
 
 
+def _train(model, opt, steps):
+    """`steps` steps of a 16 → 4 regression on this rank's own random batches; the last loss."""
+    import torch
+    gen = torch.Generator().manual_seed(1000 + RANK)
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        y = torch.randn(32, 4, generator=gen)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    return loss
+
+
 def scenario_ddp(args):
     """A small MLP, DDP for `steps` steps; reports the final parameters."""
     import torch
@@ -404,14 +418,7 @@ def scenario_ddp(args):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets, so several allreduces per step
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(1000 + RANK)
-    for _ in range(args["steps"]):
-        x = torch.randn(32, 16, generator=gen)
-        y = torch.randn(32, 4, generator=gen)
-        opt.zero_grad()
-        loss = ((ddp(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
+    loss = _train(ddp, opt, args["steps"])
     params = [p.detach().double().reshape(-1).tolist() for p in model.parameters()]
     report({"params": params, "loss": float(loss.detach())})
     if args["backend"] == "gloo":
@@ -664,14 +671,7 @@ def scenario_fsdp(args):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(1000 + RANK)
-    for _ in range(args["steps"]):
-        x = torch.randn(32, 16, generator=gen)
-        y = torch.randn(32, 4, generator=gen)
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
+    loss = _train(model, opt, args["steps"])
     params = [p.full_tensor().detach().double().reshape(-1).tolist() for p in model.parameters()]
     report({"params": params, "loss": float(loss.detach())})
     if args["backend"] == "gloo":
