@@ -321,17 +321,12 @@ impl PyComm {
         let d = dtype(dtype_)?;
         let (vs, vr) = (View::get(send, false, "input")?, View::get(recv, true, "output")?);
         let (s, r) = (Raw::of(&vs), Raw::of(&vr));
-        if !overlaps(s, r) {
-            return self.run(py, move |c| c.allgather_bytes(unsafe { s.slice() }, unsafe { r.slice() }, d));
-        }
         self.run(py, move |c| {
-            if s.0 as usize == r.0 as usize + c.rank() * s.1 && r.1 == c.world() * s.1 {
+            if overlaps(s, r) && s.0 as usize == r.0 as usize + c.rank() * s.1 && r.1 == c.world() * s.1 {
                 // The input is this rank's block of the output: an in-place allgather (FSDP's).
                 return c.allgather_in_place_bytes(unsafe { r.slice() }, d);
             }
-            // Any other overlap: the input is copied first (the two never alias in Rust).
-            let own = unsafe { s.slice() }.to_vec();
-            c.allgather_bytes(&own, unsafe { r.slice() }, d)
+            with_input(s, r, |send, recv| c.allgather_bytes(send, recv, d))
         })
     }
 
