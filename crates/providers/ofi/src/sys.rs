@@ -1,0 +1,1115 @@
+//! Everything `unsafe` in this crate: libfabric's objects behind owners that close them in
+//! the order libfabric requires, and the bookkeeping that keeps each buffer alive while the
+//! provider may touch it.
+//!
+//! Ownership and teardown (libfabric refuses to close an object others are bound to, with
+//! `-FI_EBUSY`, and a closed endpoint must not be left with buffers freed under it):
+//!
+//! ```text
+//! Fabric <- Domain <- { CompletionQueue, AddressVector, MemoryRegion } <- Endpoint
+//! ```
+//!
+//! Each child holds an `Arc` of its parents, so a parent is closed only after its last child.
+//! [`Endpoint`] holds its libfabric endpoint in its first field and the buffers of operations
+//! in flight (posted receives, sends, reads) after it: fields drop in declaration order, so
+//! the endpoint is closed — libfabric drops its outstanding operations — before any buffer it
+//! could still write into is freed, and a buffer's registration is closed before the domain.
+//!
+//! Threading: the domain is opened `FI_THREAD_SAFE`, so a [`Domain`] and a [`MemoryRegion`]
+//! may be used from any thread (the pool's registrar runs on callers' threads). An
+//! [`Endpoint`] is driven by one owner at a time (`&mut self`).
+
+use std::ffi::{c_void, CStr, CString};
+use std::os::fd::RawFd;
+use std::ptr;
+use std::sync::Arc;
+
+use ofi_libfabric_sys::bindgen as fi;
+
+use crate::config::{EndpointInfo, OfiConfig, PeerAddr, RemoteRegion};
+use crate::error::OfiError;
+
+/// The API version this crate is written against (`FI_VERSION(2, 1)` as the headers define).
+fn api_version() -> u32 {
+    (fi::FI_MAJOR_VERSION << 16) | fi::FI_MINOR_VERSION
+}
+
+/// `FI_ADDR_NOTAVAIL` (a macro, so not in the bindings): the sender is not in the AV.
+const FI_ADDR_NOTAVAIL: u64 = u64::MAX;
+
+/// libfabric's text for a positive error number.
+pub(crate) fn strerror(code: i32) -> String {
+    // SAFETY: fi_strerror returns a pointer to a static NUL-terminated string for any
+    // integer (unknown codes get a generic text); it is never freed.
+    unsafe { CStr::from_ptr(fi::fi_strerror(code)) }.to_string_lossy().into_owned()
+}
+
+/// Turns a libfabric return code (negative on error) into a typed error naming `call`.
+fn check(call: &'static str, rc: i64) -> Result<i64, OfiError> {
+    if rc >= 0 {
+        Ok(rc)
+    } else {
+        let code = (-rc) as i32;
+        Err(OfiError::Call { call, code, message: strerror(code) })
+    }
+}
+
+/// The version of the libfabric library loaded at run time, as "major.minor".
+pub fn runtime_version() -> String {
+    // SAFETY: fi_version takes no arguments and only returns a number.
+    let v = unsafe { fi::fi_version() };
+    format!("{}.{}", v >> 16, v & 0xffff)
+}
+
+// ------------------------------------------------------------------------------ fi_info
+
+/// An `fi_info` list owned by this crate (freed with `fi_freeinfo`).
+struct InfoList(*mut fi::fi_info);
+
+// SAFETY: the list is plain data owned by this value; libfabric keeps no reference to it
+// after fi_getinfo/fi_dupinfo returned, and it is only read after construction.
+unsafe impl Send for InfoList {}
+unsafe impl Sync for InfoList {}
+
+impl Drop for InfoList {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: the pointer came from fi_getinfo or fi_allocinfo and is freed once.
+            unsafe { fi::fi_freeinfo(self.0) };
+        }
+    }
+}
+
+/// Copies a C string owned by libfabric, or "" for null.
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string valid for the duration of the call.
+unsafe fn c_string(p: *const std::os::raw::c_char) -> String {
+    if p.is_null() {
+        String::new()
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Capability sets tried in order: the best first, then without what the provider may lack.
+fn wanted_caps(cfg: &OfiConfig) -> Vec<(u64, &'static str)> {
+    let msg = fi::FI_MSG as u64;
+    let rma = (fi::FI_RMA | fi::FI_READ | fi::FI_REMOTE_READ) as u64;
+    let src = fi::FI_SOURCE;
+    let mut sets = Vec::new();
+    if cfg.rma {
+        sets.push((msg | rma | src, "FI_MSG|FI_RMA|FI_SOURCE"));
+        sets.push((msg | rma, "FI_MSG|FI_RMA"));
+    }
+    sets.push((msg | src, "FI_MSG|FI_SOURCE"));
+    sets.push((msg, "FI_MSG"));
+    sets
+}
+
+/// Memory-registration modes this layer handles: it registers local buffers when asked
+/// (LOCAL), sends virtual addresses or offsets as the provider says (VIRT_ADDR), registers
+/// only allocated memory (ALLOCATED) and uses the provider's keys (PROV_KEY). FI_MR_ENDPOINT
+/// (binding every registration to an endpoint, as cxi needs) is not offered: providers that
+/// require it are not chosen.
+const MR_MODES: u32 = fi::FI_MR_LOCAL | fi::FI_MR_VIRT_ADDR | fi::FI_MR_ALLOCATED | fi::FI_MR_PROV_KEY;
+
+fn getinfo(cfg: &OfiConfig) -> Result<InfoList, OfiError> {
+    let prov = CString::new(cfg.provider.as_str())
+        .map_err(|_| OfiError::Invalid { what: "provider name", detail: "contains a NUL byte".into() })?;
+    let node = cfg
+        .node
+        .as_deref()
+        .map(CString::new)
+        .transpose()
+        .map_err(|_| OfiError::Invalid { what: "node", detail: "contains a NUL byte".into() })?;
+    let service = cfg
+        .service
+        .as_deref()
+        .map(CString::new)
+        .transpose()
+        .map_err(|_| OfiError::Invalid { what: "service", detail: "contains a NUL byte".into() })?;
+    let flags = if node.is_some() || service.is_some() { fi::FI_SOURCE } else { 0 };
+    let mut last = (fi::FI_ENODATA as i32, "FI_MSG");
+    for (caps, caps_name) in wanted_caps(cfg) {
+        // SAFETY: fi_allocinfo returns a zeroed fi_info with its attribute structs allocated
+        // (or null); every field written below belongs to it, prov_name is set to a malloc'd
+        // copy that fi_freeinfo frees with the rest.
+        let hints = InfoList(unsafe { fi::fi_allocinfo() });
+        if hints.0.is_null() {
+            return Err(OfiError::Call {
+                call: "fi_allocinfo",
+                code: fi::FI_ENOMEM as i32,
+                message: strerror(fi::FI_ENOMEM as i32),
+            });
+        }
+        let mut info: *mut fi::fi_info = ptr::null_mut();
+        // SAFETY: hints.0 and its attribute pointers are valid (allocated above); the strings
+        // passed to fi_getinfo outlive the call; `info` receives a list this code owns.
+        let rc = unsafe {
+            let h = &mut *hints.0;
+            h.caps = caps;
+            h.mode = 0; // no FI_CONTEXT: completions carry this layer's own context values
+            (*h.ep_attr).type_ = fi::fi_ep_type_FI_EP_RDM;
+            (*h.domain_attr).threading = fi::fi_threading_FI_THREAD_SAFE;
+            (*h.domain_attr).mr_mode = MR_MODES as i32;
+            // Sends between two endpoints arrive in the order they were posted.
+            (*h.tx_attr).msg_order = fi::FI_ORDER_SAS as u64;
+            (*h.rx_attr).msg_order = fi::FI_ORDER_SAS as u64;
+            (*h.fabric_attr).prov_name = libc::strdup(prov.as_ptr());
+            fi::fi_getinfo(
+                api_version(),
+                node.as_ref().map_or(ptr::null(), |s| s.as_ptr()),
+                service.as_ref().map_or(ptr::null(), |s| s.as_ptr()),
+                flags,
+                hints.0,
+                &mut info,
+            )
+        };
+        if rc == 0 && !info.is_null() {
+            return Ok(InfoList(info));
+        }
+        last = ((-rc) as i32, caps_name);
+        if rc != -(fi::FI_ENODATA as i32) {
+            break; // a real failure, not "no such provider with these caps"
+        }
+    }
+    let (code, caps_name) = last;
+    if code == fi::FI_ENODATA as i32 {
+        Err(OfiError::NoProvider {
+            provider: cfg.provider.clone(),
+            wanted: format!("FI_EP_RDM with {caps_name}, FI_ORDER_SAS, FI_THREAD_SAFE"),
+            message: strerror(code),
+        })
+    } else {
+        Err(OfiError::Call { call: "fi_getinfo", code, message: strerror(code) })
+    }
+}
+
+// ------------------------------------------------------------------------------ objects
+
+/// Closes a libfabric object, logging (never panicking) on failure: runs inside `Drop`.
+///
+/// # Safety
+/// `fid` is an open libfabric object that nothing uses after this call.
+unsafe fn close(what: &'static str, fid: *mut fi::fid) {
+    // SAFETY: the caller's contract.
+    let rc = unsafe { fi::fi_close(fid) };
+    if rc != 0 {
+        tracing::warn!(object = what, error = %strerror(-rc), "fi_close failed");
+    }
+}
+
+struct Fabric(*mut fi::fid_fabric);
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        // SAFETY: opened by fi_fabric; every domain holds an Arc<Fabric>, so none is left.
+        unsafe { close("fabric", &mut (*self.0).fid) }
+    }
+}
+
+/// A libfabric domain (a NIC, or the provider's stand-in for one). Memory is registered here.
+pub(crate) struct DomainInner {
+    fid: *mut fi::fid_domain,
+    info: InfoList,
+    rma: bool,
+    _fabric: Arc<Fabric>,
+}
+
+impl Drop for DomainInner {
+    fn drop(&mut self) {
+        // SAFETY: opened by fi_domain; every CQ, AV, endpoint and registration holds an
+        // Arc<DomainInner>, so all were closed before this runs.
+        unsafe { close("domain", &mut (*self.fid).fid) }
+    }
+}
+
+// SAFETY: the domain is opened FI_THREAD_SAFE (requested in the hints, which providers must
+// honour or not match), so libfabric serialises concurrent calls on it and its children.
+unsafe impl Send for Fabric {}
+unsafe impl Sync for Fabric {}
+unsafe impl Send for DomainInner {}
+unsafe impl Sync for DomainInner {}
+
+/// A shared handle on a domain, for registering memory from any thread.
+#[derive(Clone)]
+pub struct Domain(Arc<DomainInner>);
+
+impl std::fmt::Debug for Domain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Domain").field("rma", &self.0.rma).finish()
+    }
+}
+
+/// Access a registration grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Local use only: the source of sends, the target of receives and reads.
+    Local,
+    /// Local use and one-sided read by a peer that holds the key.
+    RemoteRead,
+}
+
+impl Domain {
+    /// Registers `len` bytes at `addr` with the domain.
+    ///
+    /// # Safety
+    /// `addr..addr+len` is allocated, readable and writable memory that stays valid (not
+    /// freed, not unmapped) until the returned [`MemoryRegion`] is dropped, and no endpoint
+    /// operation on it is in flight when it is dropped.
+    pub unsafe fn register_raw(&self, addr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion, OfiError> {
+        if len == 0 {
+            return Err(OfiError::Invalid { what: "registration", detail: "zero length".into() });
+        }
+        let mut acs = (fi::FI_SEND | fi::FI_RECV) as u64;
+        if self.0.rma {
+            acs |= fi::FI_READ as u64;
+        }
+        if access == Access::RemoteRead {
+            if !self.0.rma {
+                return Err(OfiError::NoRma { provider: self.provider() });
+            }
+            acs |= fi::FI_REMOTE_READ as u64;
+        }
+        let mut mr: *mut fi::fid_mr = ptr::null_mut();
+        // SAFETY: the memory is valid as the caller promises; the domain is open; the
+        // registration is owned at once by a MemoryRegion holding the domain.
+        unsafe {
+            let rc = fi::fi_mr_reg(self.0.fid, addr as *const c_void, len, acs, 0, 0, 0, &mut mr, ptr::null_mut());
+            check("fi_mr_reg", rc as i64)?;
+            let virt = (*(*self.0.info.0).domain_attr).mr_mode as u32 & fi::FI_MR_VIRT_ADDR != 0;
+            Ok(MemoryRegion {
+                desc: fi::fi_mr_desc(mr),
+                key: fi::fi_mr_key(mr),
+                base: if virt { addr as u64 } else { 0 },
+                len,
+                fid: mr,
+                _domain: self.0.clone(),
+            })
+        }
+    }
+
+    fn provider(&self) -> String {
+        // SAFETY: the info list lives as long as the domain; prov_name is NUL-terminated.
+        unsafe { c_string((*(*self.0.info.0).fabric_attr).prov_name) }
+    }
+}
+
+/// A registration of memory with a domain. Closed on drop.
+pub struct MemoryRegion {
+    fid: *mut fi::fid_mr,
+    desc: *mut c_void,
+    key: u64,
+    base: u64,
+    len: usize,
+    _domain: Arc<DomainInner>,
+}
+
+// SAFETY: the registration belongs to an FI_THREAD_SAFE domain; desc is an opaque value
+// the provider reads, never dereferenced here.
+unsafe impl Send for MemoryRegion {}
+unsafe impl Sync for MemoryRegion {}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion").field("len", &self.len).field("key", &self.key).finish()
+    }
+}
+
+impl MemoryRegion {
+    /// The key a peer reads with.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+
+    /// The region as a peer addresses it, from `offset` for `len` bytes.
+    pub fn remote(&self, offset: usize, len: usize) -> Result<RemoteRegion, OfiError> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(OfiError::OutOfRange {
+                what: "exposed range",
+                offset: offset as u64,
+                len: len as u64,
+                region: self.len as u64,
+            });
+        }
+        Ok(RemoteRegion { addr: self.base + offset as u64, len: len as u64, key: self.key })
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: opened by fi_mr_reg; dropped once; the domain outlives it (Arc).
+        unsafe { close("memory region", &mut (*self.fid).fid) }
+    }
+}
+
+struct Cq {
+    fid: *mut fi::fid_cq,
+    wait_fd: Option<RawFd>,
+    _domain: Arc<DomainInner>,
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: opened by fi_cq_open; the endpoint bound to it holds an Arc<Cq> and is
+        // closed first.
+        unsafe { close("completion queue", &mut (*self.fid).fid) }
+    }
+}
+
+struct Av {
+    fid: *mut fi::fid_av,
+    _domain: Arc<DomainInner>,
+}
+
+impl Drop for Av {
+    fn drop(&mut self) {
+        // SAFETY: opened by fi_av_open; the endpoint bound to it is closed first.
+        unsafe { close("address vector", &mut (*self.fid).fid) }
+    }
+}
+
+struct Ep {
+    fid: *mut fi::fid_ep,
+    _cq: Arc<Cq>,
+    _av: Arc<Av>,
+    _domain: Arc<DomainInner>,
+}
+
+impl Drop for Ep {
+    fn drop(&mut self) {
+        // SAFETY: opened by fi_endpoint; after fi_close returns the provider has dropped every
+        // operation posted on it, so the buffers Endpoint frees next are no longer used.
+        unsafe { close("endpoint", &mut (*self.fid).fid) }
+    }
+}
+
+// SAFETY: objects of an FI_THREAD_SAFE domain; the raw pointers are handles owned here.
+unsafe impl Send for Cq {}
+unsafe impl Sync for Cq {}
+unsafe impl Send for Av {}
+unsafe impl Sync for Av {}
+unsafe impl Send for Ep {}
+
+// ------------------------------------------------------------------------------ buffers
+
+/// Memory owned by this layer for sends, receives and reads, registered when the provider
+/// needs local registration or when it is exposed for one-sided read.
+pub struct Buffer {
+    // Boxed: the address handed to libfabric stays put when the Buffer moves.
+    data: Box<[u8]>,
+    mr: Option<MemoryRegion>,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer").field("len", &self.data.len()).field("registered", &self.mr.is_some()).finish()
+    }
+}
+
+impl Buffer {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The bytes, writable (no operation is in flight on a Buffer the caller holds).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.data
+    }
+
+    /// Capacity in bytes.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Never true (zero-length buffers are refused); for clippy's sake.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The registration, if this buffer has one.
+    pub fn region(&self) -> Option<&MemoryRegion> {
+        self.mr.as_ref()
+    }
+
+    fn desc(&self) -> *mut c_void {
+        self.mr.as_ref().map_or(ptr::null_mut(), |m| m.desc)
+    }
+}
+
+/// What a completion reports.
+#[derive(Debug)]
+pub enum Completion {
+    /// A send finished; its buffer comes back.
+    Sent {
+        /// The caller's token.
+        token: u64,
+        /// The buffer sent from.
+        buf: Buffer,
+    },
+    /// A message arrived (copied out; the receive buffer is posted again).
+    Received {
+        /// The sender, when the provider reports sources and the sender is in the AV.
+        peer: Option<PeerAddr>,
+        /// The message.
+        data: Vec<u8>,
+    },
+    /// A one-sided read finished: `len` bytes of the peer's region are in `buf`.
+    Read {
+        /// The caller's token.
+        token: u64,
+        /// The buffer read into.
+        buf: Buffer,
+        /// Bytes read.
+        len: usize,
+    },
+    /// An operation failed.
+    Failed {
+        /// The caller's token (None for a posted receive).
+        token: Option<u64>,
+        /// The error, from the completion queue's error entry.
+        error: OfiError,
+        /// The buffer of a send or read (a receive buffer is posted again).
+        buf: Option<Buffer>,
+    },
+}
+
+/// Refused post: the error and the caller's buffer back.
+#[derive(Debug)]
+pub struct PostError {
+    /// Why (boxed: refusals are rare and the Result stays small).
+    pub error: Box<OfiError>,
+    /// The buffer, unchanged.
+    pub buf: Buffer,
+}
+
+impl PostError {
+    fn new(error: OfiError, buf: Buffer) -> Self {
+        PostError { error: Box::new(error), buf }
+    }
+}
+
+enum Op {
+    Send { token: u64, buf: Buffer },
+    Recv { buf: Buffer },
+    Read { token: u64, buf: Buffer, len: usize },
+}
+
+/// Operations in flight, indexed by the context value libfabric hands back (slot + 1, so no
+/// context is null).
+#[derive(Default)]
+struct Ops {
+    slots: Vec<Option<Op>>,
+    free: Vec<usize>,
+}
+
+impl Ops {
+    fn insert(&mut self, op: Op) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(op);
+                i
+            }
+            None => {
+                self.slots.push(Some(op));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn take(&mut self, i: usize) -> Option<Op> {
+        let op = self.slots.get_mut(i)?.take()?;
+        self.free.push(i);
+        Some(op)
+    }
+
+    fn context(i: usize) -> *mut c_void {
+        (i + 1) as *mut c_void
+    }
+
+    fn slot(ctx: *mut c_void) -> Option<usize> {
+        (ctx as usize).checked_sub(1)
+    }
+}
+
+// ------------------------------------------------------------------------------ endpoint
+
+/// A reliable-datagram endpoint (`FI_EP_RDM`) with its completion queue and address vector:
+/// one per process talks to every peer (peers are entries of the address vector, not
+/// connections), so threads and memory do not grow with the number of peers.
+pub struct Endpoint {
+    // Declaration order is drop order: the endpoint closes before `ops` frees the buffers
+    // of operations still posted on it.
+    ep: Ep,
+    ops: Ops,
+    cq: Arc<Cq>,
+    av: Arc<Av>,
+    domain: Domain,
+    info: EndpointInfo,
+    max_msg: usize,
+    unposted: Vec<Buffer>,
+    backlog: std::collections::VecDeque<Pending>,
+}
+
+/// A post libfabric could not take yet (`FI_EAGAIN`), kept with its buffer.
+enum Pending {
+    Send { peer: PeerAddr, buf: Buffer, len: usize, token: u64 },
+    Inject { peer: PeerAddr, data: Vec<u8> },
+    Read { peer: PeerAddr, buf: Buffer, len: usize, addr: u64, key: u64, token: u64 },
+}
+
+enum Posted {
+    Yes,
+    Again(Buffer),
+    Failed(PostError),
+}
+
+enum Retry {
+    Again(Pending),
+    Failed(u64, PostError),
+    InjectFailed(OfiError),
+}
+
+impl Retry {
+    /// For send and read: `submit` never returns `Again` (it queues), nor `InjectFailed`.
+    fn into_post_error(self) -> PostError {
+        match self {
+            Retry::Failed(_, e) => e,
+            Retry::Again(_) | Retry::InjectFailed(_) => unreachable!("submit queues Again; send and read never inject"),
+        }
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint").field("info", &self.info).finish()
+    }
+}
+
+impl Endpoint {
+    /// Opens fabric, domain, completion queue, address vector and endpoint for
+    /// `cfg.provider`, and posts `cfg.rx_depth` receive buffers of `cfg.max_msg` bytes.
+    pub fn open(cfg: &OfiConfig) -> Result<Self, OfiError> {
+        if cfg.max_msg == 0 || cfg.rx_depth == 0 || cfg.cq_size == 0 {
+            return Err(OfiError::Invalid {
+                what: "configuration",
+                detail: "max_msg, rx_depth and cq_size must be positive".into(),
+            });
+        }
+        let info = getinfo(cfg)?;
+        // SAFETY: `info` is a non-empty list from fi_getinfo; its first entry is used as the
+        // provider answered it. Each object opened is owned at once by a value whose Drop
+        // closes it, holding Arcs of what it was opened from.
+        unsafe {
+            let i = &*info.0;
+            let caps = i.caps;
+            let rma = caps & fi::FI_RMA as u64 != 0;
+            let source = caps & fi::FI_SOURCE != 0;
+            let mr_mode = (*i.domain_attr).mr_mode as u32;
+            let summary = EndpointInfo {
+                provider: c_string((*i.fabric_attr).prov_name),
+                fabric: c_string((*i.fabric_attr).name),
+                domain: c_string((*i.domain_attr).name),
+                rma,
+                source,
+                mr_local: mr_mode & fi::FI_MR_LOCAL != 0,
+                mr_virt_addr: mr_mode & fi::FI_MR_VIRT_ADDR != 0,
+                inject_size: (*i.tx_attr).inject_size,
+                max_msg_size: (*i.ep_attr).max_msg_size,
+                wait_fd: false,
+            };
+            if cfg.max_msg > summary.max_msg_size {
+                return Err(OfiError::MessageTooLarge { len: cfg.max_msg, max: summary.max_msg_size });
+            }
+
+            let mut fabric: *mut fi::fid_fabric = ptr::null_mut();
+            check("fi_fabric", fi::fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut()) as i64)?;
+            let fabric = Arc::new(Fabric(fabric));
+
+            let mut domain: *mut fi::fid_domain = ptr::null_mut();
+            check("fi_domain", fi::fi_domain(fabric.0, info.0, &mut domain, ptr::null_mut()) as i64)?;
+            let domain = Arc::new(DomainInner { fid: domain, info, rma, _fabric: fabric.clone() });
+            let info_ptr = domain.info.0;
+
+            let cq = Endpoint::open_cq(&domain, cfg)?;
+            let mut av_attr = fi::fi_av_attr { type_: fi::fi_av_type_FI_AV_TABLE, ..Default::default() };
+            let mut av: *mut fi::fid_av = ptr::null_mut();
+            check("fi_av_open", fi::fi_av_open(domain.fid, &mut av_attr, &mut av, ptr::null_mut()) as i64)?;
+            let av = Arc::new(Av { fid: av, _domain: domain.clone() });
+
+            let mut ep: *mut fi::fid_ep = ptr::null_mut();
+            check("fi_endpoint", fi::fi_endpoint(domain.fid, info_ptr, &mut ep, ptr::null_mut()) as i64)?;
+            let ep = Ep { fid: ep, _cq: cq.clone(), _av: av.clone(), _domain: domain.clone() };
+            check("fi_ep_bind(av)", fi::fi_ep_bind(ep.fid, &mut (*av.fid).fid, 0) as i64)?;
+            check("fi_ep_bind(cq)", fi::fi_ep_bind(ep.fid, &mut (*cq.fid).fid, (fi::FI_TRANSMIT | fi::FI_RECV) as u64) as i64)?;
+            check("fi_enable", fi::fi_enable(ep.fid) as i64)?;
+
+            let mut me = Endpoint {
+                ep,
+                ops: Ops::default(),
+                info: EndpointInfo { wait_fd: cq.wait_fd.is_some(), ..summary },
+                cq,
+                av,
+                domain: Domain(domain),
+                max_msg: cfg.max_msg,
+                unposted: Vec::new(),
+                backlog: std::collections::VecDeque::new(),
+            };
+            for _ in 0..cfg.rx_depth {
+                let buf = me.alloc(cfg.max_msg, Access::Local)?;
+                me.post_recv(buf).map_err(|e| *e.error)?;
+            }
+            tracing::debug!(provider = %me.info.provider, fabric = %me.info.fabric, rma = me.info.rma,
+                wait_fd = me.info.wait_fd, "libfabric endpoint open");
+            Ok(me)
+        }
+    }
+
+    /// Opens the completion queue, with a wait fd when asked and offered.
+    fn open_cq(domain: &Arc<DomainInner>, cfg: &OfiConfig) -> Result<Arc<Cq>, OfiError> {
+        let waits: &[fi::fi_wait_obj] = if cfg.wait_fd {
+            &[fi::fi_wait_obj_FI_WAIT_FD, fi::fi_wait_obj_FI_WAIT_NONE]
+        } else {
+            &[fi::fi_wait_obj_FI_WAIT_NONE]
+        };
+        let mut last = None;
+        for &wait_obj in waits {
+            let mut attr =
+                fi::fi_cq_attr { size: cfg.cq_size, format: fi::fi_cq_format_FI_CQ_FORMAT_DATA, wait_obj, ..Default::default() };
+            let mut cq: *mut fi::fid_cq = ptr::null_mut();
+            // SAFETY: a DomainInner is an open domain until its last Arc drops; the queue is
+            // owned at once by a Cq holding the domain.
+            let rc = unsafe { fi::fi_cq_open(domain.fid, &mut attr, &mut cq, ptr::null_mut()) };
+            if rc != 0 {
+                last = Some(check("fi_cq_open", rc as i64).unwrap_err());
+                continue;
+            }
+            let mut cq = Cq { fid: cq, wait_fd: None, _domain: domain.clone() };
+            if wait_obj == fi::fi_wait_obj_FI_WAIT_FD {
+                let mut fd: std::os::raw::c_int = -1;
+                // SAFETY: FI_GETWAIT on a FI_WAIT_FD queue writes one int.
+                let rc = unsafe { fi::fi_control(&mut (*cq.fid).fid, fi::FI_GETWAIT as i32, &mut fd as *mut _ as *mut c_void) };
+                if rc != 0 || fd < 0 {
+                    last = Some(check("fi_control(FI_GETWAIT)", rc.min(-1) as i64).unwrap_err());
+                    continue; // drop closes this queue; try the next kind
+                }
+                cq.wait_fd = Some(fd);
+            }
+            return Ok(Arc::new(cq));
+        }
+        Err(last.expect("at least one kind of completion queue was tried"))
+    }
+
+    /// What the provider granted.
+    pub fn info(&self) -> &EndpointInfo {
+        &self.info
+    }
+
+    /// A handle on the domain, for registering memory (e.g. a pool's registrar).
+    pub fn domain(&self) -> &Domain {
+        &self.domain
+    }
+
+    /// The largest message a peer with the same configuration receives.
+    pub fn max_msg(&self) -> usize {
+        self.max_msg
+    }
+
+    /// This endpoint's address, for peers to insert (`fi_getname`).
+    pub fn address(&self) -> Result<Vec<u8>, OfiError> {
+        let mut len: usize = 0;
+        // SAFETY: with a zero length libfabric writes nothing and reports the size needed
+        // (-FI_ETOOSMALL); the second call writes at most `len` bytes into `buf`.
+        unsafe {
+            let fid = &mut (*self.ep.fid).fid as *mut fi::fid;
+            let rc = fi::fi_getname(fid, ptr::null_mut(), &mut len);
+            if rc != -(fi::FI_ETOOSMALL as i32) && rc != 0 {
+                check("fi_getname", rc as i64)?;
+            }
+            let mut buf = vec![0u8; len];
+            check("fi_getname", fi::fi_getname(fid, buf.as_mut_ptr() as *mut c_void, &mut len) as i64)?;
+            buf.truncate(len);
+            Ok(buf)
+        }
+    }
+
+    /// Checks that `addr` is a whole address of this provider's format, so libfabric never
+    /// reads past the bytes a peer sent.
+    fn validate_address(&self, addr: &[u8]) -> Result<(), OfiError> {
+        // SAFETY: the info list lives as long as the domain.
+        let format = unsafe { (*self.domain.0.info.0).addr_format };
+        let bad = |detail: String| Err(OfiError::Invalid { what: "peer address", detail });
+        match format {
+            f if f == fi::FI_ADDR_STR => {
+                if !addr.contains(&0) {
+                    return bad("a string address without its NUL terminator".into());
+                }
+            }
+            f if f == fi::FI_SOCKADDR_IN => {
+                if addr.len() < std::mem::size_of::<libc::sockaddr_in>() {
+                    return bad(format!("{} bytes, a sockaddr_in needs 16", addr.len()));
+                }
+            }
+            f if f == fi::FI_SOCKADDR_IN6 => {
+                if addr.len() < std::mem::size_of::<libc::sockaddr_in6>() {
+                    return bad(format!("{} bytes, a sockaddr_in6 needs 28", addr.len()));
+                }
+            }
+            _ => {
+                let own = self.address()?.len();
+                if addr.len() != own {
+                    return bad(format!("{} bytes, this provider's addresses have {own}", addr.len()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Inserts a peer's address (from its [`address`](Self::address)) into the address vector.
+    pub fn insert_peer(&mut self, addr: &[u8]) -> Result<PeerAddr, OfiError> {
+        self.validate_address(addr)?;
+        let mut out: fi::fi_addr_t = FI_ADDR_NOTAVAIL;
+        // SAFETY: `addr` holds one whole address of the provider's format (checked above);
+        // libfabric copies it and writes one fi_addr_t to `out`.
+        let rc = unsafe { fi::fi_av_insert(self.av.fid, addr.as_ptr() as *const c_void, 1, &mut out, 0, ptr::null_mut()) };
+        check("fi_av_insert", rc as i64)?;
+        if rc != 1 || out == FI_ADDR_NOTAVAIL {
+            return Err(OfiError::Invalid { what: "peer address", detail: "fi_av_insert inserted nothing".into() });
+        }
+        Ok(PeerAddr(out))
+    }
+
+    /// Removes a peer from the address vector.
+    pub fn remove_peer(&mut self, peer: PeerAddr) -> Result<(), OfiError> {
+        let mut a = peer.0;
+        // SAFETY: one fi_addr_t is read from `a`.
+        let rc = unsafe { fi::fi_av_remove(self.av.fid, &mut a, 1, 0) };
+        check("fi_av_remove", rc as i64).map(drop)
+    }
+
+    /// A buffer of `len` bytes, registered when the provider needs local registration
+    /// (`FI_MR_LOCAL`) or when `access` exposes it for one-sided read.
+    pub fn alloc(&self, len: usize, access: Access) -> Result<Buffer, OfiError> {
+        if len == 0 {
+            return Err(OfiError::Invalid { what: "buffer", detail: "zero length".into() });
+        }
+        let mut data = vec![0u8; len].into_boxed_slice();
+        let mr = if self.info.mr_local || access == Access::RemoteRead {
+            // SAFETY: `data` is allocated, and the Buffer that owns it holds the registration
+            // (its field `mr`), which is dropped with it; operations in flight keep the
+            // Buffer in `ops` until their completion or the endpoint's close.
+            Some(unsafe { self.domain.register_raw(data.as_mut_ptr(), len, access)? })
+        } else {
+            None
+        };
+        Ok(Buffer { data, mr })
+    }
+
+    fn post_recv(&mut self, buf: Buffer) -> Result<(), PostError> {
+        let ptr = buf.data.as_ptr() as *mut c_void;
+        let (len, desc) = (buf.len(), buf.desc());
+        let slot = self.ops.insert(Op::Recv { buf });
+        // SAFETY: the buffer (and its registration) is owned by `ops` until the completion or
+        // until the endpoint is closed; the Box does not move its heap memory.
+        let rc = unsafe { fi::fi_recv(self.ep.fid, ptr, len, desc, FI_ADDR_NOTAVAIL, Ops::context(slot)) };
+        match self.after_post("fi_recv", rc as i64, slot) {
+            Posted::Yes => Ok(()),
+            Posted::Again(buf) => Err(PostError::new(
+                OfiError::Call { call: "fi_recv", code: fi::FI_EAGAIN as i32, message: strerror(fi::FI_EAGAIN as i32) },
+                buf,
+            )),
+            Posted::Failed(e) => Err(e),
+        }
+    }
+
+    /// Undoes the bookkeeping of a post that libfabric refused; hands back the buffer.
+    fn after_post(&mut self, call: &'static str, rc: i64, slot: usize) -> Posted {
+        if rc == 0 {
+            return Posted::Yes;
+        }
+        let buf = match self.ops.take(slot).expect("the slot just inserted") {
+            Op::Send { buf, .. } | Op::Recv { buf } | Op::Read { buf, .. } => buf,
+        };
+        if rc == -(fi::FI_EAGAIN as i64) {
+            Posted::Again(buf)
+        } else {
+            Posted::Failed(PostError::new(check(call, rc).unwrap_err(), buf))
+        }
+    }
+
+    /// Posts one operation to libfabric; `Again` when its queue is full for now (libfabric's
+    /// `FI_EAGAIN`, e.g. while `ofi_rxm` sets up a connection or `shm` maps a peer).
+    fn post(&mut self, p: Pending) -> Result<(), Retry> {
+        match p {
+            Pending::Send { peer, buf, len, token } => {
+                let (ptr, desc) = (buf.data.as_ptr() as *const c_void, buf.desc());
+                let slot = self.ops.insert(Op::Send { token, buf });
+                // SAFETY: as in post_recv: `ops` owns the buffer until its completion or the close.
+                let rc = unsafe { fi::fi_send(self.ep.fid, ptr, len, desc, peer.0, Ops::context(slot)) };
+                match self.after_post("fi_send", rc as i64, slot) {
+                    Posted::Yes => Ok(()),
+                    Posted::Again(buf) => Err(Retry::Again(Pending::Send { peer, buf, len, token })),
+                    Posted::Failed(e) => Err(Retry::Failed(token, e)),
+                }
+            }
+            Pending::Read { peer, buf, len, addr, key, token } => {
+                let (ptr, desc) = (buf.data.as_ptr() as *mut c_void, buf.desc());
+                let slot = self.ops.insert(Op::Read { token, buf, len });
+                // SAFETY: as in post_recv; the remote address and key are the peer's business
+                // (the provider checks them and reports a completion error).
+                let rc = unsafe { fi::fi_read(self.ep.fid, ptr, len, desc, peer.0, addr, key, Ops::context(slot)) };
+                match self.after_post("fi_read", rc as i64, slot) {
+                    Posted::Yes => Ok(()),
+                    Posted::Again(buf) => Err(Retry::Again(Pending::Read { peer, buf, len, addr, key, token })),
+                    Posted::Failed(e) => Err(Retry::Failed(token, e)),
+                }
+            }
+            Pending::Inject { peer, data } => {
+                // SAFETY: fi_inject copies `data` before returning and reports no completion.
+                let rc = unsafe { fi::fi_inject(self.ep.fid, data.as_ptr() as *const c_void, data.len(), peer.0) };
+                if rc == -(fi::FI_EAGAIN as isize) {
+                    Err(Retry::Again(Pending::Inject { peer, data }))
+                } else {
+                    check("fi_inject", rc as i64).map(drop).map_err(Retry::InjectFailed)
+                }
+            }
+        }
+    }
+
+    /// Posts `p` now, or queues it behind earlier posts libfabric could not take yet (so
+    /// sends leave in the order they were made).
+    fn submit(&mut self, p: Pending) -> Result<(), Retry> {
+        if !self.backlog.is_empty() {
+            self.backlog.push_back(p);
+            return Ok(());
+        }
+        match self.post(p) {
+            Err(Retry::Again(p)) => {
+                self.backlog.push_back(p);
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Posts what the backlog holds, in order, until libfabric says again; failures become
+    /// completions.
+    fn flush(&mut self, out: &mut Vec<Completion>) {
+        while let Some(p) = self.backlog.pop_front() {
+            match self.post(p) {
+                Ok(()) => {}
+                Err(Retry::Again(p)) => {
+                    self.backlog.push_front(p);
+                    break;
+                }
+                Err(Retry::Failed(token, e)) => {
+                    out.push(Completion::Failed { token: Some(token), error: *e.error, buf: Some(e.buf) })
+                }
+                Err(Retry::InjectFailed(error)) => out.push(Completion::Failed { token: None, error, buf: None }),
+            }
+        }
+    }
+
+    /// Sends the first `len` bytes of `buf` to `peer`. The buffer comes back in
+    /// [`Completion::Sent`] with `token`. A post libfabric cannot take yet is queued and
+    /// posted by [`poll`](Self::poll), in order.
+    pub fn send(&mut self, peer: PeerAddr, buf: Buffer, len: usize, token: u64) -> Result<(), PostError> {
+        if len > buf.len() || len > self.max_msg {
+            let error = if len > buf.len() {
+                OfiError::OutOfRange { what: "send", offset: 0, len: len as u64, region: buf.len() as u64 }
+            } else {
+                OfiError::MessageTooLarge { len, max: self.max_msg }
+            };
+            return Err(PostError::new(error, buf));
+        }
+        self.submit(Pending::Send { peer, buf, len, token }).map_err(Retry::into_post_error)
+    }
+
+    /// Sends a small message without a completion (`fi_inject`): `data` is copied (by
+    /// libfabric, or into the backlog when it cannot take it yet). At most
+    /// [`EndpointInfo::inject_size`] bytes.
+    pub fn inject(&mut self, peer: PeerAddr, data: &[u8]) -> Result<(), OfiError> {
+        if data.len() > self.info.inject_size || data.len() > self.max_msg {
+            return Err(OfiError::MessageTooLarge { len: data.len(), max: self.info.inject_size.min(self.max_msg) });
+        }
+        self.submit(Pending::Inject { peer, data: data.to_vec() }).map_err(|r| match r {
+            Retry::InjectFailed(e) => e,
+            other => *other.into_post_error().error,
+        })
+    }
+
+    /// Reads `len` bytes at `offset` of a peer's exposed `remote` region into `buf`
+    /// (`fi_read`). The buffer comes back in [`Completion::Read`] with `token`.
+    pub fn read(
+        &mut self,
+        peer: PeerAddr,
+        buf: Buffer,
+        len: usize,
+        remote: RemoteRegion,
+        offset: u64,
+        token: u64,
+    ) -> Result<(), PostError> {
+        let fail = |error, buf| Err(PostError::new(error, buf));
+        if !self.info.rma {
+            return fail(OfiError::NoRma { provider: self.info.provider.clone() }, buf);
+        }
+        if offset.checked_add(len as u64).is_none_or(|end| end > remote.len) {
+            return fail(
+                OfiError::OutOfRange { what: "read of the peer's region", offset, len: len as u64, region: remote.len },
+                buf,
+            );
+        }
+        if len > buf.len() {
+            return fail(OfiError::OutOfRange { what: "read target", offset: 0, len: len as u64, region: buf.len() as u64 }, buf);
+        }
+        self.submit(Pending::Read { peer, buf, len, addr: remote.addr + offset, key: remote.key, token })
+            .map_err(Retry::into_post_error)
+    }
+
+    /// Drives progress and appends what completed to `out`; returns how many. Reads at most
+    /// `max` completions so one turn of a loop stays bounded.
+    pub fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, OfiError> {
+        // Receive buffers a refused repost left over go back first, then queued posts.
+        while let Some(buf) = self.unposted.pop() {
+            if let Err(e) = self.post_recv(buf) {
+                self.unposted.push(e.buf);
+                break;
+            }
+        }
+        let before = out.len();
+        self.flush(out);
+        const BATCH: usize = 16;
+        let mut entries = [fi::fi_cq_data_entry::default(); BATCH];
+        let mut srcs = [FI_ADDR_NOTAVAIL; BATCH];
+        let mut done = out.len() - before;
+        while done < max {
+            let want = BATCH.min(max - done);
+            // SAFETY: `entries` and `srcs` have room for `want` entries each.
+            let n = unsafe {
+                if self.info.source {
+                    fi::fi_cq_readfrom(self.cq.fid, entries.as_mut_ptr() as *mut c_void, want, srcs.as_mut_ptr())
+                } else {
+                    fi::fi_cq_read(self.cq.fid, entries.as_mut_ptr() as *mut c_void, want)
+                }
+            };
+            if n == -(fi::FI_EAGAIN as isize) {
+                break;
+            }
+            if n == -(fi::FI_EAVAIL as isize) {
+                out.push(self.read_error()?);
+                done += 1;
+                continue;
+            }
+            let n = check("fi_cq_read", n as i64)? as usize;
+            for k in 0..n {
+                let e = &entries[k];
+                let Some(op) = Ops::slot(e.op_context).and_then(|s| self.ops.take(s)) else {
+                    tracing::warn!(context = e.op_context as usize, "completion for no operation in flight");
+                    continue;
+                };
+                out.push(match op {
+                    Op::Send { token, buf } => Completion::Sent { token, buf },
+                    Op::Read { token, buf, len } => Completion::Read { token, buf, len },
+                    Op::Recv { buf } => {
+                        let len = e.len.min(buf.len());
+                        let data = buf.data[..len].to_vec();
+                        let peer = (self.info.source && srcs[k] != FI_ADDR_NOTAVAIL).then_some(PeerAddr(srcs[k]));
+                        self.repost(buf);
+                        Completion::Received { peer, data }
+                    }
+                });
+            }
+            done += n;
+            if n < want {
+                break;
+            }
+        }
+        // Completions made room: post what waits.
+        self.flush(out);
+        Ok(out.len() - before)
+    }
+
+    fn repost(&mut self, buf: Buffer) {
+        if let Err(e) = self.post_recv(buf) {
+            tracing::debug!(error = %e.error, "receive buffer not posted again yet");
+            self.unposted.push(e.buf);
+        }
+    }
+
+    /// Reads one error entry of the completion queue.
+    fn read_error(&mut self) -> Result<Completion, OfiError> {
+        let mut err = fi::fi_cq_err_entry::default();
+        // SAFETY: `err` is a zeroed entry with no provider-data buffer (err_data_size 0), so
+        // the provider keeps err_data in its own storage, valid until the next read of the
+        // queue; it is used (fi_cq_strerror) before that.
+        let (op, code, prov_errno, text) = unsafe {
+            let n = fi::fi_cq_readerr(self.cq.fid, &mut err, 0);
+            check("fi_cq_readerr", n as i64)?;
+            let mut msg = [0 as std::os::raw::c_char; 256];
+            let p = fi::fi_cq_strerror(self.cq.fid, err.prov_errno, err.err_data, msg.as_mut_ptr(), msg.len());
+            (Ops::slot(err.op_context).and_then(|s| self.ops.take(s)), err.err, err.prov_errno, c_string(p))
+        };
+        let message = format!("{}; provider: {}", strerror(code), text);
+        let error = |op| OfiError::Completion { op, code, prov_errno, message: message.clone() };
+        Ok(match op {
+            Some(Op::Send { token, buf }) => Completion::Failed { token: Some(token), error: error("send"), buf: Some(buf) },
+            Some(Op::Read { token, buf, .. }) => Completion::Failed { token: Some(token), error: error("read"), buf: Some(buf) },
+            Some(Op::Recv { buf }) => {
+                self.repost(buf);
+                Completion::Failed { token: None, error: error("recv"), buf: None }
+            }
+            None => Completion::Failed { token: None, error: error("unknown operation"), buf: None },
+        })
+    }
+
+    /// The completion queue's file descriptor, when it has one: readable when completions
+    /// may be waiting. Call [`trywait`](Self::trywait) before sleeping on it.
+    pub fn wait_fd(&self) -> Option<RawFd> {
+        self.cq.wait_fd
+    }
+
+    /// Whether the caller may now sleep on [`wait_fd`](Self::wait_fd) (`fi_trywait`): false
+    /// when completions are already queued or the provider needs a poll first.
+    pub fn trywait(&self) -> bool {
+        if self.cq.wait_fd.is_none() {
+            return false;
+        }
+        let mut fid = [unsafe_cq_fid(&self.cq)];
+        // SAFETY: one valid fid in the array; the fabric is the one the CQ was opened on.
+        let rc = unsafe { fi::fi_trywait(self.domain.0._fabric.0, fid.as_mut_ptr(), 1) };
+        rc == 0
+    }
+
+    /// Sleeps until the completion queue's fd is readable or `timeout` passes, when the
+    /// provider allows sleeping now ([`trywait`](Self::trywait)); returns at once otherwise.
+    /// Returns whether it slept until woken (not timed out). For loops without their own
+    /// poll set; the engine's driver puts [`wait_fd`](Self::wait_fd) in its own.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        let Some(fd) = self.cq.wait_fd else { return false };
+        if !self.trywait() {
+            return false;
+        }
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, ms) > 0 }
+    }
+
+    /// Operations posted and not yet completed (receive buffers included).
+    pub fn in_flight(&self) -> usize {
+        self.ops.slots.len() - self.ops.free.len()
+    }
+
+    /// Posts queued because libfabric could not take them yet; [`poll`](Self::poll) posts them.
+    pub fn queued(&self) -> usize {
+        self.backlog.len()
+    }
+}
+
+fn unsafe_cq_fid(cq: &Cq) -> *mut fi::fid {
+    // SAFETY: `cq.fid` is an open CQ; taking the address of its embedded fid reads nothing.
+    unsafe { &mut (*cq.fid).fid as *mut fi::fid }
+}
