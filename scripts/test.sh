@@ -37,6 +37,13 @@ cargo build --workspace --all-targets --locked
 cargo test --workspace --locked 2>&1 | tee target/test-rust.log
 summarize_cargo target/test-rust.log
 
+step "libfabric: the ofi provider's safe layer over tcp;ofi_rxm and shm (libfabric 2.1 built once per machine)"
+apt_install libclang-dev clang pkg-config   # bindgen in ofi-libfabric-sys
+LIBFABRIC_PREFIX=$(run_script scripts/ensure-libfabric.sh)
+PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig cargo clippy --locked -p rdma-shuffle-provider-ofi --all-targets --features libfabric -- -D warnings
+PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig cargo test --locked -p rdma-shuffle-provider-ofi --features libfabric 2>&1 | tee target/test-ofi.log
+summarize_cargo target/test-ofi.log
+
 step "mobius: collectives in real processes (numpy, torch backend, DDP vs gloo, faults, bench smoke)"
 run_script tests/collective/run.sh
 
