@@ -17,8 +17,9 @@ cargo build --release --locked -p rdma-shuffle-jni --features verbs
 # Debug info stays in target/ (for symbolizing); the jar gets stripped copies.
 objcopy --strip-debug target/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni.so"
 # The same target dir: dependencies built with other features get other hashes and stay side
-# by side, so this rebuilds only the crates whose features differ (fabric, shuffle, jni), not
-# every dependency again; the cdylib it overwrites was copied out above.
+# by side, so this rebuilds only the crates whose features differ (the provider registry, the
+# verbs provider, shuffle, jni), not every dependency again; the cdylib it overwrites was
+# copied out above.
 cargo build --release --locked -p rdma-shuffle-jni
 objcopy --strip-debug target/release/librdma_shuffle_jni.so "$OUT/librdma_shuffle_jni_tcp.so"
 if readelf -d "$OUT/librdma_shuffle_jni_tcp.so" | grep -q libibverbs; then

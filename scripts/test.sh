@@ -22,9 +22,10 @@ cargo fmt --all --check
 step "lint: clippy over the workspace, warnings are errors"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "lint: clippy over fabric, shuffle and mobius-collective with the verbs provider built in"
+step "lint: clippy over the verbs provider, the registry, shuffle, mobius-collective and the benches with verbs built in"
 apt_install libibverbs-dev librdmacm-dev libclang-dev clang pkg-config   # build deps of rdma-sys
-cargo clippy --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle -p mobius-collective --all-targets --features verbs -- -D warnings
+cargo clippy --locked -p rdma-shuffle-provider-verbs -p rdma-shuffle-providers -p rdma-shuffle-shuffle -p mobius-collective -p rdma-shuffle-bench \
+  --all-targets --features rdma-shuffle-providers/verbs -- -D warnings
 
 step "lint: Scala formatting (scalafmt through spotless; 'mvn spotless:apply' fixes it)"
 (cd jvm-plugin && mvn -B -q spotless:check)
@@ -49,7 +50,7 @@ run_script tests/collective/run.sh
 
 step "rust: verbs provider built in, on this host (no RDMA device: auto must pick tcp and say why)"
 run_script scripts/softroce-prepare.sh   # host build deps of rdma-sys (libibverbs-dev, clang) and the VM cache
-cargo test --locked -p rdma-shuffle-fabric -p rdma-shuffle-shuffle --features verbs --lib 2>&1 | tee target/test-verbs-host.log
+cargo test --locked -p rdma-shuffle-provider-verbs -p rdma-shuffle-providers -p rdma-shuffle-shuffle --features rdma-shuffle-providers/verbs --lib 2>&1 | tee target/test-verbs-host.log
 summarize_cargo target/test-verbs-host.log
 
 step "verbs: conformance suite, cross-device test and Mobius collectives on real kernel RDMA (SoftRoCE VM)"

@@ -18,13 +18,14 @@ for line in sys.stdin:
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])'
 }
-mapfile -t EXES < <(executables -p rdma-shuffle-shuffle --features verbs --test suite_verbs --test verbs_cross_device --test verbs_engine)
+mapfile -t EXES < <(executables -p rdma-shuffle-provider-verbs --features ibverbs --test conformance --test verbs_cross_device --test verbs_engine)
 [ ${#EXES[@]} -eq 3 ] || { echo "expected 3 test binaries, got: ${EXES[*]}" >&2; exit 1; }
 mapfile -t MOBIUS < <(executables -p mobius-collective --features verbs --test verbs)
 [ ${#MOBIUS[@]} -eq 1 ] || { echo "expected the mobius verbs test binary, got: ${MOBIUS[*]}" >&2; exit 1; }
 ARGS=()
 for e in "${EXES[@]}"; do
   name=$(basename "$e" | sed 's/-[0-9a-f]*$//')
+  [ "$name" = conformance ] && name=suite_verbs   # the provider's conformance suite (testkit)
   cp "$e" "target/$name"
   ARGS+=(--include "target/$name")
 done

@@ -1,12 +1,12 @@
 //! The `verbs_bootstrap` harness: arbitrary bytes through the verbs attach-record decoder
-//! (`rdma_shuffle_fabric::providers::verbs::bootstrap`), the only bytes of a peer the verbs
+//! (`rdma_shuffle_provider_verbs::bootstrap`), the only bytes of a peer the verbs
 //! provider decodes itself.
 //!
 //! Asserted: decoding never panics; a record that decodes re-encodes to exactly the input
 //! (the format is canonical: reserved bytes must be zero, 24-bit fields must fit), and every
 //! field of a decoded record is within the documented bounds.
 
-use fabric::providers::verbs::bootstrap::{AttachRecord, LEN, MAX_MESSAGE, MIN_MESSAGE};
+use verbs::bootstrap::{AttachRecord, LEN, MAX_MESSAGE, MIN_MESSAGE};
 
 /// Runs every check on `data`.
 pub fn run(data: &[u8]) {

@@ -49,5 +49,6 @@ pub use transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, T
 /// The fabric pieces a caller needs to build a communicator on a provider of its choice.
 pub mod fabric {
     pub use crate::mesh::{Mesh, MeshConfig, MeshListener};
-    pub use rdma_shuffle_fabric::{Provider, SimProvider, TcpProvider};
+    pub use rdma_shuffle_fabric::Provider;
+    pub use rdma_shuffle_providers::{SimProvider, TcpProvider};
 }

@@ -750,7 +750,7 @@ mod tests {
         assert_eq!(p.choose(Op::AllReduce, 1 << 20, DType::F32, 4).segment, SHM_SEGMENT);
         assert_eq!(p.balanced_segment(SHM_RING_MAX, 4, 12), SHM_SEGMENT / 12 * 12, "whole elements");
         // Every such segment goes through the ring of the shm provider as Mobius sets it up.
-        let shm = rdma_shuffle_fabric::providers::shm::ShmConfig::default();
+        let shm = rdma_shuffle_providers::shm::ShmConfig::default();
         assert!(SHM_SEGMENT <= shm.largest_ring_body() && SHM_SEGMENT > shm.single_copy_min);
         p.overrides.segment = Some(128 << 10);
         assert_eq!(p.choose(Op::AllReduce, 16 << 20, DType::F32, 2).segment, 128 << 10, "a forced segment still wins");

@@ -18,7 +18,7 @@ fn providers() -> Vec<(&'static str, Arc<dyn Provider>)> {
     vec![
         ("sim", Arc::new(SimProvider::new(true))),
         ("tcp", Arc::new(TcpProvider::new())),
-        ("shm", Arc::new(rdma_shuffle_fabric::providers::shm::ShmProvider::default())),
+        ("shm", Arc::new(rdma_shuffle_providers::shm::ShmProvider::default())),
     ]
 }
 

@@ -15,7 +15,7 @@ mod common;
 use common::*;
 use mobius_collective::fabric::Provider;
 use mobius_collective::{DType, Overrides, ReduceOp};
-use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
+use rdma_shuffle_providers::verbs::{VerbsConfig, VerbsProvider};
 use std::net::IpAddr;
 use std::sync::Arc;
 

@@ -1,9 +1,12 @@
-//! Transports and memory for rdma-shuffle.
+//! The protocol-neutral core of rdma-shuffle: the driver, memory, and the provider seam.
 //!
 //! * [`memory`] — the tiered pool of registered memory every fetched block lands in, and the
 //!   registration of memory with a device.
-//! * [`providers`] — the transports: [`tcp`](providers::tcp), [`sim`](providers::sim) and,
-//!   with the `verbs` feature, [`verbs`](providers::verbs).
+//! * [`providers`] — the seam a transport implements ([`Provider`], its per-loop
+//!   [`ProviderEngine`](providers::link::ProviderEngine) and its connections'
+//!   [`Link`](providers::link::Link)s). The transports are crates of their own
+//!   (`crates/providers/<name>`: tcp, shm, sim, verbs), opened by name through
+//!   `rdma-shuffle-providers`.
 //! * [`driver`] — one event loop per engine that runs every connection of every provider.
 //!   A protocol plugs in from outside: a [`Handler`](driver::Handler) per connection, an
 //!   [`Acceptor`](driver::Acceptor) per listener, [`Job`](driver::Job)s from its callers, and
@@ -26,5 +29,4 @@ pub use driver::{Driver, DriverConfig, DriverStats, DEFAULT_SPIN, MAX_SPIN};
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
-pub use providers::verbs;
-pub use providers::{open_provider, OpenedProvider, Provider, ProviderChoice, ProviderSpec, SimProvider, Source, TcpProvider};
+pub use providers::{Provider, Source};

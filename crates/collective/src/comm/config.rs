@@ -4,8 +4,9 @@
 use crate::error::CollectiveError;
 use crate::mesh::MeshConfig;
 use crate::policy::{parse_bytes, Overrides};
-use rdma_shuffle_fabric::providers::shm::{ShmConfig, ShmProvider};
-use rdma_shuffle_fabric::{open_provider, PoolConfig, Provider, ProviderChoice, ProviderSpec};
+use rdma_shuffle_fabric::{PoolConfig, Provider};
+use rdma_shuffle_providers::shm::{ShmConfig, ShmProvider};
+use rdma_shuffle_providers::{open_provider, ProviderChoice, ProviderSpec};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 use super::shared::Posted;
 use super::*;
 use rdma_shuffle_fabric::providers::link::Fold;
-use rdma_shuffle_fabric::providers::{SimProvider, TcpProvider};
+use rdma_shuffle_providers::{SimProvider, TcpProvider};
 use rdma_shuffle_wire::Secret;
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -47,7 +47,7 @@ fn providers() -> Vec<Arc<dyn Provider>> {
         Arc::new(TcpProvider::new()),
         Arc::new(SimProvider::new(true)),
         Arc::new(SimProvider::new(false)),
-        Arc::new(rdma_shuffle_fabric::providers::shm::ShmProvider::default()),
+        Arc::new(rdma_shuffle_providers::shm::ShmProvider::default()),
     ]
 }
 
@@ -415,8 +415,8 @@ fn callers_drive_the_loop_and_an_idle_mesh_sleeps() {
 
 #[test]
 fn a_split_provider_runs_each_link_over_the_provider_routed_for_its_peer() {
-    use rdma_shuffle_fabric::providers::shm::ShmProvider;
     use rdma_shuffle_fabric::providers::split::SplitProvider;
+    use rdma_shuffle_providers::shm::ShmProvider;
     // Ranks 0 and 1 "share a host" (shm between them), rank 2 is "elsewhere" (tcp with both).
     let splits: Vec<Arc<SplitProvider>> = (0..3)
         .map(|_| Arc::new(SplitProvider::new(Arc::new(ShmProvider::default()), Arc::new(TcpProvider::new())).unwrap()))
@@ -496,9 +496,9 @@ fn a_reducing_receive_sums_a_message_into_place_as_it_arrives() {
     // eager message comes whole in shm's ring and is staged. sim does not fold (the message
     // is staged and the caller reduces it).
     let words = 1_100_001usize;
-    assert!(words as u64 * 4 >= rdma_shuffle_fabric::providers::shm::link::FOLD_MIN);
+    assert!(words as u64 * 4 >= rdma_shuffle_providers::shm::link::FOLD_MIN);
     let ring_body = 600_000;
-    let shm = rdma_shuffle_fabric::providers::shm::ShmConfig::default();
+    let shm = rdma_shuffle_providers::shm::ShmConfig::default();
     assert!(ring_body > shm.single_copy_min && ring_body <= shm.largest_ring_body());
     let msg: Vec<u8> = (0..words as u32).flat_map(|i| i.wrapping_mul(7).to_le_bytes()).collect();
     let acc: Vec<u8> = (0..words as u32).flat_map(|i| (i ^ 0x5a5a).to_le_bytes()).collect();

@@ -67,7 +67,7 @@ pub trait Codec: Send + Sync {
 
 /// Where the payload of a whole received message starts: after the fixed part its header
 /// describes, which must account for every byte of the message.
-pub(crate) fn message_head(codec: &dyn Codec, msg: &[u8]) -> Result<usize, CodecError> {
+pub fn message_head(codec: &dyn Codec, msg: &[u8]) -> Result<usize, CodecError> {
     let hl = codec.header_len();
     let header = msg.get(..hl).ok_or_else(|| format!("a message of {} bytes is shorter than a {hl}-byte header", msg.len()))?;
     let shape = checked_shape(codec, header)?;
@@ -86,7 +86,7 @@ pub(crate) fn message_head(codec: &dyn Codec, msg: &[u8]) -> Result<usize, Codec
 
 /// [`Codec::shape`], with the one property every link relies on checked: the fixed part
 /// holds at least the header.
-pub(crate) fn checked_shape(codec: &dyn Codec, header: &[u8]) -> Result<FrameShape, CodecError> {
+pub fn checked_shape(codec: &dyn Codec, header: &[u8]) -> Result<FrameShape, CodecError> {
     let shape = codec.shape(header)?;
     if shape.head < codec.header_len() {
         return Err(format!("a frame whose fixed part of {} bytes is shorter than its header", shape.head).into());

@@ -62,12 +62,17 @@ pub enum OutPayload {
 
 impl OutPayload {
     /// Bytes of payload.
-    pub(crate) fn len(&self) -> u64 {
+    pub fn len(&self) -> u64 {
         match self {
             OutPayload::None => 0,
             OutPayload::Bytes(b) => b.len() as u64,
             OutPayload::Source { len, .. } | OutPayload::File { len, .. } => *len,
         }
+    }
+
+    /// Whether there is no payload byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -77,11 +82,17 @@ pub type FailedRead = Box<(Lease, FabricError)>;
 /// A whole received message (message links hand over whole frames): its bytes and where
 /// its payload starts (the end of the fixed part its codec described).
 pub struct MsgPayload {
-    pub(crate) buf: Vec<u8>,
-    pub(crate) at: usize,
+    buf: Vec<u8>,
+    at: usize,
 }
 
 impl MsgPayload {
+    /// A received message `buf` whose payload starts at `at` (the end of its fixed part, as
+    /// [`message_head`](super::codec::message_head) found it).
+    pub fn new(buf: Vec<u8>, at: usize) -> Self {
+        MsgPayload { buf, at }
+    }
+
     /// The frame's fixed part, header included: what the protocol decodes.
     pub fn head(&self) -> &[u8] {
         &self.buf[..self.at]
@@ -219,7 +230,7 @@ impl std::ops::DerefMut for UserBuf {
 /// exposed by links whose provider keeps no count of its own.
 pub struct Net {
     /// Bytes exposed to peers now by links that count them here (sim).
-    pub(crate) exposed_bytes: u64,
+    pub exposed_bytes: u64,
     /// The provider's per-loop engine.
     pub(crate) engine: Box<dyn ProviderEngine>,
 }
@@ -576,7 +587,7 @@ pub trait Link: Send {
 }
 
 /// A frame's fixed part and its payload as one message.
-pub(crate) fn encode_message(head: Vec<u8>, payload: OutPayload) -> Result<Vec<u8>, FabricError> {
+pub fn encode_message(head: Vec<u8>, payload: OutPayload) -> Result<Vec<u8>, FabricError> {
     let mut msg = head;
     msg.reserve(payload.len() as usize);
     match payload {

@@ -4,8 +4,8 @@
 use super::*;
 use parking_lot::{Condvar, Mutex};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
-use rdma_shuffle_fabric::verbs::{VerbsConfig, VerbsProvider};
 use rdma_shuffle_fabric::Provider;
+use rdma_shuffle_providers::verbs::{VerbsConfig, VerbsProvider};
 use rdma_shuffle_shuffle::blocks::{BlockSink, ClientEndpointConfig, FetchedBlock, ServerEndpointConfig};
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::testkit::{data_file_name, index_file_name, write_index, TestRng};

@@ -1,0 +1,31 @@
+//! The conformance suite over the tcp provider on real loopback sockets.
+
+use rdma_shuffle_fabric::Provider;
+use rdma_shuffle_provider_tcp::TcpProvider;
+use rdma_shuffle_testkit::shuffle as suite;
+use std::sync::Arc;
+
+fn tcp() -> Arc<dyn Provider> {
+    Arc::new(TcpProvider::new())
+}
+
+rdma_shuffle_testkit::provider_suite!(tcp);
+
+// Needs real sockets (the sim provider has none).
+#[test]
+fn silent_connections_do_not_delay_other_clients() {
+    suite::silent_connections_do_not_delay_other_clients(tcp)
+}
+
+// Needs real sockets (the sim provider has none).
+#[test]
+fn a_thousand_silent_connections_leave_an_honest_client_served() {
+    suite::a_thousand_silent_connections_leave_an_honest_client_served(tcp)
+}
+
+// A sparse data file of 4 GiB and more (needs a real file system, which every provider reads
+// from; kept off the verbs suite, whose VM has a small disk and memlock limit).
+#[test]
+fn blocks_stored_past_4_gib_are_served_exactly() {
+    suite::blocks_stored_past_4_gib_are_served_exactly(tcp)
+}

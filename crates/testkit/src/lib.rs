@@ -1,0 +1,18 @@
+//! The conformance suites a provider of the rdma-shuffle fabric passes, written once and run by
+//! every provider's crate with one line:
+//!
+//! ```ignore
+//! // crates/providers/<name>/tests/conformance.rs
+//! fn provider() -> Arc<dyn Provider> { Arc::new(MyProvider::new()) }
+//! rdma_shuffle_testkit::provider_suite!(provider);
+//! ```
+//!
+//! * [`shuffle`] — the shuffle's block protocol over the provider: eager and rendezvous bytes
+//!   equal to the file's, authentication, credits, typed errors for bad input, vanishing
+//!   peers, backpressure, idle connections, resource bounds.
+//!
+//! Every test takes a provider [`Factory`](shuffle::Factory), so the same assertions run over
+//! sim, tcp, shm and (inside the SoftRoCE VM) verbs.
+#![allow(clippy::missing_panics_doc)]
+
+pub mod shuffle;
