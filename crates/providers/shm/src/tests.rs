@@ -382,7 +382,7 @@ fn shm_child_process() {
 
 fn child(mode: &str, name: &str, secret: Option<&str>) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", "providers::shm::tests::shm_child_process", "--nocapture", "--test-threads=1"])
+    c.args(["--exact", "tests::shm_child_process", "--nocapture", "--test-threads=1"])
         .env("RSSHM_CHILD", mode)
         .env("RSSHM_NAME", name)
         .stdout(Stdio::piped())
