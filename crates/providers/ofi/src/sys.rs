@@ -493,7 +493,7 @@ impl PostError {
 }
 
 enum Op {
-    Send { token: u64, buf: Buffer },
+    Send { token: u64, buf: Buffer, len: usize },
     Recv { buf: Buffer },
     Read { token: u64, buf: Buffer, len: usize },
 }
@@ -552,6 +552,44 @@ pub struct Endpoint {
     max_msg: usize,
     unposted: Vec<Buffer>,
     backlog: std::collections::VecDeque<Pending>,
+    counters: Counters,
+}
+
+/// What went through an endpoint, counted at completion (injects when libfabric took them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Sends completed.
+    pub sends: u64,
+    /// Bytes of completed sends.
+    pub send_bytes: u64,
+    /// Injected messages.
+    pub injects: u64,
+    /// Messages received.
+    pub recvs: u64,
+    /// Bytes received.
+    pub recv_bytes: u64,
+    /// One-sided reads completed (`fi_read`).
+    pub reads: u64,
+    /// Bytes of completed reads.
+    pub read_bytes: u64,
+    /// Operations that completed with an error.
+    pub errors: u64,
+}
+
+impl Counters {
+    /// Named values, as the engine's provider counters list them.
+    pub fn named(&self) -> [(&'static str, u64); 8] {
+        [
+            ("ofi_sends", self.sends),
+            ("ofi_send_bytes", self.send_bytes),
+            ("ofi_injects", self.injects),
+            ("ofi_recvs", self.recvs),
+            ("ofi_recv_bytes", self.recv_bytes),
+            ("ofi_reads", self.reads),
+            ("ofi_read_bytes", self.read_bytes),
+            ("ofi_errors", self.errors),
+        ]
+    }
 }
 
 /// A post libfabric could not take yet (`FI_EAGAIN`), kept with its buffer.
@@ -657,6 +695,7 @@ impl Endpoint {
                 max_msg: cfg.max_msg,
                 unposted: Vec::new(),
                 backlog: std::collections::VecDeque::new(),
+                counters: Counters::default(),
             };
             for _ in 0..cfg.rx_depth {
                 let buf = me.alloc(cfg.max_msg, Access::Local)?;
@@ -846,7 +885,7 @@ impl Endpoint {
         match p {
             Pending::Send { peer, buf, len, token } => {
                 let (ptr, desc) = (buf.data.as_ptr() as *const c_void, buf.desc());
-                let slot = self.ops.insert(Op::Send { token, buf });
+                let slot = self.ops.insert(Op::Send { token, buf, len });
                 // SAFETY: as in post_recv: `ops` owns the buffer until its completion or the close.
                 let rc = unsafe { fi::fi_send(self.ep.fid, ptr, len, desc, peer.0, Ops::context(slot)) };
                 match self.after_post("fi_send", rc as i64, slot) {
@@ -873,7 +912,9 @@ impl Endpoint {
                 if rc == -(fi::FI_EAGAIN as isize) {
                     Err(Retry::Again(Pending::Inject { peer, data }))
                 } else {
-                    check("fi_inject", rc as i64).map(drop).map_err(Retry::InjectFailed)
+                    check("fi_inject", rc as i64).map_err(Retry::InjectFailed)?;
+                    self.counters.injects += 1;
+                    Ok(())
                 }
             }
         }
@@ -1011,10 +1052,20 @@ impl Endpoint {
                     continue;
                 };
                 out.push(match op {
-                    Op::Send { token, buf } => Completion::Sent { token, buf },
-                    Op::Read { token, buf, len } => Completion::Read { token, buf, len },
+                    Op::Send { token, buf, len } => {
+                        self.counters.sends += 1;
+                        self.counters.send_bytes += len as u64;
+                        Completion::Sent { token, buf }
+                    }
+                    Op::Read { token, buf, len } => {
+                        self.counters.reads += 1;
+                        self.counters.read_bytes += len as u64;
+                        Completion::Read { token, buf, len }
+                    }
                     Op::Recv { buf } => {
                         let len = e.len.min(buf.len());
+                        self.counters.recvs += 1;
+                        self.counters.recv_bytes += len as u64;
                         let data = buf.data[..len].to_vec();
                         let peer = (self.info.source && srcs[k] != FI_ADDR_NOTAVAIL).then_some(PeerAddr(srcs[k]));
                         self.repost(buf);
@@ -1052,10 +1103,11 @@ impl Endpoint {
             let p = fi::fi_cq_strerror(self.cq.fid, err.prov_errno, err.err_data, msg.as_mut_ptr(), msg.len());
             (Ops::slot(err.op_context).and_then(|s| self.ops.take(s)), err.err, err.prov_errno, c_string(p))
         };
+        self.counters.errors += 1;
         let message = format!("{}; provider: {}", strerror(code), text);
         let error = |op| OfiError::Completion { op, code, prov_errno, message: message.clone() };
         Ok(match op {
-            Some(Op::Send { token, buf }) => Completion::Failed { token: Some(token), error: error("send"), buf: Some(buf) },
+            Some(Op::Send { token, buf, .. }) => Completion::Failed { token: Some(token), error: error("send"), buf: Some(buf) },
             Some(Op::Read { token, buf, .. }) => Completion::Failed { token: Some(token), error: error("read"), buf: Some(buf) },
             Some(Op::Recv { buf }) => {
                 self.repost(buf);
@@ -1101,6 +1153,11 @@ impl Endpoint {
     /// Operations posted and not yet completed (receive buffers included).
     pub fn in_flight(&self) -> usize {
         self.ops.slots.len() - self.ops.free.len()
+    }
+
+    /// What went through this endpoint.
+    pub fn counters(&self) -> Counters {
+        self.counters
     }
 
     /// Posts queued because libfabric could not take them yet; [`poll`](Self::poll) posts them.

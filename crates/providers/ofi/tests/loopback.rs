@@ -1,6 +1,8 @@
 //! Two endpoints in one process over real libfabric providers on this host: `tcp;ofi_rxm`
-//! (sockets on 127.0.0.1) and `shm` (shared memory). Each case waits on conditions (a
-//! completion arriving) bounded by a generous deadline, never on sleeps.
+//! (sockets on 127.0.0.1) and `shm` (shared memory); in the SoftRoCE VM the ignored case
+//! `env_provider` runs the same checks over `OFI_TEST_PROVIDER` (`verbs;ofi_rxm`) bound to
+//! `OFI_TEST_NODE` (rxe0's address), see scripts/ofi-verbs-test.sh. Each case waits on
+//! conditions (a completion arriving) bounded by a generous deadline, never on sleeps.
 #![cfg(feature = "libfabric")]
 
 use std::time::{Duration, Instant};
@@ -11,7 +13,9 @@ const DEADLINE: Duration = Duration::from_secs(60);
 
 fn config(provider: &str) -> OfiConfig {
     let mut cfg = OfiConfig::provider(provider);
-    if provider.starts_with("tcp") {
+    if let Ok(node) = std::env::var("OFI_TEST_NODE") {
+        cfg.node = Some(node);
+    } else if provider.starts_with("tcp") {
         cfg.node = Some("127.0.0.1".into()); // loopback only: no traffic leaves the host
     }
     cfg.rx_depth = 8;
@@ -113,11 +117,15 @@ fn read_of_a_registered_region(provider: &str) {
     let (offset, len) = (4096 + 13, 300_000);
     let target = a.alloc(len, Access::Local).unwrap();
     a.read(b_in_a, target, len, region, offset as u64, 77).map_err(|e| *e.error).unwrap();
+    let before = a.counters();
     let (buf, n) = drive([&mut a, &mut b], 0, |c| match c {
         Completion::Read { token: 77, buf, len } => Some((buf, len)),
         other => panic!("unexpected on a: {other:?}"),
     });
     assert_eq!(n, len);
+    let after = a.counters();
+    assert_eq!((after.reads - before.reads, after.read_bytes - before.read_bytes), (1, len as u64), "{after:?}");
+    assert_eq!(b.counters().recvs, 0, "the read moved no message through b");
     assert!(buf.as_slice()[..len] == exposed.as_slice()[offset..offset + len], "read bytes equal the exposed ones");
 
     // A read past the exposed range is refused before libfabric sees it.
@@ -164,6 +172,19 @@ fn tcp_rxm_read() {
 #[test]
 fn shm_read() {
     read_of_a_registered_region("shm");
+}
+
+/// The same checks over the provider the environment names (the SoftRoCE VM's
+/// `verbs;ofi_rxm`); ignored in the host run, which has no RDMA device.
+#[test]
+#[ignore = "needs OFI_TEST_PROVIDER (run by scripts/ofi-verbs-test.sh in the SoftRoCE VM)"]
+fn env_provider() {
+    let provider = std::env::var("OFI_TEST_PROVIDER").expect("OFI_TEST_PROVIDER names the libfabric provider");
+    let (a, _b, _, _) = pair(&provider);
+    eprintln!("{provider}: {:?} (libfabric {})", a.info(), rdma_shuffle_provider_ofi::runtime_version());
+    drop((a, _b));
+    small_messages_arrive_in_order(&provider);
+    read_of_a_registered_region(&provider);
 }
 
 #[test]
