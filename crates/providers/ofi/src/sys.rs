@@ -215,6 +215,8 @@ pub(crate) struct DomainInner {
     fid: *mut fi::fid_domain,
     info: InfoList,
     rma: bool,
+    /// The provider chooses keys (FI_MR_PROV_KEY); else this layer requests them.
+    prov_key: bool,
     _fabric: Arc<Fabric>,
 }
 
@@ -277,8 +279,21 @@ impl Domain {
         // SAFETY: the memory is valid as the caller promises; the domain is open; the
         // registration is owned at once by a MemoryRegion holding the domain.
         unsafe {
-            let rc = fi::fi_mr_reg(self.0.fid, addr as *const c_void, len, acs, 0, 0, 0, &mut mr, ptr::null_mut());
-            check("fi_mr_reg", rc as i64)?;
+            // Where the application chooses keys (tcp, shm: no FI_MR_PROV_KEY), every
+            // registration needs its own, and a peer must not guess another region's from its
+            // own: random nonzero 32-bit keys (they fit the wire's descriptor, as verbs' rkeys
+            // do), drawn again on the rare collision (FI_ENOKEY).
+            let mut attempts = 0;
+            loop {
+                let key = if self.0.prov_key { 0 } else { u64::from(rand::random::<u32>().max(1)) };
+                let rc = fi::fi_mr_reg(self.0.fid, addr as *const c_void, len, acs, 0, key, 0, &mut mr, ptr::null_mut());
+                attempts += 1;
+                if rc == -(fi::FI_ENOKEY as i32) && !self.0.prov_key && attempts < 16 {
+                    continue;
+                }
+                check("fi_mr_reg", rc as i64)?;
+                break;
+            }
             let virt = (*(*self.0.info.0).domain_attr).mr_mode as u32 & fi::FI_MR_VIRT_ADDR != 0;
             Ok(MemoryRegion {
                 desc: fi::fi_mr_desc(mr),
@@ -669,7 +684,8 @@ impl Endpoint {
 
             let mut domain: *mut fi::fid_domain = ptr::null_mut();
             check("fi_domain", fi::fi_domain(fabric.0, info.0, &mut domain, ptr::null_mut()) as i64)?;
-            let domain = Arc::new(DomainInner { fid: domain, info, rma, _fabric: fabric.clone() });
+            let prov_key = mr_mode & fi::FI_MR_PROV_KEY != 0;
+            let domain = Arc::new(DomainInner { fid: domain, info, rma, prov_key, _fabric: fabric.clone() });
             let info_ptr = domain.info.0;
 
             let cq = Endpoint::open_cq(&domain, cfg)?;

@@ -128,6 +128,19 @@ fn read_of_a_registered_region(provider: &str) {
     assert_eq!(b.counters().recvs, 0, "the read moved no message through b");
     assert!(buf.as_slice()[..len] == exposed.as_slice()[offset..offset + len], "read bytes equal the exposed ones");
 
+    // A second exposed region has a key of its own and reads back its own bytes.
+    let mut second = b.alloc(8192, Access::RemoteRead).unwrap();
+    second.as_mut_slice().fill(0xa7);
+    let region2 = second.region().unwrap().remote(0, 8192).unwrap();
+    assert_ne!(region2.key, region.key, "each exposed region has its own key");
+    let target = a.alloc(8192, Access::Local).unwrap();
+    a.read(b_in_a, target, 8192, region2, 0, 80).map_err(|e| *e.error).unwrap();
+    let buf = drive([&mut a, &mut b], 0, |c| match c {
+        Completion::Read { token: 80, buf, .. } => Some(buf),
+        other => panic!("unexpected on a: {other:?}"),
+    });
+    assert!(buf.as_slice().iter().all(|&x| x == 0xa7), "the second region's bytes");
+
     // A read past the exposed range is refused before libfabric sees it.
     let target = a.alloc(16, Access::Local).unwrap();
     let err = a.read(b_in_a, target, 16, region, (1 << 20) - 8, 78).unwrap_err();
