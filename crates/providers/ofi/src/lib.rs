@@ -39,7 +39,9 @@ mod unbuilt;
 pub use config::{EndpointInfo, OfiConfig, PeerAddr, RemoteRegion, DEFAULT_PROVIDER};
 pub use error::OfiError;
 #[cfg(feature = "libfabric")]
-pub use sys::{runtime_version, Access, Buffer, Completion, Counters, Domain, Endpoint, MemoryRegion, PostError};
+pub use sys::{
+    runtime_version, Access, Buffer, Completion, Counters, Domain, Endpoint, LocalDesc, MemoryRegion, PoolRegistrar, PostError,
+};
 #[cfg(not(feature = "libfabric"))]
 pub use unbuilt::Endpoint;
 

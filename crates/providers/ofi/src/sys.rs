@@ -26,6 +26,9 @@ use std::sync::Arc;
 
 use ofi_libfabric_sys::bindgen as fi;
 
+use rdma_shuffle_fabric::memory::registration::{RegionKeys, Registrar};
+use rdma_shuffle_fabric::PoolError;
+
 use crate::config::{EndpointInfo, OfiConfig, PeerAddr, RemoteRegion};
 use crate::error::OfiError;
 
@@ -410,48 +413,190 @@ unsafe impl Send for Ep {}
 
 // ------------------------------------------------------------------------------ buffers
 
-/// Memory owned by this layer for sends, receives and reads, registered when the provider
-/// needs local registration or when it is exposed for one-sided read.
+/// Memory for sends, receives and reads: owned by this layer (registered when the provider
+/// needs local registration or when it is exposed for one-sided read), or lent by the caller
+/// (a pool lease) for the time of one operation.
 pub struct Buffer {
-    // Boxed: the address handed to libfabric stays put when the Buffer moves.
-    data: Box<[u8]>,
+    data: Storage,
     mr: Option<MemoryRegion>,
+}
+
+enum Storage {
+    // Boxed: the address handed to libfabric stays put when the Buffer moves.
+    Owned(Box<[u8]>),
+    // Memory the caller lent (see `Buffer::lent`); `keep` is what keeps it valid.
+    Lent { ptr: *mut u8, len: usize, desc: LocalDesc, keep: Box<dyn std::any::Any + Send> },
+}
+
+// SAFETY: owned storage is a Box; lent memory is the caller's, given to this Buffer alone
+// for as long as it lives (the contract of `Buffer::lent`), so moving it between threads
+// moves that exclusive use with it.
+unsafe impl Send for Storage {}
+
+/// The local descriptor of registered memory (`fi_mr_desc`), as [`PoolRegistrar`] hands it
+/// out through a region's keys; [`LocalDesc::NONE`] where the provider needs none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalDesc(u64);
+
+impl LocalDesc {
+    /// No descriptor (the provider needs no local registration).
+    pub const NONE: LocalDesc = LocalDesc(0);
+
+    /// The descriptor of pool memory whose slab [`PoolRegistrar`] registered: read from the
+    /// slab's keys (`Lease::keys`).
+    pub fn of(keys: &RegionKeys) -> LocalDesc {
+        LocalDesc(keys.handle)
+    }
 }
 
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Buffer").field("len", &self.data.len()).field("registered", &self.mr.is_some()).finish()
+        f.debug_struct("Buffer").field("len", &self.len()).field("registered", &self.mr.is_some()).finish()
     }
 }
 
 impl Buffer {
+    /// A buffer over memory the caller lends for one operation (a pool lease).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is readable and writable memory that `keep` keeps valid, that nothing
+    /// else reads or writes while this Buffer lives, and that `desc` describes (registered
+    /// with the endpoint's domain, e.g. through [`PoolRegistrar`]) where the provider needs
+    /// local registration.
+    pub unsafe fn lent(ptr: *mut u8, len: usize, desc: LocalDesc, keep: Box<dyn std::any::Any + Send>) -> Buffer {
+        Buffer { data: Storage::Lent { ptr, len, desc, keep }, mr: None }
+    }
+
+    /// What keeps lent memory valid, back (None for owned memory).
+    pub fn into_kept(self) -> Option<Box<dyn std::any::Any + Send>> {
+        match self.data {
+            Storage::Owned(_) => None,
+            Storage::Lent { keep, .. } => Some(keep),
+        }
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        &self.data
+        match &self.data {
+            Storage::Owned(b) => b,
+            // SAFETY: valid and exclusively this Buffer's while it lives (`Buffer::lent`).
+            Storage::Lent { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
     }
 
     /// The bytes, writable (no operation is in flight on a Buffer the caller holds).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.data
+        match &mut self.data {
+            Storage::Owned(b) => b,
+            // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
+            Storage::Lent { ptr, len, .. } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+        }
     }
 
     /// Capacity in bytes.
     pub fn len(&self) -> usize {
-        self.data.len()
+        match &self.data {
+            Storage::Owned(b) => b.len(),
+            Storage::Lent { len, .. } => *len,
+        }
     }
 
     /// Never true (zero-length buffers are refused); for clippy's sake.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len() == 0
     }
 
-    /// The registration, if this buffer has one.
+    /// The registration, if this buffer has one of its own.
     pub fn region(&self) -> Option<&MemoryRegion> {
         self.mr.as_ref()
     }
 
+    fn ptr(&self) -> *mut c_void {
+        match &self.data {
+            Storage::Owned(b) => b.as_ptr() as *mut c_void,
+            Storage::Lent { ptr, .. } => *ptr as *mut c_void,
+        }
+    }
+
     fn desc(&self) -> *mut c_void {
-        self.mr.as_ref().map_or(ptr::null_mut(), |m| m.desc)
+        match (&self.data, &self.mr) {
+            (Storage::Lent { desc, .. }, _) => desc.0 as *mut c_void,
+            (Storage::Owned(_), mr) => mr.as_ref().map_or(ptr::null_mut(), |m| m.desc),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ pool registrar
+
+/// Registers the tiered pool's slabs with a domain, where the provider needs local buffers
+/// registered (`FI_MR_LOCAL`: verbs); elsewhere (tcp, shm) it registers nothing, as the tcp
+/// provider's pool does. Slabs are registered for local use only: a peer reads a block through
+/// a registration of that block's range alone, made when it is exposed and closed when it is
+/// revoked, so no key reaches memory beyond what was exposed to it.
+pub struct PoolRegistrar {
+    domain: Domain,
+    needed: bool,
+    regions: std::sync::Mutex<std::collections::HashMap<u32, MemoryRegion>>,
+    next: std::sync::atomic::AtomicU32,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for PoolRegistrar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolRegistrar").field("needed", &self.needed).field("bytes", &self.registered_bytes()).finish()
+    }
+}
+
+impl PoolRegistrar {
+    /// A registrar for `endpoint`'s domain.
+    pub fn new(endpoint: &Endpoint) -> Self {
+        PoolRegistrar {
+            domain: endpoint.domain.clone(),
+            needed: endpoint.info.mr_local,
+            regions: Default::default(),
+            next: std::sync::atomic::AtomicU32::new(1),
+            bytes: Default::default(),
+        }
+    }
+
+    /// Bytes of pool memory registered now.
+    pub fn registered_bytes(&self) -> u64 {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Registrar for PoolRegistrar {
+    /// `lkey` numbers the registration (for `deregister`); `handle` is its local descriptor
+    /// ([`LocalDesc::of`]); `rkey` stays 0: slabs are never exposed whole.
+    // The trait fixes a safe signature; the pointer's validity is `Registrar::register`'s
+    // documented contract, which the pool keeps.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
+    fn register(&self, addr: *mut u8, len: usize) -> Result<RegionKeys, PoolError> {
+        if !self.needed {
+            return Ok(RegionKeys::default());
+        }
+        // SAFETY: the pool's contract (`Registrar::register`): the slab stays mapped until
+        // `deregister` returns, which drops the registration first.
+        let mr = unsafe { self.domain.register_raw(addr, len, Access::Local) }
+            .map_err(|e| PoolError::Registration { bytes: len, source: Box::new(e) })?;
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let keys = RegionKeys { lkey: id, rkey: 0, handle: mr.desc as u64 };
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(id, mr);
+        self.bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(keys)
+    }
+
+    fn deregister(&self, keys: &RegionKeys) {
+        if !self.needed {
+            return;
+        }
+        match self.regions.lock().unwrap_or_else(|p| p.into_inner()).remove(&keys.lkey) {
+            Some(mr) => {
+                self.bytes.fetch_sub(mr.len as u64, std::sync::atomic::Ordering::Relaxed);
+                drop(mr);
+            }
+            None => tracing::warn!(id = keys.lkey, "deregister of a region this registrar does not hold"),
+        }
     }
 }
 
@@ -621,7 +766,7 @@ enum Posted {
 }
 
 enum Retry {
-    Again(Pending),
+    Again(Box<Pending>),
     Failed(u64, PostError),
     InjectFailed(OfiError),
 }
@@ -860,11 +1005,11 @@ impl Endpoint {
         } else {
             None
         };
-        Ok(Buffer { data, mr })
+        Ok(Buffer { data: Storage::Owned(data), mr })
     }
 
     fn post_recv(&mut self, buf: Buffer) -> Result<(), PostError> {
-        let ptr = buf.data.as_ptr() as *mut c_void;
+        let ptr = buf.ptr();
         let (len, desc) = (buf.len(), buf.desc());
         let slot = self.ops.insert(Op::Recv { buf });
         // SAFETY: the buffer (and its registration) is owned by `ops` until the completion or
@@ -900,25 +1045,25 @@ impl Endpoint {
     fn post(&mut self, p: Pending) -> Result<(), Retry> {
         match p {
             Pending::Send { peer, buf, len, token } => {
-                let (ptr, desc) = (buf.data.as_ptr() as *const c_void, buf.desc());
+                let (ptr, desc) = (buf.ptr() as *const c_void, buf.desc());
                 let slot = self.ops.insert(Op::Send { token, buf, len });
                 // SAFETY: as in post_recv: `ops` owns the buffer until its completion or the close.
                 let rc = unsafe { fi::fi_send(self.ep.fid, ptr, len, desc, peer.0, Ops::context(slot)) };
                 match self.after_post("fi_send", rc as i64, slot) {
                     Posted::Yes => Ok(()),
-                    Posted::Again(buf) => Err(Retry::Again(Pending::Send { peer, buf, len, token })),
+                    Posted::Again(buf) => Err(Retry::Again(Box::new(Pending::Send { peer, buf, len, token }))),
                     Posted::Failed(e) => Err(Retry::Failed(token, e)),
                 }
             }
             Pending::Read { peer, buf, len, addr, key, token } => {
-                let (ptr, desc) = (buf.data.as_ptr() as *mut c_void, buf.desc());
+                let (ptr, desc) = (buf.ptr(), buf.desc());
                 let slot = self.ops.insert(Op::Read { token, buf, len });
                 // SAFETY: as in post_recv; the remote address and key are the peer's business
                 // (the provider checks them and reports a completion error).
                 let rc = unsafe { fi::fi_read(self.ep.fid, ptr, len, desc, peer.0, addr, key, Ops::context(slot)) };
                 match self.after_post("fi_read", rc as i64, slot) {
                     Posted::Yes => Ok(()),
-                    Posted::Again(buf) => Err(Retry::Again(Pending::Read { peer, buf, len, addr, key, token })),
+                    Posted::Again(buf) => Err(Retry::Again(Box::new(Pending::Read { peer, buf, len, addr, key, token }))),
                     Posted::Failed(e) => Err(Retry::Failed(token, e)),
                 }
             }
@@ -926,7 +1071,7 @@ impl Endpoint {
                 // SAFETY: fi_inject copies `data` before returning and reports no completion.
                 let rc = unsafe { fi::fi_inject(self.ep.fid, data.as_ptr() as *const c_void, data.len(), peer.0) };
                 if rc == -(fi::FI_EAGAIN as isize) {
-                    Err(Retry::Again(Pending::Inject { peer, data }))
+                    Err(Retry::Again(Box::new(Pending::Inject { peer, data })))
                 } else {
                     check("fi_inject", rc as i64).map_err(Retry::InjectFailed)?;
                     self.counters.injects += 1;
@@ -945,7 +1090,7 @@ impl Endpoint {
         }
         match self.post(p) {
             Err(Retry::Again(p)) => {
-                self.backlog.push_back(p);
+                self.backlog.push_back(*p);
                 Ok(())
             }
             other => other,
@@ -959,7 +1104,7 @@ impl Endpoint {
             match self.post(p) {
                 Ok(()) => {}
                 Err(Retry::Again(p)) => {
-                    self.backlog.push_front(p);
+                    self.backlog.push_front(*p);
                     break;
                 }
                 Err(Retry::Failed(token, e)) => {
@@ -1082,7 +1227,7 @@ impl Endpoint {
                         let len = e.len.min(buf.len());
                         self.counters.recvs += 1;
                         self.counters.recv_bytes += len as u64;
-                        let data = buf.data[..len].to_vec();
+                        let data = buf.as_slice()[..len].to_vec();
                         let peer = (self.info.source && srcs[k] != FI_ADDR_NOTAVAIL).then_some(PeerAddr(srcs[k]));
                         self.repost(buf);
                         Completion::Received { peer, data }

@@ -7,7 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use rdma_shuffle_provider_ofi::{Access, Completion, Endpoint, OfiConfig, OfiError, PeerAddr};
+use std::sync::Arc;
+
+use rdma_shuffle_fabric::{Lease, PoolConfig, TieredPool};
+use rdma_shuffle_provider_ofi::{Access, Buffer, Completion, Endpoint, LocalDesc, OfiConfig, OfiError, PeerAddr, PoolRegistrar};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -167,6 +170,73 @@ fn read_of_a_registered_region(provider: &str) {
     drop(exposed);
 }
 
+/// Pool memory, registered through the pool's registrar, as the source of a send and the
+/// target of a read, lent to the endpoint and given back by the completion.
+fn pool_leases_are_sent_from_and_read_into(provider: &str) {
+    let (mut a, mut b, b_in_a, _) = pair(provider);
+    let registrar = Arc::new(PoolRegistrar::new(&a));
+    let cfg = PoolConfig { tiers: vec![64 << 10], slab_bytes: 256 << 10, cap_bytes: 4 << 20, prealloc: false };
+    let pool = TieredPool::new(cfg, registrar.clone()).unwrap();
+    let lend = |mut lease: Lease| {
+        let (ptr, len, desc) = (lease.as_mut_ptr(), lease.len(), LocalDesc::of(&lease.keys()));
+        // SAFETY: the lease's memory is valid while the lease lives, which the Buffer keeps,
+        // and nothing else touches it meanwhile; its slab was registered by `registrar`.
+        unsafe { Buffer::lent(ptr, len, desc, Box::new(lease)) }
+    };
+    let mut lease = pool.acquire(3000, None).unwrap();
+    lease.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 13) as u8);
+    let want = lease.as_slice().to_vec();
+    a.send(b_in_a, lend(lease), 3000, 5).map_err(|e| *e.error).unwrap();
+    // Both completions: b's receive and a's send (which gives the lease back, whole).
+    let (mut data, mut sent) = (None, None);
+    let start = Instant::now();
+    let mut out = Vec::new();
+    while data.is_none() || sent.is_none() {
+        assert!(start.elapsed() < DEADLINE, "received {:?}, sent {:?}", data.is_some(), sent.is_some());
+        a.poll(&mut out, 16).unwrap();
+        b.poll(&mut out, 16).unwrap();
+        for c in out.drain(..) {
+            match c {
+                Completion::Received { data: d, .. } => data = Some(d),
+                Completion::Sent { token: 5, buf } => sent = Some(buf),
+                other => panic!("unexpected: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(data.unwrap(), want, "the lease's bytes arrived");
+    let back = sent.unwrap().into_kept().expect("a lent buffer keeps its lease").downcast::<Lease>().unwrap();
+    assert_eq!(back.as_slice(), &want[..]);
+    drop(back);
+
+    if a.info().rma {
+        let mut exposed = b.alloc(40_000, Access::RemoteRead).unwrap();
+        exposed.as_mut_slice().fill(0x3c);
+        let region = exposed.region().unwrap().remote(0, 40_000).unwrap();
+        let target = pool.acquire(40_000, None).unwrap();
+        a.read(b_in_a, lend(target), 40_000, region, 0, 6).map_err(|e| *e.error).unwrap();
+        let buf = drive([&mut a, &mut b], 0, |c| match c {
+            Completion::Read { token: 6, buf, .. } => Some(buf),
+            other => panic!("unexpected on a: {other:?}"),
+        });
+        let lease = buf.into_kept().unwrap().downcast::<Lease>().unwrap();
+        assert!(lease.as_slice().iter().all(|&x| x == 0x3c), "the read landed in the lease");
+    }
+    let registered = registrar.registered_bytes();
+    assert_eq!(registered > 0, a.info().mr_local, "slabs registered only where the provider needs it");
+    drop(pool);
+    assert_eq!(registrar.registered_bytes(), 0, "the pool's drop deregistered every slab");
+}
+
+#[test]
+fn tcp_rxm_pool_leases() {
+    pool_leases_are_sent_from_and_read_into("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_pool_leases() {
+    pool_leases_are_sent_from_and_read_into("shm");
+}
+
 #[test]
 fn tcp_rxm_small_messages() {
     small_messages_arrive_in_order("tcp;ofi_rxm");
@@ -198,6 +268,7 @@ fn env_provider() {
     drop((a, _b));
     small_messages_arrive_in_order(&provider);
     read_of_a_registered_region(&provider);
+    pool_leases_are_sent_from_and_read_into(&provider);
 }
 
 #[test]
