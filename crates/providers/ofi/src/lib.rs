@@ -29,6 +29,7 @@
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod attach;
 mod config;
 mod error;
 #[cfg(feature = "libfabric")]
