@@ -269,6 +269,7 @@ fn env_provider() {
     small_messages_arrive_in_order(&provider);
     read_of_a_registered_region(&provider);
     pool_leases_are_sent_from_and_read_into(&provider);
+    across_processes(&provider);
 }
 
 #[test]
@@ -312,4 +313,112 @@ fn tcp_rxm_wait_fd_wakes_on_a_message() {
         }
         assert!(start.elapsed() < DEADLINE, "the message never arrived");
     }
+}
+
+/// Two processes: this test and a child (this binary again, running `child_process`). The
+/// child exposes a region and tells its address and the region's key in a message; the parent
+/// reads the region one-sidedly and answers. Shows what one process cannot: addresses and keys
+/// valid across processes, and (shm) cross-process memory access on this kernel.
+fn across_processes(provider: &str) {
+    let mut parent = Endpoint::open(&config(provider)).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut child = std::process::Command::new(exe)
+        .args(["--exact", "child_process", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("OFI_CHILD_PROVIDER", provider)
+        .env("OFI_CHILD_PARENT", hex(&parent.address().unwrap()))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The child's hello: its address length (2), address, then its exposed region (24).
+    let start = Instant::now();
+    let mut out = Vec::new();
+    let hello = loop {
+        assert!(start.elapsed() < DEADLINE, "no hello from the child");
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the child exited before its hello: {status}");
+        }
+        parent.wait(Duration::from_millis(20));
+        parent.poll(&mut out, 16).unwrap();
+        if let Some(Completion::Received { data, .. }) = out.drain(..).find(|c| matches!(c, Completion::Received { .. })) {
+            break data;
+        }
+    };
+    let n = u16::from_le_bytes([hello[0], hello[1]]) as usize;
+    let child_addr = parent.insert_peer(&hello[2..2 + n]).unwrap();
+    let region = rdma_shuffle_provider_ofi::RemoteRegion::decode(&hello[2 + n..]).unwrap();
+    let target = parent.alloc(region.len as usize, Access::Local).unwrap();
+    parent.read(child_addr, target, region.len as usize, region, 0, 1).map_err(|e| *e.error).unwrap();
+    let buf = loop {
+        assert!(start.elapsed() < DEADLINE, "the read never completed");
+        parent.poll(&mut out, 16).unwrap();
+        if let Some(b) = out.drain(..).find_map(|c| match c {
+            Completion::Read { token: 1, buf, .. } => Some(buf),
+            Completion::Failed { error, .. } => panic!("{error}"),
+            _ => None,
+        }) {
+            break b;
+        }
+    };
+    assert!(buf.as_slice().iter().enumerate().all(|(i, &x)| x == (i % 241) as u8), "the child's bytes");
+    parent.inject(child_addr, b"done").unwrap();
+    loop {
+        assert!(start.elapsed() < DEADLINE, "the child did not finish");
+        parent.poll(&mut out, 16).unwrap();
+        out.clear();
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "child: {status}");
+            break;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// The child of [`across_processes`]; does nothing unless that test started it.
+#[test]
+#[ignore = "started by the across-processes tests"]
+fn child_process() {
+    let (Ok(provider), Ok(parent_hex)) = (std::env::var("OFI_CHILD_PROVIDER"), std::env::var("OFI_CHILD_PARENT")) else {
+        return;
+    };
+    let mut ep = Endpoint::open(&config(&provider)).unwrap();
+    let parent = ep.insert_peer(&unhex(&parent_hex)).unwrap();
+    let mut exposed = ep.alloc(200_000, Access::RemoteRead).unwrap();
+    exposed.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 241) as u8);
+    let me = ep.address().unwrap();
+    let mut hello = (me.len() as u16).to_le_bytes().to_vec();
+    hello.extend_from_slice(&me);
+    hello.extend_from_slice(&exposed.region().unwrap().remote(0, 200_000).unwrap().encode());
+    let mut buf = ep.alloc(hello.len(), Access::Local).unwrap();
+    buf.as_mut_slice().copy_from_slice(&hello);
+    ep.send(parent, buf, hello.len(), 0).map_err(|e| *e.error).unwrap();
+    let start = Instant::now();
+    let mut out = Vec::new();
+    loop {
+        assert!(start.elapsed() < DEADLINE, "no answer from the parent");
+        ep.poll(&mut out, 16).unwrap();
+        if out.iter().any(|c| matches!(c, Completion::Received { data, .. } if data == b"done")) {
+            break;
+        }
+        out.clear();
+        std::thread::yield_now();
+    }
+    drop(exposed);
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+#[test]
+fn tcp_rxm_across_processes() {
+    across_processes("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_across_processes() {
+    across_processes("shm");
 }
