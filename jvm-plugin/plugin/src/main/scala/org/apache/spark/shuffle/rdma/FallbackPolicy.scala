@@ -27,11 +27,13 @@ trait FallbackPolicy {
  * encrypt yet, and must never move blocks in clear text in silence; see
  * [[DefaultFallbackPolicy.encryptionRequested]]), and whenever Spark serves or moves shuffle
  * files by other means the engine cannot follow:
- *  - the external shuffle service serves files after their executor is gone, and push-based
- *    shuffle merges them remotely, while an engine dies with its executor;
+ *  - push-based shuffle merges blocks on remote shuffle services, where no engine runs;
  *  - a custom `spark.shuffle.sort.io.plugin.class` may not write local `.data/.index` files.
- * Shuffle-block migration on decommission is not among them: migrated outputs are registered
- * with the receiving executor's engine as they arrive (see [[CheckedIndexShuffleBlockResolver]]).
+ * Not among them: the external shuffle service (`spark.shuffle.service.enabled`), which serves
+ * the same files after their executor has left while engines serve them before (see
+ * [[NativeBlockStoreClient]]), and shuffle-block migration on decommission, whose migrated
+ * outputs are registered with the receiving executor's engine as they arrive (see
+ * [[CheckedIndexShuffleBlockResolver]]).
  *
  * @param nativeFailure why the native library did not load, if it did not
  */
@@ -53,9 +55,6 @@ class DefaultFallbackPolicy(
     } else if (encryption.isDefined) {
       encryption.map(s =>
         s"$s asks for encrypted traffic between executors, which the RDMA engine does not provide")
-    } else if (conf.getBoolean("spark.shuffle.service.enabled", false)) {
-      Some("spark.shuffle.service.enabled=true (shuffle files are served by the external " +
-        "shuffle service)")
     } else if (conf.getBoolean("spark.shuffle.push.enabled", false)) {
       Some("spark.shuffle.push.enabled=true (push-based shuffle)")
     } else if (conf.get("spark.shuffle.sort.io.plugin.class", localDiskIo) != localDiskIo) {

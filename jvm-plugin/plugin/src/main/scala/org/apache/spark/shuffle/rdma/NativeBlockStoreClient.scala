@@ -7,6 +7,7 @@ import java.io.{File, IOException}
 import java.nio.ByteBuffer
 import java.util.concurrent.{
   CompletableFuture,
+  ConcurrentHashMap,
   ExecutorService,
   LinkedBlockingQueue,
   ThreadFactory,
@@ -75,6 +76,20 @@ trait EngineDirectory {
  * full) is streamed the same way into a temp file of the block manager, deleted when Spark
  * releases the buffer. Offsets and lengths are longs throughout.
  *
+ * '''Beside the external shuffle service''' (`shuffleService`: `spark.shuffle.service.enabled`).
+ * Spark then places every map output at its executor's host and the service's port, and
+ * `sparkClient` is Spark's `ExternalBlockStoreClient`, which fetches from the service; the
+ * executors registered their local directories with the service, as Spark does, so it serves
+ * the same files the engines serve. A request still goes to the serving executor's engine while
+ * that executor lives, once, without Spark's retries; a block the engine cannot deliver, for any
+ * reason, is fetched from the service instead (with the service client's own retries), and only
+ * the service's failure reaches Spark. That includes a fetch in flight when its executor leaves
+ * (released by dynamic allocation, or killed): it fails with `peer_gone`, `connect` or `timeout`
+ * and the reducer gets the block from the service, as it would have without the plugin, instead
+ * of a `FetchFailed` that would make Spark recompute an output the service still has. An
+ * executor the driver reports gone is remembered, and later requests for its blocks go straight
+ * to the service.
+ *
  * @param engine the local engine (its client half)
  * @param directory executor id -> engine address
  * @param sparkClient Spark's own client (`blockManager.blockStoreClient`), not owned here
@@ -83,6 +98,8 @@ trait EngineDirectory {
  *     the block manager's `createTempLocalBlock`)
  * @param executorAlive whether the driver still counts an executor alive (asked after a
  *   transient failure; `true` when it cannot be asked)
+ * @param shuffleService whether Spark's external shuffle service serves the map outputs too
+ *   (`sparkClient` then fetches from it; see above)
  */
 class NativeBlockStoreClient(
     engine: ShuffleEngine,
@@ -90,7 +107,8 @@ class NativeBlockStoreClient(
     sparkClient: BlockStoreClient,
     transportConf: TransportConf,
     tempFile: () => File = NativeBlockStoreClient.blockManagerTempFile,
-    executorAlive: String => Boolean = NativeBlockStoreClient.askDriverIfAlive)
+    executorAlive: String => Boolean = NativeBlockStoreClient.askDriverIfAlive,
+    shuffleService: Boolean = false)
   extends BlockStoreClient with Logging {
 
   private val nativeRequests = new AtomicLong()
@@ -110,6 +128,20 @@ class NativeBlockStoreClient(
   def deadExecutorFailureCount: Long = deadExecutorFailures.get()
 
   private val deadExecutorFailures = new AtomicLong()
+
+  private val serviceFallbacks = new AtomicLong()
+
+  /** Blocks the engine did not deliver that were fetched from the external shuffle service. */
+  def serviceFallbackCount: Long = serviceFallbacks.get()
+
+  /**
+   * Executors the driver reported gone after a failed engine fetch, with the external shuffle
+   * service on: their blocks go straight to the service (an executor id is never reused).
+   */
+  private val departed = ConcurrentHashMap.newKeySet[String]()
+
+  /** Executors whose blocks now go straight to the external shuffle service. */
+  def departedExecutorCount: Int = departed.size()
 
   /** The driver's answer; blocks on an RPC to it, so never on an engine thread. */
   private def aliveNow(execId: String): Boolean =
@@ -149,7 +181,8 @@ class NativeBlockStoreClient(
       listener: BlockFetchingListener,
       downloadFileManager: DownloadFileManager): Unit = {
     val ranges = NativeBlockStoreClient.toRanges(blockIds)
-    val target = if (ranges.isDefined) directory.lookup(execId) else None
+    val target =
+      if (ranges.isDefined && !departed.contains(execId)) directory.lookup(execId) else None
     (ranges, target) match {
       case (Some(_), Some(addr)) =>
         nativeRequests.incrementAndGet()
@@ -157,7 +190,19 @@ class NativeBlockStoreClient(
           override def createAndStart(ids: Array[String], l: BlockTransferListener): Unit =
             startNative(addr, host, port, execId, ids, l, downloadFileManager)
         }
-        if (transportConf.maxIORetries() > 0) {
+        if (shuffleService) {
+          // One engine attempt; what it cannot deliver goes to the service, which retries.
+          try starter.createAndStart(blockIds, listener)
+          catch {
+            case NonFatal(e) =>
+              val why = e match {
+                case r: RdmaShuffleException => s"[${r.kind()}] ${r.getMessage}"
+                case other => other.toString
+              }
+              blockIds.foreach(id =>
+                serviceFetch(host, port, execId, id, listener, downloadFileManager, why))
+          }
+        } else if (transportConf.maxIORetries() > 0) {
           new RetryingBlockTransferor(transportConf, starter, blockIds, listener).start()
         } else {
           starter.createAndStart(blockIds, listener)
@@ -188,7 +233,7 @@ class NativeBlockStoreClient(
         engine.fetchBlocks(addr.host, addr.port, ranges, callback)
       }
     } catch {
-      case e: RdmaShuffleException if e.isTransient =>
+      case e: RdmaShuffleException if e.isTransient && !shuffleService =>
         // On the task's or Spark's retry thread: asking the driver here is what Spark does.
         throw transientError(
           execId,
@@ -376,6 +421,29 @@ class NativeBlockStoreClient(
         val blockId = ids(index)
         if (NativeBlockStoreClient.UnknownToEngine.contains(kind)) {
           viaSpark(blockId, kind, message)
+        } else if (shuffleService) {
+          val why =
+            s"[$kind] fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}: " +
+              message
+          // Off the engine's delivery thread: the service client connects synchronously, and
+          // the liveness question is an RPC to the driver.
+          NativeBlockStoreClient.failureReporters.execute(new Runnable {
+            override def run(): Unit = {
+              if (NativeBlockStoreClient.PeerMayBeGone.contains(kind) && !peerAlive &&
+                departed.add(execId)) {
+                logInfo(s"Executor $execId is gone (the driver says so after $why); its " +
+                  "blocks are fetched from the external shuffle service from now on")
+              }
+              serviceFetch(
+                sparkHost,
+                sparkPort,
+                execId,
+                blockId,
+                listener,
+                downloadFileManager,
+                why)
+            }
+          })
         } else {
           val what = s"fetch of $blockId from executor $execId engine ${addr.host}:${addr.port}"
           if (kind == NativeBlockStoreClient.TimeoutKind) {
@@ -403,6 +471,48 @@ class NativeBlockStoreClient(
           s"executor $execId engine ${addr.host}:${addr.port}: [$kind] $message")
       }
     }
+  }
+
+  /**
+   * Fetches `blockId` from the external shuffle service at `host:port` (where Spark placed the
+   * map output) after the engine could not deliver it (`why`); the outcome goes to `listener`.
+   * Spark's service client retries by its own policy; its failure is the one Spark sees.
+   */
+  private def serviceFetch(
+      host: String,
+      port: Int,
+      execId: String,
+      blockId: String,
+      listener: BlockTransferListener,
+      downloadFileManager: DownloadFileManager,
+      why: String): Unit = {
+    if (serviceFallbacks.incrementAndGet() == 1) {
+      logInfo(s"Fetching $blockId of executor $execId from the external shuffle service at " +
+        s"$host:$port: the engine did not deliver it ($why). Later such blocks are counted in " +
+        "service_fallback_blocks.")
+    }
+    val forward = new BlockFetchingListener {
+      override def onBlockFetchSuccess(id: String, b: ManagedBuffer): Unit = listener match {
+        case f: BlockFetchingListener => f.onBlockFetchSuccess(id, b)
+        case other => other.onBlockTransferSuccess(id, b)
+      }
+      override def onBlockFetchFailure(id: String, e: Throwable): Unit = {
+        // Spark gets the service's own error, as without the plugin (its fetcher treats some
+        // kinds specially); the engine's part is logged.
+        logWarning(s"$id of executor $execId: the external shuffle service at $host:$port " +
+          s"failed too, after the engine ($why)")
+        try {
+          listener match {
+            case f: BlockFetchingListener => f.onBlockFetchFailure(id, e)
+            case other => other.onBlockTransferFailure(id, e)
+          }
+        } catch {
+          case NonFatal(t) => logError(s"Fetch listener failed while reporting failure of $id", t)
+        }
+      }
+    }
+    try sparkClient.fetchBlocks(host, port, execId, Array(blockId), forward, downloadFileManager)
+    catch { case NonFatal(e) => forward.onBlockFetchFailure(blockId, e) }
   }
 
   override def diagnoseCorruption(
@@ -448,6 +558,12 @@ object NativeBlockStoreClient {
    * own client (see the class docs).
    */
   val UnknownToEngine: Set[String] = Set("unknown_map_output", "unknown_shuffle")
+
+  /**
+   * Failure kinds after which the serving executor may be gone (the driver is asked, with the
+   * external shuffle service on, before its blocks go straight to the service).
+   */
+  val PeerMayBeGone: Set[String] = Set("connect", "closed", "peer_gone", "timeout", "io")
 
   /**
    * The failure kind of a peer that stayed silent past `spark.shuffle.rdma.fetchTimeout` (or

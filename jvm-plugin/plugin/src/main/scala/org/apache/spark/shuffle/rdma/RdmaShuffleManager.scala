@@ -75,6 +75,14 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     resolver
   }
 
+  /**
+   * `spark.shuffle.service.enabled`: executors register their files with Spark's external
+   * shuffle service as usual, the engine serves blocks while their executor lives, and the
+   * service serves them after it has left (see [[NativeBlockStoreClient]]).
+   */
+  private val shuffleServiceEnabled: Boolean =
+    conf.getBoolean("spark.shuffle.service.enabled", false)
+
   private val nativeFailure: Option[String] =
     if (!settings.enabled) None else Option(nativeLibrary().failure())
 
@@ -135,6 +143,11 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     }
   }
   handOverAll.foreach(reason => logInfo(s"RDMA shuffle engine not started: $reason"))
+  if (isDriver && shuffleServiceEnabled && handOverAll.isEmpty) {
+    logInfo("RDMA shuffle beside the external shuffle service (spark.shuffle.service.enabled=" +
+      "true): executors' engines serve the blocks of live executors; blocks of executors " +
+      "that have left, and any block an engine fails to deliver, are fetched from the service")
+  }
 
   // Spark 4: start now, so executors register with the driver as they come up. Spark 3.5 (and
   // any JVM without an env yet) starts on first use instead. Nothing to start when every
@@ -457,7 +470,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       "delegated_requests" -> running.client.delegatedRequestCount.toString,
       "blocks_unknown_to_engine" -> running.client.unknownToEngineCount.toString,
       "registration_failures" -> registrationFailures.get().toString,
-      "migrated_registrations" -> migratedRegistrations.get().toString
+      "migrated_registrations" -> migratedRegistrations.get().toString,
+      "service_fallback_blocks" -> running.client.serviceFallbackCount.toString,
+      "departed_executors" -> running.client.departedExecutorCount.toString
     ) ++ native
   }
 
@@ -528,7 +543,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
         eng,
         readerDirectory(directory),
         env.blockManager.blockStoreClient,
-        SparkTransportConf.fromSparkConf(env.conf, "shuffle"))
+        SparkTransportConf.fromSparkConf(env.conf, "shuffle"),
+        shuffleService = shuffleServiceEnabled
+      )
       logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
         s"(transport ${eng.transport})")
       val running = EngineState.Running(eng, directory, client)

@@ -60,7 +60,11 @@ class FallbackPolicyTest {
           "spark.storage.decommission.shuffleBlocks.enabled" -> "true"),
         Seq(
           "spark.dynamicAllocation.enabled" -> "true",
-          "spark.dynamicAllocation.shuffleTracking.enabled" -> "true")
+          "spark.dynamicAllocation.shuffleTracking.enabled" -> "true"),
+        // The external shuffle service serves the files after their executor has left; the
+        // engines serve them before (NativeBlockStoreClient).
+        Seq("spark.shuffle.service.enabled" -> "true"),
+        Seq("spark.shuffle.service.enabled" -> "true", "spark.dynamicAllocation.enabled" -> "true")
       )) {
       val p = policy(kv: _*)
       assertEquals(s"$kv", None, p.reasonToHandOverAll)
@@ -78,8 +82,6 @@ class FallbackPolicyTest {
   }
 
   @Test def filesServedOrMovedBySparkHandEveryShuffleToSpark(): Unit = {
-    // The external shuffle service serves files after their executor (and its engine) is gone.
-    handsOverFor("spark.shuffle.service.enabled=true", "spark.shuffle.service.enabled" -> "true")
     // Push-based shuffle merges blocks remotely.
     handsOverFor("spark.shuffle.push.enabled=true", "spark.shuffle.push.enabled" -> "true")
     // A custom shuffle IO plugin may not write local .data/.index files.

@@ -31,8 +31,15 @@ class NativeBlockStoreClientTest {
         "spark.shuffle.io.maxRetries" -> maxRetries.toString,
         "spark.shuffle.io.retryWait" -> "1ms").asJava))
 
-  /** Spark's client stand-in: records what was delegated; with `serve`, answers it. */
-  private class RecordingSparkClient(serve: Boolean = false) extends BlockStoreClient {
+  /**
+   * Spark's client stand-in: records what was delegated; with `serve`, answers it (the block
+   * id's bytes), failing the ids in `failing` with `failure`.
+   */
+  private class RecordingSparkClient(
+      serve: Boolean = false,
+      failing: Set[String] = Set.empty,
+      failure: Throwable = new IOException("service down"))
+    extends BlockStoreClient {
     val calls = new ConcurrentLinkedQueue[(String, Int, String, Seq[String])]()
     override def fetchBlocks(
         host: String,
@@ -44,7 +51,8 @@ class NativeBlockStoreClientTest {
       calls.add((host, port, execId, blockIds.toSeq))
       if (serve) {
         blockIds.foreach { id =>
-          listener.onBlockFetchSuccess(id, new NioManagedBuffer(ByteBuffer.wrap(id.getBytes)))
+          if (failing.contains(id)) listener.onBlockFetchFailure(id, failure)
+          else listener.onBlockFetchSuccess(id, new NioManagedBuffer(ByteBuffer.wrap(id.getBytes)))
         }
       }
     }
@@ -469,5 +477,115 @@ class NativeBlockStoreClientTest {
     l.kept.asScala.foreach(_.release())
     assertFalse("deleted when Spark released it", file.exists())
     dir.delete()
+  }
+
+  // --- beside the external shuffle service (spark.shuffle.service.enabled) ---------------------
+
+  @Test def withTheShuffleServiceWhatTheEngineCannotDeliverComesFromTheService(): Unit = {
+    // A fetch in flight when its executor leaves (peer_gone, a refused connection, a silent
+    // peer) and any other engine failure: the block comes from the service at the address
+    // Spark placed the map output at (the executor's host, the service's port), once, without
+    // the engine's retries; a block the engine delivered is not asked twice.
+    val kinds = Seq("peer_gone", "connect", "timeout", "io", "corrupt", "pull_failed")
+    val engine = new ScriptedEngine((_, _, cb) => {
+      cb.onBlock(0, bytesOf(5, 7), 70L)
+      kinds.zipWithIndex.foreach { case (k, i) => cb.onFailure(i + 1, k, s"$k happened") }
+    })
+    val service = new RecordingSparkClient(serve = true)
+    val asked = new ConcurrentLinkedQueue[String]()
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      service,
+      transportConf(3),
+      executorAlive = id => { asked.add(id); false },
+      shuffleService = true)
+    val ids = (0 to kinds.size).map(i => s"shuffle_0_1_$i").toArray
+    val l = new RecordingListener(false, ids.length)
+    client.fetchBlocks("nodeA", 7337, "exec-2", ids, l, null)
+    l.await()
+    assertTrue(s"failures: ${l.failed.asScala}", l.failed.isEmpty)
+    val got = l.ok.asScala.map { case (id, b) => (id, b.toSeq) }.toMap
+    assertEquals(bytes(bytesOf(5, 7)).toSeq, got("shuffle_0_1_0"))
+    ids.tail.foreach(id => assertEquals(id.getBytes.toSeq, got(id)))
+    assertEquals("one engine attempt, no retries", 1, engine.requests.size())
+    assertEquals(
+      ids.tail.map(id => ("nodeA", 7337, "exec-2", Seq(id))).toSet,
+      service.calls.asScala.toSet)
+    assertEquals(kinds.size.toLong, client.serviceFallbackCount)
+    assertEquals(Seq(70L), engine.released.asScala.toSeq)
+    // The driver said the executor is gone: its next request goes straight to the service.
+    assertTrue("the driver was asked", asked.asScala.toSet == Set("exec-2"))
+    assertEquals(1, client.departedExecutorCount)
+    val l2 = new RecordingListener(false, 1)
+    client.fetchBlocks("nodeA", 7337, "exec-2", Array("shuffle_0_2_0"), l2, null)
+    l2.await()
+    assertEquals(1, engine.requests.size())
+    assertEquals("shuffle_0_2_0".getBytes.toSeq, l2.ok.peek()._2.toSeq)
+    assertEquals(1L, client.delegatedRequestCount)
+  }
+
+  @Test def withTheShuffleServiceALiveExecutorKeepsItsEngine(): Unit = {
+    // A failure towards an executor the driver still counts alive: that block comes from the
+    // service, and the executor's next request goes to its engine again.
+    val engine = new ScriptedEngine((call, _, cb) =>
+      if (call == 1) cb.onFailure(0, "peer_gone", "reset") else cb.onBlock(0, bytesOf(3, 2), 5L))
+    val service = new RecordingSparkClient(serve = true)
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      service,
+      transportConf(3),
+      executorAlive = _ => true,
+      shuffleService = true)
+    for (i <- 0 to 1) {
+      val l = new RecordingListener(false, 1)
+      client.fetchBlocks("nodeA", 7337, "exec-2", Array(s"shuffle_0_1_$i"), l, null)
+      l.await()
+      assertTrue(l.failed.isEmpty)
+    }
+    assertEquals(2, engine.requests.size())
+    assertEquals(1, service.calls.size())
+    assertEquals(0, client.departedExecutorCount)
+  }
+
+  @Test def withTheShuffleServiceAFetchThatCannotStartGoesToTheService(): Unit = {
+    val engine = new ScriptedEngine((_, _, _) =>
+      throw new RdmaShuffleException("connect", "connection refused"))
+    val service = new RecordingSparkClient(serve = true)
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      service,
+      transportConf(3),
+      executorAlive = _ => { fail("not asked when the request could not start"); true },
+      shuffleService = true)
+    val l = new RecordingListener(false, 2)
+    client.fetchBlocks("nodeA", 7337, "exec-2", Array("shuffle_0_1_0", "shuffle_0_1_1"), l, null)
+    l.await()
+    assertTrue(l.failed.isEmpty)
+    assertEquals(2L, client.serviceFallbackCount)
+    assertEquals(1, engine.requests.size())
+  }
+
+  @Test def withTheShuffleServiceSparkSeesTheServicesOwnFailure(): Unit = {
+    // Both failed: Spark's fetcher gets the service's error as it is (it treats some kinds
+    // specially), and decides on FetchFailed as it would without the plugin.
+    val serviceError = new IOException("Connection refused: nodeA/7337")
+    val engine = new ScriptedEngine((_, _, cb) => cb.onFailure(0, "peer_gone", "reset"))
+    val service =
+      new RecordingSparkClient(serve = true, failing = Set("shuffle_0_1_0"), failure = serviceError)
+    val client = new NativeBlockStoreClient(
+      engine,
+      remote,
+      service,
+      transportConf(3),
+      executorAlive = _ => false,
+      shuffleService = true)
+    val l = new RecordingListener(false, 1)
+    client.fetchBlocks("nodeA", 7337, "exec-2", Array("shuffle_0_1_0"), l, null)
+    l.await()
+    assertSame(serviceError, l.failed.peek()._2)
+    assertEquals(1, engine.requests.size())
   }
 }
