@@ -481,6 +481,19 @@ class NativeBlockStoreClientTest {
 
   // --- beside the external shuffle service (spark.shuffle.service.enabled) ---------------------
 
+  /** A client beside the external shuffle service (`service` stands in for Spark's client). */
+  private def serviceClient(
+      engine: ShuffleEngine,
+      service: BlockStoreClient,
+      alive: String => Boolean): NativeBlockStoreClient =
+    new NativeBlockStoreClient(
+      engine,
+      remote,
+      service,
+      transportConf(3),
+      executorAlive = alive,
+      shuffleService = true)
+
   @Test def withTheShuffleServiceWhatTheEngineCannotDeliverComesFromTheService(): Unit = {
     // A fetch in flight when its executor leaves (peer_gone, a refused connection, a silent
     // peer) and any other engine failure: the block comes from the service at the address
@@ -493,13 +506,7 @@ class NativeBlockStoreClientTest {
     })
     val service = new RecordingSparkClient(serve = true)
     val asked = new ConcurrentLinkedQueue[String]()
-    val client = new NativeBlockStoreClient(
-      engine,
-      remote,
-      service,
-      transportConf(3),
-      executorAlive = id => { asked.add(id); false },
-      shuffleService = true)
+    val client = serviceClient(engine, service, id => { asked.add(id); false })
     val ids = (0 to kinds.size).map(i => s"shuffle_0_1_$i").toArray
     val l = new RecordingListener(false, ids.length)
     client.fetchBlocks("nodeA", 7337, "exec-2", ids, l, null)
@@ -531,13 +538,7 @@ class NativeBlockStoreClientTest {
     val engine = new ScriptedEngine((call, _, cb) =>
       if (call == 1) cb.onFailure(0, "peer_gone", "reset") else cb.onBlock(0, bytesOf(3, 2), 5L))
     val service = new RecordingSparkClient(serve = true)
-    val client = new NativeBlockStoreClient(
-      engine,
-      remote,
-      service,
-      transportConf(3),
-      executorAlive = _ => true,
-      shuffleService = true)
+    val client = serviceClient(engine, service, _ => true)
     for (i <- 0 to 1) {
       val l = new RecordingListener(false, 1)
       client.fetchBlocks("nodeA", 7337, "exec-2", Array(s"shuffle_0_1_$i"), l, null)
@@ -553,13 +554,10 @@ class NativeBlockStoreClientTest {
     val engine = new ScriptedEngine((_, _, _) =>
       throw new RdmaShuffleException("connect", "connection refused"))
     val service = new RecordingSparkClient(serve = true)
-    val client = new NativeBlockStoreClient(
+    val client = serviceClient(
       engine,
-      remote,
       service,
-      transportConf(3),
-      executorAlive = _ => { fail("not asked when the request could not start"); true },
-      shuffleService = true)
+      _ => { fail("not asked when the request could not start"); true })
     val l = new RecordingListener(false, 2)
     client.fetchBlocks("nodeA", 7337, "exec-2", Array("shuffle_0_1_0", "shuffle_0_1_1"), l, null)
     l.await()
@@ -575,13 +573,7 @@ class NativeBlockStoreClientTest {
     val engine = new ScriptedEngine((_, _, cb) => cb.onFailure(0, "peer_gone", "reset"))
     val service =
       new RecordingSparkClient(serve = true, failing = Set("shuffle_0_1_0"), failure = serviceError)
-    val client = new NativeBlockStoreClient(
-      engine,
-      remote,
-      service,
-      transportConf(3),
-      executorAlive = _ => false,
-      shuffleService = true)
+    val client = serviceClient(engine, service, _ => false)
     val l = new RecordingListener(false, 1)
     client.fetchBlocks("nodeA", 7337, "exec-2", Array("shuffle_0_1_0"), l, null)
     l.await()
