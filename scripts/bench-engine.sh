@@ -19,6 +19,15 @@
 #     transfer until it ran this long, so its CPU figure is never a few 10 ms ticks) --dir DIR.
 #     --tiny = --mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100:
 #     proves the harness works in half a minute; its numbers mean nothing.
+#   scripts/bench-engine.sh --profile [PROFILE-ARGS...]
+#     Where each system's work goes per block, by block size, with counts the machine's load
+#     does not change: the engine and Spark's transfer (no iperf3) move one bulk transfer per
+#     size under a tool attached to both processes of each: `perf stat` of system calls,
+#     wake-ups, context switches and CPU time (default), `strace -c -f` (--tool strace: each
+#     system call by name), or `perf record -g` (--tool record, files in --out-dir).
+#     PROFILE-ARGS go to `engine-bench profile`: --sizes (4k,16k,64k,256k,1m,4m) --mib N (256)
+#     --secs S (2) --warmup N (3) --spin-us N --tool stat|trace|strace|record --systems engine,netty --out-dir DIR
+#     (target/bench/profile) --out FILE (default target/bench/profile-<tool>.json).
 #   scripts/bench-engine.sh --provider verbs [-- SWEEP-ARGS...]
 #     eager SEND vs rendezvous RDMA READ, throughput and p50 latency by block size (4 KiB ..
 #     16 MiB), on real kernel RDMA. Without an RDMA device on the host (always, here) it boots
@@ -32,10 +41,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 PROVIDER=tcp
+MODE=run
 ARGS=()
 while [ $# -gt 0 ]; do
   case $1 in
     --provider) [ $# -ge 2 ] || { echo "--provider needs tcp or verbs" >&2; exit 2; }; PROVIDER=$2; shift 2 ;;
+    --profile) MODE=profile; shift ;;
     --tiny) ARGS+=(--mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100); shift ;;
     --) shift; ARGS+=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -54,6 +65,7 @@ case $PROVIDER in
 tcp)
   step "tools: iperf3, a JDK and Maven (Debian)"
   need=(iperf3)
+  [ "$MODE" = profile ] && need=(linux-perf strace)
   command -v java >/dev/null || need+=(openjdk-17-jdk-headless)
   command -v mvn >/dev/null || need+=(maven)
   apt_install "${need[@]}"
@@ -84,6 +96,15 @@ tcp)
     -Djdk.reflect.useDirectMethodHandle=false -Dio.netty.tryReflectionSetAccessible=true)
   JARGS=()
   for o in "${JVM[@]}"; do JARGS+=(--jvm-opt "$o"); done
+  if [ "$MODE" = profile ]; then
+    TOOL=stat
+    for ((i = 0; i < ${#ARGS[@]}; i++)); do [ "${ARGS[$i]}" = --tool ] && TOOL=${ARGS[$((i + 1))]:-stat}; done
+    step "profile: the engine and Spark (Netty) per block size, under $TOOL"
+    ./target/release/engine-bench profile --netty-cp "$CP" "${JARGS[@]}" --java "$(command -v java)" \
+      --out "target/bench/profile-$TOOL.json" "${ARGS[@]}"
+    echo "wrote target/bench/profile-$TOOL.json"
+    exit 0
+  fi
   OUT=target/bench/engine.json
   rm -f "$OUT" target/bench/engine.png   # a failed run leaves no report that could pass for its result
   step "run: iperf3 vs Spark (Netty) vs engine, interleaved rounds"

@@ -23,7 +23,25 @@ pub mod procfs {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         // The command name is in parentheses and may hold spaces: fields are counted after it.
         // utime and stime are fields 14 and 15 of the line, the 12th and 13th after it.
-        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        stat_cpu(stat.rsplit_once(')').map(|(_, r)| r).unwrap_or(""))
+    }
+
+    /// CPU seconds of each live thread of `pid`, summed by thread name (`comm`, as `top -H`
+    /// shows it), from `/proc/PID/task/*/stat`; empty when the process is gone.
+    pub fn thread_cpu(pid: u32) -> std::collections::BTreeMap<String, f64> {
+        let mut m = std::collections::BTreeMap::new();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return m };
+        for t in tasks.flatten() {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            let Some((head, rest)) = stat.rsplit_once(')') else { continue };
+            let name = head.split_once('(').map(|(_, n)| n).unwrap_or("?").to_string();
+            *m.entry(name).or_insert(0.0) += stat_cpu(rest);
+        }
+        m
+    }
+
+    /// utime + stime in seconds from the part of a `stat` line after the command name.
+    fn stat_cpu(rest: &str) -> f64 {
         let f: Vec<&str> = rest.split_whitespace().collect();
         // SAFETY: sysconf has no preconditions.
         let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;

@@ -24,6 +24,7 @@ fn main() {
         Some("run") => compare::run(rest),
         Some("serve") => compare::serve(rest),
         Some("probe") => compare::probe(rest),
+        Some("profile") => compare::profile(rest),
         Some("verbs-sweep") => {
             if let Err(e) = verbs_sweep::run(rest) {
                 eprintln!("{e}");

@@ -32,6 +32,7 @@
 mod data;
 mod measure;
 mod probe;
+mod profile;
 mod report;
 mod server;
 
@@ -46,6 +47,7 @@ use std::time::{Duration, Instant};
 use data::{write_data, BlockSet};
 use measure::{EngineSide, Iperf, NettySide, Transfer};
 pub use probe::probe;
+pub use profile::profile;
 use report::{report, table};
 use server::engine_config;
 pub use server::serve;
@@ -309,6 +311,22 @@ fn engine_pair<'a>(
     Ok((server, side))
 }
 
+/// Starts Spark's block transfer: its server JVM, then its client JVM connected to it.
+fn netty_pair(cfg: &Config) -> R<NettySide> {
+    let java = |mode: &[&str]| {
+        let mut c = Command::new(&cfg.java);
+        c.args(&cfg.jvm_opts).args(["-cp", &cfg.netty_cp, "rdmashuffle.bench.NettyBlockBench"]).args(mode);
+        c
+    };
+    let mut server = Proc::spawn("Spark (Netty) server JVM", &mut java(&["server"]))?;
+    let words = server.ready(Duration::from_secs(120))?;
+    let port = words.first().cloned().ok_or("Spark (Netty) server: no port")?;
+    let mut client = Proc::spawn("Spark (Netty) client JVM", &mut java(&["client", &port]))?;
+    let cwords = client.ready(Duration::from_secs(120))?;
+    let info = format!("server {}; client {}", words[1..].join(" "), cwords.join(" "));
+    Ok(NettySide { client, server, info })
+}
+
 /// Runs the comparison; prints progress on stderr, the table on stdout, writes the report.
 pub fn run(args: &[String]) -> R<()> {
     let cfg = Config::from_args(args)?;
@@ -324,19 +342,7 @@ pub fn run(args: &[String]) -> R<()> {
 
     let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), None)?;
 
-    // Spark's transfer: two JVMs.
-    let java = |mode: &[&str]| {
-        let mut c = Command::new(&cfg.java);
-        c.args(&cfg.jvm_opts).args(["-cp", &cfg.netty_cp, "rdmashuffle.bench.NettyBlockBench"]).args(mode);
-        c
-    };
-    let mut netty_server = Proc::spawn("Spark (Netty) server JVM", &mut java(&["server"]))?;
-    let words = netty_server.ready(Duration::from_secs(120))?;
-    let nport = words.first().cloned().ok_or("Spark (Netty) server: no port")?;
-    let mut netty_client = Proc::spawn("Spark (Netty) client JVM", &mut java(&["client", &nport]))?;
-    let cwords = netty_client.ready(Duration::from_secs(120))?;
-    let info = format!("server {}; client {}", words[1..].join(" "), cwords.join(" "));
-    let mut n = NettySide { client: netty_client, server: netty_server, info };
+    let mut n = netty_pair(&cfg)?;
     let ip = Iperf::start(&cfg.iperf3)?;
     eprintln!("engine-bench: Spark {} block transfer ({}); iperf3 on port {}", cfg.spark_version, n.info, ip.port);
 
