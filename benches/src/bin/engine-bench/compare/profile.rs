@@ -77,9 +77,7 @@ pub fn profile(args: &[String]) -> R<()> {
             "--warmup" => warmup = v()?.parse().map_err(|_| "--warmup: a number".to_string())?,
             "--mib" => mib = v()?.parse().map_err(|_| "--mib: a number".to_string())?,
             "--sizes" => sizes = v()?,
-            "--spin-us" => {
-                spin = Some(Duration::from_micros(v()?.parse().map_err(|_| "--spin-us: a number of µs".to_string())?))
-            }
+            "--spin-us" => spin = Some(Duration::from_micros(v()?.parse().map_err(|_| "--spin-us: a number of µs".to_string())?)),
             "--secs" => secs = v()?.parse().map_err(|_| "--secs: a number of seconds".to_string())?,
             _ => rest.push(a.clone()),
         }
@@ -181,7 +179,12 @@ fn thread_cpu(pids: [u32; 2]) -> BTreeMap<String, f64> {
 }
 
 fn since(now: BTreeMap<String, f64>, before: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
-    now.into_iter().map(|(k, v)| { let b = before.get(&k).copied().unwrap_or(0.0); (k, v - b) }).collect()
+    now.into_iter()
+        .map(|(k, v)| {
+            let b = before.get(&k).copied().unwrap_or(0.0);
+            (k, v - b)
+        })
+        .collect()
 }
 
 fn human(b: usize) -> String {
