@@ -557,3 +557,22 @@ fn truncated_or_deleted_data_file_gives_typed_errors() {
         other => panic!("expected DataFileMissing, got {other:?}"),
     }
 }
+
+/// A data file renamed over (a retried attempt committing new files under the same names)
+/// keeps serving the registered bytes from its open descriptor until Spark registers the
+/// new output; a data file deleted gives `DataFileMissing`. Both leave the open file without
+/// a name (link count 0): only the path tells them apart.
+#[test]
+fn renamed_over_data_file_serves_until_reregistered_deleted_one_is_missing() {
+    let dir = tempdir();
+    let store = MapOutputStore::new();
+    let first = write_map_output(dir.path(), 6, 1, &[100, 50], 1).unwrap();
+    store.register(first.map_output_files()).unwrap();
+    let staging = tempdir();
+    let second = write_map_output(staging.path(), 6, 1, &[30, 70, 1], 2).unwrap();
+    fs::rename(&second.data_path, &first.data_path).unwrap();
+    let slice = store.resolve(6, 1, 0, 2).unwrap();
+    assert!(slice.read().unwrap() == first.range_bytes(0, 2).as_slice(), "the registered bytes, not the new file's");
+    fs::remove_file(&first.data_path).unwrap();
+    assert!(matches!(store.resolve(6, 1, 0, 1), Err(StoreError::DataFileMissing { shuffle_id: 6, map_id: 1, .. })));
+}

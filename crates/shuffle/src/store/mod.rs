@@ -44,8 +44,9 @@
 //! * **At every resolve**, independently of what registration concluded: the request range is
 //!   well-formed and inside the partition count, the index has the entries it needs, and the
 //!   offsets of *that range* are non-negative, non-decreasing and inside the registered data
-//!   length; then the data file still exists and is still that long (one `stat` and one
-//!   `fstat`). This costs `O(end - start)`: no index content can make a resolve panic or read
+//!   length; then the data file still exists and is still that long (one `fstat` of the open
+//!   file; its path is looked up only when the file has no name left, a deletion or a rename
+//!   over it). This costs `O(end - start)`: no index content can make a resolve panic or read
 //!   outside the file, and one corrupt map output only fails the fetches that touch it.
 //!
 //! # Lifetime
