@@ -392,12 +392,12 @@ fn channel_command(lp: &mut Loop, c: ChannelCmd) {
         }
         ChannelCmd::Send { key, frame, payload } => with_channel(lp, key, |lp, conn| {
             let p = if payload.is_empty() { OutPayload::None } else { OutPayload::Bytes(payload) };
-            if let Err(e) = conn.transport.send(lp.net(), frame.to_vec(), p) {
+            if let Err(e) = conn.transport.send(frame.to_vec(), p) {
                 lp.fail(conn, e);
             }
         }),
         ChannelCmd::Raw { key, bytes } => with_channel(lp, key, |lp, conn| {
-            if let Err(e) = conn.transport.send_raw(lp.net(), bytes) {
+            if let Err(e) = conn.transport.send(bytes, OutPayload::None) {
                 lp.fail(conn, e);
             }
         }),
@@ -420,7 +420,11 @@ fn channel_command(lp: &mut Loop, c: ChannelCmd) {
                     let c = chan_mut(conn);
                     let tag = c.next_tag;
                     c.next_tag += 1;
-                    match conn.transport.start_read(lp.net(), tag, &desc, lease) {
+                    let started = match conn.transport.one_sided() {
+                        Some(o) => o.start_read(tag, &desc, lease),
+                        None => Err(Box::new((lease, FabricError::Unsupported("this provider has no one-sided read".into())))),
+                    };
+                    match started {
                         Ok(()) => {
                             lp.stats().note_reads(1);
                             chan_mut(conn).reads.insert(tag, reply);
@@ -451,23 +455,21 @@ fn with_channel(lp: &mut Loop, key: ConnKey, f: impl FnOnce(&mut Loop, &mut Conn
     lp.drive_again(k);
 }
 
+/// The caller ran the handshake itself and vouches for the peer: the loop tells the link,
+/// which attaches its data plane if it has one (the caller waits for `Attached` then). An
+/// accepting channel exposes regions (it stands in for a server); a connecting one only reads.
 fn channel_attach(lp: &mut Loop, conn: &mut Conn, reply: Sender<Result<(), FabricError>>) {
-    if conn.transport.needs_attach() {
-        // The caller ran the handshake itself: it vouches for the peer.
-        conn.authenticated = true;
-        let accepted = chan_mut(conn).accepted;
-        let key = conn.key.to_u64();
-        let Conn { transport, role, .. } = conn;
-        let r = if accepted { transport.expect_attach() } else { transport.begin_attach(lp.net(), key, role.codec()) };
-        match r {
-            Ok(()) => chan_mut(conn).attach_reply = Some(reply),
-            Err(e) => {
-                let _ = reply.send(Err(e));
-            }
+    let exposes = chan_mut(conn).accepted;
+    match lp.authenticated(conn, exposes) {
+        Ok(true) => {
+            let _ = reply.send(Ok(()));
         }
-        return;
+        Ok(false) => chan_mut(conn).attach_reply = Some(reply),
+        Err(e) => {
+            let _ = reply.send(Err(FabricError::Unsupported(e.to_string())));
+            lp.fail(conn, e);
+        }
     }
-    let _ = reply.send(Ok(()));
 }
 
 fn channel_accepted(lp: &mut Loop, id: u64, peer: String, transport: Transport) {
@@ -526,27 +528,6 @@ fn channel_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
         }
         // A channel starts no reads into user memory.
         Incoming::UserReadDone { .. } => {}
-        Incoming::Attach(data) => {
-            let accepted = chan_mut(conn).accepted;
-            let key = conn.key.to_u64();
-            let authenticated = conn.authenticated;
-            let Conn { transport, role, .. } = &mut *conn;
-            // An accepting channel attaches only when its owner asked (after running the
-            // handshake it trusts); the connecting side only answers its own request.
-            let r = if accepted && authenticated {
-                transport.accept_attach(lp.net(), key, &data, role.codec())
-            } else if accepted {
-                Err(FabricError::Unsupported("attach before the channel's owner asked for it".into()))
-            } else {
-                transport.complete_attach(lp.net(), &data)
-            };
-            if let Err(e) = r {
-                if let Some(reply) = chan_mut(conn).attach_reply.take() {
-                    let _ = reply.send(Err(FabricError::Unsupported(e.to_string())));
-                }
-                lp.fail(conn, e);
-            }
-        }
         Incoming::Attached => {
             if let Some(reply) = chan_mut(conn).attach_reply.take() {
                 let _ = reply.send(Ok(()));

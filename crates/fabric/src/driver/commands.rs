@@ -51,7 +51,7 @@ impl Loop {
 
     /// Collects the provider engine's completions and drives the connections they concern.
     pub(crate) fn engine_events(&mut self) {
-        let touched = self.net.engine.poll_completions();
+        let touched = self.engine.poll_completions();
         for k in touched {
             self.drive(ConnKey::from_u64(k));
         }

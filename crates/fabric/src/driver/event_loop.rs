@@ -3,8 +3,7 @@
 
 use super::types::{Closing, Conn, ConnKey, Loop, Role, Shared, Slot, Transport, CLOSE_LINGER, DRIVE_BUDGET};
 use crate::error::FabricError;
-pub use crate::providers::link::Net;
-use crate::providers::link::{EngineCtx, Notify};
+use crate::providers::link::{Authenticated, EngineCtx, Notify, ProviderEngine};
 use mio::{Events, Poll, Token};
 use std::any::{Any, TypeId};
 
@@ -34,7 +33,7 @@ pub(super) fn listener_token(id: u64) -> Token {
 
 /// Builds the loop's per-loop provider state: the provider's engine, its descriptors (a
 /// completion channel) registered under [`ENGINE_EVENTS`].
-pub(super) fn new_net(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricError> {
+pub(super) fn new_engine(shared: &Arc<Shared>, poll: &Poll) -> Result<Box<dyn ProviderEngine>, FabricError> {
     let notify: Arc<dyn Notify> = shared.clone();
     let ctx = EngineCtx {
         name: &shared.name,
@@ -43,7 +42,7 @@ pub(super) fn new_net(shared: &Arc<Shared>, poll: &Poll) -> Result<Net, FabricEr
         notify,
         counters: shared.stats.provider.clone(),
     };
-    Ok(Net { exposed_bytes: 0, engine: shared.provider.engine(ctx)? })
+    shared.provider.engine(ctx)
 }
 
 impl Loop {
@@ -140,7 +139,7 @@ impl Loop {
             for i in 0..self.polled.len() {
                 let Some(&k) = self.polled.get(i) else { break };
                 // A look at the ring first: an empty one costs no take, put or timer.
-                if self.conn_ref(k).is_some_and(|c| c.transport.ready()) {
+                if self.conn_mut(k).is_some_and(|c| c.transport.memory_polled().is_some_and(|m| m.ready())) {
                     worked |= self.drive_as(k, true);
                 }
             }
@@ -156,7 +155,7 @@ impl Loop {
         for i in 0..self.polled.len() {
             let k = self.polled[i];
             let Some(conn) = self.conn_mut(k) else { continue };
-            if !conn.role.handler().blocked(conn) && conn.transport.arm() {
+            if !conn.role.handler().blocked(conn) && conn.transport.memory_polled().is_some_and(|m| m.arm()) {
                 ready = true;
                 self.again.push(k);
             }
@@ -198,9 +197,18 @@ impl Loop {
         self.states[i].1.downcast_mut().unwrap_or_else(|| unreachable!("a loop state is keyed by its own type"))
     }
 
-    /// The provider state of this loop, for a link's calls (send, expose, read...).
-    pub fn net(&mut self) -> &mut Net {
-        &mut self.net
+    /// The peer of `conn` proved the protocol's secret (or none is required): the
+    /// connection is marked authenticated, and its link is told (only now may it create,
+    /// register or expose anything for the peer). `exposes`: this side exposes regions for
+    /// the peer to read. `Ok(true)`: messages flow; `Ok(false)`: the link attaches its data
+    /// plane first and reports [`Incoming::Attached`](crate::driver::Incoming::Attached)
+    /// once it is up (what is sent meanwhile waits). Called once per connection.
+    pub fn authenticated(&mut self, conn: &mut Conn, exposes: bool) -> Result<bool, FabricError> {
+        conn.authenticated = true;
+        let Conn { transport, role, .. } = conn;
+        let r = transport.authenticated(&Authenticated { codec: role.codec(), exposes });
+        self.update_registered();
+        r
     }
 
     /// The driver's counters.
@@ -263,7 +271,7 @@ impl Loop {
         let Some(mut conn) = self.take(key) else { return };
         let token = conn_token(key);
         let res = conn.transport.register(self.poll.registry(), token, key.to_u64());
-        if conn.transport.polled() {
+        if conn.transport.memory_polled().is_some() {
             self.polled.push(key);
         }
         match res {
@@ -335,8 +343,7 @@ impl Loop {
         self.polled.retain(|k| *k != key);
         self.parked.retain(|k| *k != key);
         self.role_removed(&mut conn);
-        conn.transport.shutdown(&mut self.net);
-        conn.transport.destroy(&mut self.net);
+        conn.transport.shutdown();
         self.shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
         if let Some(slot) = self.conns.get_mut(key.index as usize) {
             if slot.gen == key.gen {
@@ -349,7 +356,7 @@ impl Loop {
 
     /// Refreshes the registered-bytes gauge after a protocol registered or released memory.
     pub fn update_registered(&self) {
-        self.shared.stats.registered_bytes.store(self.net.registered_bytes(), Ordering::Relaxed);
+        self.shared.stats.registered_bytes.store(self.engine.registered_bytes(), Ordering::Relaxed);
     }
 
     // ------------------------------------------------------------------ driving
@@ -369,10 +376,10 @@ impl Loop {
             while budget > 0 && conn.closing.is_none() && !self.blocked(&conn) {
                 budget -= 1;
                 let codec = &*conn.role.codec;
-                let next = if polled {
-                    conn.transport.next_polled(&mut self.net, codec)
-                } else {
-                    conn.transport.next(&mut self.net, codec)
+                let looked = if polled { conn.transport.memory_polled().map(|m| m.next_polled(codec)) } else { None };
+                let next = match looked {
+                    Some(next) => next,
+                    None => conn.transport.next(codec),
                 };
                 match next {
                     Ok(Some(inc)) => {
@@ -394,7 +401,7 @@ impl Loop {
         if conn.closing.is_some() {
             // A closing connection reads nothing but must still collect device completions
             // (the flushes that give back the buffers its posted work targets).
-            while let Ok(Some(inc)) = conn.transport.next(&mut self.net, &*conn.role.codec) {
+            while let Ok(Some(inc)) = conn.transport.next(&*conn.role.codec) {
                 self.incoming(&mut conn, inc);
             }
         }
@@ -446,7 +453,7 @@ impl Loop {
         tracing::debug!(driver = %self.shared.name, peer = %conn.peer, %reason, "closing connection");
         conn.closing = Some(Closing { deadline: Instant::now() + CLOSE_LINGER, reason });
         if !flush || conn.transport.sends_done() {
-            conn.transport.shutdown(&mut self.net);
+            conn.transport.shutdown();
         }
         self.update_registered();
     }
@@ -458,7 +465,7 @@ impl Loop {
         if !conn.transport.sends_done() && !late {
             return false;
         }
-        conn.transport.shutdown(&mut self.net);
+        conn.transport.shutdown();
         if conn.transport.busy() && !late {
             return false;
         }

@@ -73,7 +73,7 @@ mod timers;
 mod types;
 
 pub use crate::providers::codec::{Codec, CodecError, FrameShape};
-pub use crate::providers::link::{Incoming, MsgPayload, Net, Placement};
+pub use crate::providers::link::{Authenticated, Capabilities, Incoming, MsgPayload, Placement};
 pub use stats::DriverStats;
 pub use types::{
     Acceptor, Closing, Conn, ConnKey, DriverConfig, Handler, Job, Loop, Role, Service, Transport, DEFAULT_SPIN, MAX_SPIN,
@@ -181,7 +181,7 @@ impl Driver {
             stats: DriverStats::default(),
             next_id: AtomicU64::new(1),
         });
-        let net = event_loop::new_net(&shared, &poll)?;
+        let engine = event_loop::new_engine(&shared, &poll)?;
         let lp = Loop {
             shared: shared.clone(),
             poll,
@@ -197,7 +197,7 @@ impl Driver {
             polled: Vec::new(),
             polls_skipped: 0,
             mem_dirty: false,
-            net,
+            engine,
             exiting: None,
         };
         // The gauge includes what the provider registered for this loop from the start (verbs:

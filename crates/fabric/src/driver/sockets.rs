@@ -15,7 +15,7 @@ impl Loop {
     /// notification, which wakes the loop with the listener's key); what it accepts goes to
     /// `acceptor`. Returns the address bound (port 0 picks one).
     pub fn listen(&mut self, id: u64, addr: SocketAddr, acceptor: &'static dyn Acceptor) -> Result<SocketAddr, FabricError> {
-        let (local, socket) = self.net.engine.listen(addr, self.poll.registry(), listener_token(id), (1 << 63) | id)?;
+        let (local, socket) = self.engine.listen(addr, self.poll.registry(), listener_token(id), (1 << 63) | id)?;
         self.listeners.insert(id, Listening { socket, acceptor });
         Ok(local)
     }
@@ -50,6 +50,6 @@ impl Loop {
 
     /// A new outgoing connection of the driver's provider to `addr`.
     pub fn connect(&mut self, addr: SocketAddr) -> Result<Transport, FabricError> {
-        self.net.engine.connect(addr)
+        self.engine.connect(addr)
     }
 }

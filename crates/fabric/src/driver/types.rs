@@ -9,7 +9,7 @@ use super::stats::DriverStats;
 use super::timers::Timers;
 use crate::error::FabricError;
 use crate::providers::codec::Codec;
-use crate::providers::link::{Incoming, Link, Listener, Net};
+use crate::providers::link::{Incoming, Link, Listener, ProviderEngine};
 use crate::providers::Provider;
 use mio::{Poll, Waker};
 use parking_lot::Mutex;
@@ -119,7 +119,7 @@ pub struct Loop {
     pub(super) timers: Timers,
     /// Connections to drive again (they used their budget, or were unblocked).
     pub(super) again: Vec<ConnKey>,
-    /// Connections whose link is [`polled`](crate::providers::link::Link::polled): read on
+    /// Connections whose link is [memory-polled](crate::providers::link::Link::memory_polled): read on
     /// every spin turn, armed before a sleep.
     pub(super) polled: Vec<ConnKey>,
     /// Spin turns since the last `epoll_wait`, while polled links are read in memory.
@@ -127,7 +127,8 @@ pub struct Loop {
     /// A block started waiting for memory since the queue was last served: serve it once
     /// (memory may be free already, and no release would then come to wake us).
     pub(super) mem_dirty: bool,
-    pub(crate) net: Net,
+    /// The provider's engine for this loop.
+    pub(crate) engine: Box<dyn ProviderEngine>,
     /// Set at shutdown: when the loop gives up waiting for connections to close.
     pub(super) exiting: Option<Instant>,
 }

@@ -14,9 +14,11 @@
 //! The codec bounds every length it reads from the wire before the link reads (or allocates)
 //! that many bytes, so a lying length costs nothing but the connection.
 //!
-//! A provider with a data plane to bootstrap (verbs: queue pair numbers exchanged over the
-//! control socket) sends its record inside the protocol's own frame for it
-//! ([`Codec::attach_frame`]) and recognizes the peer's ([`Codec::attach_record`]).
+//! A provider with a data plane to bootstrap once the peer authenticated (verbs: queue pair
+//! numbers exchanged over the control socket; any provider that must tell its peer an
+//! address of its own) sends its record inside the protocol's own frame for it
+//! ([`Codec::attach_frame`]) and recognizes the peer's ([`Codec::attach_record`]). The
+//! protocol only frames the record: the link consumes the peer's and never hands it up.
 
 use std::error::Error;
 

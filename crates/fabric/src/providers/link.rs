@@ -5,14 +5,36 @@
 //!
 //! The driver holds connections as `Box<dyn Link>` and the loop's engine as
 //! `Box<dyn ProviderEngine>` and never asks which provider it runs: a new provider implements
-//! these three traits in its own folder under `providers/` and is listed once, in
-//! [`open_provider`](super::open_provider). Dispatch is one virtual call per message or per
-//! loop turn, never per byte: a stream link reads and writes whole buffers behind one call.
+//! these traits in its own crate (`crates/providers/<name>`) and is registered once, by name,
+//! in `rdma-shuffle-providers`. Dispatch is one virtual call per message or per loop turn,
+//! never per byte: a stream link reads and writes whole buffers behind one call.
 //!
-//! The hooks a provider with a separate data plane needs (verbs: attach queue pairs after the
-//! handshake authenticated the peer, credits against a shared receive queue) are methods with
-//! neutral defaults, so the connection roles call them unconditionally and a provider without
-//! a data plane (tcp, sim) ignores them.
+//! # The core and the capabilities
+//!
+//! Every link implements the core of [`Link`]: its [`Capabilities`], registration with the
+//! loop, connect completion, [`authenticated`](Link::authenticated), `send`, `next`,
+//! payload placement, and closing. What only some providers can do is a **capability**: a
+//! trait of its own that a link answers for through an accessor (`None`: it has not got it),
+//! and that the protocols and the policy ask for:
+//!
+//! | capability | accessor | who has it |
+//! |---|---|---|
+//! | one-sided read and exposure | [`Link::one_sided`] → [`OneSided`] | verbs, sim (one-sided) |
+//! | receive credits against a queue the engine shares | [`Link::receive_credits`] → [`ReceiveCredits`] | verbs (SRQ) |
+//! | memory-polled progress | [`Link::memory_polled`] → [`MemoryPolled`] | shm (rings) |
+//! | reduce-on-receive | [`Capabilities::folds`] and [`Placement::Fold`] | tcp, shm |
+//! | coalesced sends | [`Link::coalescing`] → [`Coalescing`] | tcp (one `writev`) |
+//! | sends written from the caller's memory after `send` | [`Link::send_progress`] → [`SendProgress`] | tcp, shm |
+//!
+//! A data plane attached after authentication (verbs' queue pairs) is no capability the
+//! protocols drive: the loop tells a link that its peer authenticated
+//! ([`Loop::authenticated`](crate::driver::Loop::authenticated) →
+//! [`Link::authenticated`]) and the link does the rest itself. Its bootstrap record
+//! travels in the protocol's frame for it ([`Codec::attach_frame`]); the link reports
+//! [`Incoming::Attached`] once messages flow.
+//!
+//! A link that needs its engine's state (verbs: the shared receive queue, the send buffers)
+//! holds it, typed, from the engine that made it: nothing crosses the seam as `Any`.
 
 use crate::error::FabricError;
 use crate::memory::pool::Lease;
@@ -20,7 +42,6 @@ use crate::providers::codec::Codec;
 use crate::providers::Source;
 use mio::{Registry, Token};
 use rdma_shuffle_wire::Descriptor;
-use std::any::Any;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -129,7 +150,7 @@ pub enum Incoming {
         /// Whether the read succeeded.
         result: Result<(), FabricError>,
     },
-    /// A one-sided read into user memory ([`Link::start_read_user`]) finished, or was
+    /// A one-sided read into user memory ([`OneSided::start_read_user`]) finished, or was
     /// flushed: the memory is the caller's again either way.
     UserReadDone {
         /// The tag the read was started with.
@@ -139,10 +160,8 @@ pub enum Incoming {
         /// Whether the read succeeded.
         result: Result<(), FabricError>,
     },
-    /// (links with a data plane) The peer's data-plane bootstrap record: the role passes it
-    /// to [`Link::complete_attach`] or [`Link::accept_attach`].
-    Attach(Vec<u8>),
-    /// (links with a data plane) The data plane is up (our attach was answered).
+    /// The data plane a link attaches after authentication is up: messages flow (only
+    /// after [`Link::authenticated`] answered `false`).
     Attached,
 }
 
@@ -163,7 +182,7 @@ pub enum Placement {
     /// [`Incoming::Payload`]`(None)` once the payload is complete.
     User(UserBuf),
     /// Reduced into the caller's memory as it arrives (a posted receive of a reducing
-    /// collective), by links that [fold](Link::folds): the link reads the payload in pieces
+    /// collective), by links that [fold](Capabilities::folds): the link reads the payload in pieces
     /// small enough to stay in cache (tcp: its 64 KiB read buffer) and folds each into `dst`
     /// at its offset, so the bytes are touched once on their way in instead of being written
     /// to a buffer and read back. Answered like [`User`](Placement::User).
@@ -226,35 +245,6 @@ impl std::ops::DerefMut for UserBuf {
     }
 }
 
-/// Per-loop provider state: the engine the provider built for this driver, and the bytes
-/// exposed by links whose provider keeps no count of its own.
-pub struct Net {
-    /// Bytes exposed to peers now by links that count them here (sim).
-    pub exposed_bytes: u64,
-    /// The provider's per-loop engine.
-    pub(crate) engine: Box<dyn ProviderEngine>,
-}
-
-impl Net {
-    /// The engine as its concrete type, for the provider's own links (`None`: another
-    /// provider's engine, which a link of this provider never meets).
-    pub fn engine_mut<E: ProviderEngine>(&mut self) -> Option<&mut E> {
-        let any: &mut dyn Any = &mut *self.engine;
-        any.downcast_mut::<E>()
-    }
-
-    /// [`engine_mut`](Net::engine_mut), shared.
-    pub fn engine_ref<E: ProviderEngine>(&self) -> Option<&E> {
-        let any: &dyn Any = &*self.engine;
-        any.downcast_ref::<E>()
-    }
-
-    /// Bytes registered for this loop: the engine's and the exposures counted here.
-    pub(crate) fn registered_bytes(&self) -> u64 {
-        self.exposed_bytes + self.engine.registered_bytes()
-    }
-}
-
 /// Counters a provider's data plane keeps (verbs: sends, receives, reads, queue pairs...);
 /// zero where a provider has none. Shared between a driver's stats and its engine.
 #[derive(Debug, Default)]
@@ -298,8 +288,9 @@ pub struct EngineCtx<'a> {
 }
 
 /// A provider's state in one driver loop (verbs: completion queue, shared receive queue,
-/// send buffers). Owned and called by the loop thread only.
-pub trait ProviderEngine: Any + Send {
+/// send buffers). Owned and called by the loop thread only; its links hold what they need of
+/// it themselves.
+pub trait ProviderEngine: Send {
     /// A new outgoing connection to `addr` (it may still be connecting: the link reports
     /// that through [`Link::is_connected`] and [`Link::on_writable`]).
     fn connect(&mut self, addr: SocketAddr) -> Result<Box<dyn Link>, FabricError>;
@@ -321,7 +312,8 @@ pub trait ProviderEngine: Any + Send {
         Vec::new()
     }
 
-    /// Bytes this engine registered with a device (buffers, exposed regions).
+    /// Bytes this engine and its links registered with a device or exposed to peers
+    /// (buffers, exposed regions).
     fn registered_bytes(&self) -> u64 {
         0
     }
@@ -335,26 +327,72 @@ pub trait Listener: Send {
     fn close(&mut self, registry: &Registry);
 }
 
-/// One connection of a provider: frames and payloads out, [`Incoming`] items in, and
-/// one-sided reads of regions the peer exposed. Methods with defaults are the hooks of
-/// providers with a separate data plane or one-sided reads; tcp-like links keep them.
+/// What a link is, as far as the protocols above it ask (a link that sets itself up after
+/// its connection, shm, may answer more once it is up).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Rendezvous regions are read one-sidedly over this link ([`Link::one_sided`] answers
+    /// `Some`); otherwise the receiver pulls them over the connection.
+    pub one_sided: bool,
+    /// Largest eager payload one message of this link holds (`u32::MAX` for streams).
+    pub max_eager: u32,
+    /// Payload lengths [`Placement::Fold`] may be asked for (reduce-on-receive: the link
+    /// reduces a payload into the caller's memory as it arrives). A protocol asks only for
+    /// lengths in it, and places into its own buffer otherwise.
+    pub folds: Folds,
+}
+
+impl Default for Capabilities {
+    /// Two-sided, unbounded eager payloads, no reduce-on-receive.
+    fn default() -> Self {
+        Capabilities { one_sided: false, max_eager: u32::MAX, folds: Folds::NONE }
+    }
+}
+
+/// The payload lengths a link reduces on receive ([`Capabilities::folds`]): those in
+/// `range` (inclusive) and, if set, those from `from` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Folds {
+    /// Lengths from `range.0` to `range.1` fold.
+    pub range: (u64, u64),
+    /// Lengths from this one on fold too.
+    pub from: Option<u64>,
+}
+
+impl Folds {
+    /// No length folds.
+    pub const NONE: Folds = Folds { range: (1, 0), from: None };
+    /// Every length folds.
+    pub const ALL: Folds = Folds { range: (0, u64::MAX), from: None };
+
+    /// Whether a payload of `len` bytes may be folded.
+    pub fn admits(&self, len: u64) -> bool {
+        (self.range.0 <= len && len <= self.range.1) || self.from.is_some_and(|f| len >= f)
+    }
+}
+
+/// What the loop tells a link whose peer authenticated ([`Link::authenticated`]).
+pub struct Authenticated<'a> {
+    /// The protocol's framing: a record the link sends its peer travels in the protocol's
+    /// frame for it ([`Codec::attach_frame`]).
+    pub codec: &'a dyn Codec,
+    /// Whether this side exposes regions for the peer to read one-sidedly (a block server,
+    /// both sides of a mesh link; a block client only reads): only then may the peer's
+    /// one-sided reads reach memory through this link.
+    pub exposes: bool,
+}
+
+/// One connection of a provider, as the driver and the protocols see it: frames and
+/// payloads out, [`Incoming`] items in. What only some providers can do is reached through
+/// the capability accessors at the end, each `None` unless the link has it.
 pub trait Link: Send {
-    /// Whether frames travel as a byte stream now (payloads are placed while reading).
-    fn is_stream(&self) -> bool;
-
-    /// Whether rendezvous regions are read one-sidedly over this link.
-    fn one_sided(&self) -> bool {
-        false
-    }
-
-    /// Whether the connect completed (a link that needs no connect says `true`).
-    fn is_connected(&self) -> bool {
-        true
-    }
+    /// What this link is: one-sided or not, its largest eager payload, what it folds.
+    fn capabilities(&self) -> Capabilities;
 
     /// Registers the link's socket with the loop's poll under `token`, or its notifier under
-    /// `key` (links outside the poll). Answers whether a socket was registered (to be
-    /// deregistered at removal).
+    /// `key` (links outside the poll); `key` is the connection's for good (completions are
+    /// routed by it). Answers whether a socket was registered (to be deregistered at
+    /// removal).
     fn register(&mut self, registry: &Registry, token: Token, key: u64) -> std::io::Result<bool>;
 
     /// Deregisters what [`register`](Link::register) registered.
@@ -363,132 +401,49 @@ pub trait Link: Send {
         Ok(())
     }
 
+    /// Whether the connect completed (a link that needs no connect says `true`).
+    fn is_connected(&self) -> bool {
+        true
+    }
+
     /// The socket became writable: completes a pending connect (`Ok(true)` the first time)
     /// and writes what is queued.
     fn on_writable(&mut self) -> Result<bool, FabricError> {
         Ok(false)
     }
 
+    /// The peer proved the protocol's secret (or none is required): only now may the link
+    /// create, register or expose anything for it. `Ok(true)`: messages flow as before;
+    /// `Ok(false)`: the link attaches a data plane first (verbs: queue pairs, its record in
+    /// the protocol's frame) and reports [`Incoming::Attached`] once it is up; what is sent
+    /// meanwhile waits. Called once, by
+    /// [`Loop::authenticated`](crate::driver::Loop::authenticated).
+    fn authenticated(&mut self, peer: &Authenticated<'_>) -> Result<bool, FabricError> {
+        let _ = peer;
+        Ok(true)
+    }
+
     /// Sends a frame: its fixed part `head`, encoded by the protocol, and its payload
     /// (queued where the link must wait).
-    fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError>;
-
-    /// Sends a small frame, `head` then `body`, straight from the caller's bytes if this link
-    /// can put it out at once with no copy of its own in between (shm: into the ring, when
-    /// nothing is queued before it). `Ok(false)`: not taken, nothing was sent; use
-    /// [`send`](Link::send). The default takes nothing.
-    fn send_now(&mut self, _net: &mut Net, _head: &[u8], _body: &[u8]) -> Result<bool, FabricError> {
-        Ok(false)
-    }
-
-    /// Holds what is sent from now on until [`uncork`](Link::uncork), which sends it
-    /// together (tcp: one `writev` for many small frames). A no-op where each send is one
-    /// message.
-    fn cork(&mut self) {}
-
-    /// Ends [`cork`](Link::cork) and writes what was held.
-    fn uncork(&mut self) -> Result<(), FabricError> {
-        Ok(())
-    }
-
-    /// Sends raw bytes as one write or message (tests of a peer's decoder).
-    fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError>;
-
-    /// For links that write from the caller's memory after [`send`](Link::send) returned:
-    /// `(bytes ever queued, bytes ever written)`; a frame queued when the first was `n` is
-    /// out once the second reaches `n`. `None` where sends copy the bytes.
-    fn write_progress(&self) -> Option<(u64, u64)> {
-        None
-    }
+    fn send(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError>;
 
     /// The next thing that arrived, if any; frames are cut with the connection's `codec`.
-    fn next(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError>;
+    fn next(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError>;
 
-    /// Whether the loop looks at this link on every turn in which it spins, event or not: a
-    /// link whose messages arrive in memory (shm rings) is read there without a system call,
-    /// and asks to be woken ([`arm`](Link::arm)) only before the loop sleeps.
-    fn polled(&self) -> bool {
-        false
-    }
-
-    /// [`next`](Link::next) for a look with no event behind it (a polled link, on a spin
-    /// turn): checks that cost a system call may wait for an event.
-    fn next_polled(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
-        self.next(net, codec)
-    }
-
-    /// (polled links) Whether a look would find something, without a system call: the spin
-    /// turn drives only links that say so.
-    fn ready(&self) -> bool {
-        true
-    }
-
-    /// (polled links) The loop is about to sleep: make the next arrival an event on this
-    /// link's descriptors. `true` when something is there already (the loop must not sleep).
-    fn arm(&mut self) -> bool {
-        false
-    }
-
-    /// Whether [`Placement::Fold`] may be asked of this link for a payload of `len` bytes
-    /// (tcp: it reduces a payload out of its read buffer as it arrives; shm: large bodies).
-    /// A protocol asks only links that say so, and places into its own buffer elsewhere.
-    fn folds(&self, len: u64) -> bool {
-        let _ = len;
-        false
-    }
-
-    /// Places the payload of the frame just returned (stream links).
+    /// Places the payload of the frame just returned (stream links; message links hand the
+    /// payload over with the frame).
     fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
         let _ = placement;
         Ok(())
     }
 
-    /// Exposes a region to the peer for one-sided reads; answers `(addr, rkey)`. Links
-    /// without one-sided reads answer `(offset, 0)` (the peer pulls the region).
-    fn expose(&mut self, net: &mut Net, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
-        let _ = (net, source, len);
-        Ok((offset, 0))
-    }
-
-    /// Revokes an exposure; later reads of it fail.
-    fn revoke(&mut self, net: &mut Net, rkey: u32) {
-        let _ = (net, rkey);
-    }
-
-    /// Whether a one-sided read may be posted now (verbs caps reads per queue pair and per
-    /// engine).
-    fn can_read(&self, net: &Net) -> bool {
-        let _ = net;
-        true
-    }
-
-    /// Starts a one-sided read of `desc` into `lease`; its completion comes back through
-    /// [`next`](Link::next) as [`Incoming::ReadDone`] with `tag`. On `Err` nothing was
-    /// posted.
-    fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
-        let _ = (net, tag, desc);
-        Err(Box::new((lease, FabricError::Unsupported("this provider has no one-sided read".into()))))
-    }
-
-    /// (one-sided) Starts reading `desc` from the peer straight into the caller's memory
-    /// `dst`, registered with this provider (`lkey`:
-    /// [`UserRegion::write_lkey`](super::UserRegion::write_lkey)). It completes through
-    /// [`next`](Link::next) as [`Incoming::UserReadDone`] with `tag`; until then `dst` is
-    /// the device's. On `Err` nothing was posted.
-    fn start_read_user(
-        &mut self,
-        net: &mut Net,
-        tag: u64,
-        desc: &Descriptor,
-        dst: UserBuf,
-        lkey: u32,
-    ) -> Result<(), FabricError> {
-        let _ = (net, tag, desc, dst, lkey);
-        Err(FabricError::Unsupported("this provider has no one-sided read into user memory".into()))
-    }
-
     /// Whether everything sent has left (stream: written to the socket; verbs: completed).
     fn sends_done(&self) -> bool;
+
+    /// Stops the connection: sockets shut down, exposures revoked, a queue pair moved to the
+    /// error state (its posted work then completes as flushed). Idempotent. What the link
+    /// holds of its engine goes back when it is dropped.
+    fn shutdown(&mut self);
 
     /// Whether work posted to a device is still outstanding (the connection cannot be torn
     /// down, nor its buffers reused, until it completes).
@@ -496,93 +451,161 @@ pub trait Link: Send {
         false
     }
 
-    /// Stops the connection: sockets shut down, exposures revoked, a queue pair moved to the
-    /// error state (its posted work then completes as flushed). Idempotent.
-    fn shutdown(&mut self, net: &mut Net);
+    // ------------------------------------------------------------------ capabilities
 
-    /// The connection is removed: what it held in the engine goes back.
-    fn destroy(&mut self, net: &mut Net) {
-        let _ = net;
-    }
-
-    // ------------------------------------------------------------ data plane (verbs)
-
-    /// Largest eager payload this link's receive buffers hold (unbounded for streams).
-    fn max_eager(&self) -> u32 {
-        u32::MAX
-    }
-
-    /// Whether, once the handshake authenticated the peer, a data plane must be attached
-    /// ([`begin_attach`](Link::begin_attach) / [`accept_attach`](Link::accept_attach))
-    /// before messages flow.
-    fn needs_attach(&self) -> bool {
-        false
-    }
-
-    /// (connecting side, after the handshake) Lets the authenticated peer read memory
-    /// registered for it through this link (both sides expose rendezvous buffers).
-    fn allow_remote_read(&mut self) {}
-
-    /// (connecting side, after the handshake) Starts attaching the data plane; its record
-    /// travels in the protocol's frame for it ([`Codec::attach_frame`]).
-    fn begin_attach(&mut self, net: &mut Net, key: u64, codec: &dyn Codec) -> Result<(), FabricError> {
-        let _ = (net, key, codec);
-        Ok(())
-    }
-
-    /// (accepting side) Waits for the peer's attach record and reports
-    /// [`Incoming::Attached`] once it answered it.
-    fn expect_attach(&mut self) -> Result<(), FabricError> {
-        Ok(())
-    }
-
-    /// (connecting side) The peer's attach record arrived: the data plane is up.
-    fn complete_attach(&mut self, net: &mut Net, data: &[u8]) -> Result<(), FabricError> {
-        let _ = (net, data);
-        Err(FabricError::Unsupported("an attach record on a connection without a data plane".into()))
-    }
-
-    /// (accepting side) The authenticated peer's attach record arrived: attach and answer
-    /// (in the protocol's frame, [`Codec::attach_frame`]).
-    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
-        let _ = (net, key, data, codec);
-        Err(FabricError::Unsupported("an attach record on a connection without a data plane".into()))
-    }
-
-    /// Whether answers to this link's requests take room in a receive queue shared by the
-    /// engine, so requests go out only as far as [`answer_room`](Link::answer_room) allows.
-    fn bounded_answers(&self) -> bool {
-        false
-    }
-
-    /// Room for answers that may be requested now; `None` when unbounded (or the data plane
-    /// is not up yet).
-    fn answer_room(&mut self, net: &mut Net) -> Option<u32> {
-        let _ = net;
+    /// One-sided read and exposure, where this link has them.
+    fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
         None
     }
 
-    /// `sent` requests went out within [`answer_room`](Link::answer_room); with `starved`,
-    /// more wait, and connection `key` is driven again when room comes back.
-    fn answers_requested(&mut self, net: &mut Net, sent: u32, starved: bool, key: u64) {
-        let _ = (net, sent, starved, key);
+    /// Credits against a receive queue the engine shares among its links, where answers and
+    /// requests take room in one.
+    fn receive_credits(&mut self) -> Option<&mut dyn ReceiveCredits> {
+        None
     }
 
-    /// One answer arrived: its room is free again. Answers connections to drive again.
-    fn answer_arrived(&mut self, net: &mut Net) -> Vec<u64> {
-        let _ = net;
-        Vec::new()
+    /// Memory-polled progress, where messages arrive in memory the loop can look at
+    /// without a system call.
+    fn memory_polled(&mut self) -> Option<&mut dyn MemoryPolled> {
+        None
     }
+
+    /// Coalesced sends, where many small frames can leave together.
+    fn coalescing(&mut self) -> Option<&mut dyn Coalescing> {
+        None
+    }
+
+    /// How far sends went out, where a link writes from the caller's memory after `send`
+    /// returned (the caller keeps the memory until then).
+    fn send_progress(&self) -> Option<&dyn SendProgress> {
+        None
+    }
+}
+
+/// One-sided read and exposure ([`Link::one_sided`]): regions exposed to the peer, and reads
+/// of the regions it exposed.
+pub trait OneSided {
+    /// Exposes a region to the peer for one-sided reads; answers `(addr, rkey)`.
+    fn expose(&mut self, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError>;
+
+    /// Revokes an exposure; later reads of it fail.
+    fn revoke(&mut self, rkey: u32);
+
+    /// Whether a one-sided read may be posted now (verbs caps reads per queue pair and per
+    /// engine).
+    fn can_read(&self) -> bool {
+        true
+    }
+
+    /// Starts a one-sided read of `desc` into `lease`; its completion comes back through
+    /// [`Link::next`] as [`Incoming::ReadDone`] with `tag`. On `Err` nothing was posted.
+    fn start_read(&mut self, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead>;
+
+    /// Starts reading `desc` from the peer straight into the caller's memory `dst`,
+    /// registered with this provider (`lkey`:
+    /// [`UserRegion::write_lkey`](super::UserRegion::write_lkey)). It completes through
+    /// [`Link::next`] as [`Incoming::UserReadDone`] with `tag`; until then `dst` is the
+    /// device's. On `Err` nothing was posted.
+    fn start_read_user(&mut self, tag: u64, desc: &Descriptor, dst: UserBuf, lkey: u32) -> Result<(), FabricError> {
+        let _ = (tag, desc, dst, lkey);
+        Err(FabricError::Unsupported("this provider has no one-sided read into user memory".into()))
+    }
+}
+
+/// Credits against a receive queue the engine shares among its links
+/// ([`Link::receive_credits`]; verbs: one shared receive queue per driver). Answers to this
+/// link's requests take room in it, so requests go out only as far as
+/// [`answer_room`](ReceiveCredits::answer_room) allows; a server grants its peer credits out
+/// of it.
+pub trait ReceiveCredits {
+    /// Room for answers that may be requested now; `None` until the data plane is up.
+    fn answer_room(&mut self) -> Option<u32>;
+
+    /// `sent` requests went out within [`answer_room`](ReceiveCredits::answer_room); with
+    /// `starved`, more wait, and this connection is driven again when room comes back.
+    fn answers_requested(&mut self, sent: u32, starved: bool);
+
+    /// One answer arrived: its room is free again. Answers the connections to drive again.
+    fn answer_arrived(&mut self) -> Vec<u64>;
 
     /// (server side) Credits a session may grant its peer, at most `max`.
-    fn grant_credits(&mut self, net: &mut Net, max: u32) -> u32 {
-        let _ = net;
-        max
+    fn grant_credits(&mut self, max: u32) -> u32;
+
+    /// (server side) The credits the session granted (given back when the link goes).
+    fn credits_granted(&mut self, n: u32);
+}
+
+/// Memory-polled progress ([`Link::memory_polled`]; shm rings): the loop looks at the link
+/// on every turn in which it spins, event or not, and asks to be woken only before it
+/// sleeps.
+pub trait MemoryPolled {
+    /// Whether a look would find something, without a system call: the spin turn drives
+    /// only links that say so.
+    fn ready(&self) -> bool;
+
+    /// [`Link::next`] for a look with no event behind it (a spin turn): checks that cost a
+    /// system call may wait for an event.
+    fn next_polled(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError>;
+
+    /// The loop is about to sleep: make the next arrival an event on this link's
+    /// descriptors. `true` when something is there already (the loop must not sleep).
+    fn arm(&mut self) -> bool;
+
+    /// Sends a small frame, `head` then `body`, straight from the caller's bytes if it can
+    /// go out at once with no copy in between (into the ring, when nothing is queued before
+    /// it). `Ok(false)`: not taken, nothing was sent; use [`Link::send`].
+    fn send_now(&mut self, head: &[u8], body: &[u8]) -> Result<bool, FabricError>;
+}
+
+/// Coalesced sends ([`Link::coalescing`]; tcp: one `writev` for many small frames).
+pub trait Coalescing {
+    /// Holds what is sent from now on until [`uncork`](Coalescing::uncork), which sends it
+    /// together.
+    fn cork(&mut self);
+
+    /// Ends [`cork`](Coalescing::cork) and writes what was held.
+    fn uncork(&mut self) -> Result<(), FabricError>;
+}
+
+/// How far sends went out ([`Link::send_progress`]), for links that write from the caller's
+/// memory after [`Link::send`] returned.
+pub trait SendProgress {
+    /// `(bytes ever queued, bytes ever written)`: a frame queued when the first was `n` is
+    /// out once the second reaches `n`.
+    fn write_progress(&self) -> (u64, u64);
+}
+
+impl dyn Link + '_ {
+    /// Cork the link's sends where it coalesces them (a no-op elsewhere).
+    pub fn cork(&mut self) {
+        if let Some(c) = self.coalescing() {
+            c.cork();
+        }
     }
 
-    /// (server side) The credits the session granted (given back at removal).
-    fn credits_granted(&mut self, n: u32) {
-        let _ = n;
+    /// Uncork what [`cork`](Self::cork) held (a no-op where the link does not coalesce).
+    pub fn uncork(&mut self) -> Result<(), FabricError> {
+        match self.coalescing() {
+            Some(c) => c.uncork(),
+            None => Ok(()),
+        }
+    }
+
+    /// Exposes a region for the peer to read: one-sided links bind it and answer
+    /// `(addr, rkey)`; the others expose nothing and answer `(offset, 0)` (the peer pulls
+    /// the region over the connection).
+    pub fn expose_or_offer(&mut self, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
+        match self.one_sided() {
+            Some(o) => o.expose(source, offset, len),
+            None => Ok((offset, 0)),
+        }
+    }
+
+    /// Revokes an exposure of a one-sided link (nothing to do elsewhere).
+    pub fn revoke(&mut self, rkey: u32) {
+        if let Some(o) = self.one_sided() {
+            o.revoke(rkey);
+        }
     }
 }
 

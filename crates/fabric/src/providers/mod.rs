@@ -122,7 +122,7 @@ pub trait UserRegion: Send + Sync {
     /// The key a peer names the region with.
     fn rkey(&self) -> u32;
     /// The key a one-sided read of this process writes the region with
-    /// ([`Link::start_read_user`](link::Link::start_read_user)), if it may be written.
+    /// ([`OneSided::start_read_user`](link::OneSided::start_read_user)), if it may be written.
     fn write_lkey(&self) -> Option<u32> {
         None
     }

@@ -342,6 +342,12 @@ impl ShmConn {
         len >= self.single_copy_min && len.saturating_add(RING_HEAD_ROOM) <= self.tx.max_record()
     }
 
+    /// The body lengths [`ring_takes`](Self::ring_takes), as an inclusive range (empty when
+    /// none fits).
+    pub fn ring_body_range(&self) -> (u64, u64) {
+        (self.single_copy_min as u64, self.tx.max_record().saturating_sub(RING_HEAD_ROOM) as u64)
+    }
+
     /// Whether [`send_through_ring`](Self::send_through_ring) takes a message of a `head`-byte
     /// head and a `len`-byte body: the body [`ring_takes`](Self::ring_takes), and the head
     /// and its length fit [`RING_HEAD_ROOM`].

@@ -19,7 +19,8 @@ use rdma_shuffle_fabric::memory::pool::NoRegistration;
 use rdma_shuffle_fabric::memory::registration::Registrar;
 use rdma_shuffle_fabric::providers::codec::{checked_shape, message_head, Codec};
 use rdma_shuffle_fabric::providers::link::{
-    encode_message, EngineCtx, Incoming, Link, Listener, MsgPayload, Net, OutPayload, Placement, ProviderEngine,
+    encode_message, Capabilities, EngineCtx, Folds, Incoming, Link, Listener, MemoryPolled, MsgPayload, OutPayload, Placement,
+    ProviderEngine, SendProgress,
 };
 use rdma_shuffle_fabric::providers::Provider;
 use std::collections::VecDeque;
@@ -306,15 +307,16 @@ impl ShmLink {
 }
 
 impl Link for ShmLink {
-    fn is_stream(&self) -> bool {
-        false
-    }
-
-    /// A body sent by reference of at least [`FOLD_MIN`] bytes is reduced piece by piece as
-    /// it is copied (see [`ShmConn::fold_body`]); a body in the ring (the peer sends a body
-    /// of this length that way, [`ShmConn::ring_takes`]) is reduced straight out of it.
-    fn folds(&self, len: u64) -> bool {
-        len >= FOLD_MIN || matches!(&self.state, State::Up(c) if usize::try_from(len).is_ok_and(|l| c.ring_takes(l)))
+    /// Whole messages (rendezvous regions are pulled). Folds: a body sent by reference of at
+    /// least [`FOLD_MIN`] bytes is reduced piece by piece as it is copied (see
+    /// [`ShmConn::fold_body`]); a body in the ring (the peer sends a body of a length
+    /// [`ShmConn::ring_takes`] that way) is reduced straight out of it.
+    fn capabilities(&self) -> Capabilities {
+        let range = match &self.state {
+            State::Up(c) => c.ring_body_range(),
+            _ => (1, 0),
+        };
+        Capabilities { one_sided: false, max_eager: u32::MAX, folds: Folds { range, from: Some(FOLD_MIN) } }
     }
 
     fn register(&mut self, registry: &Registry, token: Token, _key: u64) -> std::io::Result<bool> {
@@ -328,7 +330,7 @@ impl Link for ShmLink {
         Ok(())
     }
 
-    fn send(&mut self, _net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+    fn send(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         // A large body in the caller's memory (a Mobius rendezvous send) is left there for
         // the peer to copy: one copy in all, where encoding it into a message first made two.
         // The caller waits until `write_progress` says the peer read it.
@@ -363,27 +365,7 @@ impl Link for ShmLink {
         self.send_msg(m)
     }
 
-    fn send_now(&mut self, _net: &mut Net, head: &[u8], body: &[u8]) -> Result<bool, FabricError> {
-        let State::Up(c) = &mut self.state else { return Ok(false) };
-        if !self.pending.is_empty() || !c.send_parts(&[head, body])? {
-            return Ok(false);
-        }
-        self.queued += (head.len() + body.len()) as u64;
-        Ok(true)
-    }
-
-    fn write_progress(&self) -> Option<(u64, u64)> {
-        let lent = |id: &u64| matches!(&self.state, State::Up(c) if c.lent(*id));
-        let written = self.borrowed.iter().find(|(_, id)| lent(id)).map_or(self.queued, |(at, _)| *at);
-        Some((self.queued, written))
-    }
-
-    fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
-        self.queued += bytes.len() as u64;
-        self.send_msg(bytes)
-    }
-
-    fn next(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+    fn next(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         if !self.progress()? {
             return Ok(None);
         }
@@ -412,44 +394,12 @@ impl Link for ShmLink {
         self.received(got, codec).map(Some)
     }
 
-    fn polled(&self) -> bool {
-        true
+    fn memory_polled(&mut self) -> Option<&mut dyn MemoryPolled> {
+        Some(self)
     }
 
-    fn next_polled(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
-        // No event behind this look: the peer's liveness (a read of the control socket)
-        // waits for one; the ring costs no system call. A handshake still running is driven
-        // (its socket reads are the handshake's own, and a command may have queued sends).
-        if matches!(self.state, State::Accepting(_) | State::Connecting(_)) && !self.progress()? {
-            return Ok(None);
-        }
-        if let Some(held) = self.held() {
-            return Ok(held);
-        }
-        let State::Up(c) = &mut self.state else { return Ok(None) };
-        match c.try_recv_parts()? {
-            Some(got) => self.received(got, codec).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    fn ready(&self) -> bool {
-        self.placed.is_some()
-            || (self.body.is_none()
-                && match &self.state {
-                    State::Up(c) => c.has_input(),
-                    _ => false,
-                })
-    }
-
-    fn arm(&mut self) -> bool {
-        if self.placed.is_some() {
-            return true;
-        }
-        match &self.state {
-            State::Up(c) => c.arm(),
-            _ => false,
-        }
+    fn send_progress(&self) -> Option<&dyn SendProgress> {
+        Some(self)
     }
 
     fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
@@ -520,7 +470,7 @@ impl Link for ShmLink {
             }
     }
 
-    fn shutdown(&mut self, _net: &mut Net) {
+    fn shutdown(&mut self) {
         // Deregister first: dropping the connection closes the descriptors, and a number
         // reused afterwards must not be deregistered by mistake.
         self.deregister_all();
@@ -529,5 +479,64 @@ impl Link for ShmLink {
         self.placed = None;
         // Unmaps the segment and closes the socket: the peer sees the hangup.
         self.state = State::Closed;
+    }
+}
+
+/// The rings are read in memory on every spin turn; the eventfd doorbell is armed only
+/// before the loop sleeps.
+impl MemoryPolled for ShmLink {
+    fn next_polled(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+        // No event behind this look: the peer's liveness (a read of the control socket)
+        // waits for one; the ring costs no system call. A handshake still running is driven
+        // (its socket reads are the handshake's own, and a command may have queued sends).
+        if matches!(self.state, State::Accepting(_) | State::Connecting(_)) && !self.progress()? {
+            return Ok(None);
+        }
+        if let Some(held) = self.held() {
+            return Ok(held);
+        }
+        let State::Up(c) = &mut self.state else { return Ok(None) };
+        match c.try_recv_parts()? {
+            Some(got) => self.received(got, codec).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.placed.is_some()
+            || (self.body.is_none()
+                && match &self.state {
+                    State::Up(c) => c.has_input(),
+                    _ => false,
+                })
+    }
+
+    fn arm(&mut self) -> bool {
+        if self.placed.is_some() {
+            return true;
+        }
+        match &self.state {
+            State::Up(c) => c.arm(),
+            _ => false,
+        }
+    }
+
+    fn send_now(&mut self, head: &[u8], body: &[u8]) -> Result<bool, FabricError> {
+        let State::Up(c) = &mut self.state else { return Ok(false) };
+        if !self.pending.is_empty() || !c.send_parts(&[head, body])? {
+            return Ok(false);
+        }
+        self.queued += (head.len() + body.len()) as u64;
+        Ok(true)
+    }
+}
+
+/// A body sent from the caller's memory (through the ring, or by reference) is written once
+/// it is in the ring or the peer acknowledged its copy.
+impl SendProgress for ShmLink {
+    fn write_progress(&self) -> (u64, u64) {
+        let lent = |id: &u64| matches!(&self.state, State::Up(c) if c.lent(*id));
+        let written = self.borrowed.iter().find(|(_, id)| lent(id)).map_or(self.queued, |(at, _)| *at);
+        (self.queued, written)
     }
 }

@@ -22,7 +22,8 @@ use rdma_shuffle_fabric::providers::codec::{message_head, Codec};
 pub(crate) use rdma_shuffle_fabric::providers::link::Notify;
 use rdma_shuffle_fabric::providers::link::ProviderCounters;
 use rdma_shuffle_fabric::providers::link::{
-    encode_message, EngineCtx, FailedRead, Incoming, Link, Listener, MsgPayload, Net, OutPayload, ProviderEngine,
+    encode_message, Capabilities, EngineCtx, FailedRead, Folds, Incoming, Link, Listener, MsgPayload, OneSided, OutPayload,
+    ProviderEngine,
 };
 use rdma_shuffle_fabric::providers::{Provider, Source};
 use rdma_shuffle_wire::Descriptor;
@@ -129,7 +130,7 @@ impl Provider for SimProvider {
     }
 
     fn engine(&self, ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
-        Ok(Box::new(SimEngine { provider: self.clone(), notify: ctx.notify }))
+        Ok(Box::new(SimEngine { provider: self.clone(), notify: ctx.notify, exposed: Arc::new(AtomicU64::new(0)) }))
     }
 
     fn one_sided(&self) -> bool {
@@ -147,11 +148,13 @@ impl Provider for SimProvider {
 struct SimEngine {
     provider: SimProvider,
     notify: Arc<dyn Notify>,
+    /// Bytes exposed to peers by this loop's links (the registered-bytes gauge).
+    exposed: Arc<AtomicU64>,
 }
 
 impl SimEngine {
     fn link(&self, conn: SimConn) -> Box<dyn Link> {
-        Box::new(SimLink { conn, notify: self.notify.clone(), reads_done: VecDeque::new(), exposed: HashMap::new() })
+        Box::new(SimLink::new(conn, self.notify.clone(), self.exposed.clone()))
     }
 }
 
@@ -170,8 +173,18 @@ impl ProviderEngine for SimEngine {
     ) -> Result<(SocketAddr, Box<dyn Listener>), FabricError> {
         let (addr, queue) = self.provider.listen(addr)?;
         queue.set_notify(self.notify.clone(), notify_key);
-        let l = SimListener { provider: self.provider.clone(), notify: self.notify.clone(), addr, queue };
+        let l = SimListener {
+            provider: self.provider.clone(),
+            notify: self.notify.clone(),
+            exposed: self.exposed.clone(),
+            addr,
+            queue,
+        };
         Ok((addr, Box::new(l)))
+    }
+
+    fn registered_bytes(&self) -> u64 {
+        self.exposed.load(Ordering::Relaxed)
     }
 }
 
@@ -179,6 +192,7 @@ impl ProviderEngine for SimEngine {
 struct SimListener {
     provider: SimProvider,
     notify: Arc<dyn Notify>,
+    exposed: Arc<AtomicU64>,
     addr: SocketAddr,
     queue: Arc<SimAcceptQueue>,
 }
@@ -187,8 +201,7 @@ impl Listener for SimListener {
     fn accept(&mut self) -> Option<(String, Box<dyn Link>)> {
         let conn = self.queue.accept()?;
         let peer = conn.peer_name().to_string();
-        let link = SimLink { conn, notify: self.notify.clone(), reads_done: VecDeque::new(), exposed: HashMap::new() };
-        Some((peer, Box::new(link)))
+        Some((peer, Box::new(SimLink::new(conn, self.notify.clone(), self.exposed.clone()))))
     }
 
     fn close(&mut self, _registry: &Registry) {
@@ -204,15 +217,20 @@ struct SimLink {
     reads_done: VecDeque<(u64, Lease, Result<(), FabricError>)>,
     /// Exposures by region key, for revocation and the registered-bytes gauge.
     exposed: HashMap<u32, u64>,
+    /// The loop's gauge of exposed bytes (its engine's).
+    gauge: Arc<AtomicU64>,
+}
+
+impl SimLink {
+    fn new(conn: SimConn, notify: Arc<dyn Notify>, gauge: Arc<AtomicU64>) -> Self {
+        SimLink { conn, notify, reads_done: VecDeque::new(), exposed: HashMap::new(), gauge }
+    }
 }
 
 impl Link for SimLink {
-    fn is_stream(&self) -> bool {
-        false
-    }
-
-    fn one_sided(&self) -> bool {
-        self.conn.one_sided()
+    /// Whole messages of any length; one-sided as the network was made.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { one_sided: self.conn.one_sided(), max_eager: u32::MAX, folds: Folds::NONE }
     }
 
     fn register(&mut self, _registry: &Registry, _token: Token, key: u64) -> std::io::Result<bool> {
@@ -220,15 +238,11 @@ impl Link for SimLink {
         Ok(false)
     }
 
-    fn send(&mut self, _net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+    fn send(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         self.conn.send(encode_message(head, payload)?)
     }
 
-    fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
-        self.conn.send(bytes)
-    }
-
-    fn next(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+    fn next(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         if let Some((tag, lease, result)) = self.reads_done.pop_front() {
             return Ok(Some(Incoming::ReadDone { tag, lease, result }));
         }
@@ -242,38 +256,45 @@ impl Link for SimLink {
         }
     }
 
-    fn expose(&mut self, net: &mut Net, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
-        if !self.conn.one_sided() {
-            return Ok((offset, 0));
-        }
-        let (addr, rkey) = self.conn.expose(source, offset, len);
-        self.exposed.insert(rkey, len);
-        net.exposed_bytes += len;
-        Ok((addr, rkey))
-    }
-
-    fn revoke(&mut self, net: &mut Net, rkey: u32) {
-        if let Some(len) = self.exposed.remove(&rkey) {
-            self.conn.revoke(rkey);
-            net.exposed_bytes -= len;
-        }
-    }
-
-    fn start_read(&mut self, _net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
-        let mut lease = lease;
-        let r = self.conn.read(desc, &mut lease);
-        self.reads_done.push_back((tag, lease, r));
-        Ok(())
-    }
-
     fn sends_done(&self) -> bool {
         true
     }
 
-    fn shutdown(&mut self, net: &mut Net) {
+    fn shutdown(&mut self) {
         let bytes: u64 = self.exposed.drain().map(|(_, len)| len).sum();
-        net.exposed_bytes -= bytes;
+        self.gauge.fetch_sub(bytes, Ordering::Relaxed);
         self.conn.shutdown();
+    }
+
+    fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
+        if self.conn.one_sided() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+impl OneSided for SimLink {
+    fn expose(&mut self, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
+        let (addr, rkey) = self.conn.expose(source, offset, len);
+        self.exposed.insert(rkey, len);
+        self.gauge.fetch_add(len, Ordering::Relaxed);
+        Ok((addr, rkey))
+    }
+
+    fn revoke(&mut self, rkey: u32) {
+        if let Some(len) = self.exposed.remove(&rkey) {
+            self.conn.revoke(rkey);
+            self.gauge.fetch_sub(len, Ordering::Relaxed);
+        }
+    }
+
+    fn start_read(&mut self, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
+        let mut lease = lease;
+        let r = self.conn.read(desc, &mut lease);
+        self.reads_done.push_back((tag, lease, r));
+        Ok(())
     }
 }
 

@@ -16,7 +16,9 @@ use rdma_shuffle_fabric::error::FabricError;
 use rdma_shuffle_fabric::memory::pool::{Lease, NoRegistration};
 use rdma_shuffle_fabric::memory::registration::Registrar;
 use rdma_shuffle_fabric::providers::codec::{checked_shape, Codec, FrameShape};
-use rdma_shuffle_fabric::providers::link::{EngineCtx, Incoming, Link, Listener, Net, ProviderEngine};
+use rdma_shuffle_fabric::providers::link::{
+    Capabilities, Coalescing, EngineCtx, Folds, Incoming, Link, Listener, ProviderEngine, SendProgress,
+};
 use rdma_shuffle_fabric::providers::link::{Fold, OutPayload, Placement, UserBuf};
 use rdma_shuffle_fabric::providers::Provider;
 use std::collections::VecDeque;
@@ -137,8 +139,10 @@ impl Listener for TcpListener {
 }
 
 impl Link for TcpConn {
-    fn is_stream(&self) -> bool {
-        true
+    /// Two-sided (regions are pulled), unbounded payloads, and every payload may be
+    /// reduced out of the read buffer as it arrives.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { one_sided: false, max_eager: u32::MAX, folds: Folds::ALL }
     }
 
     fn is_connected(&self) -> bool {
@@ -157,37 +161,17 @@ impl Link for TcpConn {
         TcpConn::on_writable(self)
     }
 
-    fn send(&mut self, _net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+    fn send(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         TcpConn::send(self, head, payload)
     }
 
-    fn cork(&mut self) {
-        TcpConn::cork(self)
-    }
-
-    fn uncork(&mut self) -> Result<(), FabricError> {
-        TcpConn::uncork(self).map(|_| ())
-    }
-
-    fn send_raw(&mut self, _net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
-        TcpConn::send_raw(self, bytes)
-    }
-
-    fn write_progress(&self) -> Option<(u64, u64)> {
-        Some((self.queued_total, self.sent_total))
-    }
-
-    fn next(&mut self, _net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+    fn next(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         Ok(match TcpConn::next(self, codec)? {
             TcpRead::Frame(f) => Some(Incoming::Frame(f)),
             TcpRead::Payload(l) => Some(Incoming::Payload(l)),
             TcpRead::PayloadVec(v) => Some(Incoming::PayloadVec(v)),
             TcpRead::Idle => None,
         })
-    }
-
-    fn folds(&self, _len: u64) -> bool {
-        true
     }
 
     fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
@@ -198,8 +182,34 @@ impl Link for TcpConn {
         self.queued_bytes() == 0
     }
 
-    fn shutdown(&mut self, _net: &mut Net) {
+    fn shutdown(&mut self) {
         TcpConn::shutdown(self)
+    }
+
+    fn coalescing(&mut self) -> Option<&mut dyn Coalescing> {
+        Some(self)
+    }
+
+    fn send_progress(&self) -> Option<&dyn SendProgress> {
+        Some(self)
+    }
+}
+
+impl Coalescing for TcpConn {
+    fn cork(&mut self) {
+        TcpConn::cork(self)
+    }
+
+    fn uncork(&mut self) -> Result<(), FabricError> {
+        TcpConn::uncork(self).map(|_| ())
+    }
+}
+
+/// A frame is written from the caller's memory (a memory [`Source`](rdma_shuffle_fabric::Source))
+/// until the socket took it.
+impl SendProgress for TcpConn {
+    fn write_progress(&self) -> (u64, u64) {
+        (self.queued_total, self.sent_total)
     }
 }
 
@@ -451,11 +461,6 @@ impl TcpConn {
             p => p,
         };
         self.push(head, payload)
-    }
-
-    /// Queues raw bytes (tests of a peer's decoder).
-    pub fn send_raw(&mut self, bytes: Vec<u8>) -> Result<(), FabricError> {
-        self.push(bytes, OutPayload::None)
     }
 
     fn push(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {

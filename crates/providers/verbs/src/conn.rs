@@ -1,18 +1,27 @@
 //! One verbs connection: its control socket, and — once the handshake authenticated the peer
 //! and the two sides attached — its queue pair, the messages waiting for a send buffer, the
 //! regions it exposes, and the reads it posted.
+//!
+//! The attach is the link's own business: the loop tells it that the peer authenticated
+//! ([`Link::authenticated`]); the connecting side then creates its queue pair and sends its
+//! record (in the protocol's frame for it, [`Codec::attach_frame`]), the accepting side
+//! answers the record with its own once its peer authenticated, and both report
+//! [`Incoming::Attached`] when messages flow. A record before authentication fails the
+//! connection, with nothing created for the peer.
 #![forbid(unsafe_code)]
 
 use super::bootstrap::AttachRecord;
 use super::engine::{Event, VerbsEngine};
+use super::link::SharedEngine;
 use super::sys::{Completed, Exposure, Qp, Wc};
 use mio::{Interest, Registry, Token};
+use parking_lot::MutexGuard;
 use rdma_shuffle_fabric::error::FabricError;
 use rdma_shuffle_fabric::memory::pool::Lease;
 use rdma_shuffle_fabric::providers::codec::{message_head, Codec};
-use rdma_shuffle_fabric::providers::link::OutPayload;
 use rdma_shuffle_fabric::providers::link::{
-    encode_message, FailedRead, Incoming, Link, MsgPayload, Net, Placement, ProviderCounters, UserBuf,
+    encode_message, Authenticated, Capabilities, FailedRead, Folds, Incoming, Link, MsgPayload, OneSided, OutPayload, Placement,
+    ReceiveCredits, UserBuf,
 };
 use rdma_shuffle_fabric::providers::Source;
 use rdma_shuffle_provider_tcp::{TcpConn, TcpRead};
@@ -33,12 +42,17 @@ enum Phase {
 
 pub(crate) struct VerbsConn {
     control: TcpConn,
+    /// This loop's engine (shared receive queue, send buffers, routing, credit budgets).
+    engine: SharedEngine,
+    /// Made by a listener: it answers the peer's attach record instead of sending first.
+    accepted: bool,
+    /// The loop said the peer authenticated: only now is anything created for it.
+    authenticated: bool,
     phase: Phase,
     qp: Option<Qp>,
     psn: u32,
+    /// The connection's key in the loop (completions are routed by it).
     key: u64,
-    /// The accepting side waits for the peer's attach (raw channels).
-    expecting: bool,
     peer_max_message: usize,
     max_eager: u32,
     /// Messages waiting for the data plane or for a free send slot, in order.
@@ -55,8 +69,9 @@ pub(crate) struct VerbsConn {
     qp_counted: bool,
     /// Shut down: only completions are collected now.
     closing: bool,
-    /// The connecting side's queue pair lets the peer read too (mesh links: both sides
-    /// send rendezvous messages). Set only after the peer authenticated.
+    /// The queue pair lets the peer read memory exposed to it: set, after the peer
+    /// authenticated, where this side exposes regions (a block server, both sides of a
+    /// mesh link; never a block client, which only reads).
     remote_read: bool,
 }
 
@@ -65,14 +80,17 @@ fn dead(why: &str) -> FabricError {
 }
 
 impl VerbsConn {
-    pub(crate) fn new(control: TcpConn, max_eager: u32) -> Self {
+    pub(crate) fn new(control: TcpConn, engine: SharedEngine, accepted: bool) -> Self {
+        let max_eager = engine.lock().max_eager();
         VerbsConn {
             control,
+            engine,
+            accepted,
+            authenticated: false,
             phase: Phase::Control,
             qp: None,
             psn: 0,
             key: 0,
-            expecting: false,
             peer_max_message: 0,
             max_eager,
             out: VecDeque::new(),
@@ -89,94 +107,52 @@ impl VerbsConn {
         }
     }
 
-    pub(crate) fn control_mut(&mut self) -> &mut mio::net::TcpStream {
-        self.control.stream_mut()
-    }
-
-    pub(crate) fn control_connected(&self) -> bool {
-        self.control.is_connected()
-    }
-
-    pub(crate) fn on_writable(&mut self) -> Result<bool, FabricError> {
-        self.control.on_writable()
-    }
-
-    /// Frames are a byte stream until the data plane is up.
-    pub(crate) fn is_stream(&self) -> bool {
-        self.phase != Phase::Open
+    /// The engine, for the length of one call (never held across a call into another link).
+    fn engine(&self) -> MutexGuard<'_, VerbsEngine> {
+        self.engine.lock()
     }
 
     /// Whether the data plane is up.
-    pub(crate) fn is_open(&self) -> bool {
+    fn is_open(&self) -> bool {
         self.phase == Phase::Open
     }
 
-    /// Server side: the credits its session granted (given back when the connection goes).
-    pub(crate) fn granted(&mut self, n: u32) {
-        self.granted = n;
-    }
-
-    /// Client side: `n` more answers requested.
-    pub(crate) fn requested(&mut self, n: u32) {
-        self.window += n;
-    }
-
-    /// Client side: one answer arrived.
-    pub(crate) fn answered(&mut self) -> bool {
-        if self.window > 0 {
-            self.window -= 1;
-            true
-        } else {
-            false
-        }
-    }
-
-    fn engine<'a>(&self, net: &'a mut Net) -> Result<&'a mut VerbsEngine, FabricError> {
-        net.engine_mut::<VerbsEngine>().ok_or_else(|| dead("no verbs engine in this driver"))
-    }
-
-    fn record(&self, net: &mut Net, qp: &Qp, psn: u32) -> Result<AttachRecord, FabricError> {
-        let e = self.engine(net)?;
-        Ok(AttachRecord {
+    fn record(e: &VerbsEngine, qp: &Qp, psn: u32) -> AttachRecord {
+        AttachRecord {
             qpn: qp.num(),
             psn,
             mtu: e.dev.active_mtu,
             gid: e.dev.gid,
             max_message: e.cfg.max_message,
             recv_credits: (e.cfg.recv_buffers / 2).max(1),
-        })
-    }
-
-    fn count_qp(&mut self, stats: &ProviderCounters) {
-        if !self.qp_counted {
-            self.qp_counted = true;
-            stats.qps_created.fetch_add(1, Ordering::Relaxed);
-            stats.qps_open.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// (connecting side, after the handshake) Lets the authenticated peer read memory
-    /// registered for it through this connection's queue pair (mesh links, where both sides
-    /// expose rendezvous buffers). Block clients never do: they only read.
-    pub(crate) fn grant_remote_read(&mut self) {
-        self.remote_read = true;
+    fn count_qp(&mut self) {
+        if !self.qp_counted {
+            self.qp_counted = true;
+            let e = self.engine();
+            e.counters.qps_created.fetch_add(1, Ordering::Relaxed);
+            e.counters.qps_open.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// (connecting side, after the handshake) Creates the queue pair and sends our attach
     /// record; frames wait until the peer's answers.
-    pub(crate) fn begin_attach(&mut self, net: &mut Net, key: u64, codec: &dyn Codec) -> Result<(), FabricError> {
+    fn begin_attach(&mut self, codec: &dyn Codec) -> Result<(), FabricError> {
         if self.phase != Phase::Control {
             return Ok(());
         }
-        self.key = key;
-        let e = self.engine(net)?;
-        let (qp, psn) = e.new_qp()?;
-        e.route(qp.num(), key);
-        let rec = self.record(net, &qp, psn)?;
+        let (qp, rec) = {
+            let mut e = self.engine();
+            let (qp, psn) = e.new_qp()?;
+            e.route(qp.num(), self.key);
+            let rec = Self::record(&e, &qp, psn);
+            (qp, rec)
+        };
+        self.psn = rec.psn;
         self.qp = Some(qp);
-        self.psn = psn;
-        let counters = self.engine(net)?.counters.clone();
-        self.count_qp(&counters);
+        self.count_qp();
         self.control.send(codec.attach_frame(&rec.encode()), OutPayload::None)?;
         self.phase = Phase::Attaching;
         Ok(())
@@ -184,61 +160,66 @@ impl VerbsConn {
 
     /// (connecting side) The peer's record arrived: connect the queue pair; the data plane
     /// is up.
-    pub(crate) fn complete_attach(&mut self, net: &mut Net, data: &[u8]) -> Result<(), FabricError> {
+    fn complete_attach(&mut self, data: &[u8]) -> Result<(), FabricError> {
         if self.phase != Phase::Attaching {
             return Err(dead("an attach record arrived that was not asked for"));
         }
         let remote = AttachRecord::decode(data).map_err(|e| dead(&format!("bad attach record: {e}")))?;
-        let e = self.engine(net)?;
-        let (dev, timers) = (e.dev.clone(), e.timers());
+        let (dev, timers) = {
+            let e = self.engine();
+            (e.dev.clone(), e.timers())
+        };
         let qp = self.qp.as_mut().ok_or_else(|| dead("no queue pair"))?;
         // A block client only reads: its queue pair grants the peer no remote access unless
-        // its owner asked for it (a mesh link).
+        // this side exposes regions (a mesh link).
         qp.connect(&dev, self.psn, &remote, self.remote_read, timers)?;
         self.peer_max_message = remote.max_message as usize;
         self.phase = Phase::Open;
         self.ready.push_back(Incoming::Attached);
-        self.flush(net)
-    }
-
-    /// (accepting side, raw channels) Waits for the peer's attach record.
-    pub(crate) fn expect_attach(&mut self) -> Result<(), FabricError> {
-        self.expecting = true;
-        Ok(())
+        self.flush()
     }
 
     /// (accepting side) The peer's record arrived and the peer is authenticated: create and
-    /// connect our queue pair — with remote read, since it is ours that exposes windows —
-    /// and answer with our record.
-    pub(crate) fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
+    /// connect our queue pair and answer with our record.
+    fn accept_attach(&mut self, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
+        if !self.authenticated {
+            // Nothing is created for a peer that has not proved the secret.
+            return Err(dead("an attach record before the peer authenticated"));
+        }
         if self.phase != Phase::Control {
             return Err(dead("a second attach record"));
         }
         let remote = AttachRecord::decode(data).map_err(|e| dead(&format!("bad attach record: {e}")))?;
-        self.key = key;
-        let e = self.engine(net)?;
-        let (mut qp, psn) = e.new_qp()?;
-        let (dev, timers) = (e.dev.clone(), e.timers());
-        e.route(qp.num(), key);
-        let rec = self.record(net, &qp, psn)?;
-        qp.connect(&dev, psn, &remote, true, timers)?;
+        let (mut qp, rec, dev, timers) = {
+            let mut e = self.engine();
+            let (qp, psn) = e.new_qp()?;
+            e.route(qp.num(), self.key);
+            let rec = Self::record(&e, &qp, psn);
+            (qp, rec, e.dev.clone(), e.timers())
+        };
+        qp.connect(&dev, rec.psn, &remote, self.remote_read, timers)?;
         self.qp = Some(qp);
-        self.psn = psn;
-        let counters = self.engine(net)?.counters.clone();
-        self.count_qp(&counters);
+        self.psn = rec.psn;
+        self.count_qp();
         self.peer_max_message = remote.max_message as usize;
         // The record goes over the control socket before any message: the peer connects
         // its queue pair when it reads it, and sends nothing on it before.
         self.control.send(codec.attach_frame(&rec.encode()), OutPayload::None)?;
         self.phase = Phase::Open;
-        if self.expecting {
-            self.expecting = false;
-            self.ready.push_back(Incoming::Attached);
-        }
-        self.flush(net)
+        self.ready.push_back(Incoming::Attached);
+        self.flush()
     }
 
-    pub(crate) fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+    /// The peer's attach record, on either side.
+    fn attach_record(&mut self, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
+        if self.accepted {
+            self.accept_attach(data, codec)
+        } else {
+            self.complete_attach(data)
+        }
+    }
+
+    fn send_frame(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
         if self.phase == Phase::Control {
             return self.control.send(head, payload);
         }
@@ -270,26 +251,18 @@ impl VerbsConn {
                     &read
                 }
             };
-            if self.post_parts(net, &[&head, body])? {
+            if self.post_parts(&[&head, body])? {
                 return Ok(());
             }
         }
         let msg = encode_message(head, payload)?;
         self.out.push_back(msg);
-        self.flush(net)
-    }
-
-    pub(crate) fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
-        if self.phase == Phase::Control {
-            return self.control.send_raw(bytes);
-        }
-        self.out.push_back(bytes);
-        self.flush(net)
+        self.flush()
     }
 
     /// Posts one message from `parts` if a send slot and queue room are free. `Ok(false)`:
     /// not now (the caller queues it).
-    fn post_parts(&mut self, net: &mut Net, parts: &[&[u8]]) -> Result<bool, FabricError> {
+    fn post_parts(&mut self, parts: &[&[u8]]) -> Result<bool, FabricError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         if total > self.peer_max_message {
             return Err(FabricError::Provider {
@@ -306,7 +279,8 @@ impl VerbsConn {
         if !qp.has_room() {
             return Ok(false);
         }
-        let e = net.engine_mut::<VerbsEngine>().ok_or_else(|| dead("no verbs engine"))?;
+        let mut e = self.engine.lock();
+        let e = &mut *e;
         let Some((slot, len)) = e.send.fill(parts) else {
             e.wait_for_send_slot(key);
             return Ok(false);
@@ -324,12 +298,12 @@ impl VerbsConn {
     }
 
     /// Posts queued messages while slots and queue room last.
-    fn flush(&mut self, net: &mut Net) -> Result<(), FabricError> {
+    fn flush(&mut self) -> Result<(), FabricError> {
         if self.phase != Phase::Open || self.failed.is_some() {
             return Ok(());
         }
         while let Some(msg) = self.out.pop_front() {
-            if !self.post_parts(net, &[&msg])? {
+            if !self.post_parts(&[&msg])? {
                 self.out.push_front(msg);
                 break;
             }
@@ -337,61 +311,59 @@ impl VerbsConn {
         Ok(())
     }
 
-    pub(crate) fn place(&mut self, p: Placement) -> Result<(), FabricError> {
-        self.control.place(p)
-    }
-
     /// The next thing that arrived: completions routed to this connection first, then the
-    /// control socket (which must stay silent once the data plane is up).
-    pub(crate) fn next(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+    /// control socket (which carries the handshake and the attach records, and must stay
+    /// silent once the data plane is up).
+    fn next_incoming(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
         // Woken as a send-slot waiter, or slots freed by other connections: go on posting.
         if !self.out.is_empty() {
-            if let Err(e) = self.flush(net) {
+            if let Err(e) = self.flush() {
                 self.fail(e);
             }
         }
         loop {
-            if let Some(i) = self.ready.pop_front() {
-                return Ok(Some(i));
-            }
-            let ev = match net.engine_mut::<VerbsEngine>() {
-                Some(e) if self.qp.is_some() => e.take_event(self.key),
-                _ => None,
-            };
-            let Some(ev) = ev else { break };
-            self.event(net, ev, codec)?;
-        }
-        if self.closing {
-            // Collecting completions only; the failure was reported already.
-            self.failed = None;
-            return Ok(None);
-        }
-        if let Some(e) = self.failed.take() {
-            return Err(e);
-        }
-        match self.phase {
-            Phase::Control | Phase::Attaching => Ok(match self.control.next(codec)? {
-                TcpRead::Frame(head) => Some(match codec.attach_record(&head) {
-                    Some(data) => Incoming::Attach(data),
-                    None => Incoming::Frame(head),
-                }),
-                TcpRead::Payload(l) => Some(Incoming::Payload(l)),
-                TcpRead::PayloadVec(v) => Some(Incoming::PayloadVec(v)),
-                TcpRead::Idle => None,
-            }),
-            Phase::Open => {
-                // Stream bytes before the switch (an Attach sent with frames after it) would
-                // be a protocol error; so is anything but the end of the stream now.
-                if self.control.awaits_placement() {
-                    return Err(dead("the peer sent a payload frame on the control socket"));
+            loop {
+                if let Some(i) = self.ready.pop_front() {
+                    return Ok(Some(i));
                 }
-                self.control.poll_silent()?;
-                Ok(None)
+                let ev = if self.qp.is_some() { self.engine().take_event(self.key) } else { None };
+                let Some(ev) = ev else { break };
+                self.event(ev, codec)?;
+            }
+            if self.closing {
+                // Collecting completions only; the failure was reported already.
+                self.failed = None;
+                return Ok(None);
+            }
+            if let Some(e) = self.failed.take() {
+                return Err(e);
+            }
+            match self.phase {
+                Phase::Control | Phase::Attaching => match self.control.next(codec)? {
+                    TcpRead::Frame(head) => match codec.attach_record(&head) {
+                        // The peer's record: the link's own, never handed up. What it
+                        // produced (`Attached`) is returned on the next round.
+                        Some(data) => self.attach_record(&data, codec)?,
+                        None => return Ok(Some(Incoming::Frame(head))),
+                    },
+                    TcpRead::Payload(l) => return Ok(Some(Incoming::Payload(l))),
+                    TcpRead::PayloadVec(v) => return Ok(Some(Incoming::PayloadVec(v))),
+                    TcpRead::Idle => return Ok(None),
+                },
+                Phase::Open => {
+                    // Stream bytes before the switch (an Attach sent with frames after it)
+                    // would be a protocol error; so is anything but the end of the stream now.
+                    if self.control.awaits_placement() {
+                        return Err(dead("the peer sent a payload frame on the control socket"));
+                    }
+                    self.control.poll_silent()?;
+                    return Ok(None);
+                }
             }
         }
     }
 
-    fn event(&mut self, net: &mut Net, ev: Event, codec: &dyn Codec) -> Result<(), FabricError> {
+    fn event(&mut self, ev: Event, codec: &dyn Codec) -> Result<(), FabricError> {
         match ev {
             Event::Recv(Ok(bytes)) => match message_head(codec, &bytes) {
                 Ok(at) => self.ready.push_back(Incoming::Message(MsgPayload::new(bytes, at))),
@@ -405,22 +377,20 @@ impl VerbsConn {
                         self.sends_posted -= 1;
                         if !wc.ok() && !wc.flushed() {
                             self.fail(dead(&format!("send failed: {}", wc.status_text())));
-                        } else if let Err(e) = self.flush(net) {
+                        } else if let Err(e) = self.flush() {
                             self.fail(e);
                         }
                     }
                     Some(Completed::Read { tag, lease }) => {
-                        let result = self.read_completed(net, &wc, lease.len() as u64);
+                        let result = self.read_completed(&wc, lease.len() as u64);
                         self.ready.push_back(Incoming::ReadDone { tag, lease, result });
                     }
                     Some(Completed::ReadUser { tag, len }) => {
-                        let result = self.read_completed(net, &wc, len);
+                        let result = self.read_completed(&wc, len);
                         self.ready.push_back(Incoming::UserReadDone { tag, len, result });
                     }
                     Some(Completed::Bind) => {
-                        if let Some(e) = net.engine_mut::<VerbsEngine>() {
-                            e.binds -= 1;
-                        }
+                        self.engine().binds -= 1;
                         if !wc.ok() && !wc.flushed() {
                             self.fail(dead(&format!("binding a memory window failed: {}", wc.status_text())));
                         }
@@ -435,17 +405,17 @@ impl VerbsConn {
     /// A READ of `bytes` completed (or was flushed): the read caps and counters are
     /// updated, and its outcome returned. An error completion that is not a flush fails the
     /// link (it moved the queue pair to the error state).
-    fn read_completed(&mut self, net: &mut Net, wc: &Wc, bytes: u64) -> Result<(), FabricError> {
+    fn read_completed(&mut self, wc: &Wc, bytes: u64) -> Result<(), FabricError> {
         self.reads -= 1;
-        if let Some(e) = net.engine_mut::<VerbsEngine>() {
+        {
+            let mut e = self.engine();
             e.reads -= 1;
+            if wc.ok() {
+                e.counters.reads.fetch_add(1, Ordering::Relaxed);
+                e.counters.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
         }
         let result = if wc.ok() {
-            if let Some(e) = net.engine_ref::<VerbsEngine>() {
-                let c = &e.counters;
-                c.reads.fetch_add(1, Ordering::Relaxed);
-                c.read_bytes.fetch_add(bytes, Ordering::Relaxed);
-            }
             Ok(())
         } else if wc.remote_access() {
             Err(FabricError::RemoteAccess { peer: self.control_peer(), what: wc.status_text() })
@@ -471,16 +441,95 @@ impl VerbsConn {
         self.control.peer().to_string()
     }
 
+    /// Whether the last frames went out (control written, messages completed).
+    fn all_sent(&self) -> bool {
+        self.out.is_empty() && self.sends_posted == 0 && self.control.queued_bytes() == 0
+    }
+}
+
+impl Link for VerbsConn {
+    /// One-sided; eager payloads bounded by the engine's message buffers.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { one_sided: true, max_eager: self.max_eager, folds: Folds::NONE }
+    }
+
+    fn register(&mut self, registry: &Registry, token: Token, key: u64) -> std::io::Result<bool> {
+        self.key = key;
+        registry.register(self.control.stream_mut(), token, Interest::READABLE | Interest::WRITABLE).map(|()| true)
+    }
+
+    fn deregister(&mut self, registry: &Registry) -> std::io::Result<()> {
+        registry.deregister(self.control.stream_mut())
+    }
+
+    fn is_connected(&self) -> bool {
+        self.control.is_connected()
+    }
+
+    fn on_writable(&mut self) -> Result<bool, FabricError> {
+        self.control.on_writable()
+    }
+
+    /// Messages flow only once the queue pairs attached: the connecting side starts now,
+    /// the accepting side answers the peer's record when it comes.
+    fn authenticated(&mut self, peer: &Authenticated<'_>) -> Result<bool, FabricError> {
+        self.authenticated = true;
+        self.remote_read = peer.exposes;
+        if !self.accepted {
+            self.begin_attach(peer.codec)?;
+        }
+        Ok(false)
+    }
+
+    fn send(&mut self, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
+        self.send_frame(head, payload)
+    }
+
+    fn next(&mut self, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
+        self.next_incoming(codec)
+    }
+
+    fn place(&mut self, p: Placement) -> Result<(), FabricError> {
+        self.control.place(p)
+    }
+
+    fn sends_done(&self) -> bool {
+        self.all_sent()
+    }
+
+    /// Whether posted work is outstanding (the connection may not go until it completed).
+    fn busy(&self) -> bool {
+        self.qp.as_ref().is_some_and(|q| q.outstanding() > 0)
+    }
+
+    /// Stops: the queue pair goes to the error state (posted work completes, flushed), the
+    /// control socket closes, exposures are revoked.
+    fn shutdown(&mut self) {
+        self.closing = true;
+        if let Some(qp) = self.qp.as_mut() {
+            qp.enter_error_state();
+        }
+        self.control.shutdown();
+        let keys: Vec<u32> = self.exposures.keys().copied().collect();
+        for k in keys {
+            OneSided::revoke(self, k);
+        }
+    }
+
+    fn one_sided(&mut self) -> Option<&mut dyn OneSided> {
+        Some(self)
+    }
+
+    fn receive_credits(&mut self) -> Option<&mut dyn ReceiveCredits> {
+        Some(self)
+    }
+}
+
+impl OneSided for VerbsConn {
     /// Exposes `len` bytes of `source` at `offset` to this connection's peer: a window bound
     /// to this queue pair only. Answers `(addr, rkey)`.
-    pub(crate) fn expose(
-        &mut self,
-        net: &mut Net,
-        source: Arc<dyn Source>,
-        offset: u64,
-        len: u64,
-    ) -> Result<(u64, u32), FabricError> {
-        let e = net.engine_mut::<VerbsEngine>().ok_or_else(|| dead("no verbs engine"))?;
+    fn expose(&mut self, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
+        let mut e = self.engine.lock();
         if !e.bind_room() {
             return Err(dead("too many windows being bound at once"));
         }
@@ -496,23 +545,24 @@ impl VerbsConn {
 
     /// Revokes an exposure: its window is deallocated (its key dies) once no bind of it is
     /// outstanding.
-    pub(crate) fn revoke(&mut self, net: &mut Net, rkey: u32) {
+    fn revoke(&mut self, rkey: u32) {
         if let Some(x) = self.exposures.remove(&rkey) {
-            if let Some(e) = net.engine_mut::<VerbsEngine>() {
-                e.exposed_bytes -= x.bytes();
-                e.counters.windows_revoked.fetch_add(1, Ordering::Relaxed);
-            }
+            let mut e = self.engine();
+            e.exposed_bytes -= x.bytes();
+            e.counters.windows_revoked.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// Whether another read may be posted now (queue pair and engine caps).
-    pub(crate) fn can_read(&self, net: &Net) -> bool {
-        let engine_room =
-            net.engine_ref::<VerbsEngine>().is_some_and(|e| e.read_room() && self.reads < e.cfg.max_reads_per_qp as usize);
+    fn can_read(&self) -> bool {
+        let engine_room = {
+            let e = self.engine();
+            e.read_room() && self.reads < e.cfg.max_reads_per_qp as usize
+        };
         engine_room && self.qp.as_ref().is_some_and(|q| q.has_room()) && self.phase == Phase::Open && self.failed.is_none()
     }
 
-    pub(crate) fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
+    fn start_read(&mut self, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
         let Some(qp) = self.qp.as_mut() else {
             return Err(Box::new((lease, dead("the data plane is not up"))));
         };
@@ -522,223 +572,74 @@ impl VerbsConn {
         };
         poster.read(tag, desc, lease)?;
         self.reads += 1;
-        if let Some(e) = net.engine_mut::<VerbsEngine>() {
-            e.reads += 1;
-        }
+        self.engine().reads += 1;
         Ok(())
     }
 
-    pub(crate) fn start_read_user(
-        &mut self,
-        net: &mut Net,
-        tag: u64,
-        desc: &Descriptor,
-        dst: UserBuf,
-        lkey: u32,
-    ) -> Result<(), FabricError> {
+    fn start_read_user(&mut self, tag: u64, desc: &Descriptor, dst: UserBuf, lkey: u32) -> Result<(), FabricError> {
         let Some(qp) = self.qp.as_mut() else {
             return Err(dead("the data plane is not up"));
         };
         qp.poster()?.read_user(tag, desc, dst, lkey)?;
         self.reads += 1;
-        if let Some(e) = net.engine_mut::<VerbsEngine>() {
-            e.reads += 1;
-        }
+        self.engine().reads += 1;
         Ok(())
-    }
-
-    /// Whether the last frames went out (control written, messages completed).
-    pub(crate) fn sends_done(&self) -> bool {
-        self.out.is_empty() && self.sends_posted == 0 && self.control.queued_bytes() == 0
-    }
-
-    /// Whether posted work is outstanding (the connection may not go until it completed).
-    pub(crate) fn busy(&self) -> bool {
-        self.qp.as_ref().is_some_and(|q| q.outstanding() > 0)
-    }
-
-    /// Stops: the queue pair goes to the error state (posted work completes, flushed), the
-    /// control socket closes, exposures are revoked.
-    pub(crate) fn shutdown(&mut self, net: &mut Net) {
-        self.closing = true;
-        if let Some(qp) = self.qp.as_mut() {
-            qp.enter_error_state();
-        }
-        self.control.shutdown();
-        let keys: Vec<u32> = self.exposures.keys().copied().collect();
-        for k in keys {
-            self.revoke(net, k);
-        }
-    }
-
-    /// The connection is removed: credits and room go back, the queue pair is destroyed
-    /// (after its posted work completed, or past the close limit, leaking its buffers).
-    pub(crate) fn destroy(&mut self, net: &mut Net) {
-        let key = self.key;
-        let counters = net.engine_ref::<VerbsEngine>().map(|e| e.counters.clone());
-        if let Some(e) = net.engine_mut::<VerbsEngine>() {
-            e.return_grant(std::mem::take(&mut self.granted));
-            let _ = e.return_client_room(std::mem::take(&mut self.window));
-            if let Some(qp) = &self.qp {
-                e.unroute(qp.num(), key);
-            }
-            e.reads -= self.reads;
-        }
-        self.reads = 0;
-        if self.qp.take().is_some() && self.qp_counted {
-            if let Some(c) = counters {
-                c.qps_open.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
     }
 }
 
-impl Link for VerbsConn {
-    fn is_stream(&self) -> bool {
-        VerbsConn::is_stream(self)
-    }
-
-    fn one_sided(&self) -> bool {
-        true
-    }
-
-    fn is_connected(&self) -> bool {
-        self.control_connected()
-    }
-
-    fn register(&mut self, registry: &Registry, token: Token, _key: u64) -> std::io::Result<bool> {
-        registry.register(self.control_mut(), token, Interest::READABLE | Interest::WRITABLE).map(|()| true)
-    }
-
-    fn deregister(&mut self, registry: &Registry) -> std::io::Result<()> {
-        registry.deregister(self.control_mut())
-    }
-
-    fn on_writable(&mut self) -> Result<bool, FabricError> {
-        VerbsConn::on_writable(self)
-    }
-
-    fn send(&mut self, net: &mut Net, head: Vec<u8>, payload: OutPayload) -> Result<(), FabricError> {
-        VerbsConn::send(self, net, head, payload)
-    }
-
-    fn send_raw(&mut self, net: &mut Net, bytes: Vec<u8>) -> Result<(), FabricError> {
-        VerbsConn::send_raw(self, net, bytes)
-    }
-
-    fn next(&mut self, net: &mut Net, codec: &dyn Codec) -> Result<Option<Incoming>, FabricError> {
-        VerbsConn::next(self, net, codec)
-    }
-
-    fn place(&mut self, placement: Placement) -> Result<(), FabricError> {
-        VerbsConn::place(self, placement)
-    }
-
-    fn expose(&mut self, net: &mut Net, source: Arc<dyn Source>, offset: u64, len: u64) -> Result<(u64, u32), FabricError> {
-        VerbsConn::expose(self, net, source, offset, len)
-    }
-
-    fn revoke(&mut self, net: &mut Net, rkey: u32) {
-        VerbsConn::revoke(self, net, rkey)
-    }
-
-    fn can_read(&self, net: &Net) -> bool {
-        VerbsConn::can_read(self, net)
-    }
-
-    fn start_read(&mut self, net: &mut Net, tag: u64, desc: &Descriptor, lease: Lease) -> Result<(), FailedRead> {
-        VerbsConn::start_read(self, net, tag, desc, lease)
-    }
-
-    fn start_read_user(
-        &mut self,
-        net: &mut Net,
-        tag: u64,
-        desc: &Descriptor,
-        dst: UserBuf,
-        lkey: u32,
-    ) -> Result<(), FabricError> {
-        VerbsConn::start_read_user(self, net, tag, desc, dst, lkey)
-    }
-
-    fn sends_done(&self) -> bool {
-        VerbsConn::sends_done(self)
-    }
-
-    fn busy(&self) -> bool {
-        VerbsConn::busy(self)
-    }
-
-    fn shutdown(&mut self, net: &mut Net) {
-        VerbsConn::shutdown(self, net)
-    }
-
-    fn destroy(&mut self, net: &mut Net) {
-        VerbsConn::destroy(self, net)
-    }
-
-    fn max_eager(&self) -> u32 {
-        self.max_eager
-    }
-
-    fn needs_attach(&self) -> bool {
-        true
-    }
-
-    fn allow_remote_read(&mut self) {
-        self.grant_remote_read()
-    }
-
-    fn begin_attach(&mut self, net: &mut Net, key: u64, codec: &dyn Codec) -> Result<(), FabricError> {
-        VerbsConn::begin_attach(self, net, key, codec)
-    }
-
-    fn expect_attach(&mut self) -> Result<(), FabricError> {
-        VerbsConn::expect_attach(self)
-    }
-
-    fn complete_attach(&mut self, net: &mut Net, data: &[u8]) -> Result<(), FabricError> {
-        VerbsConn::complete_attach(self, net, data)
-    }
-
-    fn accept_attach(&mut self, net: &mut Net, key: u64, data: &[u8], codec: &dyn Codec) -> Result<(), FabricError> {
-        VerbsConn::accept_attach(self, net, key, data, codec)
-    }
-
-    /// Answers land in the shared receive queue: requests go out only as far as it has
-    /// room for their answers, and a `Fetch` must fit one buffer.
-    fn bounded_answers(&self) -> bool {
-        true
-    }
-
-    fn answer_room(&mut self, net: &mut Net) -> Option<u32> {
+/// Answers land in the shared receive queue: requests go out only as far as it has room for
+/// their answers; a server grants credits out of its half.
+impl ReceiveCredits for VerbsConn {
+    fn answer_room(&mut self) -> Option<u32> {
         if !self.is_open() {
             return None;
         }
-        net.engine_ref::<VerbsEngine>().map(|e| e.client_room())
+        Some(self.engine().client_room())
     }
 
-    fn answers_requested(&mut self, net: &mut Net, sent: u32, starved: bool, key: u64) {
-        let Some(e) = net.engine_mut::<VerbsEngine>() else { return };
+    fn answers_requested(&mut self, sent: u32, starved: bool) {
+        let key = self.key;
+        let mut e = self.engine();
         e.take_client_room(sent);
-        self.requested(sent);
         if starved {
             e.starve(key);
         }
+        drop(e);
+        self.window += sent;
     }
 
-    fn answer_arrived(&mut self, net: &mut Net) -> Vec<u64> {
-        if !self.answered() {
+    fn answer_arrived(&mut self) -> Vec<u64> {
+        if self.window == 0 {
             return Vec::new();
         }
-        net.engine_mut::<VerbsEngine>().map(|e| e.return_client_room(1)).unwrap_or_default()
+        self.window -= 1;
+        self.engine().return_client_room(1)
     }
 
-    fn grant_credits(&mut self, net: &mut Net, max: u32) -> u32 {
-        net.engine_mut::<VerbsEngine>().map(|e| e.grant(max)).unwrap_or(max)
+    fn grant_credits(&mut self, max: u32) -> u32 {
+        self.engine().grant(max)
     }
 
     fn credits_granted(&mut self, n: u32) {
-        self.granted(n)
+        self.granted = n;
+    }
+}
+
+/// The connection is removed: credits and room go back, the queue pair is destroyed (after
+/// its posted work completed, or past the close limit, leaking its buffers).
+impl Drop for VerbsConn {
+    fn drop(&mut self) {
+        let key = self.key;
+        let mut e = self.engine.lock();
+        e.return_grant(std::mem::take(&mut self.granted));
+        let _ = e.return_client_room(std::mem::take(&mut self.window));
+        if let Some(qp) = &self.qp {
+            e.unroute(qp.num(), key);
+        }
+        e.reads -= self.reads;
+        self.reads = 0;
+        if self.qp.take().is_some() && self.qp_counted {
+            e.counters.qps_open.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }

@@ -212,7 +212,8 @@ mod provider {
         }
 
         fn engine(&self, ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
-            Ok(Box::new(VerbsEngine::new(self, ctx)?))
+            let engine = Arc::new(parking_lot::Mutex::new(VerbsEngine::new(self, ctx)?));
+            Ok(Box::new(super::link::VerbsLoop { engine }))
         }
 
         fn one_sided(&self) -> bool {

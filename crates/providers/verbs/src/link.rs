@@ -1,20 +1,33 @@
 //! The verbs provider behind the driver's seam: its per-loop engine makes verbs links for
-//! outgoing connections and for a socket listener's accepted control planes.
+//! outgoing connections and for a socket listener's accepted control planes, each holding
+//! the engine's state, typed ([`SharedEngine`]).
 #![forbid(unsafe_code)]
 
 use super::conn::VerbsConn;
 use super::engine::VerbsEngine;
 use mio::{Registry, Token};
+use parking_lot::Mutex;
 use rdma_shuffle_fabric::error::FabricError;
 use rdma_shuffle_fabric::providers::link::{Link, Listener, ProviderEngine};
 use rdma_shuffle_provider_tcp::{TcpConn, TcpListener};
 use std::net::SocketAddr;
+use std::sync::Arc;
 
-impl ProviderEngine for VerbsEngine {
+/// A loop's verbs engine as its links hold it. Only the loop's holder calls into links and
+/// engine, so the lock is never contended; it is what lets every link reach the shared
+/// receive queue, the send buffers and the routing without a type look-up.
+pub(crate) type SharedEngine = Arc<Mutex<VerbsEngine>>;
+
+/// The verbs engine of one driver loop, as the loop holds it.
+pub(crate) struct VerbsLoop {
+    pub(crate) engine: SharedEngine,
+}
+
+impl ProviderEngine for VerbsLoop {
     /// A connection whose control socket is connecting; the queue pair comes after the
     /// handshake.
     fn connect(&mut self, addr: SocketAddr) -> Result<Box<dyn Link>, FabricError> {
-        Ok(Box::new(VerbsConn::new(TcpConn::connect(addr)?, self.max_eager())))
+        Ok(Box::new(VerbsConn::new(TcpConn::connect(addr)?, self.engine.clone(), false)))
     }
 
     /// A socket listener whose accepted connections are control planes of verbs links.
@@ -25,16 +38,17 @@ impl ProviderEngine for VerbsEngine {
         token: Token,
         _notify_key: u64,
     ) -> Result<(SocketAddr, Box<dyn Listener>), FabricError> {
-        let max_eager = self.max_eager();
-        let (local, l) = TcpListener::bind(addr, registry, token, Box::new(move |c| Box::new(VerbsConn::new(c, max_eager))))?;
+        let engine = self.engine.clone();
+        let (local, l) =
+            TcpListener::bind(addr, registry, token, Box::new(move |c| Box::new(VerbsConn::new(c, engine.clone(), true))))?;
         Ok((local, Box::new(l)))
     }
 
     fn poll_completions(&mut self) -> Vec<u64> {
-        self.collect()
+        self.engine.lock().collect()
     }
 
     fn registered_bytes(&self) -> u64 {
-        VerbsEngine::registered_bytes(self)
+        self.engine.lock().registered_bytes()
     }
 }

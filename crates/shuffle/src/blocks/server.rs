@@ -417,7 +417,7 @@ pub(crate) fn server_accepted(lp: &mut Loop, id: u64, peer: String, transport: T
     sc.eager_threshold = c.eager_threshold;
     sc.limits = c.limits;
     sc.handshake_timeout = c.handshake_timeout;
-    if !transport.one_sided() {
+    if !transport.capabilities().one_sided {
         sc.caps &= !rdma_shuffle_wire::caps::RDMA_READ;
     }
     let session = ServerSession::new(sc, Instant::now());
@@ -484,7 +484,8 @@ pub(crate) fn server_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
             }
         }
         Incoming::Payload(_) | Incoming::PayloadVec(_) | Incoming::ReadDone { .. } | Incoming::UserReadDone { .. } => {}
-        Incoming::Attach(data) => server_attach(lp, conn, data),
+        // The data plane of an authenticated client is up (verbs): nothing to do, frames
+        // sent meanwhile went out with it.
         Incoming::Attached => {}
     }
 }
@@ -496,22 +497,6 @@ fn server_decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
     decode_or_fail(lp, conn, head, &limits)
 }
 
-fn server_attach(lp: &mut Loop, conn: &mut Conn, data: Vec<u8>) {
-    // The queue pair is created only now, and only for a peer that authenticated.
-    if !conn.authenticated || !server_mut(conn).session.is_ready() {
-        let e = ProtocolError::UnexpectedFrame { kind: rdma_shuffle_wire::FrameKind::Attach, state: "before authentication" };
-        server_mut(conn).session.fail_with(e);
-        server_after(lp, conn);
-        lp.close(conn, "attach before authentication".into(), true);
-        return;
-    }
-    let key = conn.key.to_u64();
-    let Conn { transport, role, .. } = conn;
-    if let Err(e) = transport.accept_attach(lp.net(), key, &data, role.codec()) {
-        lp.fail(conn, e);
-    }
-}
-
 fn server_frame(lp: &mut Loop, conn: &mut Conn, frame: Frame) {
     let ep_id = server_mut(conn).ep;
     let Some(ep) = servers(lp).eps.get(&ep_id) else {
@@ -520,19 +505,27 @@ fn server_frame(lp: &mut Loop, conn: &mut Conn, frame: Frame) {
     };
     let source = ep.source.clone();
     let r = {
-        // Credits come from the provider (verbs: a share of the shared receive queue).
+        // Credits come from the provider where answers take room in a receive queue it
+        // shares (verbs: a share of the shared receive queue); elsewhere as asked.
         let Conn { transport, role, .. } = &mut *conn;
-        let net = lp.net();
-        let mut grant = |max: u32| transport.grant_credits(net, max);
+        let mut credits = transport.receive_credits();
+        let mut grant = |max: u32| credits.as_mut().map_or(max, |c| c.grant_credits(max));
         let mut hooks = Hooks { source: &*source, grant: &mut grant };
         let s = role.get_mut::<ServerConn>().unwrap_or_else(|| unreachable_role());
         s.session.handle_frame(frame, &mut hooks)
     };
     if server_mut(conn).session.is_ready() && !conn.authenticated {
-        conn.authenticated = true;
         leave_pending(lp, conn);
         let live = server_mut(conn).session.live_credits();
-        conn.transport.credits_granted(live);
+        if let Some(c) = conn.transport.receive_credits() {
+            c.credits_granted(live);
+        }
+        // The link may create what the client's data plane needs now (verbs: its queue
+        // pair, once the client's attach record arrives); a block server exposes regions.
+        if let Err(e) = lp.authenticated(conn, true) {
+            lp.fail(conn, e);
+            return;
+        }
     }
     if let Err(e) = r {
         if let Some(ep) = servers(lp).eps.get(&ep_id) {
@@ -561,9 +554,9 @@ fn server_outputs(lp: &mut Loop, conn: &mut Conn) {
     let ep_id = server_mut(conn).ep;
     while let Some(out) = server_mut(conn).session.poll_output() {
         let r = match out {
-            ServerOutput::Frame(f) => conn.transport.send(lp.net(), f.to_vec(), OutPayload::None),
+            ServerOutput::Frame(f) => conn.transport.send(f.to_vec(), OutPayload::None),
             ServerOutput::Eager { frame, source, offset, len } | ServerOutput::PullData { frame, source, offset, len } => {
-                conn.transport.send(lp.net(), frame.to_vec(), OutPayload::Source { source, offset, len })
+                conn.transport.send(frame.to_vec(), OutPayload::Source { source, offset, len })
             }
             ServerOutput::Expose { req, index, region, source, offset, len, block_len } => {
                 if !conn.authenticated {
@@ -572,7 +565,7 @@ fn server_outputs(lp: &mut Loop, conn: &mut Conn) {
                     lp.stats().preauth_registered_bytes.fetch_add(len, Ordering::Relaxed);
                 }
                 let d = Deferred { req, index, region, source, offset, len, block_len };
-                let one_sided = conn.transport.one_sided();
+                let one_sided = conn.transport.capabilities().one_sided;
                 let s = server_mut(conn);
                 if !one_sided {
                     // tcp exposes nothing (the region is streamed on request).
@@ -588,7 +581,7 @@ fn server_outputs(lp: &mut Loop, conn: &mut Conn) {
             }
             ServerOutput::Revoke { region } => {
                 if let Some((rkey, charged)) = server_mut(conn).exposures.remove(&region) {
-                    conn.transport.revoke(lp.net(), rkey);
+                    conn.transport.revoke(rkey);
                     server_mut(conn).exposed -= charged;
                     give_exposure(lp, charged);
                 }
@@ -610,9 +603,9 @@ fn server_outputs(lp: &mut Loop, conn: &mut Conn) {
 /// Exposes a region (within the budget: the caller checked) and sends its descriptor.
 fn expose_region(lp: &mut Loop, conn: &mut Conn, d: Deferred) -> Result<(), FabricError> {
     let Deferred { req, index, region, source, offset, len, block_len } = d;
-    match conn.transport.expose(lp.net(), source, offset, len) {
+    match conn.transport.expose_or_offer(source, offset, len) {
         Ok((addr, rkey)) => {
-            let charged = if conn.transport.one_sided() { exposure::charge(offset, len) } else { 0 };
+            let charged = if conn.transport.capabilities().one_sided { exposure::charge(offset, len) } else { 0 };
             let s = server_mut(conn);
             s.exposures.insert(region, (rkey, charged));
             s.exposed += charged;
@@ -620,7 +613,7 @@ fn expose_region(lp: &mut Loop, conn: &mut Conn, d: Deferred) -> Result<(), Fabr
             // Counted before the descriptor leaves.
             lp.update_registered();
             let desc = Descriptor { region, addr, len, rkey };
-            conn.transport.send(lp.net(), Frame::Rendezvous { req, index, desc, block_len }.to_vec(), OutPayload::None)
+            conn.transport.send(Frame::Rendezvous { req, index, desc, block_len }.to_vec(), OutPayload::None)
         }
         Err(e) => {
             tracing::warn!(peer = %conn.peer, error = %e, "cannot expose a rendezvous region; the block fails");
@@ -750,7 +743,7 @@ pub(crate) fn server_removed(lp: &mut Loop, conn: &mut Conn) {
     s.deferred.clear();
     let held = std::mem::take(&mut s.exposed);
     for rkey in regions {
-        conn.transport.revoke(lp.net(), rkey);
+        conn.transport.revoke(rkey);
     }
     give_exposure(lp, held);
     if let Some(ep) = servers(lp).eps.get_mut(&ep_id) {

@@ -26,7 +26,6 @@ pub(crate) fn mesh_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
         Incoming::Message(p) => mesh_message(lp, conn, p),
         Incoming::ReadDone { tag, lease, result } => mesh_read_done(lp, conn, tag, lease, result),
         Incoming::UserReadDone { tag, result, .. } => mesh_user_read_done(lp, conn, tag, result),
-        Incoming::Attach(data) => mesh_attach(lp, conn, &data),
         Incoming::Attached => {
             mesh_up(lp, conn);
             Ok(())
@@ -58,7 +57,7 @@ fn mesh_frame(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Result<(), FabricE
 
 /// (stream) A data frame: its payload goes into a pool buffer of its size.
 fn mesh_data_frame(lp: &mut Loop, conn: &mut Conn, tag: Tag, proto: Proto, len: u64) -> Result<(), FabricError> {
-    let folds = conn.transport.folds(len);
+    let folds = conn.transport.capabilities().folds.admits(len);
     let m = mesh_mut(conn);
     let peer = m.peer.unwrap_or(0);
     let limit = if proto == Proto::Eager { m.shared.eager_limit } else { m.shared.max_message } as u64;
@@ -177,7 +176,7 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
                     m.peer = Some(from);
                     m.phase = Phase::Proof(state);
                     let (f, p) = control(Kind::Welcome, 0, &welcome);
-                    conn.transport.send(lp.net(), f, p)?;
+                    conn.transport.send(f, p)?;
                     let _ = from;
                 }
                 Err((_, why)) => {
@@ -193,9 +192,8 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
             match hs.server_proof(&state, body) {
                 Ok(()) => {
                     let (f, p) = control(Kind::Ready, 0, &[]);
-                    conn.transport.send(lp.net(), f, p)?;
+                    conn.transport.send(f, p)?;
                     // The peer proved the secret (or none is required).
-                    conn.authenticated = true;
                     mesh_authenticated(lp, conn)
                 }
                 Err(why) => {
@@ -213,7 +211,7 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
                 Ok(proof) => {
                     m.phase = Phase::Ready;
                     let (f, p) = control(Kind::Proof, 0, &proof);
-                    conn.transport.send(lp.net(), f, p)
+                    conn.transport.send(f, p)
                 }
                 Err(why) => {
                     let peer = m.peer.unwrap_or(0);
@@ -225,10 +223,7 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
                 }
             }
         }
-        (Phase::Ready, Kind::Ready) => {
-            conn.authenticated = true;
-            mesh_authenticated(lp, conn)
-        }
+        (Phase::Ready, Kind::Ready) => mesh_authenticated(lp, conn),
         (phase, Kind::Refuse) => {
             let why = String::from_utf8_lossy(body).into_owned();
             let outgoing = m.outgoing;
@@ -252,7 +247,7 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
         (Phase::Up, Kind::Done) => {
             m.phase = Phase::Up;
             if let Some(rkey) = m.exposures.remove(&req) {
-                conn.transport.revoke(lp.net(), rkey);
+                conn.transport.revoke(rkey);
             }
             let m = mesh_mut(conn);
             if let Some(peer) = m.peer {
@@ -294,43 +289,16 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
     }
 }
 
-/// The peer authenticated: attach the provider's data plane (verbs), or the link is up.
+/// The peer authenticated: the loop tells the link, which attaches its data plane first
+/// where it has one (verbs; then `Attached` brings the link up), or the link is up.
 fn mesh_authenticated(lp: &mut Loop, conn: &mut Conn) -> Result<(), FabricError> {
-    if conn.transport.needs_attach() {
-        let key = conn.key.to_u64();
-        let outgoing = mesh_mut(conn).outgoing;
-        mesh_mut(conn).phase = Phase::Attaching;
-        let v = &mut conn.transport;
-        // Both sides of a mesh link send rendezvous messages: both queue pairs let the
-        // (authenticated) peer read.
-        v.allow_remote_read();
-        let codec = mesh_mut(conn).codec.clone();
-        let v = &mut conn.transport;
-        return if outgoing { v.begin_attach(lp.net(), key, &*codec) } else { v.expect_attach() };
-    }
-    mesh_up(lp, conn);
-    Ok(())
-}
-
-fn mesh_attach(lp: &mut Loop, conn: &mut Conn, data: &[u8]) -> Result<(), FabricError> {
-    let (outgoing, attaching) = {
-        let m = mesh_mut(conn);
-        (m.outgoing, matches!(m.phase, Phase::Attaching))
-    };
-    if !attaching || !conn.authenticated {
-        return Err(protocol(conn, "an attach record before the handshake completed".into()));
-    }
-    let key = conn.key.to_u64();
-    if !conn.transport.needs_attach() {
-        return Err(protocol(conn, "an attach record on a connection without a data plane".into()));
-    }
-    let codec = mesh_mut(conn).codec.clone();
-    let v = &mut conn.transport;
-    if outgoing {
-        v.complete_attach(lp.net(), data)
+    // Both sides of a mesh link send rendezvous messages: both expose regions to the peer.
+    if lp.authenticated(conn, true)? {
+        mesh_up(lp, conn);
     } else {
-        v.accept_attach(lp.net(), key, data, &*codec)
+        mesh_mut(conn).phase = Phase::Attaching;
     }
+    Ok(())
 }
 
 /// The link is up: messages may flow.
@@ -370,7 +338,7 @@ fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(),
         bump(&m.shared.counters.rendezvous_received, 1);
         m.shared.fill_slot(peer, tag, slot, Message { body: Body::Empty, proto: Proto::Rendezvous });
         let (f, p) = control(Kind::Done, token, &[]);
-        return conn.transport.send(lp.net(), f, p);
+        return conn.transport.send(f, p);
     }
     // A receive posted for it, with the key to write its memory, takes the READ straight in.
     let (slot, user) = match m.shared.open_slot_or_claim(peer, tag, len, true, false) {
@@ -389,7 +357,7 @@ fn mesh_rts(lp: &mut Loop, conn: &mut Conn, tag: Tag, body: &[u8]) -> Result<(),
 /// provider's read caps allow.
 pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), FabricError> {
     loop {
-        if !conn.transport.can_read(lp.net()) {
+        if !conn.transport.one_sided().is_some_and(|o| o.can_read()) {
             return Ok(());
         }
         let m = mesh_mut(conn);
@@ -401,7 +369,11 @@ pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), Fabr
             let Some(job) = m.rts.pop_front() else { return Ok(()) };
             let read_tag = start_job(m, &job);
             let Some((buf, lkey)) = job.user else { return Ok(()) };
-            if let Err(e) = conn.transport.start_read_user(lp.net(), read_tag, &job.desc, buf, lkey) {
+            let started = match conn.transport.one_sided() {
+                Some(o) => o.start_read_user(read_tag, &job.desc, buf, lkey),
+                None => Err(FabricError::Unsupported("this provider has no one-sided read".into())),
+            };
+            if let Err(e) = started {
                 let m = mesh_mut(conn);
                 m.reads.remove(&read_tag);
                 m.shared.posted_end(peer, job.tag, Some(e.to_string()));
@@ -422,7 +394,11 @@ pub(crate) fn mesh_pump_reads(lp: &mut Loop, conn: &mut Conn) -> Result<(), Fabr
         m.shared.memory_wait(peer, None);
         let Some(job) = m.rts.pop_front() else { return Ok(()) };
         let read_tag = start_job(m, &job);
-        if let Err(failed) = conn.transport.start_read(lp.net(), read_tag, &job.desc, lease) {
+        let started = match conn.transport.one_sided() {
+            Some(o) => o.start_read(read_tag, &job.desc, lease),
+            None => Err(Box::new((lease, FabricError::Unsupported("this provider has no one-sided read".into())))),
+        };
+        if let Err(failed) = started {
             let (_lease, e) = *failed;
             return Err(e);
         }
@@ -468,7 +444,7 @@ fn mesh_read_done(
     count_read(&m.shared.counters, job.len, false);
     m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
     let (f, p) = control(Kind::Done, job.token, &[]);
-    conn.transport.send(lp.net(), f, p)?;
+    conn.transport.send(f, p)?;
     mesh_pump_reads(lp, conn)
 }
 
@@ -495,7 +471,7 @@ fn mesh_user_read_done(
     count_read(&m.shared.counters, job.len, true);
     m.shared.posted_end(peer, job.tag, None);
     let (f, p) = control(Kind::Done, job.token, &[]);
-    conn.transport.send(lp.net(), f, p)?;
+    conn.transport.send(f, p)?;
     mesh_pump_reads(lp, conn)
 }
 

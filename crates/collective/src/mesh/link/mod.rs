@@ -395,14 +395,14 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
                     OutPayload::Source { source: m as Arc<dyn Source>, offset: 0, len }
                 }
             };
-            if let Err(e) = conn.transport.send(lp.net(), head, payload) {
+            if let Err(e) = conn.transport.send(head, payload) {
                 lp.fail(conn, e);
                 return;
             }
             if let Some(token) = mark {
                 // A stream writes from the caller's memory until the frame is out; message
                 // transports copied the bytes.
-                let written_at = conn.transport.write_progress().map(|(queued, _)| queued);
+                let written_at = conn.transport.send_progress().map(|p| p.write_progress().0);
                 let m = mesh_mut(conn);
                 match (written_at, m.peer) {
                     (Some(pos), _) => m.marks.push_back((pos, token)),
@@ -417,7 +417,7 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
             }
             let (addr, rkey) = match source {
                 RtsSource::Keys { addr, rkey } => (addr, rkey),
-                RtsSource::Expose(m) => match conn.transport.expose(lp.net(), m as Arc<dyn Source>, 0, len) {
+                RtsSource::Expose(m) => match conn.transport.expose_or_offer(m as Arc<dyn Source>, 0, len) {
                     Ok((addr, rkey)) => {
                         mesh_mut(conn).exposures.insert(token, rkey);
                         (addr, rkey)
@@ -434,7 +434,7 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
             body.extend_from_slice(&len.to_be_bytes());
             body.extend_from_slice(&token.to_be_bytes());
             let (f, p) = control(Kind::Rts, tag, &body);
-            if let Err(e) = conn.transport.send(lp.net(), f, p) {
+            if let Err(e) = conn.transport.send(f, p) {
                 lp.fail(conn, e);
             }
         }),
@@ -442,7 +442,7 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
             with_mesh(lp, key, |lp, conn| {
                 let m = mesh_mut(conn);
                 if let Some(rkey) = m.exposures.remove(&token) {
-                    conn.transport.revoke(lp.net(), rkey);
+                    conn.transport.revoke(rkey);
                 }
                 if mesh_mut(conn).marks.iter().any(|(_, t)| *t == token) {
                     // Its bytes are not all written and its memory is about to go: the
@@ -480,10 +480,10 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
         MeshCmd::Abort { id, reason } => {
             let Some(ep) = lp.state::<Meshes>().get(&id) else { return };
             for key in ep.conns.clone() {
-                with_mesh(lp, key, |lp, conn| {
+                with_mesh(lp, key, |_, conn| {
                     if conn.closing.is_none() && matches!(mesh_mut(conn).phase, Phase::Up) {
                         let (f, p) = control(Kind::Abort, 0, reason.as_bytes());
-                        let _ = conn.transport.send(lp.net(), f, p);
+                        let _ = conn.transport.send(f, p);
                     }
                 });
             }
@@ -509,7 +509,7 @@ pub(crate) fn remove_mesh(lp: &mut Loop, id: u64, bye: bool) {
             m.end_posted("the mesh was closed");
             if clean {
                 let (f, p) = control(Kind::Bye, 0, &[]);
-                let _ = conn.transport.send(lp.net(), f, p);
+                let _ = conn.transport.send(f, p);
             }
             lp.close(&mut conn, "the mesh was closed".into(), clean);
         }
@@ -518,16 +518,20 @@ pub(crate) fn remove_mesh(lp: &mut Loop, id: u64, bye: bool) {
 }
 
 /// An eager message, `head` then `body`, put out at once by a caller holding the loop, where
-/// the link takes it without a copy of its own ([`Link::send_now`]); `false`: not taken
-/// (send it through the queue). A link that fails on it is failed here, as the queued send
-/// would have been, and counts as taken.
+/// the link takes it without a copy of its own ([`MemoryPolled::send_now`]); `false`: not
+/// taken (send it through the queue). A link that fails on it is failed here, as the queued
+/// send would have been, and counts as taken.
 ///
-/// [`Link::send_now`]: rdma_shuffle_fabric::providers::link::Link::send_now
+/// [`MemoryPolled::send_now`]: rdma_shuffle_fabric::providers::link::MemoryPolled::send_now
 pub(crate) fn send_now(lp: &mut Loop, key: ConnKey, head: &[u8], body: &[u8]) -> bool {
     let Some(mut conn) = lp.take(key) else { return false };
     let mut taken = false;
     if conn.closing.is_none() && conn.role.is::<MeshConn>() {
-        match conn.transport.send_now(lp.net(), head, body) {
+        let sent = match conn.transport.memory_polled() {
+            Some(m) => m.send_now(head, body),
+            None => Ok(false),
+        };
+        match sent {
             Ok(t) => taken = t,
             Err(e) => {
                 lp.fail(&mut conn, e);
@@ -571,7 +575,7 @@ fn mesh_connect(lp: &mut Loop, id: u64, peer: usize) {
     }
     if let Some(mut conn) = lp.take(key) {
         let (f, p) = control(Kind::Hello, 0, &hello);
-        if let Err(e) = conn.transport.send(lp.net(), f, p) {
+        if let Err(e) = conn.transport.send(f, p) {
             lp.fail(&mut conn, e);
         }
         lp.put(conn);
@@ -612,7 +616,7 @@ pub(crate) fn mesh_connected(conn: &mut Conn) {
 /// After a mesh connection was handled: completes stream sends whose bytes are all
 /// written.
 pub(crate) fn mesh_after(conn: &mut Conn) {
-    let Some((_, sent)) = conn.transport.write_progress() else { return };
+    let Some((_, sent)) = conn.transport.send_progress().map(|p| p.write_progress()) else { return };
     let m = mesh_mut(conn);
     if m.marks.is_empty() {
         return;
@@ -715,6 +719,6 @@ fn mesh_refuse(lp: &mut Loop, conn: &mut Conn, why: &str) {
             "mesh: refused a connection");
     }
     let (f, p) = control(Kind::Refuse, 0, why.as_bytes());
-    let _ = conn.transport.send(lp.net(), f, p);
+    let _ = conn.transport.send(f, p);
     lp.close(conn, format!("mesh handshake refused: {why}"), true);
 }

@@ -39,11 +39,7 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
         Incoming::ReadDone { tag, lease, result } => client_read_done(lp, conn, tag, lease, result),
         // Blocks land in pool buffers: the client starts no reads into user memory.
         Incoming::UserReadDone { .. } => {}
-        Incoming::Attach(data) => {
-            if let Err(e) = conn.transport.complete_attach(lp.net(), &data) {
-                lp.fail(conn, e);
-            }
-        }
+        // The data plane is up (verbs): requests held until now go out after this turn.
         Incoming::Attached => {}
     }
 }
@@ -58,7 +54,8 @@ fn client_decode(lp: &mut Loop, conn: &mut Conn, head: &[u8]) -> Option<Frame> {
 /// An answer arrived: where answers take room in a shared receive queue (verbs), its
 /// room is free again, and connections that waited for room go on.
 pub(super) fn client_answer(lp: &mut Loop, conn: &mut Conn) {
-    for k in conn.transport.answer_arrived(lp.net()) {
+    let Some(credits) = conn.transport.receive_credits() else { return };
+    for k in credits.answer_arrived() {
         lp.drive_again(ConnKey::from_u64(k));
     }
 }
@@ -146,17 +143,12 @@ pub(crate) fn client_events(lp: &mut Loop, conn: &mut Conn, msg: Option<MsgPaylo
                         ep.stats.connections.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                conn.authenticated = true;
                 tracing::debug!(peer = %conn.peer, version, eager_threshold, credits, "connected");
-                if conn.transport.needs_attach() {
-                    // Authenticated: only now is a data plane (a queue pair) created for
-                    // this peer.
-                    let key = conn.key.to_u64();
-                    let Conn { transport, role, .. } = &mut *conn;
-                    if let Err(e) = transport.begin_attach(lp.net(), key, role.codec()) {
-                        lp.fail(conn, e);
-                        return;
-                    }
+                // Authenticated: only now may the link create a data plane (verbs: a queue
+                // pair) for this peer. A block client exposes nothing: it only reads.
+                if let Err(e) = lp.authenticated(conn, false) {
+                    lp.fail(conn, e);
+                    return;
                 }
             }
             ClientEvent::Eager { token, len } => {

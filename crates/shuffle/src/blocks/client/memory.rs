@@ -52,7 +52,7 @@ pub(super) fn start_pull(lp: &mut Loop, conn: &mut Conn, token: Token, desc: Des
     if clients_ref(lp).and_then(|c| c.eps.get(&ep_id)).is_none() {
         return true;
     }
-    if !conn.transport.can_read(lp.net()) {
+    if !conn.transport.one_sided().is_none_or(|o| o.can_read()) {
         // A cap on reads in flight (per queue pair, per engine): wait like for memory.
         return false;
     }
@@ -73,12 +73,16 @@ pub(super) fn start_pull(lp: &mut Loop, conn: &mut Conn, token: Token, desc: Des
         }
     };
     let now = Instant::now();
-    if conn.transport.one_sided() {
+    if conn.transport.capabilities().one_sided {
         let c = client_mut(conn);
         let tag = c.next_tag;
         c.next_tag += 1;
         c.reads.insert(tag, (token, Some(guard), desc.len));
-        match conn.transport.start_read(lp.net(), tag, &desc, lease) {
+        let started = match conn.transport.one_sided() {
+            Some(o) => o.start_read(tag, &desc, lease),
+            None => Err(Box::new((lease, FabricError::Unsupported("this provider has no one-sided read".into())))),
+        };
+        match started {
             Ok(()) => {
                 lp.stats().note_reads(1);
                 let _ = client_mut(conn).session.pull_started(token, now);

@@ -654,25 +654,26 @@ pub(crate) fn fetch(lp: &mut Loop, f: FetchCmd) {
 }
 
 pub(super) fn client_connect(lp: &mut Loop, ep_id: u64, addr: SocketAddr) -> Result<ConnKey, FabricError> {
-    let transport = lp.connect(addr)?;
+    let mut transport = lp.connect(addr)?;
     let ep = clients(lp).eps.get_mut(&ep_id).ok_or(FabricError::Shutdown)?;
     let cfg = &ep.config;
     let now = Instant::now();
     let mut sc = ClientConfig::new(addr.to_string(), rand::random());
     sc.secret = cfg.secret.clone();
     sc.app_id = cfg.app_id.clone();
-    sc.max_eager = cfg.max_eager.min(transport.max_eager());
+    let link = transport.capabilities();
+    sc.max_eager = cfg.max_eager.min(link.max_eager);
     sc.limits = cfg.limits;
     sc.handshake_timeout = cfg.handshake_timeout;
     sc.fetch_timeout = cfg.fetch_timeout;
-    if transport.bounded_answers() {
+    if transport.receive_credits().is_some() {
         // Answers land in a shared receive queue: the driver sends requests only as far
         // as the queue has room for their answers, and a Fetch must fit one buffer.
         sc.auto_flush = false;
-        let fit = (transport.max_eager() as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
+        let fit = (link.max_eager as usize / BlockSpan::ENCODED_LEN).max(1) as u32;
         sc.limits.max_blocks_per_fetch = sc.limits.max_blocks_per_fetch.min(fit);
     }
-    if !transport.one_sided() {
+    if !link.one_sided {
         sc.caps &= !caps::RDMA_READ;
     }
     let connect_deadline = now + cfg.connect_timeout;
@@ -692,7 +693,7 @@ pub(super) fn client_connect(lp: &mut Loop, ep_id: u64, addr: SocketAddr) -> Res
             block_lens: HashMap::new(),
             next_tag: 1,
             payload: PayloadState::None,
-            connected: !transport.is_stream() || transport.is_connected(),
+            connected: transport.is_connected(),
             connect_deadline,
             counted: false,
         },
@@ -717,17 +718,19 @@ pub(crate) fn client_connected(conn: &mut Conn) {
 pub(crate) fn client_after(lp: &mut Loop, conn: &mut Conn) {
     let Some(c) = conn.role.get_mut::<ClientConn>() else { return };
     if c.session.queued_blocks() > 0 {
-        if let Some(room) = conn.transport.answer_room(lp.net()) {
-            let sent = c.session.flush_requests(room, Instant::now());
-            let starved = c.session.queued_blocks() > 0;
-            conn.transport.answers_requested(lp.net(), sent, starved, conn.key.to_u64());
+        if let Some(credits) = conn.transport.receive_credits() {
+            if let Some(room) = credits.answer_room() {
+                let sent = c.session.flush_requests(room, Instant::now());
+                let starved = c.session.queued_blocks() > 0;
+                credits.answers_requested(sent, starved);
+            }
         }
     }
     // The requests, pulls and releases of one turn leave together (tcp: one writev).
     conn.transport.cork();
     let mut sent = Ok(());
     while let Some(f) = client_mut(conn).session.poll_transmit() {
-        sent = conn.transport.send(lp.net(), f.to_vec(), OutPayload::None);
+        sent = conn.transport.send(f.to_vec(), OutPayload::None);
         if sent.is_err() {
             break;
         }
