@@ -6,9 +6,7 @@
 //! the memory cannot be resized or freed under it. The pure-Python layer (`mobius/__init__.py`)
 //! maps numpy/torch dtypes and tensors onto this.
 
-use mobius_collective::{
-    CollectiveError, CommConfig, Communicator, DType, GroupKey, Op, Overrides, ReduceOp, Rendezvous, TransportKind,
-};
+use mobius_collective::{CollectiveError, CommConfig, Communicator, DType, GroupKey, Op, Overrides, ReduceOp, Rendezvous};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
@@ -129,9 +127,10 @@ fn config(rank: usize, world: usize, settings: Option<&Bound<'_, PyDict>>) -> Py
     }
     if let Some(v) = get("transport")? {
         let t: String = v.extract()?;
-        let device: Option<String> = get("device")?.map(|d| d.extract()).transpose()?;
-        c.transport = TransportKind::parse(&t, device)
-            .map_err(|_| PyValueError::new_err(format!("transport={t:?}: use 'auto', 'tcp', 'shm' or 'verbs'")))?;
+        c.set_transport(&t).map_err(|e| PyValueError::new_err(format!("transport={t:?}: {e}")))?;
+        if let Some(d) = get("device")? {
+            c.device = Some(d.extract()?);
+        }
     }
     if let Some(v) = get("secret")? {
         c.secret = Some(v.extract()?);

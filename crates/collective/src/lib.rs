@@ -36,13 +36,11 @@ mod policy;
 mod store;
 mod transport;
 
-pub use comm::{
-    host_identity, CommConfig, CommStats, Communicator, GroupKey, LinkCost, Rendezvous, StoreRendezvous, TransportKind, MAX_WORLD,
-};
+pub use comm::{host_identity, CommConfig, CommStats, Communicator, GroupKey, LinkCost, Rendezvous, StoreRendezvous, MAX_WORLD};
 pub use dtype::{finish_avg, reduce_into, DType, Element, ReduceOp};
 pub use error::CollectiveError;
 pub use mesh_transport::MeshTransport;
-pub use policy::{parse_bytes, Algo, CostModel, Decision, Op, Overrides, Policy, Topology};
+pub use policy::{parse_bytes, record_segment, Algo, CostModel, Decision, Op, Overrides, Policy, Topology, RECORD_PATH_MAX};
 pub use store::{StoreClient, StoreServer};
 pub use transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
 
@@ -50,5 +48,5 @@ pub use transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, T
 pub mod fabric {
     pub use crate::mesh::{Mesh, MeshConfig, MeshListener};
     pub use rdma_shuffle_fabric::Provider;
-    pub use rdma_shuffle_providers::{SimProvider, TcpProvider};
+    pub use rdma_shuffle_providers::{sim::SimProvider, tcp::TcpProvider};
 }

@@ -5,6 +5,7 @@ use crate::dtype::{reduce_into, DType, ReduceOp};
 use crate::mesh::{self, Mesh, MeshError, Message, PostedRecv, Posting, Registration, SendTicket};
 use crate::transport::{Proto, Tag, Transport, TransportError, TransportErrorKind, TransportStats};
 use rdma_shuffle_fabric::providers::link::Fold;
+use rdma_shuffle_fabric::ProviderCapabilities;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -80,6 +81,10 @@ impl Transport for MeshTransport {
 
     fn one_sided(&self) -> bool {
         self.mesh.one_sided()
+    }
+
+    fn capabilities(&self) -> ProviderCapabilities {
+        self.mesh.capabilities()
     }
 
     unsafe fn register(&self, ptr: *const u8, len: usize) -> Result<Registration, TransportError> {

@@ -432,28 +432,36 @@ pub struct Policy {
     pub(crate) eager_limit: usize,
     pub(crate) max_message: usize,
     pub(crate) one_sided: bool,
-    /// Every link is shared memory: the ranks' own CPUs move the bytes (through the ring, or
-    /// the receiver copying a segment out of the sender's memory), so a segment's transfer
+    /// Every link moves bytes with the ranks' own CPUs (the provider's
+    /// [`cpu_copies`](rdma_shuffle_fabric::ProviderCapabilities::cpu_copies): through a ring,
+    /// or the receiver copying a segment out of the sender's memory), so a segment's transfer
     /// cannot overlap the receiver's reduction of the one before, and smaller segments only
     /// add messages.
     pub(crate) cpu_copies: bool,
+    /// The segment that goes through the provider's in-memory records in place
+    /// ([`record_segment`] of its
+    /// [`record_body`](rdma_shuffle_fabric::ProviderCapabilities::record_body)); 0: none.
+    pub(crate) record_segment: usize,
 }
 
-/// The segment of a balanced op over shm: the largest body the shm provider (as Mobius
-/// configures it) carries in one ring record, in whole 4 KiB pages. Larger segments go by
-/// single copy, `process_vm_readv`, which costs 3.6 memcpys a byte on this project's
-/// machines against the ring's two copies: 2-rank allreduce of 1 MiB 62–65 µs through the
-/// ring against 124–126 by single copy, 4 MiB 279–467 against 540–614 (2 MiB segments by
-/// single copy; back-to-back loops, docs/mobius.md Run 12).
-pub const SHM_SEGMENT: usize = (1 << 20) - 4096;
+/// The segment of a balanced op over a provider whose in-memory records carry bodies of up
+/// to `record_body` bytes in place (shm's ring): the largest that fits, in whole 4 KiB
+/// pages (1 MiB − 4 KiB with the 2 MiB rings Mobius uses). Larger segments go by single
+/// copy, `process_vm_readv`, which costs 3.6 memcpys a byte on this project's machines
+/// against the ring's two copies: 2-rank allreduce of 1 MiB 62–65 µs through the ring
+/// against 124–126 by single copy, 4 MiB 279–467 against 540–614 (2 MiB segments by single
+/// copy; back-to-back loops, docs/mobius.md Run 12).
+pub fn record_segment(record_body: Option<usize>) -> usize {
+    record_body.map_or(0, |b| b / 4096 * 4096)
+}
 
-/// The largest buffer whose balanced op goes over shm in [`SHM_SEGMENT`]s through the ring.
-/// Above it the working set leaves the cache, and the ring's two copies (the sender's into
-/// the ring, then the receiver's out of it, both from and to memory) cost more than one
-/// single copy straight between the ranks' buffers: 4 ranks, 16 MiB, 12.8–18.5 ms through
-/// the ring against 9.9–12.4 by single copy (`perf`: `memmove` 40 % of samples against the
-/// single copy's 26 %); 2 ranks, 16 MiB, level (docs/mobius.md Run 12).
-pub const SHM_RING_MAX: usize = 4 << 20;
+/// The largest buffer whose balanced op goes in [`record_segment`]s through the provider's
+/// records. Above it the working set leaves the cache, and the ring's two copies (the
+/// sender's into the ring, then the receiver's out of it, both from and to memory) cost more
+/// than one single copy straight between the ranks' buffers: 4 ranks, 16 MiB, 12.8–18.5 ms
+/// through the ring against 9.9–12.4 by single copy (`perf`: `memmove` 40 % of samples
+/// against the single copy's 26 %); 2 ranks, 16 MiB, level (docs/mobius.md Run 12).
+pub const RECORD_PATH_MAX: usize = 4 << 20;
 
 fn log2_floor(p: usize) -> usize {
     (usize::BITS - 1 - p.leading_zeros()) as usize
@@ -615,14 +623,15 @@ impl Policy {
     /// ([`cpu_copies`](Policy::cpu_copies)) no segment overlaps another on the same rank,
     /// and with every rank busy in every step there is no pipeline to fill: the largest
     /// segment is best (measured on shm, 2 and 4 ranks, 1–64 MiB allreduce: 1–4 MiB segments
-    /// beat the formula's 64–512 KiB by 1.1–1.5x). Up to [`SHM_RING_MAX`] bytes that is the
-    /// largest body the provider carries through its ring ([`SHM_SEGMENT`]), which the
-    /// receiver reduces straight out of the ring; above, 4 MiB, sent by reference and
-    /// reduced a piece at a time as it is copied. (Chains and trees, where a rank forwards
+    /// beat the formula's 64–512 KiB by 1.1–1.5x). Up to [`RECORD_PATH_MAX`] bytes that is
+    /// the largest body the provider carries through its ring
+    /// ([`record_segment`](Policy::record_segment)), which the receiver reduces straight out
+    /// of the ring; above, 4 MiB, sent by reference and reduced a piece at a time as it is
+    /// copied. (Chains and trees, where a rank forwards
     /// what it received, still pipeline across ranks.)
     pub fn balanced_segment(&self, bytes: usize, steps: usize, elem: usize) -> usize {
         if self.cpu_copies && self.overrides.segment.is_none() && self.overrides.proto != Some(Proto::Eager) {
-            let seg = if bytes <= SHM_RING_MAX { SHM_SEGMENT } else { 4 << 20 };
+            let seg = if bytes <= RECORD_PATH_MAX && self.record_segment > 0 { self.record_segment } else { 4 << 20 };
             return (self.max_message.min(seg) / elem).max(1) * elem;
         }
         self.segment(bytes, steps, elem)
@@ -732,6 +741,7 @@ mod tests {
             max_message: 16 << 20,
             one_sided,
             cpu_copies: false,
+            record_segment: 0,
         }
     }
 
@@ -740,18 +750,22 @@ mod tests {
         let mut p = policy(false);
         let pipelined = p.choose(Op::AllReduce, 16 << 20, DType::F32, 2).segment;
         assert!(pipelined < 4 << 20, "the formula pipelines a 16 MiB ring: {pipelined}");
+        // As over shm, with the rings Mobius sets up.
+        let shm = rdma_shuffle_providers::shm::ShmConfig::default();
+        let shm_segment = record_segment(Some(shm.largest_ring_body()));
+        assert_eq!(shm_segment, (1 << 20) - 4096, "the 2 MiB ring's largest body, in whole pages");
         p.cpu_copies = true;
+        p.record_segment = shm_segment;
         assert_eq!(p.choose(Op::AllReduce, 16 << 20, DType::F32, 2).segment, 4 << 20);
         assert_eq!(p.choose(Op::AllGather, 16 << 20, DType::F64, 4).segment, 4 << 20);
         assert_eq!(p.balanced_segment(16 << 20, 4, 12), (4 << 20) / 12 * 12, "whole elements");
         assert!(p.choose(Op::Broadcast, 16 << 20, DType::F32, 4).segment < 4 << 20, "a tree still pipelines");
-        // Up to SHM_RING_MAX, segments that go through the ring.
-        assert_eq!(p.choose(Op::AllReduce, 4 << 20, DType::F32, 2).segment, SHM_SEGMENT);
-        assert_eq!(p.choose(Op::AllReduce, 1 << 20, DType::F32, 4).segment, SHM_SEGMENT);
-        assert_eq!(p.balanced_segment(SHM_RING_MAX, 4, 12), SHM_SEGMENT / 12 * 12, "whole elements");
+        // Up to RECORD_PATH_MAX, segments that go through the ring.
+        assert_eq!(p.choose(Op::AllReduce, 4 << 20, DType::F32, 2).segment, shm_segment);
+        assert_eq!(p.choose(Op::AllReduce, 1 << 20, DType::F32, 4).segment, shm_segment);
+        assert_eq!(p.balanced_segment(RECORD_PATH_MAX, 4, 12), shm_segment / 12 * 12, "whole elements");
         // Every such segment goes through the ring of the shm provider as Mobius sets it up.
-        let shm = rdma_shuffle_providers::shm::ShmConfig::default();
-        assert!(SHM_SEGMENT <= shm.largest_ring_body() && SHM_SEGMENT > shm.single_copy_min);
+        assert!(shm_segment <= shm.largest_ring_body() && shm_segment > shm.single_copy_min);
         p.overrides.segment = Some(128 << 10);
         assert_eq!(p.choose(Op::AllReduce, 16 << 20, DType::F32, 2).segment, 128 << 10, "a forced segment still wins");
     }

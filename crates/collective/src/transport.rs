@@ -2,6 +2,7 @@
 //! between ranks, in two protocols, with deadlines. [`MeshTransport`](crate::MeshTransport)
 //! implements it over the fabric's mesh; the algorithms know nothing else about providers.
 
+use rdma_shuffle_fabric::ProviderCapabilities;
 use std::fmt;
 use std::ops::Deref;
 use std::time::Instant;
@@ -131,6 +132,8 @@ pub trait Transport: Send + Sync {
     fn max_message(&self) -> usize;
     /// Whether rendezvous is one-sided (needs registrations of the sent memory).
     fn one_sided(&self) -> bool;
+    /// What the provider under the transport can do, as the policy asks it.
+    fn capabilities(&self) -> ProviderCapabilities;
 
     /// Registers `len` bytes at `ptr` for rendezvous sends out of them.
     ///

@@ -4,7 +4,7 @@
 //! leave the link unconnected and the group would not form). Each case runs a checked
 //! allreduce over the links chosen.
 
-use mobius_collective::{CommConfig, Communicator, MeshTransport, ReduceOp, StoreRendezvous, StoreServer, TransportKind};
+use mobius_collective::{CommConfig, Communicator, MeshTransport, ReduceOp, StoreRendezvous, StoreServer};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
@@ -78,7 +78,7 @@ fn a_group_across_hosts_uses_shm_inside_a_host_and_tcp_between_hosts() {
 fn a_rank_forcing_tcp_is_reached_over_tcp_and_the_others_keep_shm() {
     let comms = join(3, |r, c| {
         if r == 1 {
-            c.transport = TransportKind::Tcp;
+            c.transport = "tcp".into();
         }
     });
     assert_eq!(providers_and_check(&comms), ["shm+tcp", "tcp", "shm+tcp"]);
@@ -86,6 +86,6 @@ fn a_rank_forcing_tcp_is_reached_over_tcp_and_the_others_keep_shm() {
 
 #[test]
 fn every_rank_forcing_tcp_uses_tcp_on_one_host() {
-    let comms = join(2, |_, c| c.transport = TransportKind::Tcp);
+    let comms = join(2, |_, c| c.transport = "tcp".into());
     assert_eq!(providers_and_check(&comms), ["tcp", "tcp"]);
 }

@@ -29,4 +29,5 @@ pub use driver::{Driver, DriverConfig, DriverStats, DEFAULT_SPIN, MAX_SPIN};
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
-pub use providers::{Provider, Source};
+pub use providers::registry::{ProviderOptions, Registration, Registry};
+pub use providers::{Provider, ProviderCapabilities, Source};

@@ -5,9 +5,11 @@ use crate::blocks::{ClientEndpointConfig, ServerEndpointConfig};
 use crate::knobs::{render_error, with_setting};
 use crate::{BlockClient, BlockServer, ServerError};
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
+use rdma_shuffle_fabric::ProviderOptions;
 use rdma_shuffle_fabric::{Driver, DriverConfig, FabricError, PoolError, Provider};
-use rdma_shuffle_providers::{open_provider, ProviderChoice, ProviderSpec};
+use rdma_shuffle_providers as providers;
 use rdma_shuffle_wire::{FailureCode, Limits, Secret};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
@@ -43,23 +45,17 @@ pub enum EngineError {
     Fabric(#[from] FabricError),
 }
 
-/// Which provider to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// verbs when a usable RDMA device exists, tcp otherwise.
-    Auto,
-    /// verbs or fail.
-    Verbs,
-    /// tcp.
-    Tcp,
-}
-
 /// Settings of an engine. Field docs name the Spark setting each comes from; defaults, parsing
 /// and validation are in [`crate::settings`] (from the one schema, `settings/settings.tsv`).
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// `spark.shuffle.rdma.transport`.
-    pub transport: Transport,
+    /// `spark.shuffle.rdma.transport`: a provider's name in the registry
+    /// (`rdma_shuffle_providers::registry`), or `auto`: verbs when a usable RDMA device
+    /// exists, tcp otherwise.
+    pub transport: String,
+    /// `spark.shuffle.rdma.<provider>.<name>` settings of one provider (`ofi.provider`),
+    /// handed to it as they are.
+    pub provider_settings: BTreeMap<String, String>,
     /// `spark.shuffle.rdma.eagerThreshold` (bytes).
     pub eager_threshold: u32,
     /// `spark.shuffle.rdma.pool.tiers` (bytes).
@@ -106,30 +102,30 @@ pub struct EngineConfig {
     pub spin: Duration,
 }
 
-/// Picks the provider for `transport`, with the reason (logged once by the caller), through
-/// fabric's [`open_provider`] (the one place providers are listed).
+/// Picks the provider `transport` names, with the reason (logged once by the caller),
+/// through the provider registry (`rdma_shuffle_providers`, the one place providers are
+/// listed).
 ///
-/// `auto` tries verbs and falls back to tcp on any failure (no device, no active port,
-/// memlock too low), saying why; `verbs` fails instead of falling back.
+/// `auto` tries the registry's automatic order (verbs, then tcp) and falls back on any
+/// failure (no device, no active port, memlock too low), saying why; a name fails instead
+/// of falling back.
 pub fn select_provider(config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), EngineError> {
-    let choice = match config.transport {
-        Transport::Tcp => ProviderChoice::Tcp,
-        Transport::Auto => ProviderChoice::Auto,
-        Transport::Verbs => ProviderChoice::Verbs,
-    };
-    let spec = ProviderSpec {
-        choice,
+    let options = ProviderOptions {
         device: config.device.clone(),
         gid_index: config.gid_index,
-        max_message: Some(config.eager_threshold.max(4096) + 4096),
+        eager_message: Some(config.eager_threshold.max(4096) + 4096),
+        max_message: None,
         recv_buffers: Some(config.recv_buffers),
         pool_bytes: config.pool_cap,
+        secret: config.secret.clone(),
+        extra: config.provider_settings.clone(),
     };
-    let opened = open_provider(&spec).map_err(|e| EngineError::Transport(render_error(&e)))?;
-    let why = match (&opened.fallback, config.transport) {
-        (Some(e), _) => format!("transport=auto: using tcp because verbs is unusable: {}", render_error(e)),
-        (None, Transport::Tcp) => "spark.shuffle.rdma.transport=tcp".into(),
-        (None, _) => format!("transport: {}", opened.description),
+    let opened = providers::open(&config.transport, &options).map_err(|e| EngineError::Transport(render_error(&e)))?;
+    let name = opened.provider.name();
+    let why = match &opened.fallback {
+        Some((skipped, e)) => format!("transport=auto: using {name} because {skipped} is unusable: {}", render_error(e)),
+        None if config.transport == name => format!("spark.shuffle.rdma.transport={name}: {}", opened.description),
+        None => format!("transport: {}", opened.description),
     };
     Ok((opened.provider, why))
 }
@@ -327,7 +323,7 @@ mod tests {
         let (p, why) = select_provider(&EngineConfig::default()).unwrap();
         assert_eq!(p.name(), "tcp");
         assert!(why.contains("using tcp because verbs is unusable"), "{why}");
-        let e = select_provider(&EngineConfig { transport: Transport::Verbs, ..EngineConfig::default() }).err().unwrap();
+        let e = select_provider(&EngineConfig { transport: "verbs".into(), ..EngineConfig::default() }).err().unwrap();
         assert!(e.to_string().contains("verbs"), "{e}");
     }
 
@@ -335,7 +331,7 @@ mod tests {
     fn engines_fetch_from_each_other_and_count_it() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = |id: &str| EngineConfig {
-            transport: Transport::Tcp,
+            transport: "tcp".into(),
             bind_host: "127.0.0.1".parse().unwrap(),
             executor_id: id.into(),
             pool_cap: 64 << 20,

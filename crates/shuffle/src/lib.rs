@@ -31,7 +31,7 @@ pub mod testkit;
 /// What the JNI layer (which talks to this crate only) needs of the layers below.
 pub use blocks::{BlockSink, ChunkSink, FetchedBlock, StreamConfig};
 pub use client::{BlockClient, ShuffleBlock};
-pub use engine::{Engine, EngineConfig, EngineError, Transport};
+pub use engine::{Engine, EngineConfig, EngineError};
 pub use rdma_shuffle_fabric::Lease;
 pub use rdma_shuffle_wire::{BlockFailure, FailureCode};
 pub use server::{BlockServer, ServerError};

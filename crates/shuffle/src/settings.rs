@@ -11,7 +11,8 @@
 //! [`EngineConfig::to_kv`]); the parsers here also accept Spark's unit syntax (`64k`, `30s`), so
 //! the schema's defaults and a hand-written config parse the same way.
 
-use crate::engine::{EngineConfig, EngineError, Transport};
+use crate::engine::{EngineConfig, EngineError};
+use rdma_shuffle_providers as providers;
 use rdma_shuffle_wire::Secret;
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
@@ -309,6 +310,27 @@ fn resolve_host(key: &str, host: &str) -> Result<IpAddr, EngineError> {
         .ok_or_else(|| bad("the host name resolves to no address".into()))
 }
 
+/// `spark.shuffle.rdma.<provider>.<name>` with `<provider>` a registered provider: the
+/// setting of that provider, `<provider>.<name>`, handed to it as it is
+/// ([`EngineConfig::provider_settings`]). A new provider's settings need a line in the schema
+/// and nothing here.
+fn provider_key(key: &str) -> Option<&str> {
+    let rest = key.strip_prefix("spark.shuffle.rdma.")?;
+    let (provider, name) = rest.split_once('.')?;
+    (!name.is_empty() && providers::registry().names().any(|n| n == provider)).then_some(rest)
+}
+
+/// A parsed value as the text a provider setting is handed over in; `None` when unset.
+fn value_text(v: &Value) -> Option<String> {
+    Some(match v {
+        Value::Unset => return None,
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::Numbers(ns) => ns.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
+        Value::Text(t) => t.clone(),
+    })
+}
+
 impl EngineConfig {
     /// Sets the field behind an engine-scope schema key. Every engine key has an arm here; a
     /// unit test walks the schema to keep it so.
@@ -318,13 +340,9 @@ impl EngineConfig {
             _ => None,
         };
         match key {
-            "spark.shuffle.rdma.transport" => {
-                self.transport = match text().as_deref() {
-                    Some("verbs") => Transport::Verbs,
-                    Some("tcp") => Transport::Tcp,
-                    _ => Transport::Auto,
-                }
-            }
+            // A registry name or `auto`: the schema's choice, which a test keeps equal to the
+            // registry's names.
+            "spark.shuffle.rdma.transport" => self.transport = text().unwrap_or_else(|| providers::AUTO.to_string()),
             // In range by the schema (at most 16 MiB): the casts below cannot truncate.
             "spark.shuffle.rdma.eagerThreshold" => self.eager_threshold = number(v) as u32,
             "spark.shuffle.rdma.pool.tiers" => {
@@ -345,6 +363,13 @@ impl EngineConfig {
             "spark.shuffle.rdma.maxBytesExposed" => self.max_bytes_exposed = number(v),
             "spark.shuffle.rdma.device" => self.device = text().filter(|d| !d.is_empty()),
             "spark.shuffle.rdma.gidIndex" => self.gid_index = matches!(v, Value::Number(_)).then(|| number(v) as u8),
+            _ if provider_key(key).is_some() => {
+                let k = provider_key(key).unwrap_or_default().to_string();
+                match value_text(v) {
+                    Some(t) => self.provider_settings.insert(k, t),
+                    None => self.provider_settings.remove(&k),
+                };
+            }
             _ => {
                 return Err(EngineError::Setting {
                     key: key.to_string(),
@@ -363,12 +388,7 @@ impl EngineConfig {
     pub fn setting(&self, key: &str) -> Option<String> {
         let ms = |d: &Duration| d.as_millis().to_string();
         Some(match key {
-            "spark.shuffle.rdma.transport" => match self.transport {
-                Transport::Auto => "auto",
-                Transport::Verbs => "verbs",
-                Transport::Tcp => "tcp",
-            }
-            .to_string(),
+            "spark.shuffle.rdma.transport" => self.transport.clone(),
             "spark.shuffle.rdma.eagerThreshold" => self.eager_threshold.to_string(),
             "spark.shuffle.rdma.pool.tiers" => self.pool_tiers.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","),
             "spark.shuffle.rdma.pool.capBytes" => self.pool_cap.to_string(),
@@ -384,7 +404,7 @@ impl EngineConfig {
             "spark.shuffle.rdma.maxBytesExposed" => self.max_bytes_exposed.to_string(),
             "spark.shuffle.rdma.device" => self.device.clone().unwrap_or_default(),
             "spark.shuffle.rdma.gidIndex" => self.gid_index.map(|g| g.to_string()).unwrap_or_default(),
-            _ => return None,
+            _ => self.provider_settings.get(provider_key(key)?).cloned().unwrap_or_default(),
         })
     }
 
@@ -450,7 +470,8 @@ impl Default for EngineConfig {
     fn default() -> Self {
         // Placeholders only: every settings field is overwritten from the schema below.
         let mut c = EngineConfig {
-            transport: Transport::Auto,
+            transport: providers::AUTO.to_string(),
+            provider_settings: std::collections::BTreeMap::new(),
             eager_threshold: 0,
             pool_tiers: Vec::new(),
             pool_cap: 0,
@@ -581,11 +602,42 @@ mod tests {
         assert_eq!(parse_duration_ms("soon"), None);
     }
 
+    /// Spark's transport takes the provider registry's names and `auto`: a provider
+    /// registered without its name in settings/settings.tsv (or the other way round) fails here.
+    #[test]
+    fn the_transport_setting_takes_the_registry_names() {
+        let Kind::Choice(mut names) = lookup("spark.shuffle.rdma.transport").unwrap().kind.clone() else {
+            panic!("spark.shuffle.rdma.transport is a choice")
+        };
+        let mut want: Vec<&str> = std::iter::once(providers::AUTO).chain(providers::registry().names()).collect();
+        names.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(names, want, "settings/settings.tsv's transport values against the provider registry");
+        for name in providers::registry().names() {
+            let c = EngineConfig::from_kv(&format!("spark.shuffle.rdma.transport={name}\n")).unwrap();
+            assert_eq!(c.transport, name);
+        }
+    }
+
+    /// `spark.shuffle.rdma.<provider>.<name>` of a registered provider reaches it as it is; of
+    /// anything else it is no setting the engine holds.
+    #[test]
+    fn a_providers_own_settings_are_handed_to_it() {
+        let mut c = EngineConfig::default();
+        c.apply("spark.shuffle.rdma.verbs.example", &Value::Text("x;y".into())).unwrap();
+        assert_eq!(c.provider_settings.get("verbs.example").map(String::as_str), Some("x;y"));
+        assert_eq!(c.setting("spark.shuffle.rdma.verbs.example").as_deref(), Some("x;y"));
+        c.apply("spark.shuffle.rdma.verbs.example", &Value::Unset).unwrap();
+        assert!(c.provider_settings.is_empty());
+        assert!(c.apply("spark.shuffle.rdma.nosuch.example", &Value::Text("1".into())).is_err());
+        assert_eq!(c.setting("spark.shuffle.rdma.nosuch.example"), None);
+    }
+
     #[test]
     fn bad_values_name_the_key_and_the_limit() {
         let e = |kv: &str| EngineConfig::from_kv(kv).unwrap_err().to_string();
         let t = e("spark.shuffle.rdma.transport=ib");
-        assert!(t.contains("spark.shuffle.rdma.transport") && t.contains("auto|verbs|tcp"), "{t}");
+        assert!(t.contains("spark.shuffle.rdma.transport") && t.contains("auto|tcp|shm|verbs"), "{t}");
         let t = e("spark.shuffle.rdma.port=70000");
         assert!(t.contains("spark.shuffle.rdma.port") && t.contains("0..65535"), "{t}");
         let t = e("spark.shuffle.rdma.eagerThreshold=32m");
@@ -610,7 +662,7 @@ mod tests {
              spark.shuffle.rdma.enabled=whatever-the-jvm-reads\nspark.shuffle.rdma.bindHost=localhost\n",
         )
         .unwrap();
-        assert_eq!(c.transport, Transport::Tcp);
+        assert_eq!(c.transport, "tcp");
         assert_eq!(c.eager_threshold, 32768);
         assert_eq!(c.pool_tiers, vec![4096, 65536]);
         assert_eq!(c.fetch_timeout, Duration::from_millis(1500));

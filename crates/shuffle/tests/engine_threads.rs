@@ -5,7 +5,7 @@
 //! it alone in its process, and every thread that appears is one the engines started.
 
 use rdma_shuffle_shuffle::blocks::{BlockSink, FetchedBlock};
-use rdma_shuffle_shuffle::engine::{Engine, EngineConfig, Transport};
+use rdma_shuffle_shuffle::engine::{Engine, EngineConfig};
 use rdma_shuffle_shuffle::testkit::write_map_output;
 use rdma_shuffle_shuffle::ShuffleBlock;
 use rdma_shuffle_wire::BlockFailure;
@@ -24,7 +24,7 @@ fn threads() -> usize {
 
 fn engine(id: &str) -> Engine {
     Engine::open(EngineConfig {
-        transport: Transport::Tcp,
+        transport: "tcp".into(),
         bind_host: "127.0.0.1".parse().unwrap(),
         executor_id: id.into(),
         pool_cap: 16 << 20,

@@ -9,10 +9,14 @@
 //!
 //! * [`shuffle`] — the shuffle's block protocol over the provider: eager and rendezvous bytes
 //!   equal to the file's, authentication, credits, typed errors for bad input, vanishing
-//!   peers, backpressure, idle connections, resource bounds.
+//!   peers, backpressure, idle connections, resource bounds
+//!   ([`provider_suite!`](crate::provider_suite));
+//! * [`mesh`] — Mobius's mesh over the provider: ordered messages between every pair, posted
+//!   and reducing receives, peers that close or die ([`mesh_suite!`](crate::mesh_suite)).
 //!
 //! Every test takes a provider [`Factory`](shuffle::Factory), so the same assertions run over
 //! sim, tcp, shm and (inside the SoftRoCE VM) verbs.
 #![allow(clippy::missing_panics_doc)]
 
+pub mod mesh;
 pub mod shuffle;

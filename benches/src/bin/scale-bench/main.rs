@@ -17,7 +17,7 @@
 
 use rdma_shuffle_bench::{parse_counters, procfs, Proc, Waiter};
 use rdma_shuffle_shuffle::testkit::write_map_output;
-use rdma_shuffle_shuffle::{Engine, EngineConfig, ShuffleBlock, Transport};
+use rdma_shuffle_shuffle::{Engine, EngineConfig, ShuffleBlock};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
@@ -63,7 +63,7 @@ fn main() {
 /// Options every role understands.
 #[derive(Clone, Debug)]
 struct Opts {
-    transport: Transport,
+    transport: String,
     device: Option<String>,
     gid_index: Option<u8>,
     /// Pause between two fetch rounds of one fetcher: keeps traffic flowing on every
@@ -82,7 +82,7 @@ struct Opts {
 impl Opts {
     fn parse(args: &[String]) -> R<Opts> {
         let mut o = Opts {
-            transport: Transport::Tcp,
+            transport: "tcp".into(),
             device: None,
             gid_index: None,
             pause: Duration::from_millis(100),
@@ -101,11 +101,13 @@ impl Opts {
             let num = |v: String, what: &str| v.parse::<u64>().map_err(|_| format!("{what}: '{v}' is not a number"));
             match flag.as_str() {
                 "--provider" => {
-                    o.transport = match value()?.as_str() {
-                        "tcp" => Transport::Tcp,
-                        "verbs" => Transport::Verbs,
-                        other => return Err(format!("--provider: '{other}' is not tcp or verbs")),
+                    let name = value()?;
+                    let registry = rdma_shuffle_providers::registry();
+                    if name == rdma_shuffle_providers::AUTO || !registry.knows(&name) {
+                        let names = registry.names().collect::<Vec<_>>().join(", ");
+                        return Err(format!("--provider: '{name}' is not one of this build's providers ({names})"));
                     }
+                    o.transport = name;
                 }
                 "--device" => o.device = Some(value()?).filter(|d| !d.is_empty()),
                 "--gid-index" => {
@@ -149,16 +151,13 @@ impl Opts {
         a
     }
 
-    fn provider_name(&self) -> &'static str {
-        match self.transport {
-            Transport::Verbs => "verbs",
-            _ => "tcp",
-        }
+    fn provider_name(&self) -> &str {
+        &self.transport
     }
 
     fn engine(&self, id: &str) -> R<Engine> {
         let cfg = EngineConfig {
-            transport: self.transport,
+            transport: self.transport.clone(),
             bind_host: Ipv4Addr::LOCALHOST.into(),
             executor_id: id.into(),
             device: self.device.clone(),
@@ -626,7 +625,7 @@ mod tests {
     fn options_parse_and_pass_on() {
         let a = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
         let o = Opts::parse(&a("--provider verbs --device rxe0 --gid-index 1 --peers 2,4 --pause-ms 50")).unwrap();
-        assert_eq!((o.transport, o.peers.clone(), o.pause), (Transport::Verbs, vec![2, 4], Duration::from_millis(50)));
+        assert_eq!((o.transport.as_str(), o.peers.clone(), o.pause), ("verbs", vec![2, 4], Duration::from_millis(50)));
         assert_eq!(o.engine_args(), a("--provider verbs --pause-ms 50 --device rxe0 --gid-index 1"));
         for bad in ["--peers 4,2", "--peers 0", "--provider ib", "--bogus", "--hub nowhere"] {
             assert!(Opts::parse(&a(bad)).is_err(), "{bad}");

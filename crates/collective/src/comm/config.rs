@@ -5,42 +5,13 @@ use crate::error::CollectiveError;
 use crate::mesh::MeshConfig;
 use crate::policy::{parse_bytes, Overrides};
 use rdma_shuffle_fabric::{PoolConfig, Provider};
-use rdma_shuffle_providers::shm::{ShmConfig, ShmProvider};
-use rdma_shuffle_providers::{open_provider, ProviderChoice, ProviderSpec};
+use rdma_shuffle_providers::{registry, ProviderOptions, AUTO, PER_HOST};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::MAX_WORLD;
-
-/// Which provider carries a communicator's traffic.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TransportKind {
-    /// Per link: shared memory between ranks on one host (equal host identities, see
-    /// [`host_identity`]), TCP sockets between hosts. The ranks decide from what each
-    /// published at the rendezvous, so both ends of a link always agree.
-    Auto,
-    /// TCP sockets, also between ranks of one host.
-    Tcp,
-    /// Shared memory (fabric's shm provider): every rank must be on this host.
-    Shm,
-    /// RDMA verbs (needs the `verbs` feature and a device); `None` takes the first active one.
-    Verbs(Option<String>),
-}
-
-impl TransportKind {
-    /// Parses a `MOBIUS_TRANSPORT` value (`auto` | `tcp` | `shm` | `verbs`); `device` is the
-    /// verbs device (`MOBIUS_VERBS_DEVICE`).
-    pub fn parse(s: &str, device: Option<String>) -> Result<Self, CollectiveError> {
-        Ok(match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => TransportKind::Auto,
-            "tcp" => TransportKind::Tcp,
-            "shm" => TransportKind::Shm,
-            "verbs" | "rdma" => TransportKind::Verbs(device),
-            other => return Err(CollectiveError::Config(format!("MOBIUS_TRANSPORT={other:?}: use auto, tcp, shm or verbs"))),
-        })
-    }
-}
 
 /// Settings of a communicator. [`CommConfig::from_env`] reads them from the environment.
 #[derive(Clone, Debug)]
@@ -52,9 +23,16 @@ pub struct CommConfig {
     /// Limit for every wait: joining the group, and each collective call (`MOBIUS_TIMEOUT`,
     /// seconds; default 120).
     pub timeout: Duration,
-    /// Provider (`MOBIUS_TRANSPORT`: `auto` | `tcp` | `shm` | `verbs`; default auto: shm to
-    /// the ranks on this host, tcp to the others).
-    pub transport: TransportKind,
+    /// Provider (`MOBIUS_TRANSPORT`): a name of the provider registry
+    /// (`rdma_shuffle_providers::registry`: `tcp`, `shm`, `verbs`...), or `auto` (the default):
+    /// per link, the registry's near provider to the ranks on this host, its far one to the
+    /// others ([`PER_HOST`](rdma_shuffle_providers::PER_HOST): shm and tcp).
+    pub transport: String,
+    /// The device a provider should use (`MOBIUS_VERBS_DEVICE`; unset: its first usable one).
+    pub device: Option<String>,
+    /// Settings of one provider, `<provider>.<name>`, from `MOBIUS_<PROVIDER>_<NAME>`
+    /// (`MOBIUS_OFI_PROVIDER` → `ofi.provider`), handed to it as they are.
+    pub provider_settings: BTreeMap<String, String>,
     /// Largest eager message (`MOBIUS_EAGER_LIMIT`; default 64k).
     pub eager_limit: usize,
     /// Largest single message (`MOBIUS_MAX_MESSAGE`; default 16m).
@@ -100,7 +78,9 @@ impl CommConfig {
             rank,
             world,
             timeout: Duration::from_secs(120),
-            transport: TransportKind::Auto,
+            transport: AUTO.into(),
+            device: None,
+            provider_settings: BTreeMap::new(),
             eager_limit: 64 << 10,
             max_message: 16 << 20,
             pool_bytes: 1 << 30,
@@ -156,8 +136,12 @@ impl CommConfig {
             self.timeout = Duration::from_secs_f64(s);
         }
         if let Some(t) = var("MOBIUS_TRANSPORT") {
-            self.transport = TransportKind::parse(&t, var("MOBIUS_VERBS_DEVICE"))?;
+            self.set_transport(&t)?;
         }
+        if let Some(d) = var("MOBIUS_VERBS_DEVICE") {
+            self.device = Some(d);
+        }
+        self.provider_settings.extend(provider_settings(std::env::vars()));
         if let Some(n) = bytes("MOBIUS_EAGER_LIMIT")? {
             self.eager_limit = n;
         }
@@ -243,35 +227,45 @@ impl CommConfig {
         m
     }
 
-    /// The provider this configuration asks for (fabric's [`open_provider`], which lists the
-    /// providers). [`TransportKind::Auto`] asks for tcp here: the communicator puts the shm
-    /// provider ([`shm_provider`](Self::shm_provider)) beside it and picks one per link at the
-    /// rendezvous (fabric's `SplitProvider`).
-    pub fn provider(&self) -> Result<Arc<dyn Provider>, CollectiveError> {
-        let spec = match &self.transport {
-            TransportKind::Tcp | TransportKind::Auto => ProviderSpec::default(),
-            TransportKind::Shm => return Ok(self.shm_provider()),
-            TransportKind::Verbs(device) => ProviderSpec {
-                choice: ProviderChoice::Verbs,
-                device: device.clone(),
-                pool_bytes: self.pool_bytes,
-                ..ProviderSpec::default()
-            },
-        };
-        open_provider(&spec).map(|o| o.provider).map_err(|e| CollectiveError::Config(format!("MOBIUS_TRANSPORT=verbs: {e}")))
+    /// Sets [`transport`](Self::transport) to `name` (any case): `auto` or a provider of the
+    /// registry; anything else is an error that lists them.
+    pub fn set_transport(&mut self, name: &str) -> Result<(), CollectiveError> {
+        let t = name.trim().to_ascii_lowercase();
+        if !registry().knows(&t) {
+            let names = registry().names().collect::<Vec<_>>().join(", ");
+            return Err(CollectiveError::Config(format!(
+                "MOBIUS_TRANSPORT={t:?}: use {AUTO} or a provider of this build ({names})"
+            )));
+        }
+        self.transport = t;
+        Ok(())
     }
 
-    /// The shm provider with this communicator's limits and secret: the segment of a link is
-    /// made only for a peer that proves the group's secret (and `MOBIUS_SECRET`), so a process
-    /// of the same user but another job gets no shared memory, not only no messages.
-    pub fn shm_provider(&self) -> Arc<dyn Provider> {
-        let m = self.mesh_config();
-        Arc::new(ShmProvider::new(ShmConfig {
+    /// What the providers of this configuration are opened with: its device, largest
+    /// message, pool and secret (a provider with a handshake of its own, shm, makes a link's
+    /// segment only for a peer that proves the group's secret and `MOBIUS_SECRET`, so a
+    /// process of the same user but another job gets no shared memory, not only no messages).
+    pub fn provider_options(&self) -> ProviderOptions {
+        ProviderOptions {
+            device: self.device.clone(),
             // The largest message of the mesh and room for its frame header.
-            max_message: self.max_message.max(self.eager_limit) + (64 << 10),
-            secret: m.secret,
-            ..ShmConfig::default()
-        }))
+            max_message: Some(self.max_message.max(self.eager_limit) as u64 + (64 << 10)),
+            pool_bytes: self.pool_bytes,
+            secret: self.mesh_config().secret,
+            extra: self.provider_settings.clone(),
+            ..ProviderOptions::default()
+        }
+    }
+
+    /// The provider `transport` names, from the provider registry. `auto` opens the far
+    /// provider of [`PER_HOST`] (tcp) here: with more than one rank the communicator puts the
+    /// near one beside it and picks one per link at the rendezvous
+    /// ([`open_per_host`](rdma_shuffle_providers::open_per_host)).
+    pub fn provider(&self) -> Result<Arc<dyn Provider>, CollectiveError> {
+        let name = if self.transport == AUTO { PER_HOST.1 } else { self.transport.as_str() };
+        rdma_shuffle_providers::open(name, &self.provider_options())
+            .map(|o| o.provider)
+            .map_err(|e| CollectiveError::Config(format!("MOBIUS_TRANSPORT={}: {e}", self.transport)))
     }
 }
 
@@ -474,6 +468,27 @@ fn interface_addrs() -> Vec<(String, IpAddr)> {
     out
 }
 
+/// The `MOBIUS_<PROVIDER>_<NAME>` settings among `vars` of the registry's providers, as
+/// `<provider>.<name>` (lower case; `MOBIUS_OFI_PROVIDER` → `ofi.provider`). A new provider's
+/// settings need a line in settings/mobius.tsv and nothing here. `MOBIUS_VERBS_DEVICE` is
+/// the device every provider is given ([`CommConfig::device`]), not one provider's own.
+fn provider_settings(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (k, v) in vars {
+        if k == "MOBIUS_VERBS_DEVICE" || v.trim().is_empty() {
+            continue;
+        }
+        let Some(rest) = k.strip_prefix("MOBIUS_") else { continue };
+        for name in registry().names() {
+            let Some(setting) = rest.strip_prefix(&name.to_ascii_uppercase()).and_then(|r| r.strip_prefix('_')) else { continue };
+            if !setting.is_empty() {
+                out.insert(format!("{name}.{}", setting.to_ascii_lowercase()), v.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,7 +557,18 @@ mod tests {
         assert_eq!(parse_bytes(&default("MOBIUS_POOL_BYTES")).map(|n| n as u64), Some(c.pool_bytes));
         assert_eq!(default("MOBIUS_JOB"), c.job);
         assert_eq!(default("MOBIUS_TRANSPORT"), "auto");
-        assert!(matches!(c.transport, TransportKind::Auto));
+        assert_eq!(c.transport, AUTO);
+        // MOBIUS_TRANSPORT takes the provider registry's names and auto.
+        let range = schema
+            .lines()
+            .find_map(|l| l.strip_prefix("MOBIUS_TRANSPORT\t"))
+            .and_then(|rest| rest.split('\t').nth(2))
+            .expect("MOBIUS_TRANSPORT's range in settings/mobius.tsv");
+        let mut names: Vec<&str> = range.split('|').collect();
+        let mut want: Vec<&str> = std::iter::once(AUTO).chain(registry().names()).collect();
+        names.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(names, want, "settings/mobius.tsv's MOBIUS_TRANSPORT values against the provider registry");
         assert_eq!(default("MOBIUS_TUNE") == "on", c.tune);
         assert_eq!(default("MOBIUS_REGCACHE") == "on", c.cache_registrations);
         for unset in [
@@ -557,5 +583,17 @@ mod tests {
         ] {
             assert_eq!(default(unset), "-", "{unset}");
         }
+    }
+
+    #[test]
+    fn a_providers_own_settings_and_unknown_transports() {
+        let vars = [("MOBIUS_VERBS_EXAMPLE", "x;y"), ("MOBIUS_VERBS_DEVICE", "rxe0"), ("MOBIUS_NOSUCH_A", "1"), ("PATH", "/bin")];
+        let got = provider_settings(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        assert_eq!(got.into_iter().collect::<Vec<_>>(), [("verbs.example".to_string(), "x;y".to_string())]);
+        let mut c = CommConfig::new(0, 1);
+        c.set_transport("SHM").unwrap();
+        assert_eq!(c.transport, "shm");
+        let e = c.set_transport("ib").unwrap_err().to_string();
+        assert!(e.contains("\"ib\"") && e.contains("tcp") && e.contains("verbs"), "{e}");
     }
 }

@@ -1,6 +1,6 @@
 //! The communicator: setting up a group of ranks, and the collective calls.
 //!
-//! * [`config`] — [`CommConfig`] (and [`TransportKind`]): the settings, from the environment.
+//! * [`config`] — [`CommConfig`]: the settings, from the environment.
 //! * [`rendezvous`] — [`Rendezvous`]: how the ranks find each other; [`StoreRendezvous`].
 //! * this module — [`Communicator`]: joining, the start-up model exchange, and running a call.
 //! * [`ops`] — the collective and point-to-point calls, raw-byte and typed.
@@ -19,15 +19,13 @@ use crate::policy::{Algo, CostModel, Decision, Op, Policy, Topology};
 use crate::store::StoreServer;
 use crate::transport::{Proto, Tag, Transport, TransportStats};
 use parking_lot::Mutex;
-use rdma_shuffle_fabric::providers::split::SplitProvider;
 use std::collections::{BTreeMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
-pub use config::{host_identity, CommConfig, GroupKey, TransportKind};
+pub use config::{host_identity, CommConfig, GroupKey};
 pub use rendezvous::{Rendezvous, StoreRendezvous};
 
 /// Largest world supported (ring steps are numbered in 12 bits).
@@ -195,8 +193,9 @@ impl Communicator<MeshTransport> {
     /// Joins the group, exchanging addresses through `rendezvous` (e.g. torch's store), with
     /// the mesh listening on `ip`.
     ///
-    /// With [`TransportKind::Auto`] a rank listens on tcp and on the shm provider's socket
-    /// named after the same address (one [`SplitProvider`]), and its card says which host it
+    /// With `MOBIUS_TRANSPORT=auto` a rank listens on tcp and on the shm provider's socket
+    /// named after the same address (one split provider of the registry's
+    /// [`PER_HOST`](rdma_shuffle_providers::PER_HOST) pair), and its card says which host it
     /// is on. Each link then goes over shm when both ranks' cards name the same host, over tcp
     /// otherwise: a group on one host is all shm, a group of several hosts reduces inside each
     /// over shm and across them over tcp, and a rank that asked for tcp (or could not listen
@@ -209,8 +208,8 @@ impl Communicator<MeshTransport> {
         let deadline = Instant::now() + config.timeout;
         let bind = |p| MeshListener::bind(p, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()));
         let mut split = None;
-        let listener = if config.transport == TransportKind::Auto && config.world > 1 {
-            let s = Arc::new(SplitProvider::new(config.shm_provider(), config.provider()?).map_err(|e| rdv(e.to_string()))?);
+        let listener = if config.transport == rdma_shuffle_providers::AUTO && config.world > 1 {
+            let s = rdma_shuffle_providers::open_per_host(&config.provider_options()).map_err(|e| rdv(e.to_string()))?;
             match bind(s.clone()) {
                 Ok(l) => {
                     split = Some(s);
@@ -308,7 +307,8 @@ impl<T: Transport> Communicator<T> {
             eager_limit: t.eager_limit(),
             max_message: t.max_message(),
             one_sided: t.one_sided(),
-            cpu_copies: t.provider() == "shm",
+            cpu_copies: t.capabilities().cpu_copies,
+            record_segment: crate::policy::record_segment(t.capabilities().record_body),
         };
         let mut comm = Communicator {
             t,

@@ -80,7 +80,7 @@ use parking_lot::Mutex;
 use rdma_shuffle_fabric::driver::ConnKey;
 use rdma_shuffle_fabric::driver::{Driver, DriverConfig};
 use rdma_shuffle_fabric::memory::pool::{PoolError, TieredPool};
-use rdma_shuffle_fabric::providers::Provider;
+use rdma_shuffle_fabric::providers::{Provider, ProviderCapabilities};
 use rdma_shuffle_fabric::FabricError;
 use regcache::RegCache;
 use registration::Regs;
@@ -229,7 +229,8 @@ impl fmt::Debug for Mesh {
 /// Whether the provider reads rendezvous messages one-sidedly, and its largest eager
 /// payload (verbs: what its message buffers hold).
 fn provider_shape(p: &dyn Provider) -> (bool, Option<usize>) {
-    (p.one_sided(), p.max_eager())
+    let c = p.capabilities();
+    (c.one_sided, c.max_eager)
 }
 
 impl Mesh {
@@ -355,6 +356,11 @@ impl Mesh {
     /// Whether rendezvous uses one-sided READ (verbs, sim) rather than a stream (tcp).
     pub fn one_sided(&self) -> bool {
         self.one_sided
+    }
+
+    /// What the provider can do (its capabilities once the mesh routed its links).
+    pub fn capabilities(&self) -> ProviderCapabilities {
+        self.driver.provider().capabilities()
     }
 
     /// Largest eager message.

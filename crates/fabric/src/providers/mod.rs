@@ -20,6 +20,7 @@
 
 pub mod codec;
 pub mod link;
+pub mod registry;
 pub mod split;
 
 use crate::memory::registration::Registrar;
@@ -77,24 +78,19 @@ pub fn read_vec(source: &dyn Source, offset: u64, len: u64) -> io::Result<Vec<u8
     Ok(v)
 }
 
-/// A transport: tcp, verbs or sim.
+/// A transport (tcp, shm, verbs, sim...): the device-level part a driver builds its
+/// per-loop [`ProviderEngine`](link::ProviderEngine) from.
 pub trait Provider: Send + Sync + fmt::Debug {
-    /// Short name: `"tcp"`, `"verbs"`, `"sim"`.
+    /// Its name in the registry (`"tcp"`, `"verbs"`; a combinator names both of its own:
+    /// `"shm+tcp"`), for logs and counters. Nothing decides on it: protocols and policies ask
+    /// [`capabilities`](Provider::capabilities).
     fn name(&self) -> &'static str;
+    /// What the provider can do, as the protocols and Mobius's policy ask it.
+    fn capabilities(&self) -> ProviderCapabilities;
     /// Registers pool memory with the device (no-op where nothing needs registering).
     fn registrar(&self) -> Arc<dyn Registrar>;
     /// Builds this provider's state for one driver loop (the loop calls it once, on start).
     fn engine(&self, ctx: link::EngineCtx<'_>) -> Result<Box<dyn link::ProviderEngine>, crate::error::FabricError>;
-    /// Whether rendezvous regions are read one-sidedly (verbs, sim with one-sided reads on);
-    /// otherwise the receiver pulls them over the connection (tcp).
-    fn one_sided(&self) -> bool {
-        false
-    }
-    /// The largest eager payload one message holds, where the provider's message buffers
-    /// bound it (verbs); `None` for streams.
-    fn max_eager(&self) -> Option<usize> {
-        None
-    }
     /// Provider-specific counters as `(name, value)` pairs, from the driver's data-plane
     /// counters `driver` and the provider's own (empty on tcp).
     fn counters(&self, driver: &link::ProviderCounters) -> Vec<(&'static str, u64)> {
@@ -115,6 +111,27 @@ pub trait Provider: Send + Sync + fmt::Debug {
     fn registered_bytes(&self) -> u64 {
         0
     }
+}
+
+/// What a provider can do ([`Provider::capabilities`]): the facts protocols and Mobius's
+/// policy choose by, instead of a provider's name. Its links answer for themselves
+/// ([`Link::capabilities`](link::Link::capabilities)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProviderCapabilities {
+    /// Rendezvous regions are read one-sidedly (verbs, sim with one-sided reads on);
+    /// otherwise the receiver pulls them over the connection (tcp, shm).
+    pub one_sided: bool,
+    /// The largest eager payload one message holds, where the provider's message buffers
+    /// bound it (verbs); `None` for streams.
+    pub max_eager: Option<usize>,
+    /// The peers' own CPUs move the bytes through memory both map (shm, memory-polled
+    /// links): a transfer cannot overlap the receiver's work on the one before it, and
+    /// smaller pieces only add messages.
+    pub cpu_copies: bool,
+    /// The largest message body one in-memory record carries in place (shm: half a ring,
+    /// less its record header), where the provider has such records: bodies up to it are
+    /// copied in and out once each, larger ones take another path.
+    pub record_body: Option<usize>,
 }
 
 /// Caller memory registered with a provider for one-sided access ([`Provider::register_user`]).

@@ -15,7 +15,7 @@
 //! authenticated by the protocol above like any other.
 
 use super::link::{EngineCtx, Link, Listener, ProviderCounters, ProviderEngine};
-use super::{Provider, UserRegion};
+use super::{Provider, ProviderCapabilities, UserRegion};
 use crate::error::FabricError;
 use crate::memory::registration::Registrar;
 use mio::{Registry, Token};
@@ -38,6 +38,8 @@ pub struct SplitProvider {
     near: Arc<dyn Provider>,
     far: Arc<dyn Provider>,
     routes: Arc<RwLock<Routes>>,
+    /// `near+far`, for a group that uses both.
+    both: &'static str,
 }
 
 impl fmt::Debug for SplitProvider {
@@ -55,14 +57,15 @@ impl SplitProvider {
     /// until then). Neither may read one-sidedly: rendezvous is pulled on both kinds of link
     /// (a one-sided far provider, verbs, keeps a group to itself).
     pub fn new(near: Arc<dyn Provider>, far: Arc<dyn Provider>) -> Result<Self, FabricError> {
-        if near.one_sided() || far.one_sided() {
+        if near.capabilities().one_sided || far.capabilities().one_sided {
             return Err(FabricError::Unsupported(format!(
                 "providers {} and {} cannot be split per peer: one of them reads one-sidedly",
                 near.name(),
                 far.name()
             )));
         }
-        Ok(SplitProvider { near, far, routes: Arc::default() })
+        let both = joined_name(near.name(), far.name());
+        Ok(SplitProvider { near, far, routes: Arc::default(), both })
     }
 
     /// From now on, connections to the addresses in `near` go over the near provider; `all`
@@ -74,15 +77,33 @@ impl SplitProvider {
 
 impl Provider for SplitProvider {
     /// The near provider's name when every peer is near, the far one's when none is, and
-    /// `"shm+tcp"`-style for a mixture.
+    /// both joined (`shm+tcp`) for a mixture.
     fn name(&self) -> &'static str {
         let r = self.routes.read();
         match (r.all_near, r.near.is_empty()) {
             (true, _) => self.near.name(),
             (false, true) => self.far.name(),
-            (false, false) => match (self.near.name(), self.far.name()) {
-                ("shm", "tcp") => "shm+tcp",
-                _ => "split",
+            (false, false) => self.both,
+        }
+    }
+
+    /// As [`name`](Provider::name): the near provider's when every peer is near, the far
+    /// one's when none is; for a mixture, what both can do (two-sided, the smaller eager
+    /// bound, CPU copies and in-place records only where both have them).
+    fn capabilities(&self) -> ProviderCapabilities {
+        let (n, f) = (self.near.capabilities(), self.far.capabilities());
+        let r = self.routes.read();
+        match (r.all_near, r.near.is_empty()) {
+            (true, _) => n,
+            (false, true) => f,
+            (false, false) => ProviderCapabilities {
+                one_sided: n.one_sided && f.one_sided,
+                max_eager: match (n.max_eager, f.max_eager) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                },
+                cpu_copies: n.cpu_copies && f.cpu_copies,
+                record_body: n.record_body.zip(f.record_body).map(|(a, b)| a.min(b)),
             },
         }
     }
@@ -117,6 +138,20 @@ impl Provider for SplitProvider {
     fn registered_bytes(&self) -> u64 {
         self.far.registered_bytes() + self.near.registered_bytes()
     }
+}
+
+/// `near+far` as a `'static` name: each distinct pair is made once per process (a process
+/// builds a handful), so names cost no allocation per call and no leak per group.
+fn joined_name(near: &str, far: &str) -> &'static str {
+    static NAMES: parking_lot::Mutex<Vec<&'static str>> = parking_lot::Mutex::new(Vec::new());
+    let want = format!("{near}+{far}");
+    let mut names = NAMES.lock();
+    if let Some(n) = names.iter().find(|n| **n == want) {
+        return n;
+    }
+    let n: &'static str = Box::leak(want.into_boxed_str());
+    names.push(n);
+    n
 }
 
 struct SplitEngine {

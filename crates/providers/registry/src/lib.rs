@@ -1,122 +1,106 @@
-//! The providers of the rdma-shuffle fabric, and the one place that lists them.
+//! The providers of this build, by name: the one place that lists them.
 //!
-//! Every protocol (the shuffle's engine, Mobius) opens its provider here; each provider is a
-//! crate of its own (`crates/providers/<name>`) on the seam of `rdma-shuffle-fabric`.
+//! Every protocol opens its provider here by the name its settings carry (Spark's
+//! `spark.shuffle.rdma.transport`, Mobius's `MOBIUS_TRANSPORT`); each provider is a crate of
+//! its own (`crates/providers/<name>`) on the seam of `rdma-shuffle-fabric`, and is listed
+//! below by one line: its `registration()`. A new provider adds that line, its crate to this
+//! crate's dependencies, and its name to the settings' allowed values (settings/*.tsv; a test
+//! checks both lists against [`registry`]).
+//!
+//! * [`AUTO`] between hosts (the shuffle's `auto`): the first of `verbs`, `tcp` that opens
+//!   here, saying why the ones before it could not.
+//! * [`open_per_host`] (Mobius's `auto`): [`PER_HOST`]'s near provider to the peers on this
+//!   host and its far provider to the others, behind fabric's split combinator.
+//!
+//! The sim provider is a test network inside one process and is not registered: tests build
+//! it directly (`rdma_shuffle_provider_sim::SimProvider`).
 #![deny(missing_docs)]
 
+pub use rdma_shuffle_fabric::providers::registry::{Opened, ProviderOptions, Registration, Registry, AUTO};
 pub use rdma_shuffle_provider_shm as shm;
 pub use rdma_shuffle_provider_sim as sim;
 pub use rdma_shuffle_provider_tcp as tcp;
 pub use rdma_shuffle_provider_verbs as verbs;
 
-pub use rdma_shuffle_provider_shm::{ShmConfig, ShmProvider};
-pub use rdma_shuffle_provider_sim::SimProvider;
-pub use rdma_shuffle_provider_tcp::TcpProvider;
+use rdma_shuffle_fabric::providers::split::SplitProvider;
+use rdma_shuffle_fabric::FabricError;
+use std::sync::{Arc, OnceLock};
 
-use rdma_shuffle_fabric::Provider;
-use std::sync::Arc;
-
-/// Which provider [`open_provider`] opens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum ProviderChoice {
-    /// tcp sockets.
-    #[default]
-    Tcp,
-    /// RDMA verbs, or an error.
-    Verbs,
-    /// verbs when a usable device exists, tcp otherwise (the reason is kept).
-    Auto,
-    /// shared memory, between processes of one host.
-    Shm,
+/// The registry of this build: every provider by name, and the order `auto` tries them in.
+pub fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        Registry::new(
+            vec![
+                rdma_shuffle_provider_tcp::registration(),
+                rdma_shuffle_provider_shm::registration(),
+                rdma_shuffle_provider_verbs::registration(),
+            ],
+            // `auto`: RDMA where a device is usable here, tcp otherwise (and why).
+            vec!["verbs", "tcp"],
+        )
+    })
 }
 
-/// What [`open_provider`] needs: the choice, and for verbs the device settings (each `None`
-/// keeps the verbs provider's default).
-#[derive(Clone, Debug, Default)]
-pub struct ProviderSpec {
-    /// Which provider.
-    pub choice: ProviderChoice,
-    /// RDMA device name; `None`: the first device with an active port.
-    pub device: Option<String>,
-    /// GID index; `None`: the first RoCEv2 IPv4-mapped GID.
-    pub gid_index: Option<u8>,
-    /// Largest verbs message (frame + eager payload).
-    pub max_message: Option<u32>,
-    /// Buffers of each driver's shared receive queue.
-    pub recv_buffers: Option<u32>,
-    /// Bytes the pool may register (checked against the memlock limit).
-    pub pool_bytes: u64,
+/// Opens provider `name` (a registered name, or [`AUTO`]) of [`registry`] with `options`.
+pub fn open(name: &str, options: &ProviderOptions) -> Result<Opened, FabricError> {
+    registry().open(name, options)
 }
 
-/// A provider [`open_provider`] opened.
-#[derive(Debug)]
-pub struct OpenedProvider {
-    /// The provider.
-    pub provider: Arc<dyn Provider>,
-    /// What was opened, for a log line (`tcp`, `verbs on RDMA device rxe0`).
-    pub description: String,
-    /// With [`ProviderChoice::Auto`] on tcp: why verbs could not be used.
-    pub fallback: Option<rdma_shuffle_fabric::FabricError>,
-}
+/// The providers [`open_per_host`] puts together: `(near, far)`, the near one to the peers on
+/// this host, the far one to the others.
+pub const PER_HOST: (&str, &str) = ("shm", "tcp");
 
-/// Opens the provider `spec` asks for: the one place that lists the providers, used by every
-/// protocol (the shuffle's engine, Mobius). `Verbs` in a build without the `verbs` feature,
-/// or without a usable device, is an error; `Auto` then falls back to tcp and says why.
-pub fn open_provider(spec: &ProviderSpec) -> Result<OpenedProvider, rdma_shuffle_fabric::FabricError> {
-    let tcp = |fallback| OpenedProvider { provider: Arc::new(TcpProvider::new()), description: "tcp".into(), fallback };
-    let verbs = |(provider, description)| OpenedProvider { provider, description, fallback: None };
-    match spec.choice {
-        ProviderChoice::Tcp => Ok(tcp(None)),
-        ProviderChoice::Verbs => open_verbs(spec).map(verbs),
-        ProviderChoice::Auto => Ok(open_verbs(spec).map(verbs).unwrap_or_else(|e| tcp(Some(e)))),
-        ProviderChoice::Shm => {
-            Ok(OpenedProvider { provider: Arc::new(ShmProvider::default()), description: "shm".into(), fallback: None })
-        }
-    }
-}
-
-#[cfg(feature = "verbs")]
-fn open_verbs(spec: &ProviderSpec) -> Result<(Arc<dyn Provider>, String), rdma_shuffle_fabric::FabricError> {
-    let d = verbs::VerbsConfig::default();
-    let vc = verbs::VerbsConfig {
-        device: spec.device.clone(),
-        gid_index: spec.gid_index,
-        max_message: spec.max_message.unwrap_or(d.max_message),
-        recv_buffers: spec.recv_buffers.unwrap_or(d.recv_buffers),
-        pool_bytes: spec.pool_bytes,
-        ..d
-    };
-    let p = verbs::VerbsProvider::open(vc)?;
-    let description = format!("verbs on RDMA device {}", p.device());
-    Ok((Arc::new(p), description))
-}
-
-#[cfg(not(feature = "verbs"))]
-fn open_verbs(_spec: &ProviderSpec) -> Result<(Arc<dyn Provider>, String), rdma_shuffle_fabric::FabricError> {
-    Err(rdma_shuffle_fabric::FabricError::Unsupported(
-        "this build of the native library has no verbs provider (built without the `verbs` feature: libibverbs was not available)"
-            .into(),
-    ))
+/// [`PER_HOST`]'s providers behind one, chosen per peer once the caller routed its peers
+/// ([`SplitProvider::route`]).
+pub fn open_per_host(options: &ProviderOptions) -> Result<Arc<SplitProvider>, FabricError> {
+    let near = open(PER_HOST.0, options)?.provider;
+    let far = open(PER_HOST.1, options)?.provider;
+    Ok(Arc::new(SplitProvider::new(near, far)?))
 }
 
 #[cfg(test)]
-mod open_tests {
+mod tests {
     use super::*;
 
     #[test]
     fn tcp_opens_and_auto_falls_back_to_tcp_with_the_reason_where_verbs_is_unusable() {
-        let p = open_provider(&ProviderSpec::default()).unwrap();
+        let p = open("tcp", &ProviderOptions::default()).unwrap();
         assert_eq!((p.provider.name(), p.fallback.is_none()), ("tcp", true));
         // This test runs on hosts without an RDMA device (CI's, and every build without the
         // feature); the SoftRoCE VM suite opens verbs for real.
         if cfg!(feature = "verbs") && std::path::Path::new("/sys/class/infiniband").exists() {
             return;
         }
-        let auto = open_provider(&ProviderSpec { choice: ProviderChoice::Auto, ..ProviderSpec::default() }).unwrap();
+        let auto = open(AUTO, &ProviderOptions::default()).unwrap();
         assert_eq!(auto.provider.name(), "tcp");
-        let why = auto.fallback.expect("auto on tcp says why").to_string();
-        let err = open_provider(&ProviderSpec { choice: ProviderChoice::Verbs, ..ProviderSpec::default() }).unwrap_err();
-        assert_eq!(err.to_string(), why, "auto falls back for the reason verbs fails");
+        let (skipped, why) = auto.fallback.expect("auto on tcp says why");
+        assert_eq!(skipped, "verbs");
+        let err = open("verbs", &ProviderOptions::default()).unwrap_err();
+        assert_eq!(err.to_string(), why.to_string(), "auto falls back for the reason verbs fails");
+        let why = why.to_string();
         assert!(why.contains("verbs") || why.contains("RDMA") || why.contains("device"), "{why}");
+    }
+
+    #[test]
+    fn names_are_the_registered_providers_and_an_unknown_one_is_refused_with_them() {
+        let names: Vec<_> = registry().names().collect();
+        assert_eq!(names, ["tcp", "shm", "verbs"]);
+        assert!(registry().knows(AUTO) && registry().knows("shm") && !registry().knows("sim"));
+        let e = open("ib", &ProviderOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("\"ib\"") && e.contains("tcp, shm, verbs"), "{e}");
+    }
+
+    #[test]
+    fn per_host_is_shm_near_and_tcp_far_and_says_so_once_routed() {
+        let s = open_per_host(&ProviderOptions::default()).unwrap();
+        use rdma_shuffle_fabric::Provider;
+        assert_eq!(s.name(), "tcp", "no peer routed near yet");
+        let here: std::net::SocketAddr = "127.0.0.1:1".parse().unwrap();
+        s.route([here].into_iter().collect(), false);
+        assert_eq!(s.name(), "shm+tcp");
+        assert!(!s.capabilities().cpu_copies, "a mixture is not all shared memory");
+        s.route([here].into_iter().collect(), true);
+        assert_eq!((s.name(), s.capabilities().cpu_copies), ("shm", true));
     }
 }

@@ -1,6 +1,7 @@
 //! The settings of shm connections (apart, so the connection and the handshake need nothing
 //! from the module that re-exports them).
 
+use crate::ring::RING_HEAD_ROOM;
 use rdma_shuffle_wire::Secret;
 use std::time::Duration;
 
@@ -29,9 +30,9 @@ impl ShmConfig {
     /// The largest body of a caller's memory that goes into the ring with its head, in one
     /// record ([`ShmConn::send_through_ring`](super::ShmConn::send_through_ring)), with rings
     /// of [`ring_bytes`](Self::ring_bytes): half a ring, less a record header and the room
-    /// kept for the head ([`RING_HEAD_ROOM`](super::RING_HEAD_ROOM)).
+    /// kept for the head ([`RING_HEAD_ROOM`]).
     pub fn largest_ring_body(&self) -> usize {
-        (self.ring_bytes / 2).saturating_sub(8 + super::RING_HEAD_ROOM)
+        (self.ring_bytes / 2).saturating_sub(8 + RING_HEAD_ROOM)
     }
 }
 

@@ -37,10 +37,7 @@ const KIND_REF_HEAD: u32 = 6;
 /// kernel pins the source page by page (3.6 memcpys a byte here; the example `cma_copy`).
 const KIND_HEAD_BODY: u32 = 7;
 
-/// Bytes a head may take in a [`KIND_HEAD_BODY`] record, its length included: the room both
-/// sides leave for it when they decide by a body's length alone whether it fits a record
-/// ([`ShmConn::ring_takes`]).
-pub const RING_HEAD_ROOM: usize = 512;
+pub use super::ring::RING_HEAD_ROOM;
 
 /// Flag bit: the side sleeps until a record arrives for it.
 const WANT_DATA: u32 = 1;

@@ -96,4 +96,4 @@ mod tests;
 pub use config::ShmConfig;
 pub use conn::{LargeMessages, LentBody, Received, ShmConn, ShmConnStats, RING_HEAD_ROOM};
 pub use handshake::{unique_name, ShmAccepting, ShmConnecting, ShmListener};
-pub use link::ShmProvider;
+pub use link::{registration, ShmProvider};

@@ -11,7 +11,9 @@
 //! Sends made while the shm handshake is still running are queued and go out once it is
 //! done, so a link is "connected" at once for the protocol above it.
 
-use super::{LargeMessages, LentBody, Received, ShmAccepting, ShmConfig, ShmConn, ShmConnecting, ShmListener};
+use crate::config::ShmConfig;
+use crate::conn::{LargeMessages, LentBody, Received, ShmConn};
+use crate::handshake::{ShmAccepting, ShmConnecting, ShmListener};
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
 use rdma_shuffle_fabric::error::FabricError;
@@ -22,7 +24,8 @@ use rdma_shuffle_fabric::providers::link::{
     encode_message, Capabilities, EngineCtx, Folds, Incoming, Link, Listener, MemoryPolled, MsgPayload, OutPayload, Placement,
     ProviderEngine, SendProgress,
 };
-use rdma_shuffle_fabric::providers::Provider;
+use rdma_shuffle_fabric::providers::registry::{Opened, Registration};
+use rdma_shuffle_fabric::providers::{Provider, ProviderCapabilities};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
@@ -46,9 +49,38 @@ impl ShmProvider {
     }
 }
 
+/// The shm provider in the registry: `shm`, with the protocol's largest message and its
+/// secret, which a peer proves before its segment is made.
+pub fn registration() -> Registration {
+    Registration {
+        name: "shm",
+        about: "shared memory between processes of one host: rings in a sealed memfd per link",
+        open: |o| {
+            let d = ShmConfig::default();
+            let config = ShmConfig {
+                max_message: o.max_message.map_or(d.max_message, |m| usize::try_from(m).unwrap_or(usize::MAX)),
+                secret: o.secret.clone(),
+                ..d
+            };
+            Ok(Opened::new(Arc::new(ShmProvider::new(config)), "shm"))
+        },
+    }
+}
+
 impl Provider for ShmProvider {
     fn name(&self) -> &'static str {
         "shm"
+    }
+
+    /// Two-sided (regions are pulled); the ranks' CPUs copy through the rings, whose records
+    /// carry a body of up to [`ShmConfig::largest_ring_body`] in place.
+    fn capabilities(&self) -> ProviderCapabilities {
+        ProviderCapabilities {
+            one_sided: false,
+            max_eager: None,
+            cpu_copies: true,
+            record_body: Some(self.config.largest_ring_body()),
+        }
     }
 
     fn registrar(&self) -> Arc<dyn Registrar> {

@@ -17,6 +17,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Bytes of a record header.
 pub(crate) const RECORD_HEADER: u64 = 8;
+
+/// Bytes a head may take in a record of a head and a caller's body, its length included:
+/// the room both sides leave for it when they decide by a body's length alone whether it
+/// fits a record ([`ShmConn::ring_takes`](crate::ShmConn::ring_takes)).
+pub const RING_HEAD_ROOM: usize = 512;
 /// Record kind of padding (skipped by the consumer).
 pub(crate) const KIND_PAD: u32 = 0;
 

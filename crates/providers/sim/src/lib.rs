@@ -25,7 +25,7 @@ use rdma_shuffle_fabric::providers::link::{
     encode_message, Capabilities, EngineCtx, FailedRead, Folds, Incoming, Link, Listener, MsgPayload, OneSided, OutPayload,
     ProviderEngine,
 };
-use rdma_shuffle_fabric::providers::{Provider, Source};
+use rdma_shuffle_fabric::providers::{Provider, ProviderCapabilities, Source};
 use rdma_shuffle_wire::Descriptor;
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -133,8 +133,9 @@ impl Provider for SimProvider {
         Ok(Box::new(SimEngine { provider: self.clone(), notify: ctx.notify, exposed: Arc::new(AtomicU64::new(0)) }))
     }
 
-    fn one_sided(&self) -> bool {
-        self.one_sided
+    /// One-sided as the network was made; whole messages of any length.
+    fn capabilities(&self) -> ProviderCapabilities {
+        ProviderCapabilities { one_sided: self.one_sided, ..ProviderCapabilities::default() }
     }
 
     fn counters(&self, _driver: &ProviderCounters) -> Vec<(&'static str, u64)> {

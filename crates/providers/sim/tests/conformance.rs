@@ -1,4 +1,4 @@
-//! The conformance suite over the in-memory sim provider, with one-sided reads (verbs-shaped)
+//! The conformance suites over the in-memory sim provider, with one-sided reads (verbs-shaped)
 //! and without (tcp-shaped).
 
 use rdma_shuffle_fabric::Provider;
@@ -14,6 +14,11 @@ fn one_sided() -> Arc<dyn Provider> {
 mod one_sided {
     use super::*;
     rdma_shuffle_testkit::provider_suite!(one_sided);
+    // Whole messages: nothing is placed or reduced in place (staged, and the caller reduces).
+    rdma_shuffle_testkit::mesh_suite!(
+        one_sided,
+        rdma_shuffle_testkit::mesh::MeshExpect { close_rounds: 10, ..Default::default() }
+    );
 
     // A sparse file past 4 GiB: the one-sided (verbs-shaped) path reads it too.
     #[test]
@@ -30,4 +35,8 @@ fn streamed() -> Arc<dyn Provider> {
 mod streamed {
     use super::*;
     rdma_shuffle_testkit::provider_suite!(streamed);
+    rdma_shuffle_testkit::mesh_suite!(
+        streamed,
+        rdma_shuffle_testkit::mesh::MeshExpect { close_rounds: 10, ..Default::default() }
+    );
 }

@@ -20,7 +20,8 @@ use rdma_shuffle_fabric::providers::link::{
     Capabilities, Coalescing, EngineCtx, Folds, Incoming, Link, Listener, ProviderEngine, SendProgress,
 };
 use rdma_shuffle_fabric::providers::link::{Fold, OutPayload, Placement, UserBuf};
-use rdma_shuffle_fabric::providers::Provider;
+use rdma_shuffle_fabric::providers::registry::{Opened, Registration};
+use rdma_shuffle_fabric::providers::{Provider, ProviderCapabilities};
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::SocketAddr;
@@ -61,9 +62,23 @@ impl TcpProvider {
     }
 }
 
+/// The tcp provider in the registry: `tcp`, nothing to configure.
+pub fn registration() -> Registration {
+    Registration {
+        name: "tcp",
+        about: "TCP sockets: frames over a byte stream, large blocks streamed on request",
+        open: |_| Ok(Opened::new(Arc::new(TcpProvider::new()), "tcp")),
+    }
+}
+
 impl Provider for TcpProvider {
     fn name(&self) -> &'static str {
         "tcp"
+    }
+
+    /// Two-sided, streams (no eager bound), the kernel moves the bytes.
+    fn capabilities(&self) -> ProviderCapabilities {
+        ProviderCapabilities::default()
     }
 
     fn registrar(&self) -> Arc<dyn Registrar> {

@@ -1,4 +1,4 @@
-//! The conformance suite over the tcp provider on real loopback sockets.
+//! The conformance suites over the tcp provider on real loopback sockets.
 
 use rdma_shuffle_fabric::Provider;
 use rdma_shuffle_provider_tcp::TcpProvider;
@@ -10,6 +10,15 @@ fn tcp() -> Arc<dyn Provider> {
 }
 
 rdma_shuffle_testkit::provider_suite!(tcp);
+
+mod mesh {
+    use rdma_shuffle_testkit::mesh::MeshExpect;
+    // A stream reads a payload straight into a posted receive, and reduces it out of its
+    // read buffer as it arrives, eager or rendezvous.
+    const TCP: MeshExpect =
+        MeshExpect { places: true, folds_eager: true, folds_rendezvous: true, lends_rendezvous: false, close_rounds: 10 };
+    rdma_shuffle_testkit::mesh_suite!(super::tcp, TCP);
+}
 
 // Needs real sockets (the sim provider has none).
 #[test]

@@ -10,10 +10,9 @@
 //! connection, with nothing created for the peer.
 #![forbid(unsafe_code)]
 
-use super::bootstrap::AttachRecord;
-use super::engine::{Event, VerbsEngine};
-use super::link::SharedEngine;
-use super::sys::{Completed, Exposure, Qp, Wc};
+use crate::bootstrap::AttachRecord;
+use crate::engine::{Event, SharedEngine, VerbsEngine};
+use crate::sys::{Completed, Exposure, Qp, Wc};
 use mio::{Interest, Registry, Token};
 use parking_lot::MutexGuard;
 use rdma_shuffle_fabric::error::FabricError;

@@ -3,8 +3,8 @@
 //! completions to connections, and the credit budgets against the shared receive queue.
 #![forbid(unsafe_code)]
 
-use super::sys::{CompChannel, Cq, Device, Qp, QpTimers, SendBuffers, Srq, Wc, WR_RECV, WR_SEND};
-use super::{VerbsConfig, VerbsProvider};
+use crate::config::VerbsConfig;
+use crate::sys::{CompChannel, Cq, Device, Qp, QpTimers, SendBuffers, Srq, Wc, WR_RECV, WR_SEND};
 use mio::unix::SourceFd;
 use mio::Interest;
 use rdma_shuffle_fabric::error::FabricError;
@@ -26,6 +26,11 @@ pub(crate) enum Event {
 /// its size covers every receive buffer, every send slot, and these.
 const MAX_READS: usize = 1024;
 const MAX_BINDS: usize = 1024;
+
+/// A loop's verbs engine as the loop and its links hold it. Only the loop's holder calls into
+/// links and engine, so the lock is never contended; it is what lets every link reach the
+/// shared receive queue, the send buffers and the routing without a type look-up.
+pub(crate) type SharedEngine = Arc<parking_lot::Mutex<VerbsEngine>>;
 
 pub(crate) struct VerbsEngine {
     /// The driver's data-plane counters.
@@ -54,9 +59,7 @@ pub(crate) struct VerbsEngine {
 }
 
 impl VerbsEngine {
-    pub(crate) fn new(p: &VerbsProvider, ctx: EngineCtx<'_>) -> Result<Self, FabricError> {
-        let cfg = p.config.clone();
-        let dev = p.dev.clone();
+    pub(crate) fn new(dev: Arc<Device>, cfg: VerbsConfig, ctx: EngineCtx<'_>) -> Result<Self, FabricError> {
         let channel = Arc::new(CompChannel::new(&dev)?);
         let cq_size = cfg.recv_buffers as usize + cfg.send_buffers as usize + MAX_READS + MAX_BINDS + 64;
         let cq = Arc::new(Cq::new(&dev, &channel, cq_size)?);

@@ -3,20 +3,13 @@
 //! the engine's state, typed ([`SharedEngine`]).
 #![forbid(unsafe_code)]
 
-use super::conn::VerbsConn;
-use super::engine::VerbsEngine;
+use crate::conn::VerbsConn;
+use crate::engine::SharedEngine;
 use mio::{Registry, Token};
-use parking_lot::Mutex;
 use rdma_shuffle_fabric::error::FabricError;
 use rdma_shuffle_fabric::providers::link::{Link, Listener, ProviderEngine};
 use rdma_shuffle_provider_tcp::{TcpConn, TcpListener};
 use std::net::SocketAddr;
-use std::sync::Arc;
-
-/// A loop's verbs engine as its links hold it. Only the loop's holder calls into links and
-/// engine, so the lock is never contended; it is what lets every link reach the shared
-/// receive queue, the send buffers and the routing without a type look-up.
-pub(crate) type SharedEngine = Arc<Mutex<VerbsEngine>>;
 
 /// The verbs engine of one driver loop, as the loop holds it.
 pub(crate) struct VerbsLoop {

@@ -8,7 +8,7 @@ use rdma_shuffle_wire::{BlockSpan, Descriptor};
 
 /// Whether rendezvous regions of this provider are read one-sidedly (else pulled).
 pub fn one_sided(p: &Arc<dyn Provider>) -> bool {
-    p.one_sided()
+    p.capabilities().one_sided
 }
 
 fn secret_cfg(addr: SocketAddr, secret: &str, app: &str) -> ClientConfig {

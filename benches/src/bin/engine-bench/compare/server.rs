@@ -1,7 +1,7 @@
 //! The engine server: `engine-bench serve`, the process that serves the engine's side.
 
 use rdma_shuffle_shuffle::store::MapOutputFiles;
-use rdma_shuffle_shuffle::{Engine, EngineConfig, Transport};
+use rdma_shuffle_shuffle::{Engine, EngineConfig};
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ pub(super) fn engine_config(id: &str, spin: Option<Duration>) -> EngineConfig {
     let base = EngineConfig::default();
     EngineConfig {
         spin: spin.unwrap_or(base.spin),
-        transport: Transport::Tcp,
+        transport: "tcp".into(),
         bind_host: Ipv4Addr::LOCALHOST.into(),
         executor_id: id.into(),
         credits: SMALL_IN_FLIGHT,
