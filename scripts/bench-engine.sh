@@ -10,10 +10,10 @@
 #         (fetchChunk), two JVMs, built by Maven from benches/netty against the Spark version
 #         of jvm-plugin/pom.xml;
 #       - the engine (tcp): two processes, the same Spark-layout files.
-#     Throughput by block size (64 KiB .. 4 MiB; 1 GiB each), CPU s/GiB of both processes,
+#     Throughput by block size (4 KiB .. 4 MiB; 1 GiB each), CPU s/GiB of both processes,
 #     4 KiB blocks/s with 64 in flight, 4 KiB latency one at a time (p50/p99). Prints a table,
 #     writes target/bench/engine.json and draws target/bench/engine.png.
-#     RUN-ARGS go to `engine-bench run`: --mib N (default 1024) --sizes 64k,256k,1m,4m
+#     RUN-ARGS go to `engine-bench run`: --mib N (default 1024) --sizes 4k,16k,64k,256k,1m,4m
 #     --rounds N (5) --warmup N (2 untimed rounds first: the JVMs' JIT) --small-reps N
 #     (20 x 1024 blocks) --lat-samples N (2000) --min-secs S (0.5: a bulk measurement repeats its
 #     transfer until it ran this long, so its CPU figure is never a few 10 ms ticks) --dir DIR.
@@ -23,11 +23,13 @@
 #     Where each system's work goes per block, by block size, with counts the machine's load
 #     does not change: the engine and Spark's transfer (no iperf3) move one bulk transfer per
 #     size under a tool attached to both processes of each: `perf stat` of system calls,
-#     wake-ups, context switches and CPU time (default), `strace -c -f` (--tool strace: each
-#     system call by name), or `perf record -g` (--tool record, files in --out-dir).
+#     wake-ups, context switches and CPU time (default), `perf trace -s` (--tool trace: each
+#     system call by name, with its errors), `strace -c -f` (--tool strace), or `perf record -g`
+#     (--tool record, files in --out-dir); CPU seconds per GiB of each thread in every mode.
 #     PROFILE-ARGS go to `engine-bench profile`: --sizes (4k,16k,64k,256k,1m,4m) --mib N (256)
-#     --secs S (2) --warmup N (3) --spin-us N --tool stat|trace|strace|record --systems engine,netty --out-dir DIR
-#     (target/bench/profile) --out FILE (default target/bench/profile-<tool>.json).
+#     --secs S (2) --warmup N (3) --spin-us N --tool stat|trace|strace|record
+#     --systems engine,netty --out-dir DIR (target/bench/profile); the report goes to
+#     target/bench/profile-<tool>.json.
 #   scripts/bench-engine.sh --provider verbs [-- SWEEP-ARGS...]
 #     eager SEND vs rendezvous RDMA READ, throughput and p50 latency by block size (4 KiB ..
 #     16 MiB), on real kernel RDMA. Without an RDMA device on the host (always, here) it boots

@@ -66,8 +66,13 @@ def check_engine(r):
         need(s, ["bytes", "engine_gbps", "netty_gbps"], f"engine.json sizes[{s.get('bytes')}]", positive=True)
     for t in r.get("targets") or []:
         need(t, ["value", "goal"], f"engine.json target '{t.get('target')}'")
-    if len(r.get("targets") or []) != 10:
+    issues = [t.get("issue") for t in r.get("targets") or []]
+    if issues.count(13) + issues.count(21) != 10:
         raise Incomplete("engine.json: expected the 10 targets of issues 13 and 21")
+    if issues.count(40) < 5:
+        raise Incomplete("engine.json: expected issue 40's targets (1 MiB against Netty and iperf3, 4 KiB p50/p99)")
+    for s in sizes:
+        need(s, ["ratio_vs_netty", "cpu_ratio_vs_netty"], f"engine.json sizes[{s.get('bytes')}]", positive=True)
     for sys in ("engine", "netty"):
         for mode in ("one_at_a_time", "in_flight_64"):
             x = ((r.get("scheduler") or {}).get(sys) or {}).get(mode)
@@ -175,8 +180,22 @@ def plot_engine(r, plt):
     bars(ax[1][0], ["netty_small_p50_us", "small_p50_us", "netty_small_p99_us", "small_p99_us"],
          ["Spark p50", "engine p50", "Spark p99", "engine p99"], "4 KiB fetch latency, one at a time",
          "µs (log)", log=True)
-    bars(ax[1][1], ["cpu_s_per_gib_netty", "cpu_s_per_gib_engine"], ["Spark (Netty)", "engine"],
-         "CPU s per GiB, 1 MiB blocks (both processes)", "CPU s / GiB")
+    a = ax[1][1]
+    for key, label, color in (("ratio_vs_netty", "throughput, engine ÷ Netty", "tab:blue"),
+                              ("cpu_ratio_vs_netty", "CPU s/GiB, engine ÷ Netty", "tab:green")):
+        med = [s[key] for s in sizes]
+        spread = [s.get(f"{key}_spread") or {} for s in sizes]
+        lo = [sp.get("min", m) for sp, m in zip(spread, med)]
+        hi = [sp.get("max", m) for sp, m in zip(spread, med)]
+        a.errorbar(x, med, yerr=errbars(med, lo, hi), marker="o", capsize=3, label=label, color=color)
+    a.axhline(1.0, color="gray", ls="--")
+    a.set_xscale("log", base=2)
+    a.set_xticks(x, [human(b) for b in x])
+    a.set_xlabel("block size")
+    a.set_ylabel("ratio (median of per-round ratios)")
+    a.set_title("engine ÷ Spark (Netty) by block size (both processes' CPU)")
+    a.legend()
+    a.grid(alpha=0.3)
     fig.suptitle(f"engine vs Spark {r.get('spark_version', '')} block transfer vs iperf3 — "
                  f"{r.get('rounds_timed')} interleaved rounds, medians")
     return fig

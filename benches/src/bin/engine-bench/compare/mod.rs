@@ -71,7 +71,7 @@ const SHUFFLE_BULK_BASE: u32 = 100;
 const STALL: Duration = Duration::from_secs(120);
 
 pub const USAGE: &str = "engine-bench run --netty-cp CLASSPATH [--java JAVA] [--jvm-opt OPT]... [--iperf3 IPERF3]
-    [--mib N] [--sizes 64k,256k,1m,4m] [--rounds N] [--warmup N] [--small-reps N] [--lat-samples N] [--dir DIR] [--out FILE]
+    [--mib N] [--sizes 4k,16k,64k,256k,1m,4m] [--rounds N] [--warmup N] [--small-reps N] [--lat-samples N] [--dir DIR] [--out FILE]
     [--spark-version V] [--min-secs S (0.5: each bulk measurement repeats its transfer until it ran this long)]";
 
 type R<T> = Result<T, String>;
@@ -115,7 +115,7 @@ impl Config {
     pub fn from_args(args: &[String]) -> R<Config> {
         let mut c = Config {
             mib: 1024,
-            sizes: vec![64 * KIB, 256 * KIB, MIB, 4 * MIB],
+            sizes: vec![4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB],
             rounds: 5,
             warmup: 2,
             small_reps: 20,

@@ -1,5 +1,5 @@
 //! The report: medians over rounds as JSON (with every round's values, the scheduler counts
-//! and the targets of issues 13 and 21), and the table printed on stdout.
+//! and the targets of issues 13, 21 and 40), and the table printed on stdout.
 
 use rdma_shuffle_bench::{percentile, Spread};
 use serde_json::{json, Value};
@@ -52,7 +52,7 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
     let p99_x = m(&|r| p(&r.engine_lat, 0.99) / p(&r.netty_lat, 0.99));
     let cpu_x = m(&|r| r.bulk[mb].0.cpu_per_gib() / r.bulk[mb].1.cpu_per_gib());
     let cpu_xi = m(&|r| r.bulk[mb].0.cpu_per_gib() / r.iperf3_cpu_per_gib);
-    let target = |issue: u32, what: &str, value: f64, goal: f64, at_least: bool| {
+    let target = |issue: u32, what: &str, value: f64, goal: f64, at_least: bool| -> Value {
         json!({"issue": issue, "target": what, "value": value, "goal": goal,
                "met": if at_least { value >= goal } else { value <= goal }})
     };
@@ -71,6 +71,10 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
             },
         })
     };
+    // Per block size: both systems' medians and, as the targets use them, the medians of the
+    // per-round ratios engine / Netty (throughput and CPU per GiB).
+    let ratio = |k: usize| m(&|r| r.bulk[k].0.gbps() / r.bulk[k].1.gbps());
+    let cpu_ratio = |k: usize| m(&|r| r.bulk[k].0.cpu_per_gib() / r.bulk[k].1.cpu_per_gib());
     let sizes: Vec<Value> = sets
         .iter()
         .enumerate()
@@ -80,8 +84,12 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
                 "blocks": s.maps.len() * s.parts,
                 "engine_gbps": v(m(&|r| r.bulk[k].0.gbps())),
                 "netty_gbps": v(m(&|r| r.bulk[k].1.gbps())),
+                "ratio_vs_netty": v(ratio(k)),
+                "ratio_vs_netty_spread": spread_json(ratio(k)),
                 "engine_cpu_s_per_gib": v(m(&|r| r.bulk[k].0.cpu_per_gib())),
                 "netty_cpu_s_per_gib": v(m(&|r| r.bulk[k].1.cpu_per_gib())),
+                "cpu_ratio_vs_netty": v(cpu_ratio(k)),
+                "cpu_ratio_vs_netty_spread": spread_json(cpu_ratio(k)),
                 "engine_gbps_spread": spread_json(m(&|r| r.bulk[k].0.gbps())),
                 "netty_gbps_spread": spread_json(m(&|r| r.bulk[k].1.gbps())),
                 "engine_gbps_rounds": rounds.iter().map(|r| r.bulk[k].0.gbps()).collect::<Vec<_>>(),
@@ -111,6 +119,32 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
             })
         })
         .collect();
+    // Issue 40: never slower than Netty from 16 KiB to 4 MiB, well ahead at 64 KiB and 1 MiB,
+    // close to the wire at 1 MiB, less CPU per GiB, and a 4 KiB fetch no slower.
+    let mut targets = vec![
+        target(13, "1 MiB blocks >= 0.95 x iperf3", v(ratio_iperf3), 0.95, true),
+        target(13, "4 KiB blocks/s >= 3 x Spark's", v(small_x), 3.0, true),
+        target(13, "4 KiB p50 <= 1/3 of Spark's", v(p50_x), 1.0 / 3.0, false),
+        target(13, "4 KiB p99 <= 1/3 of Spark's", v(p99_x), 1.0 / 3.0, false),
+        target(13, "CPU per GiB <= 0.5 x Spark's", v(cpu_x), 0.5, false),
+        target(21, "4 KiB p50 <= 1/3 of Spark's", v(p50_x), 1.0 / 3.0, false),
+        target(21, "4 KiB p99 <= 1/3 of Spark's", v(p99_x), 1.0 / 3.0, false),
+        target(21, "4 KiB blocks/s (64 in flight) >= 3 x Spark's", v(small_x), 3.0, true),
+        target(21, "1 MiB blocks >= 0.9 x iperf3", v(ratio_iperf3), 0.9, true),
+        target(21, "CPU s/GiB (1 MiB) <= 1.3 x iperf3's", v(cpu_xi), 1.3, false),
+    ];
+    for (k, s) in sets.iter().enumerate().filter(|(_, s)| s.size >= 16 * KIB && s.size <= 4 * MIB) {
+        let strong = s.size == 64 * KIB || s.size == MIB;
+        let goal = if strong { 1.3 } else { 1.0 };
+        targets.push(target(40, &format!("{} blocks >= {goal:.1} x Netty", human(s.size)), v(ratio(k)), goal, true));
+        if strong {
+            let what = format!("CPU s/GiB ({}) <= 0.8 x Netty's", human(s.size));
+            targets.push(target(40, &what, v(cpu_ratio(k)), 0.8, false));
+        }
+    }
+    targets.push(target(40, "1 MiB blocks >= 0.8 x iperf3", v(ratio_iperf3), 0.8, true));
+    targets.push(target(40, "4 KiB p50 (one at a time) <= Netty's", v(p50_x), 1.0, false));
+    targets.push(target(40, "4 KiB p99 (one at a time) <= Netty's", v(p99_x), 1.0, false));
     json!({
         "provider": "tcp",
         "what": "loopback, two processes per system; medians over interleaved rounds (engine first in odd rounds, Spark first in even), ranges in `spread`, raw values in `rounds`",
@@ -155,18 +189,7 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
             "engine": sched(&|r| r.engine_sched),
             "netty": sched(&|r| r.netty_sched),
         },
-        "targets": [
-            target(13, "1 MiB blocks >= 0.95 x iperf3", v(ratio_iperf3), 0.95, true),
-            target(13, "4 KiB blocks/s >= 3 x Spark's", v(small_x), 3.0, true),
-            target(13, "4 KiB p50 <= 1/3 of Spark's", v(p50_x), 1.0 / 3.0, false),
-            target(13, "4 KiB p99 <= 1/3 of Spark's", v(p99_x), 1.0 / 3.0, false),
-            target(13, "CPU per GiB <= 0.5 x Spark's", v(cpu_x), 0.5, false),
-            target(21, "4 KiB p50 <= 1/3 of Spark's", v(p50_x), 1.0 / 3.0, false),
-            target(21, "4 KiB p99 <= 1/3 of Spark's", v(p99_x), 1.0 / 3.0, false),
-            target(21, "4 KiB blocks/s (64 in flight) >= 3 x Spark's", v(small_x), 3.0, true),
-            target(21, "1 MiB blocks >= 0.9 x iperf3", v(ratio_iperf3), 0.9, true),
-            target(21, "CPU s/GiB (1 MiB) <= 1.3 x iperf3's", v(cpu_xi), 1.3, false),
-        ],
+        "targets": targets,
         "sizes": sizes,
         "rounds": per_round,
     })
@@ -198,6 +221,18 @@ pub(super) fn table(cfg: &Config, r: &Value) -> String {
         let ip = if b == MIB { sp("iperf3_gbps", 2) } else { String::new() };
         let name = format!("Gbit/s, {} blocks", human(b));
         line(&mut o, &name, ip, cell(&z["netty_gbps_spread"], 2), cell(&z["engine_gbps_spread"], 2));
+        o += &format!(
+            "  {:<30} {:>24} {:>26} {:>26}\n",
+            "  CPU s/GiB; engine / Netty",
+            "",
+            format!("{:.3}", z["netty_cpu_s_per_gib"].as_f64().unwrap_or(f64::NAN)),
+            format!(
+                "x{:.2}, {:.3} (x{:.2})",
+                z["ratio_vs_netty"].as_f64().unwrap_or(f64::NAN),
+                z["engine_cpu_s_per_gib"].as_f64().unwrap_or(f64::NAN),
+                z["cpu_ratio_vs_netty"].as_f64().unwrap_or(f64::NAN)
+            ),
+        );
     }
     line(&mut o, "4 KiB blocks/s, 64 in flight", String::new(), sp("netty_small_blocks_per_s", 0), sp("small_blocks_per_s", 0));
     line(&mut o, "4 KiB one at a time, p50 us", String::new(), sp("netty_small_p50_us", 0), sp("small_p50_us", 0));
@@ -283,7 +318,22 @@ mod tests {
         let met: Vec<bool> = r["targets"].as_array().unwrap().iter().map(|t| t["met"].as_bool().unwrap()).collect();
         // Issue 13: 0.975 >= 0.95; 6x >= 3x; 0.25 <= 1/3 twice; 0.25 <= 0.5. Issue 21: 0.25 <= 1/3
         // twice; 6x >= 3x; 0.975 >= 0.9; CPU 0.64 s/GiB against iperf3's 0.5: 1.28 <= 1.3.
-        assert_eq!(met, vec![true; 10]);
+        // Issue 40: 1 MiB at 1.95x >= 1.3x Netty, CPU 0.25 <= 0.8 of Netty's; 0.975 >= 0.8 of
+        // iperf3; p50 and p99 at 0.25 of Netty's.
+        assert_eq!(met, vec![true; 15]);
+        let t40: Vec<&str> =
+            r["targets"].as_array().unwrap().iter().filter(|t| t["issue"] == 40).map(|t| t["target"].as_str().unwrap()).collect();
+        assert_eq!(
+            t40,
+            [
+                "1 MiB blocks >= 1.3 x Netty",
+                "CPU s/GiB (1 MiB) <= 0.8 x Netty's",
+                "1 MiB blocks >= 0.8 x iperf3",
+                "4 KiB p50 (one at a time) <= Netty's",
+                "4 KiB p99 (one at a time) <= Netty's"
+            ]
+        );
+        assert!((r["sizes"][0]["ratio_vs_netty"].as_f64().unwrap() - 1.95).abs() < 1e-9);
         let cpu_x = r["targets"][9]["value"].as_f64().unwrap();
         assert!((cpu_x - 1.28).abs() < 1e-9, "{cpu_x}");
         // Per 1,000 blocks of the config's defaults: 20 x 1024 small blocks, 2000 samples.
@@ -294,5 +344,53 @@ mod tests {
         assert_eq!(r["sizes"][0]["engine_gbps_rounds"].as_array().unwrap().len(), 2);
         let tab = table(&cfg, &r);
         assert!(tab.contains("1 MiB") && !tab.contains("NOT met") && tab.contains("iperf3"), "{tab}");
+    }
+
+    /// Issue 40's targets by block size: 4 KiB has none, 16 KiB needs Netty's rate, 64 KiB
+    /// 1.3x of it and at most 0.8x its CPU per GiB; each from the per-round ratios.
+    #[test]
+    fn issue_40_targets_hold_per_block_size() {
+        let cfg = Config::from_args(&args("--netty-cp x --sizes 4k,16k,64k,1m --mib 16 --rounds 3")).unwrap();
+        let t = |gbps: f64, cpu: f64| Transfer { secs: 8.0 * 16.0 * MIB as f64 / gbps / 1e9, bytes: (16 * MIB) as u64, cpu };
+        // Per round: (engine, Netty) Gbit/s at 4k, 16k, 64k, 1m; the same CPU except at 64k.
+        let round = |k: f64| Round {
+            iperf3_gbps: 20.0,
+            iperf3_cpu_per_gib: 0.5,
+            bulk: vec![
+                (t(1.0, 0.1), t(2.0, 0.1)),
+                (t(10.0 * k, 0.1), t(10.0, 0.1)),
+                (t(12.0, 0.09), t(10.0, 0.1)),
+                (t(16.0, 0.05), t(10.0, 0.1)),
+            ],
+            engine_small: 1.0,
+            netty_small: 1.0,
+            engine_lat: vec![30.0; 10],
+            netty_lat: vec![20.0; 10],
+            order: "engine first",
+            ..Round::default()
+        };
+        let set = |size: usize| BlockSet { shuffle_id: 100, maps: vec![("d".into(), "i".into())], parts: 16 * MIB / size, size };
+        let sets = vec![set(4 * KIB), set(16 * KIB), set(64 * KIB), set(MIB)];
+        // 16 KiB at 0.9x, 1.1x and 1.2x of Netty in the three rounds: median 1.1.
+        let r = report(&cfg, &[round(0.9), round(1.1), round(1.2)], &sets, 3, 1.0);
+        let got = |what: &str| {
+            let t = r["targets"].as_array().unwrap().iter().find(|t| t["issue"] == 40 && t["target"] == what);
+            let t = t.unwrap_or_else(|| panic!("no target '{what}' in {}", r["targets"]));
+            (t["value"].as_f64().unwrap(), t["met"].as_bool().unwrap())
+        };
+        assert!(r["targets"].as_array().unwrap().iter().all(|t| !t["target"].as_str().unwrap().starts_with("4 KiB blocks >=")));
+        let (x, met) = got("16 KiB blocks >= 1.0 x Netty");
+        assert!((x - 1.1).abs() < 1e-9 && met, "{x}");
+        let (x, met) = got("64 KiB blocks >= 1.3 x Netty");
+        assert!((x - 1.2).abs() < 1e-9 && !met, "{x}");
+        let (x, met) = got("CPU s/GiB (64 KiB) <= 0.8 x Netty's");
+        assert!((x - 0.9).abs() < 1e-9 && !met, "{x}");
+        let near = |(x, met): (f64, bool), want: f64| (x - want).abs() < 1e-9 && met;
+        assert!(near(got("1 MiB blocks >= 1.3 x Netty"), 1.6));
+        assert!(near(got("CPU s/GiB (1 MiB) <= 0.8 x Netty's"), 0.5));
+        let (x, met) = got("4 KiB p50 (one at a time) <= Netty's");
+        assert!((x - 1.5).abs() < 1e-9 && !met, "{x}");
+        assert!((r["sizes"][2]["cpu_ratio_vs_netty"].as_f64().unwrap() - 0.9).abs() < 1e-9);
+        assert!(table(&cfg, &r).contains("NOT met"));
     }
 }
