@@ -298,14 +298,25 @@ fn engine_pair<'a>(
     }
     std::fs::write(&manifest, m).map_err(|e| format!("writing {}: {e}", manifest.display()))?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut cmd = Command::new(&exe);
+    // ENGINE_BENCH_SERVER_PREFIX runs the server under a tool (e.g. `valgrind
+    // --tool=callgrind`: instruction counts of the server, which no load distorts).
+    let prefix: Vec<String> =
+        std::env::var("ENGINE_BENCH_SERVER_PREFIX").unwrap_or_default().split_whitespace().map(String::from).collect();
+    let mut cmd = match prefix.split_first() {
+        Some((tool, args)) => {
+            let mut c = Command::new(tool);
+            c.args(args).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
     cmd.args(["serve", "--manifest", &manifest.display().to_string()]);
     if let Some(s) = spin {
         cmd.args(["--spin-us", &s.as_micros().to_string()]);
     }
     let mut server = Proc::spawn("engine server", &mut cmd)?;
     let port =
-        server.ready(Duration::from_secs(60))?.first().and_then(|p| p.parse::<u16>().ok()).ok_or("engine server: no port")?;
+        server.ready(Duration::from_secs(600))?.first().and_then(|p| p.parse::<u16>().ok()).ok_or("engine server: no port")?;
     let engine = Engine::open(engine_config("bench-client", spin)).map_err(|e| format!("opening the client's engine: {e}"))?;
     let side = EngineSide { engine, addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)), server_pid: server.pid() };
     Ok((server, side))
