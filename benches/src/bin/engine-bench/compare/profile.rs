@@ -19,11 +19,13 @@
 //! `--spin-us 0` takes the engine's bounded spin out, so that its CPU time is work and
 //! wake-ups only (a spinning loop's CPU time is waiting, not work).
 //!
-//! Each measured transfer repeats until it ran `--secs`. The report (JSON on stdout or
-//! `--out`) holds per size and system: blocks moved, and each counter per block; one line per
-//! size and system goes to stderr.
+//! Each measured transfer repeats until it ran `--secs`. Then `--lat-samples` 4 KiB blocks
+//! are fetched one at a time by each system (the latency test of `run`) under the same tool.
+//! The report (JSON on stdout or `--out`) holds per size and system the blocks moved
+//! (`units`) and each counter per block, and the same per fetch in `one_at_a_time_4k`; one
+//! line per measurement goes to stderr.
 
-use rdma_shuffle_bench::{parse_size, procfs};
+use rdma_shuffle_bench::{parse_size, percentile, procfs};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,7 +37,7 @@ use super::measure::{EngineSide, NettySide, Transfer};
 use super::{engine_pair, netty_pair, repeat, Config, KIB, MIB, R};
 
 const USAGE: &str = "engine-bench profile --netty-cp CP [--java JAVA] [--jvm-opt OPT]... [--sizes 4k,16k,64k,256k,1m,4m] \
-    [--mib N (256)] [--secs S (2: each measured transfer repeats until then)] [--warmup N (3)] [--spin-us N (the engine's default)] [--tool stat|trace|strace|record] [--systems engine,netty] [--out-dir DIR] [--out FILE] [--dir DIR]";
+    [--mib N (256)] [--secs S (2: each measured transfer repeats until then)] [--warmup N (3)] [--spin-us N (the engine's default)] [--lat-samples N (2000; 0: none)] [--tool stat|trace|strace|record] [--systems engine,netty] [--out-dir DIR] [--out FILE] [--dir DIR]";
 
 /// What runs around each measured transfer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -58,6 +60,7 @@ pub fn profile(args: &[String]) -> R<()> {
     let mut mib = 256usize;
     let mut secs = 2.0f64;
     let mut spin = None;
+    let mut lat_samples = 2000usize;
     let mut sizes = "4k,16k,64k,256k,1m,4m".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -78,6 +81,7 @@ pub fn profile(args: &[String]) -> R<()> {
             "--mib" => mib = v()?.parse().map_err(|_| "--mib: a number".to_string())?,
             "--sizes" => sizes = v()?,
             "--spin-us" => spin = Some(Duration::from_micros(v()?.parse().map_err(|_| "--spin-us: a number of µs".to_string())?)),
+            "--lat-samples" => lat_samples = v()?.parse().map_err(|_| "--lat-samples: a number".to_string())?,
             "--secs" => secs = v()?.parse().map_err(|_| "--secs: a number of seconds".to_string())?,
             _ => rest.push(a.clone()),
         }
@@ -101,10 +105,7 @@ pub fn profile(args: &[String]) -> R<()> {
         let mut row = Map::new();
         row.insert("bytes".into(), json!(set.size));
         for sys in &systems {
-            let (pids, label) = match sys.as_str() {
-                "engine" => (e.pids(), "engine"),
-                _ => (n.as_ref().map(NettySide::pids).unwrap_or_default(), "netty"),
-            };
+            let (pids, label) = pids_of(sys, &e, &n);
             let transfer = |e: &EngineSide, n: &mut Option<NettySide>| -> R<Transfer> {
                 match (sys.as_str(), n) {
                     ("engine", _) => e.bulk(set),
@@ -115,48 +116,53 @@ pub fn profile(args: &[String]) -> R<()> {
             for _ in 0..warmup {
                 transfer(&e, &mut n)?;
             }
+            let what = format!("{label} {}", human(set.size));
             let base = out_dir.join(format!("{label}-{}", human(set.size)));
-            let threads0 = thread_cpu(pids);
-            let attached = attach(tool, pids, &base)?;
             // Repeated until it ran --secs: enough samples for `record`, enough blocks for counts.
-            let t = repeat(secs, || transfer(&e, &mut n))?;
-            let threads = since(thread_cpu(pids), &threads0);
-            let counts = attached.finish()?;
-            let blocks = (t.bytes / set.size as u64) as f64;
-            let mut per = Map::new();
-            per.insert("blocks".into(), json!(blocks));
-            per.insert("gbps_under_tool".into(), json!(t.gbps()));
-            for (k, v) in &counts {
-                per.insert(format!("{k}_per_block"), json!(v / blocks));
-            }
-            if let Some(ms) = counts.get("task-clock") {
-                per.insert("cpu_s_per_gib".into(), json!(ms / 1e3 / (t.bytes as f64 / (1u64 << 30) as f64)));
-            }
-            // The busiest threads, CPU seconds per GiB moved: on two cores the busiest one
-            // bounds the throughput.
-            let gib = t.bytes as f64 / (1u64 << 30) as f64;
-            let mut busy: Vec<(String, f64)> = threads.into_iter().filter(|(_, s)| *s > 0.0).collect();
-            busy.sort_by(|a, b| b.1.total_cmp(&a.1));
-            let busy: Map<String, Value> = busy.into_iter().take(6).map(|(k, s)| (k, json!(s / gib))).collect();
-            eprintln!("profile {label:>6} {:>7}: threads' CPU s/GiB {}", human(set.size), summary(&busy));
-            per.insert("thread_cpu_s_per_gib".into(), Value::Object(busy));
-            eprintln!("profile {label:>6} {:>7}: {}", human(set.size), summary(&per));
+            let per = measured(tool, pids, &base, &what, || {
+                let t = repeat(secs, || transfer(&e, &mut n))?;
+                Ok(((t.bytes / set.size as u64) as f64, t.bytes, Some(t.gbps())))
+            })?;
             row.insert(label.into(), Value::Object(per));
         }
         report.push(Value::Object(row));
+    }
+    // 4 KiB blocks one at a time (the latency test of `run`): the counts per fetch.
+    let mut one = Map::new();
+    if lat_samples > 0 {
+        for sys in &systems {
+            let (pids, label) = pids_of(sys, &e, &n);
+            let fetches = |n: &mut Option<NettySide>, k: usize| -> R<Vec<f64>> {
+                match (sys.as_str(), n) {
+                    ("engine", _) => e.latency(&small, k),
+                    (_, Some(n)) => n.latency(&small, k),
+                    _ => unreachable!("netty is started when asked for"),
+                }
+            };
+            fetches(&mut n, lat_samples / 2)?;
+            let base = out_dir.join(format!("{label}-one-at-a-time"));
+            let mut us = Vec::new();
+            let mut per = measured(tool, pids, &base, &format!("{label} 4k one at a time"), || {
+                us = fetches(&mut n, lat_samples)?;
+                Ok((us.len() as f64, (us.len() * small.size) as u64, None))
+            })?;
+            per.insert("p50_us_under_tool".into(), json!(percentile(&us, 0.5)));
+            one.insert(label.into(), Value::Object(per));
+        }
     }
     e.engine.shutdown();
     drop(n);
     drop(engine_server);
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let r = json!({
-        "what": "per-block counts of both processes of each system during one bulk transfer per size, \
-                 after warm-up transfers; tool as named",
+        "what": "per-block counts of both processes of each system during one bulk transfer per size \
+                 (and per fetch of 4 KiB blocks fetched one at a time), after warm-up transfers; tool as named",
         "tool": format!("{tool:?}").to_lowercase(),
         "events": if tool == Tool::Stat { EVENTS } else { "" },
         "mib_per_transfer": cfg.mib,
         "loadavg": load.trim(),
         "sizes": report,
+        "one_at_a_time_4k": one,
     });
     let text = serde_json::to_string_pretty(&r).map_err(|e| e.to_string())? + "\n";
     match &cfg.out {
@@ -164,6 +170,49 @@ pub fn profile(args: &[String]) -> R<()> {
         None => print!("{text}"),
     }
     Ok(())
+}
+
+fn pids_of(sys: &str, e: &EngineSide, n: &Option<NettySide>) -> ([u32; 2], &'static str) {
+    match sys {
+        "engine" => (e.pids(), "engine"),
+        _ => (n.as_ref().map(NettySide::pids).unwrap_or_default(), "netty"),
+    }
+}
+
+/// Runs `run` (which answers the units it moved: blocks or fetches, bytes, and Gbit/s if
+/// that means anything) under `tool` attached to `pids`; each count per unit, and the
+/// busiest threads' CPU seconds per GiB (on two cores the busiest bounds the throughput).
+fn measured(
+    tool: Tool,
+    pids: [u32; 2],
+    base: &Path,
+    what: &str,
+    run: impl FnOnce() -> R<(f64, u64, Option<f64>)>,
+) -> R<Map<String, Value>> {
+    let threads0 = thread_cpu(pids);
+    let attached = attach(tool, pids, base)?;
+    let (units, bytes, gbps) = run()?;
+    let threads = since(thread_cpu(pids), &threads0);
+    let counts = attached.finish()?;
+    let gib = bytes as f64 / (1u64 << 30) as f64;
+    let mut per = Map::new();
+    per.insert("units".into(), json!(units));
+    if let Some(g) = gbps {
+        per.insert("gbps_under_tool".into(), json!(g));
+    }
+    for (k, v) in &counts {
+        per.insert(format!("{k}_per_unit"), json!(v / units));
+    }
+    if let Some(ms) = counts.get("task-clock") {
+        per.insert("cpu_s_per_gib".into(), json!(ms / 1e3 / gib));
+    }
+    let mut busy: Vec<(String, f64)> = threads.into_iter().filter(|(_, s)| *s > 0.0).collect();
+    busy.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let busy: Map<String, Value> = busy.into_iter().take(6).map(|(k, s)| (k, json!(s / gib))).collect();
+    eprintln!("profile {what}: {}", summary(&per));
+    eprintln!("profile {what}: threads' CPU s/GiB {}", summary(&busy));
+    per.insert("thread_cpu_s_per_gib".into(), Value::Object(busy));
+    Ok(per)
 }
 
 /// CPU seconds by thread name over both processes of a system (names prefixed `client:` or
