@@ -6,7 +6,7 @@
 //! [`mesh_suite!`](crate::mesh_suite), saying what its links do ([`MeshExpect`]).
 
 use crate::shuffle::Factory;
-use mobius_collective::mesh::{Mesh, MeshConfig, MeshError, MeshListener, Posting, Proto};
+use mobius_collective::mesh::{connect_in_threads, Mesh, MeshConfig, MeshError, MeshListener, Posting, Proto};
 use rdma_shuffle_fabric::providers::link::Fold;
 use rdma_shuffle_fabric::Provider;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -42,24 +42,14 @@ fn localhost() -> SocketAddr {
 }
 
 /// Builds a mesh of `world` ranks in threads; `tweak` adjusts each rank's config.
-pub fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConfig)) -> Vec<Result<Mesh, MeshError>> {
+pub fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConfig) + Sync) -> Vec<Result<Mesh, MeshError>> {
     let listeners: Vec<MeshListener> =
         (0..world).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(r, l)| {
-            let addrs = addrs.clone();
-            let mut c = MeshConfig::new(r, world);
-            c.connect_timeout = Duration::from_secs(20);
-            c.pool.cap_bytes = 64 << 20;
-            c.max_message = 16 << 20;
-            tweak(&mut c);
-            std::thread::spawn(move || Mesh::connect(l, &addrs, c))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    connect_in_threads(listeners, Duration::from_secs(20), |c| {
+        c.pool.cap_bytes = 64 << 20;
+        c.max_message = 16 << 20;
+        tweak(c);
+    })
 }
 
 fn soon() -> Instant {

@@ -233,6 +233,32 @@ fn provider_shape(p: &dyn Provider) -> (bool, Option<usize>) {
     (c.one_sided, c.max_eager)
 }
 
+/// Connects `listeners` (rank `r`'s at index `r`) into one mesh inside this process, one rank
+/// per thread, each rank's [`MeshConfig::new`] given `connect_timeout` and then adjusted by
+/// `tweak`: the group tests and benchmarks of the mesh and of providers build.
+pub fn connect_in_threads(
+    listeners: Vec<MeshListener>,
+    connect_timeout: Duration,
+    tweak: impl Fn(&mut MeshConfig) + Sync,
+) -> Vec<Result<Mesh, MeshError>> {
+    let world = listeners.len();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let mut c = MeshConfig::new(r, world);
+                c.connect_timeout = connect_timeout;
+                tweak(&mut c);
+                let addrs = &addrs;
+                sc.spawn(move || Mesh::connect(l, addrs, c))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
 impl Mesh {
     /// Builds the mesh: connects to every lower rank at `addrs[r]`, accepts every higher rank
     /// on `listener`, and authenticates each link. `addrs[config.rank]` is ignored (it is this

@@ -15,7 +15,7 @@ fn localhost() -> SocketAddr {
 }
 
 /// Builds a mesh of `world` ranks in threads; `tweak` adjusts each rank's config.
-fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConfig)) -> Vec<Result<Mesh, MeshError>> {
+fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConfig) + Sync) -> Vec<Result<Mesh, MeshError>> {
     let listeners: Vec<MeshListener> =
         (0..world).map(|r| MeshListener::bind(provider.clone(), localhost(), r).unwrap()).collect();
     connect_all(listeners, |c| {
@@ -26,21 +26,8 @@ fn build(provider: Arc<dyn Provider>, world: usize, tweak: impl Fn(&mut MeshConf
 }
 
 /// Connects bound listeners into a mesh, one rank per thread; `tweak` adjusts each config.
-fn connect_all(listeners: Vec<MeshListener>, tweak: impl Fn(&mut MeshConfig)) -> Vec<Result<Mesh, MeshError>> {
-    let world = listeners.len();
-    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr()).collect();
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(r, l)| {
-            let addrs = addrs.clone();
-            let mut c = MeshConfig::new(r, world);
-            c.connect_timeout = Duration::from_secs(20);
-            tweak(&mut c);
-            std::thread::spawn(move || Mesh::connect(l, &addrs, c))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+fn connect_all(listeners: Vec<MeshListener>, tweak: impl Fn(&mut MeshConfig) + Sync) -> Vec<Result<Mesh, MeshError>> {
+    connect_in_threads(listeners, Duration::from_secs(20), tweak)
 }
 
 /// The providers the mesh's own loop test runs over (the per-provider conformance suite is
