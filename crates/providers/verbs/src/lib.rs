@@ -3,11 +3,18 @@
 //! # Shape
 //!
 //! * **Control plane**: a tcp socket per connection, driven by the loop like any tcp
-//!   connection. It carries the `wire` handshake — and only after that handshake
-//!   authenticated the peer does anything get created for it: the queue pair is created and
-//!   the two sides exchange their [`bootstrap`] records in `Attach` frames. The socket then
-//!   stays silent as the liveness channel (RC queue pairs have no keepalive: a peer process
-//!   that dies shows as the socket's end of stream).
+//!   connection. It carries the protocol's handshake — and only once the loop told the link
+//!   that the peer authenticated (`Link::authenticated`) does anything get created for it:
+//!   the queue pair is created and the two sides exchange their [`bootstrap`] records, each
+//!   in the protocol's frame for it (`Codec::attach_frame`); the link consumes the peer's
+//!   record itself and reports `Incoming::Attached` when messages flow. A record before
+//!   authentication fails the connection. The socket then stays silent as the liveness
+//!   channel (RC queue pairs have no keepalive: a peer process that dies shows as the
+//!   socket's end of stream).
+//! * **Engine**: a driver's verbs state (completion queue, shared receive queue, send
+//!   buffers, routing of completions, credit budgets) is one `VerbsEngine` that the loop and
+//!   every link of it hold, typed, behind an uncontended lock (only the loop's holder calls
+//!   in).
 //! * **Data plane**: frames travel as SEND/RECV messages. Every connection of a driver
 //!   receives into **one shared receive queue** ([`VerbsConfig::recv_buffers`] buffers of
 //!   [`VerbsConfig::max_message`] bytes), so receive memory does not grow with the number of
