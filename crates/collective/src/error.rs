@@ -73,6 +73,20 @@ pub enum CollectiveError {
 
 impl CollectiveError {
     /// Whether the error came from another rank's abort (so this rank need not abort too).
+    /// The rank whose failure this error comes from, when that is known: the peer whose
+    /// link died or who left, or the culprit an abort named.
+    pub fn culprit(&self) -> Option<usize> {
+        use crate::transport::TransportErrorKind as K;
+        match self {
+            CollectiveError::Transport { source, .. } => match source.kind {
+                K::PeerFailed { peer } | K::PeerLeft { peer } => Some(peer),
+                K::Aborted { culprit, .. } => culprit,
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     pub(crate) fn is_remote_abort(&self) -> bool {
         matches!(self, CollectiveError::Transport { source, .. } if matches!(source.kind, crate::transport::TransportErrorKind::Aborted { .. }))
     }

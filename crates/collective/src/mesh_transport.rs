@@ -36,7 +36,7 @@ fn convert(e: MeshError) -> TransportError {
     let kind = match &e {
         MeshError::PeerFailed { peer, .. } => TransportErrorKind::PeerFailed { peer: *peer },
         MeshError::PeerLeft { peer, .. } => TransportErrorKind::PeerLeft { peer: *peer },
-        MeshError::Aborted { by, .. } => TransportErrorKind::Aborted { by: *by },
+        MeshError::Aborted { by, culprit, .. } => TransportErrorKind::Aborted { by: *by, culprit: *culprit },
         MeshError::Timeout { peer, .. } => TransportErrorKind::Timeout { peer: *peer },
         _ => TransportErrorKind::Other,
     };
@@ -162,8 +162,8 @@ impl Transport for MeshTransport {
         })
     }
 
-    fn abort(&self, reason: &str) {
-        self.mesh.abort(reason)
+    fn abort(&self, culprit: Option<usize>, reason: &str) {
+        self.mesh.abort_for(culprit, reason)
     }
 
     fn stats(&self) -> TransportStats {

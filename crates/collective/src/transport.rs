@@ -63,6 +63,8 @@ pub enum TransportErrorKind {
     Aborted {
         /// The rank that aborted.
         by: usize,
+        /// The rank whose failure caused it, when known.
+        culprit: Option<usize>,
     },
     /// Nothing came from `peer` before the deadline.
     Timeout {
@@ -219,8 +221,9 @@ pub trait Transport: Send + Sync {
         deadline: Instant,
     ) -> Result<(usize, Option<Self::Buf>), TransportError>;
 
-    /// Tells every peer this rank gives up.
-    fn abort(&self, reason: &str);
+    /// Tells every peer this rank gives up, because rank `culprit` failed when that is
+    /// known (their errors then lead with it).
+    fn abort(&self, culprit: Option<usize>, reason: &str);
 
     /// Told once the ranks know their hosts: whether this host runs more ranks than it has
     /// cores, so a waiting rank should yield its core rather than spin on it. Transports

@@ -310,15 +310,28 @@ pub fn a_peer_that_dies_fails_waits_on_it_at_once_and_a_clean_close_is_a_departu
         assert!(started.elapsed() < Duration::from_secs(5), "{}: waited {:?}", provider.name(), started.elapsed());
         assert!(matches!(e, MeshError::PeerFailed { peer: 2, .. }), "{e}");
         assert!(e.to_string().contains("rank 2"), "{e}");
-        // A wait on a healthy peer times out after its deadline, naming it.
-        let e = meshes[0].recv(1, 9, Instant::now() + Duration::from_millis(200)).unwrap_err();
-        assert!(matches!(e, MeshError::Timeout { peer: 1, .. }), "{e}");
-        // A clean close is reported as a departure, not a failure.
-        let mut m1 = meshes.pop().unwrap();
-        m1.close();
-        let e = meshes[0].recv(1, 9, soon()).unwrap_err();
-        assert!(matches!(e, MeshError::PeerLeft { peer: 1, .. }), "{}: {e}", provider.name());
+        // A wait on a healthy peer fails at once too, naming the rank that died, not the
+        // healthy one: the group is over (the cause travels first).
+        let started = Instant::now();
+        let e = meshes[0].recv(1, 9, Instant::now() + Duration::from_secs(30)).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "{}: waited {:?}", provider.name(), started.elapsed());
+        assert!(matches!(e, MeshError::Aborted { culprit: Some(2), .. }), "{e}");
+        assert!(e.to_string().contains("rank 2 failed"), "{e}");
+        // So does rank 1's, told by its own link or by rank 0's abort, whichever came first.
+        let e = meshes[1].recv(0, 9, Instant::now() + Duration::from_secs(30)).unwrap_err();
+        assert!(matches!(e, MeshError::Aborted { culprit: Some(2), .. }), "{e}");
         drop(m2);
+    }
+    // A clean close is reported as a departure, not a failure, and ends nothing else.
+    {
+        let provider = f();
+        let mut meshes: Vec<Mesh> = build(provider.clone(), 3, |_| {}).into_iter().map(|m| m.unwrap()).collect();
+        let mut m2 = meshes.pop().unwrap();
+        m2.close();
+        let e = meshes[0].recv(2, 9, soon()).unwrap_err();
+        assert!(matches!(e, MeshError::PeerLeft { peer: 2, .. }), "{}: {e}", provider.name());
+        let e = meshes[0].recv(1, 9, Instant::now() + Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(e, MeshError::Timeout { peer: 1, .. }), "{}: {e}", provider.name());
     }
 }
 

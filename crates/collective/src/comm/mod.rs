@@ -535,6 +535,17 @@ impl<T: Transport> Communicator<T> {
         }
     }
 
+    /// Ends the group at once (torch's `ProcessGroup.abort`): every pending call of this
+    /// rank, collective or point-to-point, on any thread, fails now, and every peer is told
+    /// (their pending calls fail naming this rank, or `culprit` when the abort is because
+    /// that rank failed). The communicator is unusable afterwards; dropping it releases
+    /// its links, threads and memory.
+    pub fn abort(&self, culprit: Option<usize>, reason: &str) {
+        if self.world > 1 {
+            self.t.abort(culprit, reason);
+        }
+    }
+
     /// Every rank's published mesh address, in rank order (empty when the caller built the
     /// transport).
     pub fn addresses(&self) -> &[SocketAddr] {
@@ -680,7 +691,7 @@ impl<T: Transport> Communicator<T> {
             }
             Err(e) => {
                 if !e.is_remote_abort() && self.world > 1 {
-                    self.t.abort(&e.to_string());
+                    self.t.abort(e.culprit(), &e.to_string());
                 }
                 st.broken = Some(e.to_string());
                 Err(e)

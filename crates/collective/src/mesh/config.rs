@@ -177,17 +177,22 @@ pub enum MeshError {
         /// The peer.
         peer: usize,
     },
-    /// A peer gave up (an error it saw) and told every rank.
+    /// A peer gave up (an error it saw) and told every rank; or this rank's loop saw a link
+    /// die and gave up for the group.
     ///
-    /// `peer` is the rank this one was exchanging with when the news came: when the rank
-    /// that aborted only timed out waiting on this one, the rank this one was itself waiting
-    /// on is the likelier culprit, and the message names both.
-    #[error("rank {rank}: rank {by} aborted while rank {rank} was exchanging with rank {peer}: {reason}")]
+    /// `culprit` is the rank whose failure caused it, when that is known (a link to it
+    /// died): the message then leads with that rank, so no survivor blames another
+    /// survivor. Without one (the rank that aborted only timed out, or its caller gave up),
+    /// `peer` — the rank this one was exchanging with when the news came — is the likelier
+    /// culprit, and the message names both.
+    #[error("{}", aborted_message(*rank, *by, *culprit, *peer, reason))]
     Aborted {
         /// This rank.
         rank: usize,
         /// The rank that aborted.
         by: usize,
+        /// The rank whose failure caused the abort, when known.
+        culprit: Option<usize>,
         /// The peer this rank was sending to or waiting on.
         peer: usize,
         /// Its reason.
@@ -245,4 +250,12 @@ pub enum MeshError {
         /// This rank.
         rank: usize,
     },
+}
+
+fn aborted_message(rank: usize, by: usize, culprit: Option<usize>, peer: usize, reason: &str) -> String {
+    match culprit {
+        // The reason says who saw it ("rank {by}: link to rank {c} ... failed: ...").
+        Some(c) => format!("rank {rank}: rank {c} failed, so the group is aborted: {reason}"),
+        None => format!("rank {rank}: rank {by} aborted while rank {rank} was exchanging with rank {peer}: {reason}"),
+    }
 }

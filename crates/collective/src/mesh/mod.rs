@@ -642,14 +642,20 @@ impl Mesh {
     /// Tells every peer that this rank gives up, with `reason`; their waits fail with
     /// [`MeshError::Aborted`] naming this rank. Best effort: dead links are skipped.
     pub fn abort(&self, reason: &str) {
+        self.abort_for(None, reason)
+    }
+
+    /// [`abort`](Mesh::abort), naming the rank whose failure is the cause (`culprit`), so
+    /// every peer's error leads with it.
+    pub fn abort_for(&self, culprit: Option<usize>, reason: &str) {
         let s = &*self.shared;
         let mut reason = reason.to_string();
         reason.truncate(CONTROL_MAX - 64);
         while !reason.is_char_boundary(reason.len()) {
             reason.pop();
         }
-        s.aborted(s.rank, reason.clone());
-        let _ = self.command(MeshCmd::Abort { id: self.id, reason });
+        s.aborted(s.rank, culprit, reason.clone());
+        let _ = self.command(MeshCmd::Abort { id: self.id, culprit, reason });
     }
 
     /// Closes every link at once without a goodbye, as a crashed process would: peers see
@@ -663,9 +669,10 @@ impl Mesh {
         }
     }
 
-    /// The abort this mesh saw, if any: `(rank that aborted, reason)`.
-    pub fn aborted(&self) -> Option<(usize, String)> {
-        self.shared.lock().abort.clone()
+    /// The abort this mesh saw, if any: `(rank that aborted, rank whose failure caused
+    /// it if known, reason)`.
+    pub fn aborted(&self) -> Option<(usize, Option<usize>, String)> {
+        self.shared.lock().abort.clone().map(|a| (a.by, a.culprit, a.reason))
     }
 
     /// Closes the mesh: says `BYE` to every peer, closes the links and stops the driver loop.

@@ -85,6 +85,15 @@ pub(crate) struct Build {
     pub(crate) retry: Vec<usize>,
 }
 
+/// Why a group gave up: the rank that said so, the rank whose failure caused it (when
+/// known), and its words.
+#[derive(Clone, Debug)]
+pub(crate) struct AbortNote {
+    pub(crate) by: usize,
+    pub(crate) culprit: Option<usize>,
+    pub(crate) reason: String,
+}
+
 pub(crate) struct State {
     pub(crate) peers: Vec<Peer>,
     pub(crate) inbox: Vec<HashMap<Tag, VecDeque<Slot>>>,
@@ -92,7 +101,9 @@ pub(crate) struct State {
     pub(crate) done: HashSet<(usize, u64)>,
     /// Receives posted into callers' memory.
     pub(crate) posted: HashMap<(usize, Tag), Posted>,
-    pub(crate) abort: Option<(usize, String)>,
+    /// The group gave up: the first abort seen (a peer's, this rank's own, or the loop's
+    /// when a link died).
+    pub(crate) abort: Option<AbortNote>,
     pub(crate) closed: bool,
     pub(crate) build: Build,
     next_slot: u64,
@@ -323,17 +334,28 @@ impl MeshShared {
     }
 
     /// The link `conn` to `peer` failed (ignored if it is not the peer's link, or the mesh
-    /// is closed, or the peer had left).
-    pub(crate) fn peer_failed(&self, peer: usize, conn: ConnKey, why: String) {
+    /// is closed, or the peer had left). Returns the abort the loop must tell the other
+    /// peers about when this is news: the cause travels first, so every survivor's waits
+    /// fail naming `peer` (not a survivor that gave up because of it), and it reaches them
+    /// before this rank's callers wake and take back what they lent.
+    pub(crate) fn peer_failed(&self, peer: usize, conn: ConnKey, why: String) -> Option<AbortNote> {
         let mut st = self.state.lock();
         let closed = st.closed;
         let p = &mut st.peers[peer];
+        let mut note = None;
         if p.conn == Some(conn) && matches!(p.status, PeerStatus::Up) && !closed {
             tracing::debug!(rank = self.rank, peer, why = %why, "mesh link failed");
+            let reason = format!("rank {}: link to rank {peer} ({}) failed: {why}", self.rank, p.name);
             p.status = PeerStatus::Failed(why);
+            if st.abort.is_none() {
+                let n = AbortNote { by: self.rank, culprit: Some(peer), reason };
+                st.abort = Some(n.clone());
+                note = Some(n);
+            }
         }
         drop(st);
         self.notify();
+        note
     }
 
     /// `peer` said goodbye.
@@ -351,11 +373,11 @@ impl MeshShared {
         self.state.lock().peers[peer].memory_wait = bytes;
     }
 
-    /// Rank `by` aborted.
-    pub(crate) fn aborted(&self, by: usize, reason: String) {
+    /// Rank `by` aborted (because rank `culprit` failed, when it says so).
+    pub(crate) fn aborted(&self, by: usize, culprit: Option<usize>, reason: String) {
         let mut st = self.state.lock();
         if st.abort.is_none() {
-            st.abort = Some((by, reason));
+            st.abort = Some(AbortNote { by, culprit, reason });
         }
         drop(st);
         self.notify();
@@ -391,8 +413,19 @@ impl MeshShared {
         if st.closed {
             return Err(MeshError::Closed { rank: self.rank });
         }
-        if let Some((by, reason)) = &st.abort {
-            return Err(MeshError::Aborted { rank: self.rank, by: *by, peer, reason: reason.clone() });
+        if let Some(a) = &st.abort {
+            // A wait on the rank that failed reports its link's failure itself.
+            if let (Some(c), PeerStatus::Failed(reason)) = (a.culprit, &st.peers[peer].status) {
+                if c == peer {
+                    return Err(MeshError::PeerFailed {
+                        rank: self.rank,
+                        peer,
+                        addr: st.peers[peer].name.clone(),
+                        reason: reason.clone(),
+                    });
+                }
+            }
+            return Err(MeshError::Aborted { rank: self.rank, by: a.by, culprit: a.culprit, peer, reason: a.reason.clone() });
         }
         match &st.peers[peer].status {
             PeerStatus::Up | PeerStatus::Joining => Ok(()),

@@ -1,7 +1,7 @@
 //! What arrives on a mesh link: handshake messages, data, rendezvous requests and their
 //! completions, and the memory a payload waits for.
 
-use super::{control, mesh_after, mesh_mut, mesh_refuse, MeshConn, Phase, ReadJob, RtsJob, Rx};
+use super::{control, end_revoked, mesh_after, mesh_mut, mesh_refuse, MeshConn, Phase, ReadJob, RtsJob, Rx};
 use crate::mesh::codec::{Head, Kind};
 use crate::mesh::handshake::Reader;
 use crate::mesh::link::Meshes;
@@ -257,8 +257,20 @@ fn mesh_control(lp: &mut Loop, conn: &mut Conn, kind: Kind, req: u64, body: &[u8
         }
         (Phase::Up, Kind::Abort) => {
             m.phase = Phase::Up;
+            let (culprit, reason) = match body.split_first_chunk::<4>() {
+                Some((c, rest)) => (u32::from_be_bytes(*c), rest),
+                None => (u32::MAX, body),
+            };
+            let culprit = (culprit != u32::MAX).then_some(culprit as usize);
             if let Some(peer) = m.peer {
-                m.shared.aborted(peer, String::from_utf8_lossy(body).into_owned());
+                m.shared.aborted(peer, culprit, String::from_utf8_lossy(reason).into_owned());
+            }
+            // A window of this peer was found taken back: the abort that explains it is
+            // here, so the link fails now (its waits report the abort, recorded first).
+            if let Some((why, _)) = &m.revoked {
+                let why = why.clone();
+                end_revoked(m, &why);
+                return Err(FabricError::Unsupported(format!("the peer aborted after taking back a window ({why})")));
             }
             Ok(())
         }
@@ -439,13 +451,31 @@ fn mesh_read_done(
     lp.stats().note_reads(-1);
     let m: &mut MeshConn = mesh_mut(conn);
     let Some(job) = m.reads.remove(&read_tag) else { return Ok(()) };
-    result?;
+    if let Err(e) = result {
+        return hold_revoked(m, e, None);
+    }
     let peer = m.peer.unwrap_or(0);
     count_read(&m.shared.counters, job.len, false);
     m.shared.fill_slot(peer, job.tag, job.slot, Message { body: Body::Lease(lease), proto: Proto::Rendezvous });
     let (f, p) = control(Kind::Done, job.token, &[]);
     conn.transport.send(f, p)?;
     mesh_pump_reads(lp, conn)
+}
+
+/// A READ failed. A window the peer took back ([`FabricError::RemoteAccess`]) before its
+/// abort reached this rank holds the receive (`posted`) until the abort or the link's end
+/// ([`MeshConn::revoked`]); any other failure fails the link at once.
+fn hold_revoked(m: &mut MeshConn, e: FabricError, posted: Option<Tag>) -> Result<(), FabricError> {
+    let peer = m.peer.unwrap_or(0);
+    if !matches!(e, FabricError::RemoteAccess { .. }) || m.shared.lock().abort.is_some() {
+        if let Some(tag) = posted {
+            m.shared.posted_end(peer, tag, Some(e.to_string()));
+        }
+        return Err(e);
+    }
+    let held = m.revoked.get_or_insert_with(|| (e.to_string(), Vec::new()));
+    held.1.extend(posted);
+    Ok(())
 }
 
 /// A READ into a posted receive's memory completed (or was flushed): the memory is the
@@ -465,8 +495,7 @@ fn mesh_user_read_done(
         let _ = reply.send(());
     }
     if let Err(e) = result {
-        m.shared.posted_end(peer, job.tag, Some(e.to_string()));
-        return Err(e);
+        return hold_revoked(m, e, Some(job.tag));
     }
     count_read(&m.shared.counters, job.len, true);
     m.shared.posted_end(peer, job.tag, None);

@@ -93,6 +93,7 @@ pub(crate) enum MeshCmd {
     },
     Abort {
         id: u64,
+        culprit: Option<usize>,
         reason: String,
     },
     Close {
@@ -227,6 +228,12 @@ pub(crate) struct MeshConn {
     rts: VecDeque<RtsJob>,
     reads: HashMap<u64, ReadJob>,
     next_read: u64,
+    /// A READ from this peer found its window taken back (one-sided providers) before any
+    /// abort arrived: `(why, tags of the posted receives it was for)`. The peer takes a
+    /// window back only when it gives up, and it tells the group why before it does, so
+    /// the link waits for that abort (which names the cause) instead of failing naming
+    /// a rank that is alive.
+    pub(crate) revoked: Option<(String, Vec<Tag>)>,
     /// When the connection was made: its handshake must be done within the mesh's
     /// handshake limit, or it is dropped (work before authentication is bounded).
     opened: Instant,
@@ -281,6 +288,7 @@ impl MeshConn {
             rts: VecDeque::new(),
             reads: HashMap::new(),
             next_read: 1,
+            revoked: None,
             opened: Instant::now(),
         };
         Role::new(&MeshHandler, conn, codec)
@@ -313,8 +321,8 @@ impl Handler for MeshHandler {
         mesh_incoming(lp, conn, inc)
     }
 
-    fn failed(&self, _lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
-        mesh_failed(conn, error);
+    fn failed(&self, lp: &mut Loop, conn: &mut Conn, error: &FabricError) -> bool {
+        mesh_failed(lp, conn, error);
         false
     }
 
@@ -477,21 +485,30 @@ pub(crate) fn mesh_command(lp: &mut Loop, c: MeshCmd) {
                 let _ = reply.send(());
             }
         }
-        MeshCmd::Abort { id, reason } => {
-            let Some(ep) = lp.state::<Meshes>().get(&id) else { return };
-            for key in ep.conns.clone() {
-                with_mesh(lp, key, |_, conn| {
-                    if conn.closing.is_none() && matches!(mesh_mut(conn).phase, Phase::Up) {
-                        let (f, p) = control(Kind::Abort, 0, reason.as_bytes());
-                        let _ = conn.transport.send(f, p);
-                    }
-                });
-            }
-        }
+        MeshCmd::Abort { id, culprit, reason } => send_abort(lp, id, None, culprit, &reason),
         MeshCmd::Close { id, bye, reply } => {
             remove_mesh(lp, id, bye);
             let _ = reply.send(());
         }
+    }
+}
+
+/// Tells every peer of mesh `id` (but `skip`) that the group gives up: the body is the
+/// culprit's rank (`u32::MAX`: none known) and the reason.
+pub(crate) fn send_abort(lp: &mut Loop, id: u64, skip: Option<ConnKey>, culprit: Option<usize>, reason: &str) {
+    let Some(ep) = lp.state::<Meshes>().get(&id) else { return };
+    let mut body = culprit.map_or(u32::MAX, |c| c as u32).to_be_bytes().to_vec();
+    body.extend_from_slice(reason.as_bytes());
+    for key in ep.conns.clone() {
+        if Some(key) == skip {
+            continue;
+        }
+        with_mesh(lp, key, |_, conn| {
+            if conn.closing.is_none() && matches!(mesh_mut(conn).phase, Phase::Up) {
+                let (f, p) = control(Kind::Abort, 0, &body);
+                let _ = conn.transport.send(f, p);
+            }
+        });
     }
 }
 
@@ -637,7 +654,12 @@ pub(crate) fn mesh_after(conn: &mut Conn) {
 /// is retried; a lower rank refusing is final). An accepted connection that fails before
 /// it authenticated (garbage bytes, a stranger hanging up, a handshake timeout) is logged
 /// and dropped; it never touches the mesh's links.
-pub(crate) fn mesh_failed(conn: &mut Conn, error: &FabricError) {
+///
+/// A link that was up and dies makes the group give up at once: the loop records the abort
+/// (every wait of this rank fails naming the dead rank) and tells every other peer in the
+/// same turn, before any caller of this rank wakes and takes back memory it lent, so a
+/// peer READing that memory learns the cause before it sees the window gone.
+pub(crate) fn mesh_failed(lp: &mut Loop, conn: &mut Conn, error: &FabricError) {
     let key = conn.key;
     let name = conn.peer.clone();
     let m = mesh_mut(conn);
@@ -645,9 +667,16 @@ pub(crate) fn mesh_failed(conn: &mut Conn, error: &FabricError) {
         FabricError::Closed { .. } => "the connection closed without a goodbye (the process exited or was killed)".to_string(),
         other => other.to_string(),
     };
+    let ep = m.ep;
     m.end_posted(&why);
     match (&m.phase, m.peer) {
-        (Phase::Up, Some(peer)) => m.shared.peer_failed(peer, key, why),
+        (Phase::Up, Some(peer)) => {
+            if let Some(note) = m.shared.peer_failed(peer, key, why.clone()) {
+                send_abort(lp, ep, Some(key), note.culprit, &note.reason);
+            }
+            // The receives held back by a revoked window end with the link.
+            end_revoked(m, &why);
+        }
         (_, Some(peer)) if m.outgoing && !m.connected => {
             m.shared.build_problem(format!("connecting to rank {peer} at {name}: {why}"), None, Some(peer))
         }
@@ -667,6 +696,15 @@ pub(crate) fn mesh_failed(conn: &mut Conn, error: &FabricError) {
         }
     }
     m.marks.clear();
+}
+
+/// Ends the posted receives held back by a revoked window (see [`MeshConn::revoked`]).
+pub(crate) fn end_revoked(m: &mut MeshConn, why: &str) {
+    if let (Some(peer), Some((_, tags))) = (m.peer, m.revoked.take()) {
+        for tag in tags {
+            m.shared.posted_end(peer, tag, Some(why.to_string()));
+        }
+    }
 }
 
 /// When a connection still in its handshake must have finished it.
