@@ -43,3 +43,19 @@ def test_a_dead_peer_fails_the_pending_work_at_wait(tmp_path):
     assert r["error"] and "rank 1" in r["error"], r
     assert r["future_error"] and "rank 1" in r["future_error"], r
     assert r["future_done"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_work_torch_hands_back_completes_when_polled(world, tmp_path):
+    # Every async collective and point-to-point call through torch.distributed only: a
+    # polled is_completed() turns True by itself and stays True after wait(), is_success(),
+    # exception(), get_future() and a .then chain agree; a provably pending Work says so; a
+    # refused call's Work completes unsuccessfully with its error. (torch wraps a Python
+    # backend's Work in a holder that forwards only wait() and get_future(): unpatched, the
+    # first poll spins until the limit.)
+    res = run("torch_work_truth", world, tmp_path, timeout=300)
+    for rank, r in res.items():
+        bad = {k: v for k, v in r.items() if v is not True}
+        assert not bad, f"rank {rank}: {bad}"
+        assert {"all_reduce", "isend", "irecv", "barrier", "gather", "scatter"} <= set(r), r
+    assert res[0]["pending_before_peer"] and res[0]["irecv_after_wait_timeout"]

@@ -988,6 +988,110 @@ def scenario_torch_async(args):
     dist.destroy_process_group()
 
 
+def scenario_torch_work_truth(args):
+    """Every async_op=True call through torch.distributed, polled as a training loop that
+    overlaps work polls it: is_completed() turns True by itself (no wait() first), stays True
+    after wait(), is_success() and exception() agree, get_future() and a .then chain carry
+    the result. Then a Work provably pending (its peer joins only after this rank looked),
+    and a failed one (a receive whose wait(timeout) passed is not failed; a refused call is)."""
+    import datetime
+    import time
+    import torch
+    dist = _torch_init(args.get("backend", "mobius"))
+    res = {}
+    n, total = 1024, float(sum(range(1, WORLD + 1)))
+    left, right = (RANK - 1) % WORLD, (RANK + 1) % WORLD
+
+    def poll(name, work, check):
+        deadline = time.monotonic() + 60
+        polls = 0
+        while not work.is_completed():
+            polls += 1
+            if time.monotonic() > deadline:
+                res[name] = f"is_completed() still False after 60 s ({polls} polls)"
+                return
+            time.sleep(0.001)
+        chained = work.get_future().then(lambda f: "chained")
+        ok = [work.is_success(), work.exception() is None, work.get_future().done(), check()]
+        work.wait()
+        ok += [work.is_completed(), work.is_success(), chained.wait() == "chained"]
+        res[name] = True if all(ok) else f"after completion: {ok}"
+
+    t = torch.full((n,), float(RANK + 1))
+    poll("all_reduce", dist.all_reduce(t, async_op=True), lambda: bool((t == total).all()))
+    b = torch.full((n,), float(RANK))
+    poll("broadcast", dist.broadcast(b, src=1, async_op=True), lambda: bool((b == 1.0).all()))
+    outs = [torch.zeros(n) for _ in range(WORLD)]
+    poll("all_gather", dist.all_gather(outs, torch.full((n,), float(RANK)), async_op=True),
+         lambda: all(bool((o == r).all()) for r, o in enumerate(outs)))
+    flat = torch.zeros(WORLD * n)
+    poll("all_gather_into_tensor", dist.all_gather_into_tensor(flat, torch.full((n,), float(RANK)), async_op=True),
+         lambda: bool((flat.view(WORLD, n) == torch.arange(WORLD).float()[:, None]).all()))
+    rs = torch.zeros(n)
+    poll("reduce_scatter_tensor", dist.reduce_scatter_tensor(rs, torch.ones(WORLD * n), async_op=True),
+         lambda: bool((rs == WORLD).all()))
+    r = torch.full((n,), 2.0)
+    poll("reduce", dist.reduce(r, dst=0, async_op=True), lambda: RANK != 0 or bool((r == 2.0 * WORLD).all()))
+    a2a = torch.zeros(WORLD * 4)
+    poll("all_to_all_single", dist.all_to_all_single(a2a, torch.full((WORLD * 4,), float(RANK)), async_op=True),
+         lambda: bool((a2a.view(WORLD, 4) == torch.arange(WORLD).float()[:, None]).all()))
+    g = [torch.zeros(4) for _ in range(WORLD)] if RANK == 0 else None
+    poll("gather", dist.gather(torch.full((4,), float(RANK)), g, dst=0, async_op=True),
+         lambda: RANK != 0 or all(bool((x == i).all()) for i, x in enumerate(g)))
+    sc = torch.zeros(4)
+    poll("scatter", dist.scatter(sc, [torch.full((4,), float(i)) for i in range(WORLD)] if RANK == 0 else None,
+                                 src=0, async_op=True), lambda: bool((sc == RANK).all()))
+    poll("barrier", dist.barrier(async_op=True), lambda: True)
+    got = torch.zeros(n)
+    recv = dist.irecv(got, src=left, tag=3)
+    send = dist.isend(torch.full((n,), float(RANK)), dst=right, tag=3)
+    poll("isend", send, lambda: True)
+    poll("irecv", recv, lambda: bool((got == left).all()))
+    # Provably pending: rank 1 joins the all-reduce only after rank 0 has looked at its
+    # Work (told over point-to-point, beside the collective).
+    big = torch.full((1 << 16,), float(RANK + 1))
+    if RANK == 1:
+        dist.recv(torch.zeros(1), src=0, tag=1)
+    w = dist.all_reduce(big, async_op=True)
+    if RANK == 0:
+        res["pending_before_peer"] = (not w.is_completed()) and w.exception() is None
+        dist.send(torch.ones(1), dst=1, tag=1)
+    poll("all_reduce_after_pending", w, lambda: bool((big == total).all()))
+    # wait(timeout) on a receive nobody sent yet raises and leaves it pending, not failed.
+    # (gloo closes the pair when a wait times out, so the gloo reference run skips this.)
+    timed = args.get("backend", "mobius") == "mobius"
+    if RANK < 2 and timed:
+        peer = 1 - RANK
+        late = torch.zeros(1)
+        w = dist.irecv(late, src=peer, tag=9)
+        try:
+            w.wait(datetime.timedelta(milliseconds=100))
+            res["wait_timeout_raises"] = "returned"
+        except RuntimeError:
+            res["wait_timeout_raises"] = (not w.is_completed()) or "completed"
+    if timed:
+        dist.barrier()  # both timed out before either sends
+    if RANK < 2 and timed:
+        dist.send(torch.tensor([7.0]), dst=peer, tag=9)
+        poll("irecv_after_wait_timeout", w, lambda: late.item() == 7.0)
+    # A failed Work: an unsupported reduce op on a dtype is refused on every rank alike.
+    w = None
+    try:
+        w = dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND, async_op=True)
+    except Exception as e:  # noqa: BLE001 - refused at the call is as good
+        res["refused"] = "BAND" in str(e) or "band" in str(e) or str(e)
+    if w is not None:
+        deadline = time.monotonic() + 60
+        while not w.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        e = w.exception()
+        res["refused"] = (w.is_completed() and not w.is_success() and e is not None and "band" in str(e).lower()) or \
+            f"completed={w.is_completed()} success={w.is_success()} exception={e!r}"
+    dist.barrier()
+    report(res)
+    dist.destroy_process_group()
+
+
 def scenario_torch_peer_dies(args):
     """Rank 0's asynchronous 64 MiB allreduce fails at wait() when rank 1 dies mid-way."""
     import signal

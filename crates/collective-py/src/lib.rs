@@ -6,7 +6,9 @@
 //! the memory cannot be resized or freed under it. The pure-Python layer (`mobius/__init__.py`)
 //! maps numpy/torch dtypes and tensors onto this.
 
-use mobius_collective::{CollectiveError, CommConfig, Communicator, DType, GroupKey, Op, Overrides, ReduceOp, Rendezvous};
+use mobius_collective::{
+    CollectiveError, CommConfig, Communicator, CostModel, DType, GroupKey, Op, Overrides, ReduceOp, Rendezvous,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
@@ -167,6 +169,22 @@ fn config(rank: usize, world: usize, settings: Option<&Bound<'_, PyDict>>) -> Py
             segment.or_else(|| env("MOBIUS_SEGMENT")).as_deref(),
         )
         .map_err(to_py)?;
+    }
+    if let Some(v) = get("model")? {
+        // A dict as `cost_model()` returns it (a parent group's): used instead of measuring.
+        let d = v.downcast::<PyDict>()?;
+        let f = |k: &str| -> PyResult<f64> {
+            d.get_item(k)?.ok_or_else(|| PyValueError::new_err(format!("model: missing {k:?}")))?.extract()
+        };
+        c.model = Some(CostModel {
+            alpha: f("alpha")?,
+            beta: f("beta")?,
+            gamma: f("gamma")?,
+            copy: f("copy")?,
+            alpha_rndv: f("alpha_rndv")?,
+            local_alpha: f("local_alpha")?,
+            local_beta: f("local_beta")?,
+        });
     }
     if let Some(v) = get("debug_policy")? {
         c.debug_policy = v.extract()?;
@@ -463,6 +481,22 @@ impl PyComm {
     fn invalidate(&self, ptr: usize, nbytes: usize) -> PyResult<()> {
         self.inner.get()?.invalidate(ptr as *const u8, nbytes);
         Ok(())
+    }
+
+    /// Ends the group at once: every pending call of this rank fails now, on any thread, and
+    /// every peer is told (naming `culprit` as the rank that failed, when given). The
+    /// communicator is unusable afterwards; `close()` releases it.
+    #[pyo3(signature = (reason, culprit=None))]
+    fn abort(&self, py: Python<'_>, reason: &str, culprit: Option<usize>) -> PyResult<()> {
+        let c = self.inner.get()?;
+        py.allow_threads(move || c.abort(culprit, reason));
+        Ok(())
+    }
+
+    /// The abort this rank's group saw, if any: `(rank that aborted, rank that failed or
+    /// None, reason)`.
+    fn aborted(&self) -> PyResult<Option<(usize, Option<usize>, String)>> {
+        Ok(self.inner.get()?.transport().mesh().aborted())
     }
 
     /// Closes the communicator (also when garbage-collected): says goodbye to every peer.

@@ -33,6 +33,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _C10d
 from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from . import Communicator, MobiusError, _native
@@ -77,8 +78,9 @@ class _Work(dist.Work):
     ``wait()`` blocks until the call finished (or ``timeout`` passed, when given) and raises
     its error; the future completes with the outputs, or with the error."""
 
-    def __init__(self, label: str, outputs, fn):
+    def __init__(self, label: str, outputs, fn, group=None):
         super().__init__()
+        self._group = group
         self._label = label
         self._outputs = outputs if outputs is not None else []
         self._fn = fn
@@ -88,13 +90,21 @@ class _Work(dist.Work):
         self._future = torch.futures.Future()
 
     def _run(self) -> None:
-        try:
-            source = self._fn()
-            if isinstance(source, int):
-                self._source = source
-        except BaseException as e:  # noqa: BLE001 - every failure belongs to the Work
-            self._error = RuntimeError(f"mobius: {self._label} failed: {e}")
-            self._error.__cause__ = e
+        failed = self._group._failure() if self._group is not None else None
+        if failed is not None:
+            # The group failed or was aborted: what is queued behind ends at once, with
+            # the error that ended it, instead of waiting on a peer that is gone.
+            self._error = RuntimeError(f"mobius: {self._label} not run: {failed}")
+        else:
+            try:
+                source = self._fn()
+                if isinstance(source, int):
+                    self._source = source
+            except BaseException as e:  # noqa: BLE001 - every failure belongs to the Work
+                self._error = RuntimeError(f"mobius: {self._label} failed: {e}")
+                self._error.__cause__ = e
+                if self._group is not None:
+                    self._group._note(e)
         self._fn = None
         # The future first: DDP's callbacks chained on it run here, on the lane, before
         # `wait()` returns to a caller that then reads the outputs.
@@ -132,6 +142,68 @@ class _Work(dist.Work):
 
     def source_rank(self):
         return self._source
+
+
+def _future_error(fut):
+    """The error a completed future holds, or ``None``. (A Python backend's future, seen
+    through the Work torch hands back, may give the error back as its value.)"""
+    try:
+        v = fut.value()
+    except Exception as e:  # noqa: BLE001 - the error is the answer
+        return e
+    return v if isinstance(v, BaseException) else None
+
+
+def _patch_torch_work() -> None:
+    """Makes ``is_completed()``, ``is_success()`` and ``exception()`` of the Work that
+    ``torch.distributed`` hands back tell the truth for Works of a Python backend.
+
+    torch wraps the Work a Python backend returns in a C++ holder (``PyWorkHolder``) that
+    forwards only ``wait()`` and ``get_future()`` to it; its other methods answer from the
+    holder's own state, which nothing ever completes: ``is_completed()`` stays ``False``
+    forever, also after ``wait()``, and ``exception()`` never has the error. The future is
+    the truth (it completes when the Work does, with its error), so where torch's own answer
+    is "pending", these ask the future. A Work whose C++ state is right (gloo's, a completed
+    one) is answered by torch as before: only "still pending" is ever looked at again."""
+    W = dist.Work
+    if getattr(W, "_mobius_truthful", False):
+        return
+    base_completed, base_success, base_exception = W.is_completed, W.is_success, W.exception
+
+    def future(w):
+        try:
+            return w.get_future()
+        except Exception:  # noqa: BLE001 - a Work without a future keeps torch's answers
+            return None
+
+    def is_completed(self):
+        if base_completed(self):
+            return True
+        fut = future(self)
+        return fut is not None and fut.done()
+
+    def is_success(self):
+        if not base_success(self):
+            return False
+        if base_completed(self):
+            return True
+        fut = future(self)
+        return fut is None or not fut.done() or _future_error(fut) is None
+
+    def exception(self):
+        e = base_exception(self)
+        if e is not None or base_completed(self):
+            return e
+        fut = future(self)
+        return _future_error(fut) if fut is not None and fut.done() else None
+
+    is_completed.__doc__, is_success.__doc__, exception.__doc__ = (
+        base_completed.__doc__, base_success.__doc__, base_exception.__doc__)
+    W.is_completed, W.is_success, W.exception = is_completed, is_success, exception
+    W._mobius_truthful = True
+
+
+_patch_torch_work()
 
 
 class _Lane:
@@ -215,6 +287,11 @@ def _group_key(store, rank: int, prefix: str) -> str:
     return store.get(key).decode()
 
 
+# The cost model of the first group this process measured (its default group): groups made
+# after it run over the same links, and take it instead of measuring their own.
+_MEASURED: dict | None = None
+
+
 class MobiusBackend(_C10dBackend):
     """The Mobius process-group backend (CPU tensors)."""
 
@@ -222,10 +299,18 @@ class MobiusBackend(_C10dBackend):
     # without end (RecursionError in batch_isend_irecv). Point-to-point Works are
     # independent, so batch_isend_irecv needs no coalescing: it posts each op, in any order.
     supports_coalescing = False
+    # `dist.split_group` and `dist.shrink_group` (class attributes, for the same reason).
+    supports_splitting = True
+    supports_shrinking = True
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, model: dict | None = None):
+        global _MEASURED
         super().__init__(rank, size)
         self._rank, self._size = rank, size
+        self._store, self._timeout = store, timeout
+        self._children = 0
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
 
         prefix = f"mobius/{_generation(store, size)}"
 
@@ -236,23 +321,144 @@ class MobiusBackend(_C10dBackend):
         settings = {"group": _group_key(store, rank, prefix)}
         if not os.environ.get("MOBIUS_TIMEOUT") and timeout is not None:
             settings["timeout"] = max(timeout.total_seconds(), 0.001)
+        model = model if model is not None else _MEASURED
+        if model is not None and not os.environ.get("MOBIUS_TUNE"):
+            # Measuring links costs a group tens of milliseconds; a group made after one
+            # that measured runs over the same links (rank 0's model is the group's).
+            settings["tune"] = False
+            settings["model"] = model
         self.comm = Communicator(_native.Communicator.join(rank, size, _local_ip(store), exchange, settings))
+        if _MEASURED is None and size > 1:
+            _MEASURED = self.comm.cost_model()
         self._lanes_lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
+
+    # -- failure, abort and shutdown --------------------------------------------------------
+    def _failed(self, e: BaseException) -> None:
+        """A call failed: the first failure is the group's error (``get_error``)."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = e
+
+    def _note(self, e: BaseException) -> None:
+        """A call failed with ``e``: it is the group's error if it ended the group (its
+        links are aborted). A refused argument or a failed monitored barrier does not."""
+        try:
+            ended = self.comm._c.aborted() is not None
+        except MobiusError:
+            ended = True
+        if ended:
+            self._failed(e)
+
+    def _failure(self):
+        """The group's error if it has one: a failed call, an abort, or a peer's failure its
+        links saw (reported even before this rank calls again), else ``None``."""
+        if self._error is not None:
+            return self._error
+        try:
+            seen = self.comm._c.aborted()
+        except MobiusError as e:  # closed
+            return e
+        if seen is not None:
+            by, culprit, reason = seen
+            who = f"rank {culprit} failed" if culprit is not None else f"rank {by} aborted the group"
+            self._failed(MobiusError(f"rank {self._rank}: {who}: {reason}"))
+        return self._error
+
+    def failed_rank(self):
+        """The rank whose failure ended this group, when known (else ``None``)."""
+        try:
+            seen = self.comm._c.aborted()
+        except MobiusError:
+            return None
+        return seen[1] if seen is not None else None
+
+    def get_error(self):
+        """torch's ``ProcessGroup.get_error``: ``SUCCESS`` while the group is healthy;
+        ``REMOTE_ERROR`` when a peer failed or aborted, ``TIMEOUT`` when a call timed out,
+        ``COMM_ERROR`` otherwise (this rank aborted). The message is ``last_error``."""
+        e = self._failure()
+        E = _C10d.ErrorType
+        if e is None:
+            return E.SUCCESS
+        text = str(e)
+        if "timed out" in text:
+            return E.TIMEOUT
+        seen = None
+        try:
+            seen = self.comm._c.aborted()
+        except MobiusError:
+            pass
+        if seen is not None and (seen[1] is not None or seen[0] != self._rank):
+            return E.REMOTE_ERROR
+        return E.COMM_ERROR
+
+    @property
+    def last_error(self) -> str | None:
+        """The message of the group's error (what ``get_error`` classifies), or ``None``."""
+        e = self._failure()
+        return None if e is None else str(e)
+
+    def abort(self) -> None:
+        """torch's ``ProcessGroup.abort`` (and ``shutdown`` after a failure): every pending
+        Work of this group ends now with the group's error (a peer's failure that caused
+        it, or "aborted"), the peers are told, and the links, threads and memory are
+        released. Returns without waiting for anything remote."""
+        cause = self._failure()
+        culprit = self.failed_rank()
+        self._failed(MobiusError(f"rank {self._rank}: the process group was aborted"))
+        try:
+            self.comm._c.abort(f"rank {self._rank} aborted its process group"
+                               + (f" ({cause})" if cause is not None else ""), culprit)
+        except MobiusError:
+            pass  # already closed
+        self._stop_lanes()
+        self.comm.close()
 
     def shutdown(self) -> None:
         """Called by torch's ``destroy_process_group``: every queued Work runs to its end,
         then the communicator leaves the group (its last sends delivered, its peers told of
         a clean departure) while the interpreter is whole. Left to the interpreter's
         teardown instead, a process that then leaves with ``os._exit`` lost sends a peer
-        still waited for."""
+        still waited for. A group that already failed is aborted instead: nothing of it can
+        complete, and nothing waits."""
+        if self._failure() is not None:
+            self.abort()
+            return
+        self._stop_lanes()
+        self.comm.close()
+
+    def _stop_lanes(self) -> None:
         with self._lanes_lock:
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             lane.stop()
         for lane in lanes:
             lane.join()
-        self.comm.close()
+
+    # -- groups made from this one ----------------------------------------------------------
+    def _child(self, store, ranks: list[int]):
+        """The backend of a group of ``ranks`` (this group's ranks, in the new order) made
+        from this one: its own links, this group's cost model (no measurement)."""
+        return MobiusBackend(store, ranks.index(self._rank), len(ranks), self._timeout, self.comm.cost_model())
+
+    def split(self, store, ranks, opts=None):
+        """``dist.split_group`` (and a ``DeviceMesh`` made by splitting): the group of
+        ``ranks`` (of this group), over the store torch prefixes for it."""
+        ranks = list(ranks)
+        return None if self._rank not in ranks else self._child(store, ranks)
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, opts_override=None):
+        """``dist.shrink_group``: the group of the ranks not excluded (the survivors of a
+        failure call it; the excluded ones do not). With ``SHRINK_ABORT`` this group is
+        aborted first. The survivors meet under a fresh prefix of this group's store."""
+        if shrink_flags & getattr(dist, "SHRINK_ABORT", 1):
+            self.abort()
+        out = set(ranks_to_exclude)
+        ranks = [r for r in range(self._size) if r not in out]
+        self._children += 1
+        store = dist.PrefixStore(f"mobius-shrink/{self._children}/{'-'.join(map(str, ranks))}/", self._store)
+        return self._child(store, ranks)
 
     def _lane(self, name: str) -> _Lane:
         with self._lanes_lock:
@@ -262,7 +468,7 @@ class MobiusBackend(_C10dBackend):
             return lane
 
     def _submit(self, lane: str, label: str, outputs, fn) -> _Work:
-        return self._lane(lane).submit(_Work(label, outputs, fn))
+        return self._lane(lane).submit(_Work(label, outputs, fn, self))
 
     def _collective(self, label: str, outputs, fn) -> _Work:
         """Queues a collective on the group's collective lane (calls run in call order)."""

@@ -69,6 +69,11 @@ pub struct CommConfig {
     /// ones (`MOBIUS_LOCAL_LINK=<α µs>,<GB/s>`; rank 0's value is the group's): for a
     /// same-host transport whose speed is known beforehand.
     pub local_link: Option<(f64, f64)>,
+    /// A cost model measured before (a parent group's), used instead of measuring when
+    /// `tune` is off; rank 0's is the group's. Groups made from a measured one (torch's
+    /// `new_group`, `split_group`, a `DeviceMesh`) run over the same links and need no
+    /// start-up measurement of their own.
+    pub model: Option<crate::policy::CostModel>,
 }
 
 impl CommConfig {
@@ -95,6 +100,7 @@ impl CommConfig {
             cache_registrations: false,
             host_id: None,
             local_link: None,
+            model: None,
         }
     }
 

@@ -333,7 +333,7 @@ impl<T: Transport> Communicator<T> {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             comm.t.set_oversubscribed(here > cores);
             let (model, links) = comm
-                .agree_model(config.tune, config.local_link)
+                .agree_model(config.tune, config.local_link, config.model)
                 .map_err(|e| CollectiveError::Rendezvous { rank, message: e.to_string() })?;
             comm.policy.model = model;
             comm.links = links;
@@ -444,6 +444,7 @@ impl<T: Transport> Communicator<T> {
         &self,
         tune: bool,
         local_link: Option<(f64, f64)>,
+        known: Option<CostModel>,
     ) -> Result<(CostModel, Vec<LinkCost>), crate::transport::TransportError> {
         let deadline = Instant::now() + self.timeout;
         let rank = self.rank;
@@ -456,7 +457,7 @@ impl<T: Transport> Communicator<T> {
         }
         let tuning =
             if rank == 0 { tune } else { self.t.recv(0, Self::init_tag(INIT_TUNE, 0), None, deadline)?.1.first() == Some(&1) };
-        let mut model = CostModel::assumed();
+        let mut model = known.unwrap_or_else(CostModel::assumed);
         let mut links = Vec::new();
         if tuning {
             let mut mine = Vec::new();
