@@ -59,3 +59,31 @@ def test_the_work_torch_hands_back_completes_when_polled(world, tmp_path):
         assert not bad, f"rank {rank}: {bad}"
         assert {"all_reduce", "isend", "irecv", "barrier", "gather", "scatter"} <= set(r), r
     assert res[0]["pending_before_peer"] and res[0]["irecv_after_wait_timeout"]
+
+
+def test_a_lost_rank_survivors_abort_regroup_and_train_on_as_gloo_would(tmp_path):
+    k, more = 3, 4
+    out = tmp_path / "state"
+    out.mkdir()
+    g = Group("torch_lost_rank", 3, tmp_path / "mobius", {"k": k, "more": more, "out": str(out)})
+    codes = g.wait(300)
+    assert codes[2] == -9, f"rank 2 should have been killed: {codes}\n{g.tail()}"
+    assert codes[0] == 0 and codes[1] == 0, f"{codes}\n{g.tail()}"
+    survivors = {r: g.result(r) for r in (0, 1)}
+    for rank, r in survivors.items():
+        # The step in flight and the next call fail, fast, naming rank 2 and no survivor.
+        assert r["step_error"] and r["next_error"], r
+        assert r["blamed"] == [2], (rank, r["blamed"], r["step_error"], r["next_error"])
+        assert r["failed_after_s"] < 30, r["failed_after_s"]  # the group's timeout is 120 s
+        assert r["get_error"].endswith("REMOTE_ERROR") and r["failed_rank"] == 2, r
+        assert r["abort_s"] < 5, r["abort_s"]
+        assert (r["new_size"], r["new_rank"]) == (2, rank), r
+        # Resources of the lost group released: no more threads or fds than before it failed.
+        assert r["threads"][1] <= r["threads"][0], r["threads"]
+        assert r["fds"][1] <= r["fds"][0], r["fds"]
+    assert survivors[0]["abort_ends_pending"], survivors[0]["abort_error"]
+    ref = run("torch_lost_rank_reference", 2, tmp_path / "gloo", {"k": k, "more": more, "out": str(out)})
+    for rank in (0, 1):
+        got, want = survivors[rank]["params"], ref[rank]["params"]
+        worst = max(abs(a - b) for gp, wp in zip(got, want) for a, b in zip(gp, wp))
+        assert worst <= 1e-6, f"rank {rank}: parameters differ from gloo's by {worst}"

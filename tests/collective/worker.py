@@ -1092,6 +1092,131 @@ def scenario_torch_work_truth(args):
     dist.destroy_process_group()
 
 
+def _lost_rank_model():
+    import torch
+    import torch.nn as nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _lost_rank_step(ddp, opt, step, rank):
+    """One step on the batch of (step, rank): the same batch whichever group runs it."""
+    import torch
+    gen = torch.Generator().manual_seed(7919 * step + rank)
+    x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
+    opt.zero_grad()
+    ((ddp(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def scenario_torch_lost_rank(args):
+    """Fault-tolerant DDP as torchft-style trainers do it. 3 ranks train; at step k the last
+    rank is SIGKILLed mid-step. The survivors' step fails naming it, their next call too;
+    get_error() reports it; they shrink the group (dist.shrink_group, or a new group of the
+    survivors where torch lacks it), wrap the model again and train on from the state of
+    step k, which they save for the gloo reference. Before training, abort() of a healthy
+    group ends a pending receive at once."""
+    import re
+    import signal
+    import threading
+    import time
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist = _torch_init("mobius")
+    k, more, dead = args["k"], args["more"], WORLD - 1
+    res = {}
+    # abort() of a healthy group ends a pending Work at once, with the abort as its error.
+    sub = dist.new_group([0, 1])
+    if RANK == 0:
+        w = dist.irecv(torch.zeros(4), src=1, group=sub, tag=5)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        sub.abort()
+        while not w.is_completed() and time.monotonic() - t0 < 30:
+            time.sleep(0.001)
+        res["abort_ends_pending"] = time.monotonic() - t0 < 5 and w.is_completed() and not w.is_success()
+        res["abort_error"] = str(w.exception())
+    dist.barrier()
+    model = _lost_rank_model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(k):
+        _lost_rank_step(ddp, opt, step, RANK)
+    if RANK != dead:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{args['out']}/state{RANK}.pt")
+    dist.barrier()
+    threads_before, fds_before = threading.active_count(), _fds()
+    if RANK == dead:
+        # Mid-step: the others are already inside the step's all-reduces.
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        time.sleep(60)
+    pg = dist.group.WORLD
+    t0 = time.monotonic()
+    try:
+        _lost_rank_step(ddp, opt, k, RANK)
+        res["step_error"] = None
+    except Exception as e:  # noqa: BLE001 - the failure is what is checked
+        res["step_error"] = str(e)
+    res["failed_after_s"] = time.monotonic() - t0
+    try:
+        dist.all_reduce(torch.ones(2))
+        res["next_error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["next_error"] = str(e)
+    backend = pg._get_backend(torch.device("cpu"))
+    res["get_error"] = str(backend.get_error())
+    res["failed_rank"] = backend.failed_rank()
+    # Which ranks do the errors say failed? Only the dead one.
+    res["blamed"] = sorted({int(m) for e in (res["step_error"], res["next_error"]) if e
+                            for m in re.findall(r"rank (\d+) failed", e)})
+    t1 = time.monotonic()
+    pg.abort()
+    res["abort_s"] = time.monotonic() - t1
+    if hasattr(dist, "shrink_group"):
+        new = dist.shrink_group([dead])
+        res["regroup"] = "shrink_group"
+    else:  # pragma: no cover - older torch
+        new = dist.new_group([r for r in range(WORLD) if r != dead], use_local_synchronization=True)
+        res["regroup"] = "new_group"
+    res["new_size"], res["new_rank"] = new.size(), new.rank()
+    # Train on from step k's state: the failed step changed no parameter (its optimizer
+    # step never ran); its gradients are dropped.
+    state = torch.load(f"{args['out']}/state{RANK}.pt")
+    model.load_state_dict(state["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(state["opt"])
+    ddp = DDP(model, process_group=new, bucket_cap_mb=0.001)
+    for step in range(k, k + more):
+        _lost_rank_step(ddp, opt, step, new.rank())
+    res["params"] = [p.detach().double().reshape(-1).tolist() for p in model.parameters()]
+    res["threads"] = [threads_before, threading.active_count()]
+    res["fds"] = [fds_before, _fds()]
+    report(res)
+    dist.destroy_process_group()
+
+
+def scenario_torch_lost_rank_reference(args):
+    """The gloo reference: 2 ranks from the survivors' saved state of step k, the same
+    batches, the same steps."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist = _torch_init("gloo")
+    model = _lost_rank_model()
+    state = torch.load(f"{args['out']}/state{RANK}.pt")
+    model.load_state_dict(state["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(state["opt"])
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    for step in range(args["k"], args["k"] + args["more"]):
+        _lost_rank_step(ddp, opt, step, RANK)
+    report({"params": [p.detach().double().reshape(-1).tolist() for p in model.parameters()]})
+    os._exit(0)  # see scenario_ddp
+
+
 def scenario_torch_peer_dies(args):
     """Rank 0's asynchronous 64 MiB allreduce fails at wait() when rank 1 dies mid-way."""
     import signal

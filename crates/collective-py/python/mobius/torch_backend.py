@@ -87,7 +87,12 @@ class _Work(dist.Work):
         self._error: BaseException | None = None
         self._source: int = -1
         self._done = threading.Event()
-        self._future = torch.futures.Future()
+        # The future callers (and DDP's reducer, in C++) see is completed by a callback of
+        # a trigger: a callback that raises gives it a real error. (`Future.set_exception`
+        # only completes a future with the exception as its *value*, which C++ consumers
+        # such as DDP then read as their tensors: the process crashed.)
+        self._trigger = torch.futures.Future()
+        self._future = self._trigger.then(self._outcome)
 
     def _run(self) -> None:
         failed = self._group._failure() if self._group is not None else None
@@ -108,11 +113,13 @@ class _Work(dist.Work):
         self._fn = None
         # The future first: DDP's callbacks chained on it run here, on the lane, before
         # `wait()` returns to a caller that then reads the outputs.
-        if self._error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(self._error)
+        self._trigger.set_result(None)
         self._done.set()
+
+    def _outcome(self, _trigger):
+        if self._error is not None:
+            raise self._error
+        return self._outputs
 
     def is_completed(self):
         return self._done.is_set()
@@ -287,6 +294,12 @@ def _group_key(store, rank: int, prefix: str) -> str:
     return store.get(key).decode()
 
 
+# Backends made by shrink(): torch's shrink_group calls it from Python and registers the
+# result with a new ProcessGroup, which holds only the C++ half; without a reference here the
+# Python half was freed and the next call into it crashed. Kept for the process's life (a
+# closed backend is a few small objects).
+_PINNED: list = []
+
 # The cost model of the first group this process measured (its default group): groups made
 # after it run over the same links, and take it instead of measuring their own.
 _MEASURED: dict | None = None
@@ -328,8 +341,10 @@ class MobiusBackend(_C10dBackend):
             settings["tune"] = False
             settings["model"] = model
         self.comm = Communicator(_native.Communicator.join(rank, size, _local_ip(store), exchange, settings))
+        # Kept for the groups made from this one (also after it was aborted).
+        self._model = self.comm.cost_model()
         if _MEASURED is None and size > 1:
-            _MEASURED = self.comm.cost_model()
+            _MEASURED = self._model
         self._lanes_lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
 
@@ -440,7 +455,7 @@ class MobiusBackend(_C10dBackend):
     def _child(self, store, ranks: list[int]):
         """The backend of a group of ``ranks`` (this group's ranks, in the new order) made
         from this one: its own links, this group's cost model (no measurement)."""
-        return MobiusBackend(store, ranks.index(self._rank), len(ranks), self._timeout, self.comm.cost_model())
+        return MobiusBackend(store, ranks.index(self._rank), len(ranks), self._timeout, self._model)
 
     def split(self, store, ranks, opts=None):
         """``dist.split_group`` (and a ``DeviceMesh`` made by splitting): the group of
@@ -458,7 +473,9 @@ class MobiusBackend(_C10dBackend):
         ranks = [r for r in range(self._size) if r not in out]
         self._children += 1
         store = dist.PrefixStore(f"mobius-shrink/{self._children}/{'-'.join(map(str, ranks))}/", self._store)
-        return self._child(store, ranks)
+        child = self._child(store, ranks)
+        _PINNED.append(child)
+        return child
 
     def _lane(self, name: str) -> _Lane:
         with self._lanes_lock:
