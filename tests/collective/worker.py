@@ -1113,6 +1113,11 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _threads() -> int:
+    """This process's threads, native ones included (gloo's, the mesh's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def scenario_torch_lost_rank(args):
     """Fault-tolerant DDP as torchft-style trainers do it. 3 ranks train; at step k the last
     rank is SIGKILLed mid-step. The survivors' step fails naming it, their next call too;
@@ -1215,6 +1220,85 @@ def scenario_torch_lost_rank_reference(args):
         _lost_rank_step(ddp, opt, step, RANK)
     report({"params": [p.detach().double().reshape(-1).tolist() for p in model.parameters()]})
     os._exit(0)  # see scenario_ddp
+
+
+def scenario_torch_groups(args):
+    """Group creation as a DeviceMesh or new_subgroups makes groups: `groups` times
+    new_group over every rank (then new_subgroups and split_group where torch has them),
+    each used once. Reports the time per group (slowest rank), and this process's threads
+    and fds before, with the groups alive, and after destroying them."""
+    import threading
+    import time
+    import torch
+    backend = args.get("backend", "mobius")
+    dist = _torch_init(backend)
+    n = args.get("groups", 40)
+    res = {"threads": [_threads()], "fds": [_fds()]}
+    groups = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        groups.append(dist.new_group(list(range(WORLD))))
+    res["new_group_s"] = (time.perf_counter() - t0) / n
+    for g in groups:
+        t = torch.ones(4)
+        dist.all_reduce(t, group=g)
+        assert t[0].item() == WORLD
+    res["threads"].append(_threads())
+    res["fds"].append(_fds())
+    if WORLD % 2 == 0:
+        dist.barrier()
+        t0 = time.perf_counter()
+        sub, _ = dist.new_subgroups(group_size=2)
+        res["new_subgroups_s"] = time.perf_counter() - t0
+        t = torch.ones(2)
+        dist.all_reduce(t, group=sub)
+        assert t[0].item() == 2
+        if hasattr(dist, "split_group"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            halves = [list(range(0, WORLD, 2)), list(range(1, WORLD, 2))]
+            sg = dist.split_group(split_ranks=halves)
+            res["split_group_s"] = time.perf_counter() - t0
+            t = torch.ones(2)
+            dist.all_reduce(t, group=sg)
+            res["split_group_ok"] = t[0].item() == WORLD // 2
+    for g in groups:
+        dist.destroy_process_group(g)
+    res["threads"].append(_threads())
+    res["fds"].append(_fds())
+    dist.barrier()
+    report(res)
+    if backend == "gloo":
+        os._exit(0)  # see scenario_ddp
+    dist.destroy_process_group()
+
+
+def scenario_torch_device_mesh(args):
+    """A 2 × 2 DeviceMesh on CPU: its row and column groups, and a DTensor sharded over one
+    dimension and replicated over the other, checked against plain arithmetic."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    dist = _torch_init(args.get("backend", "mobius"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    res = {}
+    coords = mesh.get_coordinate()
+    for dim, name in enumerate(("dp", "tp")):
+        g = mesh.get_group(name)
+        t = torch.tensor([float(RANK)])
+        dist.all_reduce(t, group=g)
+        peers = [r for r in range(4) if divmod(r, 2)[dim] == coords[dim]]  # placeholder
+        members = dist.get_process_group_ranks(g)
+        res[f"{name}_sum"] = t.item() == float(sum(members))
+        res[f"{name}_size"] = len(members) == 2 and RANK in members
+        del peers
+    full = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    d = DTensor.from_local(full[RANK // 2 * 2:(RANK // 2 + 1) * 2].clone(), mesh, [Shard(0), Replicate()])
+    res["dtensor_full"] = bool(torch.equal(d.full_tensor(), full))
+    res["dtensor_sum"] = float((d * 2).sum().full_tensor()) == float(full.sum() * 2)
+    report(res)
+    dist.destroy_process_group()
 
 
 def scenario_torch_peer_dies(args):

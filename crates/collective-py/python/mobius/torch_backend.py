@@ -451,6 +451,14 @@ class MobiusBackend(_C10dBackend):
         for lane in lanes:
             lane.join()
 
+    @property
+    def options(self):
+        """The backend's options (name and timeout). Defined here because torch's own
+        property calls back into the Python object, which recursed without end in
+        ``split_group``."""
+        opts = _C10dBackend.Options("mobius", self._timeout) if self._timeout is not None else _C10dBackend.Options("mobius")
+        return opts
+
     # -- groups made from this one ----------------------------------------------------------
     def _child(self, store, ranks: list[int]):
         """The backend of a group of ``ranks`` (this group's ranks, in the new order) made
