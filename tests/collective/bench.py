@@ -11,10 +11,16 @@ report gives the median over rounds and the spread (min, max) of the round media
 Definitions are nccl-tests': algbw = bytes / time; busbw = algbw × 2(n−1)/n for allreduce,
 (n−1)/n for allgather, 1 for broadcast; GB = 1e9 bytes.
 
-Libraries:
-* ``mobius`` — this project (policy on, α/β measured at start, ``MOBIUS_TRANSPORT=auto``: shared
-  memory, since all ranks are on this host);
-* ``mobius-tcp`` — the same over tcp loopback (``MOBIUS_TRANSPORT=tcp``);
+Libraries (like with like: what torch users run is compared through ``torch.distributed``,
+the same tensors and calls for gloo and Mobius; Mobius's direct binding is a separate row,
+compared with Open MPI through mpi4py, the other direct binding):
+* ``torch-mobius`` — Mobius as a ``torch.distributed`` backend (``dist.all_reduce`` on a CPU
+  tensor: dispatcher, Work, the backend's lane), ``MOBIUS_TRANSPORT=auto``: shared memory,
+  since all ranks are on this host;
+* ``torch-mobius-tcp`` — the same over tcp loopback (``MOBIUS_TRANSPORT=tcp``);
+* ``mobius`` — Mobius's direct binding (``mobius.init``, numpy arrays; policy on, α/β
+  measured at start), auto (shm);
+* ``mobius-tcp`` — the same over tcp loopback;
 * ``gloo`` — torch.distributed's gloo backend (torch from PyPI);
 * ``mpi`` — Open MPI (Debian) through mpi4py, TCP only: ``--mca pml ob1 --mca btl tcp,self``;
 * ``openmpi-sm`` — the same with Open MPI's default same-host transport, its shared-memory BTL
@@ -41,7 +47,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-LIBRARIES = ("mobius", "mobius-tcp", "gloo", "mpi", "openmpi-sm", "ring")
+LIBRARIES = ("torch-mobius", "torch-mobius-tcp", "gloo", "mobius", "mobius-tcp", "mpi", "openmpi-sm", "ring")
+TORCH_LIBS = {"gloo": "gloo", "torch-mobius": "mobius", "torch-mobius-tcp": "mobius"}
 MPI_LIBS = ("mpi", "openmpi-sm")
 
 
@@ -97,10 +104,14 @@ def rank_mobius(cfg, rank, world):
     return res, extra
 
 
-def rank_gloo(cfg, rank, world):
+def rank_torch(cfg, rank, world):
+    """gloo or Mobius through torch.distributed: the same tensors, the same calls."""
     import torch
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
+    backend = TORCH_LIBS[cfg["lib"]]
+    if backend == "mobius":
+        import mobius.torch_backend  # noqa: F401 - registers the backend
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
 
     def op_for(size):
         n = max(size // 4, 1)
@@ -115,6 +126,8 @@ def rank_gloo(cfg, rank, world):
 
     res = timed(cfg["sizes"], cfg["iters"], cfg["warmup"], dist.barrier, op_for)
     dist.barrier()
+    if backend != "gloo":
+        dist.destroy_process_group()
     return res, {}
 
 
@@ -158,10 +171,11 @@ def rank_main(lib, cfg_path, rank=None, world=None):
     if lib in MPI_LIBS:
         from mpi4py import MPI
         rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    res, extra = {"mobius": rank_mobius, "mobius-tcp": rank_mobius, "gloo": rank_gloo, "mpi": rank_mpi, "openmpi-sm": rank_mpi,
-                  "ring": rank_ring}[lib](cfg, rank, world)
+    runner = rank_torch if lib in TORCH_LIBS else {"mobius": rank_mobius, "mobius-tcp": rank_mobius, "mpi": rank_mpi,
+                                                   "openmpi-sm": rank_mpi, "ring": rank_ring}[lib]
+    res, extra = runner(cfg, rank, world)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"times": {str(k): v for k, v in res.items()}, **extra}))
-    if lib == "gloo":
+    if lib == "gloo" or lib in TORCH_LIBS:
         # torch 2.15's gloo can abort in teardown ("terminate called without an active
         # exception"); the measurements are written, so leave without it.
         os._exit(0)
@@ -171,11 +185,11 @@ def rank_main(lib, cfg_path, rank=None, world=None):
 def launch(lib, world, cfg, workdir: Path, timeout: float):
     from harness import free_port
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = dict(cfg, port=free_port(), out=str(workdir))
+    cfg = dict(cfg, port=free_port(), out=str(workdir), lib=lib)
     cfg_path = workdir / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     env = dict(os.environ, PYTHONUNBUFFERED="1", RING_DIR=str(workdir), MOBIUS_TUNE="on",
-               MOBIUS_TRANSPORT="tcp" if lib == "mobius-tcp" else "auto")
+               MOBIUS_TRANSPORT="tcp" if lib.endswith("mobius-tcp") else "auto")
     log = open(workdir / "log.txt", "w")
     if lib in MPI_LIBS:
         btl = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"] if lib == "mpi" else \
@@ -236,6 +250,8 @@ def run(args):
                      "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
                      "time_us_min": min(ts) * 1e6, "time_us_max": max(ts) * 1e6, "rounds": len(ts),
                      "iters": args.iters})
+    if args.groups:
+        rows += group_rows(args, out)
     report = {"rows": rows, "config": vars(args), "targets": targets(rows),
               "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"],
                                                          "transport": e["stats"].get("transport")}
@@ -250,11 +266,11 @@ def run(args):
 
 
 def targets(rows):
-    """The speed targets of issues 21 (against Open MPI over tcp, gloo and the TCP ring
-    ceiling) and 24 (against Open MPI's shared memory), each with the value this run reached;
-    a target whose libraries or sizes were not in the run is left out. Mobius is measured as
-    ``mobius-tcp`` against tcp peers and as ``mobius`` (shm between ranks of one host)
-    against Open MPI sm."""
+    """The speed targets (issues 21, 24 and 41), each with the value this run reached; a
+    target whose libraries or sizes were not in the run is left out. Like with like:
+    against gloo, Mobius through torch.distributed (``torch-mobius``, ``torch-mobius-tcp``);
+    against Open MPI through mpi4py, Mobius's direct binding (``mobius-tcp`` against tcp,
+    ``mobius`` against Open MPI sm); group creation through torch.distributed."""
     at = {(r["library"], r["op"], r["world"], r["bytes"]): r for r in rows}
     out = []
 
@@ -264,22 +280,32 @@ def targets(rows):
                     "value": round(value, 3), "bound": round(target, 3), "met": met})
 
     for (lib, op, world, size), r in sorted(at.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0])):
-        if op != "allreduce" or lib not in ("mobius", "mobius-tcp"):
+        if op == "new_group" and lib == "torch-mobius":
+            gloo = at.get(("gloo", op, world, size))
+            if gloo:
+                add(41, "group creation time per group <= 2x gloo (ratio)", lib, "gloo", world, size,
+                    r["time_us"] / gloo["time_us"], 2.0, True)
             continue
-        tcp_peer = lib == "mobius-tcp"
+        if op != "allreduce":
+            continue
         mpi = at.get(("mpi", op, world, size))
         sm = at.get(("openmpi-sm", op, world, size))
         gloo = at.get(("gloo", op, world, size))
         ring = at.get(("ring", op, world, size))
-        if tcp_peer and mpi and size == 4096:
-            add(21, "4 KiB time <= Open MPI tcp (ratio)", lib, "mpi", world, size, r["time_us"] / mpi["time_us"], 1.0, True)
-        if tcp_peer and mpi and size in (65536, 1 << 20):
-            add(21, "busbw >= 0.8x Open MPI tcp", lib, "mpi", world, size, r["busbw_gbs"] / mpi["busbw_gbs"], 0.8, False)
-        if tcp_peer and ring and size >= 16 << 20:
-            add(21, "busbw >= 0.9x the TCP ring ceiling", lib, "ring", world, size, r["busbw_gbs"] / ring["busbw_gbs"], 0.9, False)
-        if gloo:
-            add(21, "never below gloo (busbw ratio)", lib, "gloo", world, size, r["busbw_gbs"] / gloo["busbw_gbs"], 1.0, False)
-        if not tcp_peer and sm:
+        if lib == "mobius-tcp":
+            if mpi and size == 4096:
+                add(41, "4 KiB time <= 1.0x Open MPI tcp (ratio)", lib, "mpi", world, size, r["time_us"] / mpi["time_us"], 1.0, True)
+            if mpi and size in (65536, 1 << 20):
+                add(41, "busbw >= 0.8x Open MPI tcp", lib, "mpi", world, size, r["busbw_gbs"] / mpi["busbw_gbs"], 0.8, False)
+            if ring and size >= 16 << 20:
+                add(21, "busbw >= 0.9x the TCP ring ceiling", lib, "ring", world, size, r["busbw_gbs"] / ring["busbw_gbs"], 0.9, False)
+        if lib in ("torch-mobius", "torch-mobius-tcp") and gloo:
+            add(41, "busbw >= gloo through torch.distributed (ratio)", lib, "gloo", world, size,
+                r["busbw_gbs"] / gloo["busbw_gbs"], 1.0, False)
+            if lib == "torch-mobius" and size == 1 << 20:
+                add(24, "busbw >= 10x gloo through torch.distributed", lib, "gloo", world, size,
+                    r["busbw_gbs"] / gloo["busbw_gbs"], 10.0, False)
+        if lib == "mobius" and sm:
             if size == 4096:
                 add(24, "4 KiB time <= 2x Open MPI sm (ratio)", lib, "openmpi-sm", world, size,
                     r["time_us"] / sm["time_us"], 2.0, True)
@@ -287,14 +313,35 @@ def targets(rows):
                 add(24, "busbw >= 0.8x Open MPI sm", lib, "openmpi-sm", world, size, r["busbw_gbs"] / sm["busbw_gbs"], 0.8, False)
             if size >= 16 << 20:
                 add(24, "busbw >= 0.9x Open MPI sm", lib, "openmpi-sm", world, size, r["busbw_gbs"] / sm["busbw_gbs"], 0.9, False)
-        if not tcp_peer and gloo and size == 1 << 20:
-            add(24, "busbw >= 10x gloo", lib, "gloo", world, size, r["busbw_gbs"] / gloo["busbw_gbs"], 10.0, False)
     return out
+
+
+def group_rows(args, out: Path):
+    """Group creation through torch.distributed, gloo against Mobius, rounds interleaved:
+    `--groups` new_group calls over every rank of a world of `--group-world` (then used
+    once each); a row's time is the slowest rank's time per group, median over rounds."""
+    from harness import run as run_group
+    world = args.group_world
+    times: dict = {}
+    for rnd in range(args.rounds):
+        for backend in ("gloo", "mobius") if rnd % 2 == 0 else ("mobius", "gloo"):
+            res = run_group("torch_groups", world, out / "runs" / f"groups-{backend}-r{rnd}",
+                            {"backend": backend, "groups": args.groups},
+                            env={"MOBIUS_TUNE": "on"}, timeout=args.timeout)
+            times.setdefault(backend, []).append(max(r["new_group_s"] for r in res.values()))
+            print(f"round {rnd + 1}/{args.rounds} groups {backend}: done", file=sys.stderr)
+    rows = []
+    for backend, ts in times.items():
+        t = statistics.median(ts)
+        rows.append({"library": "gloo" if backend == "gloo" else "torch-mobius", "op": "new_group", "bytes": 0,
+                     "world": world, "groups": args.groups, "time_us": t * 1e6, "time_us_min": min(ts) * 1e6,
+                     "time_us_max": max(ts) * 1e6, "rounds": len(ts), "algbw_gbs": 0.0, "busbw_gbs": 0.0})
+    return rows
 
 
 def print_table(rows, libs):
     by = {(r["library"], r["op"], r["world"], r["bytes"]): r for r in rows}
-    for op in sorted({r["op"] for r in rows}):
+    for op in sorted({r["op"] for r in rows} - {"new_group"}):
         for world in sorted({r["world"] for r in rows}):
             sizes = sorted({r["bytes"] for r in rows if r["world"] == world and r["op"] == op})
             print(f"\n# {op}, {world} ranks, float32 (time: median over rounds [min-max]; busbw in GB/s)")
@@ -310,13 +357,17 @@ def print_table(rows, libs):
                         cell = f"{r['time_us']:.1f} [{r['time_us_min']:.0f}-{r['time_us_max']:.0f}]"
                         line += f"{cell:>26}{r['busbw_gbs']:>8.3f}"
                 print(line)
+    for r in rows:
+        if r["op"] == "new_group":
+            print(f"\n# group creation, {r['library']}: {r['time_us'] / 1e3:.2f} ms per group "
+                  f"[{r['time_us_min'] / 1e3:.2f}-{r['time_us_max'] / 1e3:.2f}] ({r['groups']} new_group over {r['world']} ranks)")
 
 
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    combos = sorted({(r["op"], r["world"]) for r in rows})
+    combos = sorted({(r["op"], r["world"]) for r in rows if r["op"] != "new_group"})
     fig, axes = plt.subplots(1, len(combos), figsize=(6 * len(combos), 4.5), squeeze=False)
     for ax, (op, world) in zip(axes[0], combos):
         for lib in LIBRARIES:
@@ -375,6 +426,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default="target/bench")
+    p.add_argument("--groups", type=int, default=40, help="groups made per round for the group-creation rows (0: none)")
+    p.add_argument("--group-world", type=int, default=4)
     run(p.parse_args())
 
 

@@ -13,18 +13,25 @@ HERE = Path(__file__).resolve().parent
 def test_tiny_benchmark_yields_rows_for_every_library(tmp_path):
     out = subprocess.run(
         [sys.executable, str(HERE / "bench.py"), "run", "--worlds", "2", "--sizes", "4k,256k", "--iters", "3",
-         "--warmup", "1", "--rounds", "1", "--out", str(tmp_path), "--timeout", "600"],
+         "--warmup", "1", "--rounds", "1", "--out", str(tmp_path), "--timeout", "600", "--groups", "2", "--group-world", "2"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "collective.json").read_text())
-    rows = report["rows"]
-    assert {r["library"] for r in rows} == {"mobius", "mobius-tcp", "gloo", "mpi", "openmpi-sm", "ring"}
+    groups = [r for r in report["rows"] if r["op"] == "new_group"]
+    rows = [r for r in report["rows"] if r["op"] != "new_group"]
+    assert {r["library"] for r in rows} == {"torch-mobius", "torch-mobius-tcp", "mobius", "mobius-tcp", "gloo", "mpi",
+                                            "openmpi-sm", "ring"}
+    # Group creation, gloo against Mobius through torch.distributed, with its target.
+    assert {r["library"] for r in groups} == {"gloo", "torch-mobius"} and all(r["time_us"] > 0 for r in groups)
+    kinds = {t["target"] for t in report["targets"]}
+    assert any("group creation" in k for k in kinds) and any("through torch.distributed" in k for k in kinds), kinds
+    assert any("Open MPI tcp" in k for k in kinds), kinds
     for r in rows:
         assert set(r) >= {"library", "op", "bytes", "world", "time_us", "algbw_gbs", "busbw_gbs"}
         assert r["time_us"] > 0
         assert abs(r["busbw_gbs"] - r["algbw_gbs"] * 2 * (r["world"] - 1) / r["world"]) < 1e-9
         assert abs(r["algbw_gbs"] - r["bytes"] / (r["time_us"] * 1e-6) / 1e9) < 1e-6 * max(r["algbw_gbs"], 1)
-    assert "mobius time(us)" in out.stdout and "busbw" in out.stdout
+    assert "torch-mobius time(us)" in out.stdout and "busbw" in out.stdout and "group creation" in out.stdout
     assert (tmp_path / "collective.png").stat().st_size > 10_000
     policy = report["mobius_policy"]["allreduce/world2"]
     assert policy["decisions"]["4096"][0] == "rd"

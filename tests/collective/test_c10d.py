@@ -87,3 +87,20 @@ def test_a_lost_rank_survivors_abort_regroup_and_train_on_as_gloo_would(tmp_path
         got, want = survivors[rank]["params"], ref[rank]["params"]
         worst = max(abs(a - b) for gp, wp in zip(got, want) for a, b in zip(gp, wp))
         assert worst <= 1e-6, f"rank {rank}: parameters differ from gloo's by {worst}"
+
+
+def test_groups_device_mesh_and_split_under_torch_leave_threads_and_fds_bounded(tmp_path):
+    # new_group, new_subgroups and split_group through torch.distributed, each group used;
+    # a group costs a few threads and fds while it lives and gives them back when destroyed.
+    # (Their speed against gloo's is a benchmark: scripts/bench-collective.sh --groups.)
+    n = 10
+    r = run("torch_groups", 4, tmp_path / "groups", {"groups": n}, timeout=300)
+    for rank, x in r.items():
+        (t0, t1, t2), (f0, f1, f2) = x["threads"], x["fds"]
+        assert t1 - t0 <= 3 * n and f1 - f0 <= 16 * n, (rank, x)
+        assert t2 <= t0 + 5 and f2 <= f0 + 16, (rank, x)  # the subgroup and split group live on
+        assert x["split_group_ok"], x
+    mesh = run("torch_device_mesh", 4, tmp_path / "mesh", timeout=300)
+    for rank, x in mesh.items():
+        bad = {k: v for k, v in x.items() if v is not True}
+        assert not bad, (rank, bad)

@@ -135,3 +135,14 @@ def test_strangers_garbage_and_other_groups_are_refused_and_the_group_computes_r
         res = g.result(r)
         assert res["iters"] >= 1 and res["bad"] == 0, (r, res)
         assert res["addresses"][r] == own[r]
+
+
+def test_a_wrong_secret_is_refused_at_once_on_every_provider(tmp_path):
+    from harness import run
+    for transport in ("shm", "tcp"):
+        res = run("wrong_secret", 2, tmp_path / transport, {"transport": transport, "timeout": 5}, timeout=120)
+        wrong = res[1]
+        assert "authentication" in (wrong["error"] or ""), (transport, wrong)
+        # Refused is final: no retrying until the timeout (60 s on that rank).
+        assert wrong["seconds"] < 2, (transport, wrong)
+        assert res[0]["error"] and "rank(s) [1]" in res[0]["error"], (transport, res[0])

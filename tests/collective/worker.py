@@ -648,7 +648,7 @@ def scenario_torch_reinit(args):
             res["with_groups"] = counts()
         for g in groups:
             dist.destroy_process_group(g)
-        res["after"] = counts()
+        res["after"] = _settled(counts, res["before"])
         dist.destroy_process_group()
     report(res)
 
@@ -1113,6 +1113,19 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _settled(counts, bound, limit: float = 30.0):
+    """``counts()`` once it is at most ``bound`` everywhere, or when ``limit`` seconds have
+    passed: a destroyed group's links and loop thread end on that thread, just after
+    destroy_process_group returns (a loaded machine may take a moment to run it)."""
+    import time
+    deadline = time.monotonic() + limit
+    while True:
+        c = counts()
+        if all(x <= b for x, b in zip(c, bound)) or time.monotonic() > deadline:
+            return c
+        time.sleep(0.01)
+
+
 def _threads() -> int:
     """This process's threads, native ones included (gloo's, the mesh's)."""
     return len(os.listdir("/proc/self/task"))
@@ -1265,8 +1278,9 @@ def scenario_torch_groups(args):
             res["split_group_ok"] = t[0].item() == WORLD // 2
     for g in groups:
         dist.destroy_process_group(g)
-    res["threads"].append(_threads())
-    res["fds"].append(_fds())
+    after = _settled(lambda: (_threads(), _fds()), (res["threads"][0] + 5, res["fds"][0] + 16))
+    res["threads"].append(after[0])
+    res["fds"].append(after[1])
     dist.barrier()
     report(res)
     if backend == "gloo":
@@ -1299,6 +1313,22 @@ def scenario_torch_device_mesh(args):
     res["dtensor_sum"] = float((d * 2).sum().full_tensor()) == float(full.sum() * 2)
     report(res)
     dist.destroy_process_group()
+
+
+def scenario_wrong_secret(args):
+    """Rank 1 has another secret than rank 0, over `transport`: its handshake is refused, and
+    a refusal is final, so it fails at once naming authentication. (Rank 0 cannot tell a
+    stranger from a late rank 1: it keeps waiting, until its own short timeout here.)"""
+    import time
+    import mobius
+    t0 = time.monotonic()
+    try:
+        mobius.init(timeout=args["timeout"] if RANK == 0 else 60, transport=args["transport"],
+                    secret="right" if RANK == 0 else "wrong").close()
+        err = None
+    except mobius.MobiusError as e:
+        err = str(e)
+    report({"error": err, "seconds": time.monotonic() - t0})
 
 
 def scenario_torch_peer_dies(args):

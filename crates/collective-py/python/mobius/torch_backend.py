@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from datetime import timedelta
 
@@ -733,6 +734,33 @@ class MobiusBackend(_C10dBackend):
             return src
 
         return self._submit("recv-any", f"recv from any rank (tag {tag})", tensors, run)
+
+
+def _patch_torch_shrink() -> None:
+    """Makes the group ``dist.shrink_group`` builds around a Mobius backend say it is a
+    custom backend, as ``init_process_group`` does for one.
+
+    torch's ``_create_shrunk_process_group`` registers any CPU backend as ``GLOO``; the group
+    then calls itself "gloo", and DDP's logger, reading gloo's options off a backend that is
+    not gloo's, crashed the process at random. Other backends' shrunk groups are untouched."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    create = getattr(c10d, "_create_shrunk_process_group", None)
+    if create is None or getattr(create, "_mobius", False):
+        return
+
+    def create_shrunk(new_backend, *args, **kwargs):
+        pg = create(new_backend, *args, **kwargs)
+        if isinstance(new_backend, MobiusBackend):
+            custom = dist.ProcessGroup.BackendType.CUSTOM
+            pg._register_backend(torch.device("cpu"), custom, new_backend)
+            pg._set_default_backend(custom)
+        return pg
+
+    create_shrunk._mobius = True
+    c10d._create_shrunk_process_group = create_shrunk
+
+
+_patch_torch_shrink()
 
 
 def _create(store, rank, size, timeout):

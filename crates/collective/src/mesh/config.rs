@@ -158,7 +158,7 @@ pub enum MeshError {
         reason: String,
     },
     /// The link to a peer failed (the peer process died, the connection reset).
-    #[error("rank {rank}: link to rank {peer} ({addr}) failed: {reason}")]
+    #[error("rank {rank}: rank {peer} failed (its link, {addr}): {reason}")]
     PeerFailed {
         /// This rank.
         rank: usize,

@@ -345,7 +345,7 @@ impl MeshShared {
         let mut note = None;
         if p.conn == Some(conn) && matches!(p.status, PeerStatus::Up) && !closed {
             tracing::debug!(rank = self.rank, peer, why = %why, "mesh link failed");
-            let reason = format!("rank {}: link to rank {peer} ({}) failed: {why}", self.rank, p.name);
+            let reason = format!("rank {} saw its link to rank {peer} ({}) fail: {why}", self.rank, p.name);
             p.status = PeerStatus::Failed(why);
             if st.abort.is_none() {
                 let n = AbortNote { by: self.rank, culprit: Some(peer), reason };

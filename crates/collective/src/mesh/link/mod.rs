@@ -677,6 +677,13 @@ pub(crate) fn mesh_failed(lp: &mut Loop, conn: &mut Conn, error: &FabricError) {
             // The receives held back by a revoked window end with the link.
             end_revoked(m, &why);
         }
+        // The provider's own handshake refused the peer or was refused by it (shm: the
+        // shared secret or the uid differs): trying again cannot change that, so building
+        // stops now, naming why, as the mesh's own refusal over tcp does.
+        (_, Some(peer)) if m.outgoing && matches!(error, FabricError::Provider { .. }) => {
+            let e = MeshError::Handshake { rank: m.shared.rank, peer, addr: name, reason: why };
+            m.shared.build_problem(String::new(), Some(e), None);
+        }
         (_, Some(peer)) if m.outgoing && !m.connected => {
             m.shared.build_problem(format!("connecting to rank {peer} at {name}: {why}"), None, Some(peer))
         }
