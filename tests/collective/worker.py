@@ -325,6 +325,16 @@ def _torch_init(backend):
     return dist
 
 
+def _torch_finish(dist, backend, result):
+    """A torch scenario's end: every rank done, the result written, the group destroyed
+    (gloo's teardown skipped: see scenario_ddp)."""
+    dist.barrier()
+    report(result)
+    if backend == "gloo":
+        os._exit(0)
+    dist.destroy_process_group()
+
+
 def scenario_torch_ops(args):
     import torch
     dist = _torch_init("mobius")
@@ -614,11 +624,7 @@ def scenario_torch_utilities(args):
             w.wait()
         return float(recv.double().sum())
 
-    dist.barrier()
-    report(out)
-    if backend == "gloo":
-        os._exit(0)  # see scenario_ddp
-    dist.destroy_process_group()
+    _torch_finish(dist, backend, out)
 
 
 def scenario_torch_reinit(args):
@@ -1281,11 +1287,7 @@ def scenario_torch_groups(args):
     after = _settled(lambda: (_threads(), _fds()), (res["threads"][0] + 5, res["fds"][0] + 16))
     res["threads"].append(after[0])
     res["fds"].append(after[1])
-    dist.barrier()
-    report(res)
-    if backend == "gloo":
-        os._exit(0)  # see scenario_ddp
-    dist.destroy_process_group()
+    _torch_finish(dist, backend, res)
 
 
 def scenario_torch_device_mesh(args):

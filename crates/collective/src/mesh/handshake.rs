@@ -173,7 +173,7 @@ impl Handshaker {
                 let mut p = [0u8; PROOF_LEN];
                 p.copy_from_slice(server_proof);
                 if !s.verify_server(&t, PROOF_TAG, &p) {
-                    return Err("it does not know the shared secret (server proof invalid): a rank of another group, or \
+                    return Err("authentication failed: it does not know the shared secret (server proof invalid): a rank of another group, or \
                          MOBIUS_SECRET differs; set the same MOBIUS_SECRET on every rank"
                         .into());
                 }
