@@ -250,7 +250,9 @@ def run(args):
                      "algbw_gbs": algbw, "busbw_gbs": algbw * bus_factor(op, world),
                      "time_us_min": min(ts) * 1e6, "time_us_max": max(ts) * 1e6, "rounds": len(ts),
                      "iters": args.iters})
-    if args.groups:
+    # Group creation compares gloo with Mobius through torch: only a run of both has it (an
+    # A/B of Mobius's own rows, scripts/bench-ab.sh, does not pay for it).
+    if args.groups and {"gloo", "torch-mobius"} <= set(libs):
         rows += group_rows(args, out)
     report = {"rows": rows, "config": vars(args), "targets": targets(rows),
               "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"],
