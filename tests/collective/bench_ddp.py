@@ -68,8 +68,8 @@ def rank_main(args: dict) -> None:
     # Gradients as views into DDP's buckets (no copy in and out of them), for both backends.
     models = {b: DDP(copy.deepcopy(base), process_group=groups[b], gradient_as_bucket_view=True) for b in BACKENDS}
     bare = copy.deepcopy(base)
-    opts = {b: torch.optim.SGD(models[b].parameters(), lr=1e-4) for b in BACKENDS}
-    bare_opt = torch.optim.SGD(bare.parameters(), lr=1e-4)
+    opts = {b: torch.optim.SGD(models[b].parameters(), lr=args["lr"]) for b in BACKENDS}
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=args["lr"])
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args["batch"], args["width"], generator=gen)
     y = torch.randn(args["batch"], args["width"], generator=gen)
@@ -118,12 +118,29 @@ def rank_main(args: dict) -> None:
             row[b] = {"step": timed(ddp_step(b), args["steps"]), "comm": timed(comm(b), args["steps"])}
         row["compute"] = timed(compute, args["steps"])
         rounds.append(row)
-    # DDP kept the two replicas' training identical up to rounding: a sanity check that both
-    # backends did the same work.
+    # What the training did, against what it should have done. The updates (parameters now less
+    # the initial ones, `base`, which training never touches) of the Mobius replica must equal
+    # the gloo replica's, and every rank's Mobius replica must equal rank 0's (DDP keeps replicas
+    # identical only if the allreduce really averaged the gradients: a no-op allreduce trains
+    # each rank on its own batch). Both as a norm relative to the norm of the update, so a check
+    # that passes cannot pass for updates lost below a fixed absolute bound.
+    def flat(m):
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    init, got = flat(base), {b: flat(models[b]) for b in BACKENDS}
+    update = (got["gloo"] - init).norm().item()
+    rel = (got["mobius"] - got["gloo"]).norm().item() / max(update, 1e-30)
+    everyone = [torch.empty_like(got["mobius"]) for _ in range(world)]
+    dist.all_gather(everyone, got["mobius"])  # over gloo (the default group)
+    replicas = max((x - everyone[0]).norm().item() for x in everyone) / max(update, 1e-30)
     diff = max((a - b).abs().max().item() for a, b in zip(models["gloo"].parameters(), models["mobius"].parameters()))
+    worst = torch.tensor([rel, replicas, diff], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
-        Path(args["out_json"]).write_text(json.dumps({"world": world, "grad_bytes": grad_bytes, "rounds": rounds,
-                                                      "param_max_diff": diff}))
+        Path(args["out_json"]).write_text(json.dumps({
+            "world": world, "grad_bytes": grad_bytes, "rounds": rounds, "lr": args["lr"],
+            "update_norm": update, "mobius_vs_gloo_rel": worst[0].item(),
+            "replicas_rel": worst[1].item(), "param_max_diff": worst[2].item()}))
     dist.barrier()
     os._exit(0)  # torch 2.15's gloo can abort in teardown; the results are written
 
@@ -160,6 +177,8 @@ def summarize(res: dict) -> dict:
     def stats(vals):
         return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     out = {"world": res["world"], "grad_mb": res["grad_bytes"] / 1e6, "param_max_diff": res["param_max_diff"],
+           "update_norm": res["update_norm"], "mobius_vs_gloo_rel": res["mobius_vs_gloo_rel"],
+           "replicas_rel": res["replicas_rel"], "lr": res["lr"],
            "compute_s": stats([r["compute"] for r in res["rounds"]])}
     for b in BACKENDS:
         step = stats([r[b]["step"] for r in res["rounds"]])
@@ -210,13 +229,17 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
+    # Large enough that a step's update stands far above float32 rounding of the parameters,
+    # so comparing the replicas' updates can tell an allreduce that averaged from one that did
+    # nothing (a 1e-4 step moved parameters by ~1e-7, below a 1e-5 bound either way).
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", default="target/bench")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     args = {"rounds": a.rounds, "steps": a.steps, "width": a.width, "layers": a.layers, "batch": a.batch,
-            "timeout": a.timeout}
+            "lr": a.lr, "timeout": a.timeout}
     rows = [summarize(launch(int(w), args, out, a.timeout)) for w in a.worlds.split(",")]
     (out / "ddp.json").write_text(json.dumps({"args": args, "rows": rows}, indent=1))
     print(f"{'ranks':>5} {'grad MB':>7} {'backend':>7} {'step ms':>16} {'compute ms':>10} {'comm ms':>16} "
@@ -231,7 +254,9 @@ def main() -> None:
                   f"{row[b]['steps_per_s']:>7.2f} {str(row[b]['overlap']):>7}")
         sr = row["speedup_rounds"]
         print(f"      mobius/gloo steps/s: {row['speedup']:.2f}× (per round {sr['min']:.2f}–{sr['max']:.2f}); "
-              f"max |param gloo − mobius| {row['param_max_diff']:.2g}")
+              f"max |param gloo − mobius| {row['param_max_diff']:.2g}; update gloo − mobius "
+              f"{row['mobius_vs_gloo_rel']:.2g} and ranks' mobius replicas apart {row['replicas_rel']:.2g} "
+              f"of the update's norm {row['update_norm']:.3g}")
     plot(rows, out / "ddp.png")
     print(f"wrote {out / 'ddp.json'} and {out / 'ddp.png'}")
 

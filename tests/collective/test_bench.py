@@ -50,7 +50,13 @@ def test_tiny_ddp_benchmark_compares_gloo_and_mobius(tmp_path):
     for b in ("gloo", "mobius"):
         assert row[b]["step_s"]["median"] > 0 and row[b]["comm_s"]["median"] > 0
     assert row["compute_s"]["median"] > 0
-    # The two DDP replicas trained identically (same data, averaged gradients).
-    assert row["param_max_diff"] < 1e-5
+    # The two DDP replicas trained identically (same data, averaged gradients): the Mobius
+    # replica's update equals gloo's, and every rank's Mobius replica equals rank 0's, to a
+    # thousandth of the update's norm (float32 rounding of one allreduce against another is
+    # ~1e-7 of it). A no-op allreduce leaves each rank the update of its own batch's gradient,
+    # apart from the averaged one by a good fraction of it.
+    assert row["update_norm"] > 0, row
+    assert row["mobius_vs_gloo_rel"] < 1e-3, row
+    assert row["replicas_rel"] < 1e-3, row
     assert "mobius/gloo steps/s" in out.stdout
     assert (tmp_path / "ddp.png").stat().st_size > 10_000
