@@ -7,7 +7,8 @@
 #                          [--kill-every S] [--spark-profile spark-3.5] [--no-build]
 #
 #   --sf N            scale factor (default 1; data cached by scale, see below)
-#   --queries LIST    a subset (default: all 103 of Spark 4.2.0, 103 of 3.5.9)
+#   --queries LIST    a subset (default: all 103 of Spark 4.2.0, 103 of 3.5.9), or heavy:K: the K
+#                     that wrote the most shuffle bytes in docs/img/tpcds-sf1-stop35.json (not empty)
 #   --rounds R        rounds (default 2)
 #   --cluster N       on the standalone cluster of scripts/cluster.sh (N workers in network
 #                     namespaces, 1 core and CLUSTER_EXECUTOR_MEMORY, default 2g here, each; the
@@ -23,18 +24,22 @@
 # Data: DuckDB's TPC-DS generator (PyPI duckdb + duckdb-extension-tpcds, same version, installed
 # into the Spark venv), parquet under $RDMA_TPCDS_CACHE (default ~/.cache/rdma-shuffle/tpcds)/sf<N>
 # (SF 1: ~30 s, 371 MB, once). Queries: tpcds/q*.sql of spark-sql_<scala>:<version>:tests (Maven,
-# cached beside the data). Per query: wall time of collect() in the application, an
-# order-independent digest of the result (rows sorted, floating-point/decimal values to 6
-# significant digits), shuffle bytes written/read/remote from Spark's REST API. Details:
-# scripts/tpcds.py.
+# cached beside the data). Per query: wall time of collect() in the application; the result,
+# compared exactly (decimals, integers, strings, dates) but for FLOAT/DOUBLE columns (from the
+# result's schema), which must agree within the summation-order tolerance; rows per shuffle;
+# shuffle bytes, fetch wait and per stage the tasks' run, CPU, GC, deserialisation and shuffle
+# write times from Spark's REST API. Details: scripts/tpcds.py.
 #
 # Writes target/bench/tpcds.json (tpcds-cluster<N>.json, tpcds-cluster<N>-kill.json with
 # --cluster/--kill-every): `queries` (per query default_s, plugin_s as medians over rounds, ratio,
-# ratio_per_round, equal, shuffle_bytes, ...), `equal`, `total`, `sum_ratio` and its spread over
-# rounds, `geomean_ratio`, `slow_queries` (slower than 1.10x in every round), the generator and
-# Spark versions; and the plot beside it (.png: plugin/default per query, sorted, with the
-# per-round spread, and each query's shuffle bytes). Logs of every application:
-# target/bench/tpcds*-logs/. Fails when results differ or the plugin's engines fetched nothing.
+# ratio_ci95 (95 % interval over rounds), ratio_per_round, equal, rows, float_columns, terms,
+# shuffle_bytes, ...), `equal`, `total`, `sum_ratio` with `sum_ratio_ci95` (95 % bootstrap over
+# rounds, within their order, and queries), `geomean_ratio`, `slow_queries` (interval above
+# 1.10), the generator and Spark versions; target/bench/tpcds-time.md, where the time went per
+# term for both shuffles with intervals (scripts/tpcds.py table); and the plot (.png).
+# Logs of every application: target/bench/tpcds*-logs/. Fails when results differ, a query's
+# first attempt failed under one shuffle only, or the plugin's engines fetched nothing.
+# About 10 rounds at SF 1 resolve +-3 % on this machine (docs/benchmarks.md).
 # Cost at SF 1 on 2 cores: ~5-6 min per application, so ~25 min for 2 rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +55,7 @@ while [ $# -gt 0 ]; do
     --kill-every) kill_every=$2; shift 2 ;;
     --spark-profile) export RDMA_SPARK_PROFILE=$2; shift 2 ;;
     --no-build) build=no; shift ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "bench-tpcds.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

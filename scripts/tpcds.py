@@ -8,6 +8,10 @@ the interleaved benchmark that compares Spark's default shuffle with the plugin.
                                           the Spark application (run it with spark-submit)
     tpcds.py bench --sf SF [--queries ..] [--rounds R] [--cluster N] [--kill-every S]
                                           the benchmark (scripts/bench-tpcds.sh runs this)
+    tpcds.py table [--report FILE] [--top K]
+                                          the time table (markdown) of a bench report
+    tpcds.py stages --queries q1,q2 [--logs DIR]
+                                          per stage, side by side, every round of a bench run
 
 Run every subcommand with the python of the venv of scripts/spark-env.sh (its environment:
 SPARK_HOME, SPARK_VERSION, SCALA_BINARY, VENV_DIR, RDMA_PLUGIN_JAR, ...), as
@@ -26,11 +30,16 @@ $RDMA_TPCDS_CACHE/queries-<version>/.
 The application registers each table as a temporary view. q30 names the TPC-DS v1.4 column
 `c_last_review_date`; the generator's `customer` has `c_last_review_date_sk`, so the view has
 both names. It waits for its executors, then runs each query once under the job group of its
-name, timing `collect()`, and writes per query: wall time, rows, an order-independent digest
-(sorted rows, floating-point and decimal values rounded to 6 significant digits: sums over
-partitions may differ in the last bits between runs) and, from Spark's REST API at the end,
-the query's shuffle bytes written/read/remote, its stage attempts, the stages that were rerun
-and whether a stage failed on a fetch failure.
+name, timing `collect()`, and writes per query: wall time, rows, the result itself (rows sorted,
+every value exact - decimals, integers, strings, dates as text - but FLOAT/DOUBLE columns, read
+from the result's schema, kept as doubles) with its digest and, from Spark's REST API at the
+end, the query's shuffle bytes written/read/remote, its stage attempts, the stages that were
+rerun, whether a stage failed on a fetch failure, and per stage the tasks' run, CPU, GC,
+deserialisation, shuffle write and fetch-wait times and bytes read remotely and locally.
+
+Two runs' results are equal when every exact column is equal and every floating-point value is
+within float_tolerance (relative): Spark merges an aggregate's partial sums in the order their
+shuffle blocks arrive, which changes a double's last bits and nothing else.
 """
 import argparse
 import datetime
@@ -38,6 +47,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import shutil
 import statistics
@@ -130,6 +140,24 @@ def ensure_data(sf: float) -> Path:
     return out
 
 
+def data_rows(data: Path) -> int:
+    """Rows of every table of a data folder (DuckDB reads the parquet footers), kept beside
+    the data in rows.json."""
+    f = data / "rows.json"
+    if f.exists():
+        return sum(json.loads(f.read_text()).values())
+    ensure_duckdb()
+    import duckdb
+    con = duckdb.connect()
+    rows = {t: con.execute(f"SELECT count(*) FROM read_parquet('{data / (t + '.parquet')}')").fetchone()[0]
+            for t in TABLES}
+    con.close()
+    tmp = data / f".rows-{os.getpid()}.json"
+    tmp.write_text(json.dumps(rows, indent=1) + "\n")
+    tmp.rename(f)  # atomic: readers see the whole file or none
+    return sum(rows.values())
+
+
 def ensure_queries(spark_version: str, scala: str) -> Path:
     """Spark's TPC-DS query texts of `spark_version`, from its spark-sql tests jar."""
     out = CACHE / f"queries-{spark_version}"
@@ -165,30 +193,161 @@ def all_queries(qdir: Path) -> list:
     return sorted((p.stem for p in qdir.glob("q*.sql")), key=query_key)
 
 
+# The report `heavy:K` ranks by default (a full SF 1 run of the 103 queries).
+HEAVY_FROM = REPO / "docs/img/tpcds-sf1-stop35.json"
+
+
+def heavy_queries(report: Path, k: int) -> list:
+    """The k queries that wrote the most shuffle bytes in a bench report, leaving out those
+    that returned no rows there (their comparison would be trivial)."""
+    rows = json.loads(report.read_text())["queries"]
+
+    def rows_of(q):
+        r = q.get("rows")
+        return max(x or 0 for m in r for x in r[m]) if isinstance(r, dict) else (r or 0)
+    ranked = sorted((q for q in rows if rows_of(q) > 0), key=lambda q: -q["shuffle_bytes"])
+    return sorted((q["query"] for q in ranked[:k]), key=query_key)
+
+
 # ------------------------------------------------------------------------------------------------
 # the application
 
 
-def norm(v) -> str:
-    """One value of a result row as text; floating-point and decimal values to 6 significant
-    digits (their last bits depend on the order partial sums arrive in)."""
+# Results are compared exactly, except floating-point columns. Spark's decimal arithmetic is
+# exact, so a decimal sum does not depend on the order its partial sums arrive in; integers,
+# strings and dates are exact too. Only FLOAT and DOUBLE columns (avg over integers, stddev,
+# ratios cast to double: which columns of which query is read from the result's schema, never
+# from a list) may differ between runs, in their last bits, because the partial sums of an
+# aggregate are merged in the order their shuffle blocks arrive.
+FLOAT_TYPES = ("FloatType", "DoubleType")
+UNIT_ROUNDOFF = 2.0 ** -53  # IEEE double
+
+
+def column_kinds(schema) -> list:
+    """'float' or 'exact' per column of a result's Spark schema."""
+    return ["float" if type(f.dataType).__name__ in FLOAT_TYPES else "exact" for f in schema.fields]
+
+
+def exact_text(v):
+    """An exact value as text (None stays None): decimals in plain notation with their scale,
+    dates and timestamps in ISO form, bytes in hex."""
     if v is None:
-        return "\\N"
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, (float, Decimal)):
-        f = float(v)
-        if math.isnan(f):
-            return "nan"
-        if f == 0:
-            return "0"
-        return f"{f:.6g}"
+        return None
+    if isinstance(v, Decimal):
+        return format(v, "f")
+    if isinstance(v, (datetime.date, datetime.datetime)):
+        return v.isoformat()
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v).hex()
     return str(v)
 
 
-def digest(rows) -> str:
-    lines = sorted("\x1f".join(norm(v) for v in r) for r in rows)
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+def float_value(v):
+    """A floating-point value as JSON keeps it exactly: a float (Python's repr round-trips), or
+    the text of a NaN or an infinity; None stays None."""
+    if v is None:
+        return None
+    f = float(v)
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "Infinity" if f > 0 else "-Infinity"
+    return f
+
+
+def _sort_key(row, kinds):
+    exact = tuple((0, "") if v is None else (1, v) for v, k in zip(row, kinds) if k == "exact")
+    flt = tuple((0, 0.0) if v is None else ((2, 0.0) if isinstance(v, str) else (1, v))
+                for v, k in zip(row, kinds) if k == "float")
+    return exact + flt
+
+
+def canonical(rows, kinds) -> list:
+    """A result as sorted rows of exact text and floats (order-independent: rows sorted by their
+    exact columns first, then by their floating-point ones)."""
+    out = [[float_value(v) if k == "float" else exact_text(v) for v, k in zip(r, kinds)] for r in rows]
+    out.sort(key=lambda r: _sort_key(r, kinds))
+    return out
+
+
+def result_digest(result) -> str:
+    """A digest of the canonical result, floats by their exact repr: equal digests are equal
+    results; different ones are compared value by value (compare_results)."""
+    return hashlib.sha256(json.dumps(result, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def float_tolerance(rows: int) -> float:
+    """The relative difference two runs' floating-point results may have. A sum of n doubles
+    computed in any order is within (n - 1) u sum|x_i| of the exact sum (u = 2^-53; Higham,
+    Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 4.4), so two orders differ by
+    at most 2 n u sum|x_i|, which for terms of one sign is relative to the result. n is taken as
+    all rows of the data set (every table): an aggregate over facts joined to their dimensions
+    sums at most one term per fact row. Applied relative to the larger of the two values, with
+    the column's largest magnitude as the floor (results near zero after cancellation, e.g. a
+    stddev of equal values). The report gives the largest difference seen beside it."""
+    return 2 * max(rows, 1) * UNIT_ROUNDOFF
+
+
+def compare_results(ref: dict, other: dict, rel_tol: float) -> dict:
+    """Whether two runs' results of one query agree: the same columns and kinds, the same
+    number of rows, exact columns equal, floating-point columns within rel_tol (see
+    float_tolerance). Returns {"equal", "why" (the first difference), "max_rel_diff" (over the
+    floating-point values)}."""
+    if ref.get("digest") is not None and ref.get("digest") == other.get("digest"):
+        return {"equal": True, "why": None, "max_rel_diff": 0.0}
+    a, b = ref.get("result"), other.get("result")
+    if a is None or b is None:
+        return {"equal": False, "why": "digests differ (no rows kept to compare)", "max_rel_diff": None}
+    kinds = ref.get("kinds") or []
+    if kinds != (other.get("kinds") or []) or ref.get("columns") != other.get("columns"):
+        return {"equal": False, "max_rel_diff": None,
+                "why": f"columns differ: {ref.get('columns')} {kinds} against {other.get('columns')} {other.get('kinds')}"}
+    if len(a) != len(b):
+        return {"equal": False, "why": f"{len(a)} rows against {len(b)}", "max_rel_diff": None}
+    fcols = [i for i, k in enumerate(kinds) if k == "float"]
+    scale = {i: max((abs(r[i]) for r in a if isinstance(r[i], float)), default=0.0) for i in fcols}
+    worst = [0.0]
+
+    def floats_agree(x, y) -> bool:
+        for i in fcols:
+            u, v = x[i], y[i]
+            if isinstance(u, float) and isinstance(v, float):
+                d = abs(u - v)
+                if d:
+                    rel = d / max(abs(u), abs(v), scale[i])
+                    worst[0] = max(worst[0], rel)
+                    if rel > rel_tol:
+                        return False
+            elif u != v:  # None, NaN or an infinity against anything else
+                return False
+        return True
+
+    def exact(r):
+        return [r[i] for i, k in enumerate(kinds) if k == "exact"]
+
+    # Rows pair up in sorted order, except where rows with the same exact columns sort
+    # differently by floats that differ in their last bits: those groups are matched freely.
+    i = 0
+    while i < len(a):
+        j = i
+        while j < len(a) and exact(a[j]) == exact(a[i]):
+            j += 1
+        ga, gb = a[i:j], b[i:j]
+        if any(exact(r) != exact(ga[0]) for r in gb):
+            bad = next(k for k in range(i, j) if exact(a[k]) != exact(b[k]))
+            return {"equal": False, "max_rel_diff": worst[0],
+                    "why": f"row {bad} of the sorted result: {a[bad]} against {b[bad]}"}
+        if not all(floats_agree(x, y) for x, y in zip(ga, gb)):
+            left = list(gb)
+            for x in ga:
+                k = next((k for k, y in enumerate(left) if floats_agree(x, y)), None)
+                if k is None:
+                    return {"equal": False, "max_rel_diff": worst[0],
+                            "why": f"row {a.index(x)}: floating-point values beyond {rel_tol:.2g} "
+                                   f"relative: {x} against the closest of {left[:3]}"}
+                left.pop(k)
+        i = j
+    return {"equal": True, "why": None, "max_rel_diff": worst[0]}
 
 
 def rest(ui: str, path: str):
@@ -255,6 +414,11 @@ def stage_metrics(ui: str, app_id: str, names: list) -> dict:
             "remote_blocks": s.get("shuffleRemoteBlocksFetched", 0),
             "local_blocks": s.get("shuffleLocalBlocksFetched", 0),
             "write_bytes": s.get("shuffleWriteBytes", 0),
+            "remote_bytes": s.get("shuffleRemoteBytesRead", 0),
+            "local_bytes": s.get("shuffleLocalBytesRead", 0),
+            "input_bytes": s.get("inputBytes", 0),
+            "spill_bytes": s.get("diskBytesSpilled", 0),
+            "result_ser_ms": s.get("resultSerializationTime", 0),
             "name": (s.get("name") or "")[:60],
         })
         q["stage_attempts"] += 1
@@ -311,9 +475,15 @@ def cmd_app(a) -> int:
             sc.setJobGroup(group, f"TPC-DS {n}")
             t0 = time.monotonic()
             try:
-                rows = spark.sql(text).collect()
+                df = spark.sql(text)
+                rows = df.collect()
                 wall = time.monotonic() - t0
-                r = {"query": n, "wall_s": round(wall, 3), "rows": len(rows), "digest": digest(rows)}
+                kinds = column_kinds(df.schema)
+                result = canonical(rows, kinds)
+                r = {"query": n, "wall_s": round(wall, 3), "rows": len(rows), "columns": df.columns,
+                     "types": [f.dataType.simpleString() for f in df.schema.fields], "kinds": kinds,
+                     "float_columns": [c for c, k in zip(df.columns, kinds) if k == "float"],
+                     "digest": result_digest(result), "result": result}
             except Exception as e:  # a failed query is a result (under executor loss, too)
                 wall = time.monotonic() - t0
                 r = {"query": n, "wall_s": round(wall, 3), "rows": None, "digest": None,
@@ -501,22 +671,143 @@ def time_shares(runs: dict) -> dict:
     return out
 
 
-def compare(runs: dict, names: list, reference: dict | None = None) -> dict:
-    """The report over every round's application of each mode. `reference`: query -> digest of
-    a fault-free default run that every result must equal (the executor-loss run)."""
+# Where a query's time went, per run: its wall time, the driver's part of it, and the tasks'
+# metrics summed over every stage (Spark's REST API, per stage, `stage_detail`). Task times
+# are summed over tasks, which run on several executors at once.
+TERMS = (
+    # key, what, unit
+    ("wall_s", "query wall time (collect)", "s"),
+    ("driver_s", "driver outside the jobs (planning, AQE, result)", "s"),
+    ("run_s", "executor run time", "s"),
+    ("cpu_s", "executor CPU time", "s"),
+    ("gc_s", "JVM GC time", "s"),
+    ("deser_s", "task deserialisation", "s"),
+    ("write_s", "shuffle write time", "s"),
+    ("fetch_wait_s", "shuffle fetch wait", "s"),
+    ("off_cpu_s", "run time off the CPU otherwise (run - CPU - GC - fetch wait)", "s"),
+    ("remote_mib", "shuffle bytes read remotely", "MiB"),
+    ("local_mib", "shuffle bytes read locally", "MiB"),
+    ("spill_mib", "bytes spilled to disk", "MiB"),
+)
+
+
+def query_terms(q: dict) -> dict:
+    """TERMS of one query in one run."""
+    st = q.get("stage_detail", [])
+    tot = {k: sum(x.get(k, 0) or 0 for x in st) for k in
+           ("run_ms", "cpu_ms", "gc_ms", "deser_ms", "write_ms", "fetch_wait_ms", "remote_bytes",
+            "local_bytes", "spill_bytes")}
+    out = {"wall_s": q["wall_s"], "driver_s": q["wall_s"] - q.get("jobs_span_s", 0.0),
+           "run_s": tot["run_ms"] / 1e3, "cpu_s": tot["cpu_ms"] / 1e3, "gc_s": tot["gc_ms"] / 1e3,
+           "deser_s": tot["deser_ms"] / 1e3, "write_s": tot["write_ms"] / 1e3,
+           "fetch_wait_s": tot["fetch_wait_ms"] / 1e3,
+           "remote_mib": tot["remote_bytes"] / 2**20, "local_mib": tot["local_bytes"] / 2**20,
+           "spill_mib": tot["spill_bytes"] / 2**20}
+    out["off_cpu_s"] = out["run_s"] - out["cpu_s"] - out["gc_s"] - out["fetch_wait_s"]
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+# Two-sided 97.5 % quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: float) -> float:
+    if df < 1:
+        return float("inf")
+    return T975[int(df) - 1] if df < 31 else 1.96
+
+
+def mean_interval(xs: list, first: list) -> dict | None:
+    """A 95 % interval of the mean of per-round values xs (e.g. log ratios, differences), where
+    first[i] says which shuffle ran first in round i. With both orders seen at least twice, the
+    mean is the average of the two orders' means and its variance comes from within each order
+    (Welch), so the order effect cancels instead of widening the interval; otherwise a plain
+    t-interval over the rounds. None with fewer than 2 rounds."""
+    n = len(xs)
+    if n < 2:
+        return None
+    g = [[x for x, f in zip(xs, first) if f == o] for o in sorted(set(first))]
+    if len(g) == 2 and min(len(g[0]), len(g[1])) >= 2:
+        m = [statistics.fmean(x) for x in g]
+        v = [statistics.variance(x) / len(x) for x in g]
+        mean, se2 = (m[0] + m[1]) / 2, (v[0] + v[1]) / 4
+        df = (v[0] + v[1]) ** 2 / sum(vi ** 2 / (len(x) - 1) for vi, x in zip(v, g)) if any(v) else n - 2
+        how = "Welch over the two orders"
+    else:
+        mean, se2, df, how = statistics.fmean(xs), statistics.variance(xs) / n, n - 1, "t over rounds"
+    h = t975(df) * math.sqrt(se2)
+    return {"mean": mean, "lo": mean - h, "hi": mean + h, "df": round(df, 1), "method": how}
+
+
+def ratio_interval(d: list, p: list, first: list) -> dict | None:
+    """A 95 % interval of one query's plugin/default time ratio from its per-round times: the
+    interval of the mean log ratio (mean_interval), exponentiated."""
+    logs = [math.log(b / a) for a, b in zip(d, p) if a > 0 and b > 0]
+    if len(logs) != len(d):
+        return None
+    iv = mean_interval(logs, first)
+    if iv is None:
+        return None
+    return {"ratio": round(math.exp(iv["mean"]), 4), "lo": round(math.exp(iv["lo"]), 4),
+            "hi": round(math.exp(iv["hi"]), 4), "method": iv["method"]}
+
+
+def bootstrap_sum_ratio(d: list, p: list, first: list, resamples: int = 4000, seed: int = 42,
+                        over_queries: bool = True) -> dict:
+    """The sum ratio (all plugin query times over all default ones, every round) with a 95 %
+    percentile-bootstrap interval. d[r][q], p[r][q]: round r's time of query q; rounds are
+    resampled as pairs (a round's two applications together) within their order (which shuffle
+    ran first), so every resample keeps the order balance; with over_queries, the queries are
+    resampled too (the interval then covers which queries the set happens to hold)."""
+    rounds, nq = len(d), len(d[0])
+    rng = random.Random(seed)
+    strata = [[r for r in range(rounds) if first[r] == o] for o in sorted(set(first))]
+    point = sum(map(sum, p)) / sum(map(sum, d))
+    stats = []
+    for _ in range(resamples):
+        rs = [rng.choice(s) for s in strata for _ in s]
+        dcol = [sum(d[r][q] for r in rs) for q in range(nq)]
+        pcol = [sum(p[r][q] for r in rs) for q in range(nq)]
+        if over_queries:
+            qs = [rng.randrange(nq) for _ in range(nq)]
+            stats.append(sum(pcol[q] for q in qs) / sum(dcol[q] for q in qs))
+        else:
+            stats.append(sum(pcol) / sum(dcol))
+    stats.sort()
+    return {"ratio": round(point, 4), "lo": round(stats[int(0.025 * resamples)], 4),
+            "hi": round(stats[min(int(0.975 * resamples), resamples - 1)], 4),
+            "resamples": resamples, "over": "rounds and queries" if over_queries else "rounds"}
+
+
+def compare(runs: dict, names: list, reference: dict | None = None, float_tol: float | None = None) -> dict:
+    """The report over every round's application of each mode. `runs[mode][i]`: round i+1's
+    application (its query records, in order). `reference`: query -> the record of a
+    fault-free default run that every result must equal (the executor-loss run); otherwise the
+    first successful default result is the reference. `float_tol`: see float_tolerance."""
+    tol = float_tol if float_tol is not None else float_tolerance(10**8)
+    rounds = min(len(runs["default"]), len(runs["plugin"]))
+    # Which shuffle ran first in each round: default in odd rounds (see cmd_bench).
+    first = [r % 2 for r in range(rounds)]
     rows = []
     for n in names:
         per = {m: [next(q for q in r["queries"] if q["query"] == n) for r in runs[m]] for m in runs}
         # A run that failed (a Spark error: out of memory, a job aborted) has no result to
         # compare: it is counted in `failed_runs`, apart from results that differ.
-        ok = {m: [q["digest"] for q in per[m] if not q.get("error")] for m in per}
-        digests = {d for m in ok for d in ok[m]}
-        if reference is not None:
-            digests.add(reference.get(n))
+        ok = {m: [q for q in per[m] if not q.get("error")] for m in per}
+        ref = reference.get(n) if reference is not None else None
+        if ref is None:
+            ref = next(iter(ok["default"] + ok["plugin"]), None)
+        checks = [compare_results(ref, q, tol) for m in ok for q in ok[m] if q is not ref] if ref else []
+        bad = [c for c in checks if not c["equal"]]
+        diffs = [c["max_rel_diff"] for c in checks if c["max_rel_diff"] is not None]
         d = [q["wall_s"] for q in per["default"]]
         p = [q["wall_s"] for q in per["plugin"]]
         ratios = [b / a for a, b in zip(d, p) if a > 0]
-        first = per["default"][0]
+        first_rec = per["default"][0]
+        fa = {m: sum(1 for q in per[m] if q.get("failed_attempt")) for m in per}
+        iv = ratio_interval(d[:rounds], p[:rounds], first)
         row = {
             "query": n,
             "default_s": round(statistics.median(d), 3),
@@ -525,69 +816,110 @@ def compare(runs: dict, names: list, reference: dict | None = None) -> dict:
             "ratio": round(statistics.median(p) / statistics.median(d), 3),
             "ratio_per_round": [round(x, 3) for x in ratios],
             "ratio_spread": spread(ratios) if ratios else None,
-            # Every successful result of both shuffles (and the reference) is the same, and each
-            # shuffle has at least one.
-            "equal": len(digests) == 1 and None not in digests and all(ok.values()),
-            "differ": len(digests - {None}) > 1,
+            # 95 % interval of the ratio over rounds (None below 2 rounds).
+            "ratio_ci95": iv,
+            # Every successful result of both shuffles equals the reference (exactly, floating-point
+            # columns within float_tolerance), and each shuffle has at least one.
+            "equal": ref is not None and not bad and all(ok.values()),
+            "differ": bool(bad),
+            "why": bad[0]["why"] if bad else None,
+            # The rows each run returned, per shuffle: an empty result compares equal trivially.
+            "rows": {m: [q.get("rows") for q in per[m]] for m in per},
+            "float_columns": (ref or {}).get("float_columns", []),
+            "max_float_rel_diff": max(diffs) if diffs else None,
             "failed_runs": {m: sum(1 for q in per[m] if q.get("error")) for m in per},
             # Runs whose first attempt failed on Spark's execution-memory limit and were run
-            # once more (their time is the second attempt's).
-            "retried": {m: sum(1 for q in per[m] if q.get("failed_attempt")) for m in per},
-            "rows": first["rows"],
-            "shuffle_bytes": first["shuffle_write_bytes"],
-            "shuffle_read_bytes": first["shuffle_read_bytes"],
-            "remote_bytes": {m: [q["shuffle_remote_bytes"] for q in per[m]] for m in per},
-            "remote_blocks": {m: [q["shuffle_remote_blocks"] for q in per[m]] for m in per},
-            "fetch_wait_ms": {m: [q["fetch_wait_ms"] for q in per[m]] for m in per},
+            # once more (their time is the second attempt's). Fine when both shuffles had one
+            # (Spark's own limit); under one shuffle only it is a failure of that shuffle's run.
+            "retried": fa,
+            "one_sided_retry": (fa["default"] > 0) != (fa["plugin"] > 0),
+            "shuffle_bytes": first_rec.get("shuffle_write_bytes", 0),
+            "shuffle_read_bytes": first_rec.get("shuffle_read_bytes", 0),
+            "remote_bytes": {m: [q.get("shuffle_remote_bytes", 0) for q in per[m]] for m in per},
+            "remote_blocks": {m: [q.get("shuffle_remote_blocks", 0) for q in per[m]] for m in per},
+            "fetch_wait_ms": {m: [q.get("fetch_wait_ms", 0) for q in per[m]] for m in per},
             # The tasks' run time (all stages, summed over tasks): with the fetch wait and the
             # driver's time, where a slower run's time went.
             "task_s": {m: [round(sum(st["run_ms"] for st in q.get("stage_detail", [])) / 1000, 3) for q in per[m]]
                        for m in per},
-            "stages": first["stages"],
+            # Every TERM per shuffle and round (the time table: `tpcds.py table`).
+            "terms": {m: [query_terms(q) for q in per[m]] for m in per},
+            "stages": first_rec.get("stages", 0),
             # Wall time outside the query's jobs: the driver's planning and row collection.
             "driver_s": {m: [round(q["wall_s"] - q.get("jobs_span_s", 0.0), 3) for q in per[m]] for m in per},
             "errors": [q["error"] for m in per for q in per[m] if q.get("error")],
         }
-        if reference is not None or any(q["rerun_stages"] or q["fetch_failed"] for m in per for q in per[m]):
-            row["fetch_failed"] = {m: [q["fetch_failed"] for q in per[m]] for m in per}
-            row["rerun_stages"] = {m: [len(q["rerun_stages"]) for q in per[m]] for m in per}
-        # Slower beyond its spread: slower than 1.10x in every round.
-        row["slow"] = bool(ratios) and min(ratios) > 1.10
+        if reference is not None or any(q.get("rerun_stages") or q.get("fetch_failed") for m in per for q in per[m]):
+            row["fetch_failed"] = {m: [q.get("fetch_failed", False) for q in per[m]] for m in per}
+            row["rerun_stages"] = {m: [len(q.get("rerun_stages", [])) for q in per[m]] for m in per}
+        # Slower beyond its own interval: the interval's lower end above 1.10 (with a single
+        # round, which has no interval: above 1.10 in that round).
+        row["slow"] = (iv["lo"] > 1.10) if iv else (bool(ratios) and min(ratios) > 1.10)
         rows.append(row)
     sums = {m: [sum(q["wall_s"] for q in r["queries"]) for r in runs[m]] for m in runs}
     sum_ratios = [b / a for a, b in zip(sums["default"], sums["plugin"])]
     ratios = [r["ratio"] for r in rows if r["ratio"] > 0]
+    dm = [[r["default_runs_s"][i] for r in rows] for i in range(rounds)]
+    pm = [[r["plugin_runs_s"][i] for r in rows] for i in range(rounds)]
     return {
         "queries": rows,
         "equal": sum(r["equal"] for r in rows),
         "total": len(rows),
+        "float_tolerance": tol,
         "default_sum_s": round(statistics.median(sums["default"]), 2),
         "plugin_sum_s": round(statistics.median(sums["plugin"]), 2),
-        "sum_ratio": round(sum(r["plugin_s"] for r in rows) / sum(r["default_s"] for r in rows), 3),
+        # All plugin query times over all default ones, every round (the bootstrap's estimate).
+        "sum_ratio": round(sum(sums["plugin"][:rounds]) / sum(sums["default"][:rounds]), 3),
+        "sum_ratio_ci95": bootstrap_sum_ratio(dm, pm, first),
+        "sum_ratio_ci95_rounds_only": bootstrap_sum_ratio(dm, pm, first, over_queries=False),
+        "sum_ratio_of_medians": round(sum(r["plugin_s"] for r in rows) / sum(r["default_s"] for r in rows), 3),
         "sum_ratio_per_round": [round(x, 3) for x in sum_ratios],
         "sum_ratio_spread": spread(sum_ratios),
         "sums_per_round_s": {m: [round(x, 1) for x in sums[m]] for m in sums},
         "geomean_ratio": round(geomean(ratios), 3),
         "slow_queries": [r["query"] for r in rows if r["slow"]],
+        "empty_queries": [r["query"] for r in rows if not any(x for m in r["rows"] for x in r["rows"][m])],
+        "float_columns": {r["query"]: r["float_columns"] for r in rows if r["float_columns"]},
+        "max_float_rel_diff": max((r["max_float_rel_diff"] or 0 for r in rows), default=0),
         "time_shares": time_shares(runs),
         "retried": {r["query"]: r["retried"] for r in rows if any(r["retried"].values())},
+        "one_sided_retries": [r["query"] for r in rows if r["one_sided_retry"]],
     }
+
+
+def check_problems(rep: dict) -> list:
+    """What makes a comparison fail: results that differ, a query without a successful result
+    under a shuffle, and a query whose first attempt failed under one shuffle only."""
+    problems = []
+    differ = [(q["query"], q["why"]) for q in rep["queries"] if q["differ"]]
+    if differ:
+        problems.append(f"results differ: {differ}")
+    no_result = [q["query"] for q in rep["queries"] if not q["equal"] and not q["differ"]]
+    if no_result:
+        problems.append(f"no successful result under a shuffle to compare: {no_result}")
+    if rep["one_sided_retries"]:
+        problems.append("a first attempt failed under one shuffle only (UNABLE_TO_ACQUIRE_MEMORY, "
+                        "run again): " + str({q: rep["retried"][q] for q in rep["one_sided_retries"]}))
+    return problems
 
 
 def cmd_bench(a) -> int:
     spark_version, scala = os.environ["SPARK_VERSION"], os.environ["SCALA_BINARY"]
     data = ensure_data(a.sf)
     qdir = ensure_queries(spark_version, scala)
-    names = a.queries.split(",") if a.queries else all_queries(qdir)
+    names = (heavy_queries(Path(a.queries.split(":", 2)[2] if a.queries.count(":") == 2 else HEAVY_FROM),
+                           int(a.queries.split(":")[1])) if a.queries.startswith("heavy:")
+             else a.queries.split(",") if a.queries else all_queries(qdir))
     missing = [n for n in names if not (qdir / f"{n}.sql").exists()]
     if missing:
         raise SystemExit(f"no query text for {missing} in {qdir}")
     out_dir = REPO / "target/bench"
-    tag = "tpcds" + (f"-cluster{a.cluster}" if a.cluster else "") + ("-kill" if a.kill_every else "")
+    tag = a.tag or ("tpcds" + (f"-cluster{a.cluster}" if a.cluster else "") + ("-kill" if a.kill_every else ""))
     logs = out_dir / f"{tag}-logs"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
     generator = json.loads((data / "generator.json").read_text())
+    rows_total = data_rows(data)
     where = f"namespace cluster, {a.cluster} workers" if a.cluster else "local-cluster[2,1,3072]"
     log(f"{len(names)} queries, SF {a.sf:g}, {a.rounds} round(s), {where}, Spark {spark_version}"
         + (f", an executor killed every {a.kill_every:g} s" if a.kill_every else ""))
@@ -610,7 +942,7 @@ def cmd_bench(a) -> int:
     json_out = out_dir / f"{tag}.json"
 
     def report(rounds_done):
-        rep = compare(runs, names, reference)
+        rep = compare(runs, names, reference, float_tolerance(rows_total))
         problems = []
         for i, r in enumerate(runs["plugin"], 1):
             eng = r["engine"]
@@ -618,12 +950,7 @@ def cmd_bench(a) -> int:
             if not r["native_loaded"] or fetched == 0:
                 problems.append(f"plugin round {i}: the engines fetched no block (native loaded: "
                                 f"{r['native_loaded']}, executors reporting: {sorted(eng)})")
-        differ = [q["query"] for q in rep["queries"] if q["differ"]]
-        if differ:
-            problems.append(f"results differ: {differ}")
-        no_result = [q["query"] for q in rep["queries"] if not q["equal"] and not q["differ"]]
-        if no_result:
-            problems.append(f"no successful result under a shuffle to compare: {no_result}")
+        problems += check_problems(rep)
         # Runs that failed while another run of the same shuffle succeeded with the common
         # result: Spark errors of that run (the bench's memory, a kill), not a wrong result.
         partly = {q["query"]: q["failed_runs"] for q in rep["queries"]
@@ -636,8 +963,13 @@ def cmd_bench(a) -> int:
                          "where": where, "rounds": rounds_done, "rounds_asked": a.rounds,
                          "order": "default first in odd rounds, plugin first in even rounds",
                          "conf": {"spark.shuffle.readHostLocalDisk": "false"},
+                         "data_rows": rows_total,
                          "times": "per query wall time of collect() inside one application per "
-                                  "shuffle and round; medians over rounds"},
+                                  "shuffle and round; per query: medians over rounds and a 95 % "
+                                  "interval of the mean log ratio; the sum: all rounds, with a 95 % "
+                                  "bootstrap interval over rounds (within their order) and queries",
+                         "comparison": "exact for every column but FLOAT/DOUBLE ones (from the "
+                                       "result's schema), those within float_tolerance relative"},
             "engine": [r["engine"] for r in runs["plugin"]],
             "submit_s": {m: [r["submit_s"] for r in runs[m]] for m in runs},
             "load_avg": {m: [r["load"] for r in runs[m]] for m in runs},
@@ -662,17 +994,20 @@ def cmd_bench(a) -> int:
         # The fault-free default run every faulted result must equal, then both shuffles under
         # executor loss.
         ref = submit("default", 0)
-        reference = {q["query"]: q["digest"] for q in ref["queries"]}
+        reference = {q["query"]: q for q in ref["queries"] if not q.get("error")}
     for rnd in range(1, a.rounds + 1):
         # Odd rounds default first, even rounds plugin first: neither always runs second.
         for mode in (("default", "plugin") if rnd % 2 else ("plugin", "default")):
             runs[mode].append(submit(mode, rnd, a.kill_every))
         rep = report(rnd)
-        log(f"round {rnd}: {rep['equal']}/{rep['total']} equal, sum ratio {rep['sum_ratio']}, "
-            f"geomean {rep['geomean_ratio']}; report {json_out}")
+        ci = rep["sum_ratio_ci95"]
+        log(f"round {rnd}: {rep['equal']}/{rep['total']} equal, sum ratio {rep['sum_ratio']} "
+            f"[{ci['lo']}, {ci['hi']}], geomean {rep['geomean_ratio']}; report {json_out}")
     problems = rep["problems"]
     print_table(rep)
-    print(f"\nreport: {json_out}   logs: {logs}")
+    table = out_dir / f"{tag}-time.md"
+    table.write_text(time_table(rep))
+    print(f"\nreport: {json_out}   time table: {table}   logs: {logs}")
     if problems:
         print("PROBLEMS:\n  " + "\n  ".join(problems))
         return 1
@@ -705,18 +1040,30 @@ def mib(b) -> str:
     return f"{b / 1048576:.1f}"
 
 
+def fmt_ci(iv) -> str:
+    return f"[{iv['lo']:.2f}, {iv['hi']:.2f}]" if iv else "-"
+
+
 def print_table(rep: dict) -> None:
     rows = rep["queries"]
-    print(f"\n{'query':6s} {'default s':>9s} {'plugin s':>9s} {'ratio':>6s} {'per round':>14s} "
-          f"{'shuffle MiB':>11s} {'equal':>5s}")
+    print(f"\n{'query':6s} {'default s':>9s} {'plugin s':>9s} {'ratio':>6s} {'95 % interval':>13s} "
+          f"{'per round':>14s} {'rows d/p':>11s} {'shuffle MiB':>11s} {'equal':>5s}")
     for r in sorted(rows, key=lambda r: -r["ratio"]):
-        pr = "/".join(f"{x:.2f}" for x in r["ratio_per_round"])
-        print(f"{r['query']:6s} {r['default_s']:9.2f} {r['plugin_s']:9.2f} {r['ratio']:6.2f} {pr:>14s} "
-              f"{mib(r['shuffle_bytes']):>11s} {'yes' if r['equal'] else 'NO':>5s}")
-    print(f"\n{rep['equal']}/{rep['total']} equal; sum default {rep['default_sum_s']} s, plugin "
-          f"{rep['plugin_sum_s']} s, sum ratio {rep['sum_ratio']} (per round "
-          f"{rep['sum_ratio_per_round']}), geomean of ratios {rep['geomean_ratio']}; slower than "
-          f"1.10x in every round: {rep['slow_queries'] or 'none'}")
+        pr = "/".join(f"{x:.2f}" for x in r["ratio_per_round"][:4]) + ("/..." if len(r["ratio_per_round"]) > 4 else "")
+        nrows = f"{r['rows']['default'][0]}/{r['rows']['plugin'][0]}"
+        print(f"{r['query']:6s} {r['default_s']:9.2f} {r['plugin_s']:9.2f} {r['ratio']:6.2f} "
+              f"{fmt_ci(r['ratio_ci95']):>13s} {pr:>14s} {nrows:>11s} {mib(r['shuffle_bytes']):>11s} "
+              f"{'yes' if r['equal'] else 'NO':>5s}")
+    ci, cr = rep["sum_ratio_ci95"], rep["sum_ratio_ci95_rounds_only"]
+    print(f"\n{rep['equal']}/{rep['total']} equal (exact; floating-point columns within "
+          f"{rep['float_tolerance']:.2g} relative, largest difference seen {rep['max_float_rel_diff']:.2g}); "
+          f"empty under both shuffles: {rep['empty_queries'] or 'none'}")
+    print(f"sum ratio {rep['sum_ratio']}, 95 % interval {fmt_ci(ci)} (bootstrap over rounds and queries; "
+          f"over rounds only {fmt_ci(cr)}); per round {rep['sum_ratio_per_round']}; median sums: default "
+          f"{rep['default_sum_s']} s, plugin {rep['plugin_sum_s']} s; geomean of ratios {rep['geomean_ratio']}")
+    print(f"slower than 1.10x beyond their interval: {rep['slow_queries'] or 'none'}")
+    print("floating-point columns (from each result's schema): "
+          + ("; ".join(f"{q} {', '.join(c)}" for q, c in rep["float_columns"].items()) or "none"))
     for m, rs in rep.get("time_shares", {}).items():
         for i, t in enumerate(rs, 1):
             print(f"{m} round {i}: queries {t['wall_s']} s, tasks {t['task_s']} s, of which fetch wait "
@@ -731,6 +1078,56 @@ def print_table(rep: dict) -> None:
             print(f"{m}: kills {f['kills']}, queries with a FetchFailed {f['queries_with_fetch_failed']}, "
                   f"stages rerun {f['rerun_stages']}, failed queries {f['failed_queries']}, total {f['total_s']} s "
                   f"(fault-free default {rep['reference_default_s']} s)")
+
+
+def time_table(rep: dict, top: int = 10) -> str:
+    """Markdown for docs/benchmarks.md: where the two shuffles' time went, summed over the
+    queries, per TERM: each shuffle's mean over rounds and the difference with its 95 %
+    interval (over rounds, the order effect cancelled: mean_interval); then the queries whose
+    wall time differs most, term by term."""
+    qs = rep["queries"]
+    rounds = min(len(qs[0]["terms"]["default"]), len(qs[0]["terms"]["plugin"]))
+    first = [r % 2 for r in range(rounds)]
+
+    def per_round(m, key, sel=qs):
+        return [sum(q["terms"][m][r][key] for q in sel) for r in range(rounds)]
+
+    ci, cr = rep["sum_ratio_ci95"], rep["sum_ratio_ci95_rounds_only"]
+    wl = rep.get("workload", {})
+    out = [f"TPC-DS SF {wl.get('sf', '?')}, {len(qs)} queries, {rounds} round(s), {wl.get('where', '')}: "
+           f"sum ratio **{rep['sum_ratio']}** (95 % interval {fmt_ci(ci)} over rounds and queries, "
+           f"{fmt_ci(cr)} over rounds), {rep['equal']}/{rep['total']} equal; slower than 1.10× "
+           f"beyond their interval: {', '.join(rep['slow_queries']) or 'none'}.", "",
+           "Task times are summed over tasks (the executors run in parallel), so they add up to more "
+           "than the wall time.", "",
+           "| summed over the queries | default | plugin | plugin − default (95 % interval) |",
+           "|---|---|---|---|"]
+    for key, what, unit in TERMS:
+        d, p = per_round("default", key), per_round("plugin", key)
+        diff = [b - a for a, b in zip(d, p)]
+        iv = mean_interval(diff, first)
+        rng = f" [{iv['lo']:+.1f}, {iv['hi']:+.1f}]" if iv else ""
+        out.append(f"| {what} | {statistics.fmean(d):.1f} {unit} | {statistics.fmean(p):.1f} {unit} | "
+                   f"{statistics.fmean(diff):+.1f}{rng} |")
+    keys = [k for k, _, _ in TERMS if k not in ("remote_mib", "local_mib", "spill_mib")]
+    delta = {q["query"]: {k: statistics.fmean(per_round("plugin", k, [q])) - statistics.fmean(per_round("default", k, [q]))
+                          for k, _, _ in TERMS} for q in qs}
+    worst = sorted(qs, key=lambda q: -abs(delta[q["query"]]["wall_s"]))[:top]
+    out += ["", f"The {len(worst)} queries whose wall time differs most (plugin − default, mean over rounds; s, "
+            "spill MiB):", "",
+            "| query | ratio [95 %] | " + " | ".join(k.removesuffix("_s") for k in keys) + " | spill |",
+            "|---|---|" + "---|" * (len(keys) + 1)]
+    for q in worst:
+        dq = delta[q["query"]]
+        out.append(f"| {q['query']} | {q['ratio']:.2f} {fmt_ci(q['ratio_ci95'])} | "
+                   + " | ".join(f"{dq[k]:+.2f}" for k in keys) + f" | {dq['spill_mib']:+.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def cmd_table(a) -> int:
+    rep = json.loads(Path(a.report).read_text())
+    print(time_table(rep, a.top), end="")
+    return 0
 
 
 def main() -> int:
@@ -752,12 +1149,18 @@ def main() -> int:
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--cluster", type=int, default=0)
     b.add_argument("--kill-every", type=float, default=0.0)
+    b.add_argument("--tag", default="", help="report name under target/bench (default: from the options)")
+    tb = sub.add_parser("table")
+    tb.add_argument("--report", default=str(REPO / "target/bench/tpcds.json"))
+    tb.add_argument("--top", type=int, default=10)
     st = sub.add_parser("stages")
     st.add_argument("--logs", default=str(REPO / "target/bench/tpcds-logs"))
     st.add_argument("--queries", required=True)
     a = ap.parse_args()
     if a.cmd == "stages":
         return cmd_stages(a)
+    if a.cmd == "table":
+        return cmd_table(a)
     if a.cmd == "data":
         print(ensure_data(a.sf))
     elif a.cmd == "queries":
