@@ -2,7 +2,30 @@
 # shellcheck shell=bash
 
 T0=$(date +%s)
-step() { printf '\n==> [%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+# step TITLE: a header with the seconds since the script began. In a script that set STEP_TIMES
+# (a file; a plain shell variable, not exported, so the scripts it calls keep their own steps
+# to themselves), each step's start is also appended there, for step_summary.
+step() {
+  printf '\n==> [%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"
+  if [ -n "${STEP_TIMES:-}" ]; then printf '%s\t%s\n' "$(date +%s)" "$*" >> "$STEP_TIMES"; fi
+}
+
+# step_summary FILE [FAILED]: each recorded step's time (from its start to the next step's, the
+# last one to now) and the total, as a table; FAILED marks the last step as the one that failed.
+step_summary() {
+  [ -s "$1" ] || return 0
+  awk -F'\t' -v now="$(date +%s)" -v failed="${2:-}" '
+    { t[NR] = $1; name[NR] = $2 }
+    END {
+      printf "\n==> step times\n%8s  %s\n", "seconds", "step"
+      for (i = 1; i <= NR; i++) {
+        end = (i < NR) ? t[i + 1] : now
+        if (i == NR && end == t[i] && failed == "") continue   # a closing marker, no time of its own
+        printf "%8d  %s%s\n", end - t[i], name[i], (i == NR && failed != "") ? "   <- FAILED here" : ""
+      }
+      printf "%8d  total (%d min)\n", now - t[1], (now - t[1] + 30) / 60
+    }' "$1"
+}
 
 # apt_install PKG... : installs Debian packages that are missing (root; runs apt-get update once).
 apt_install() {
@@ -33,6 +56,9 @@ summarize_cargo() {
   awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } }
        END { printf "rust: %d passed, %d failed\n", p, f }' "$1"
 }
+
+# full: true under `scripts/test.sh --full` (RDMA_TEST_FULL=1), for steps only the full run has.
+full() { [ "${RDMA_TEST_FULL:-}" = 1 ]; }
 
 finish() {
   step "all tests passed"
