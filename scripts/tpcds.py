@@ -363,10 +363,16 @@ def rest_time(v):
     return t.replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
-def stage_metrics(ui: str, app_id: str, names: list) -> dict:
+def stage_metrics(ui: str, app_id: str, names: list, windows: dict | None = None) -> dict:
     """Per query (job group): shuffle bytes and what failed/reran, from the REST API of the
     application's own UI. Waits until the status store has seen every job end (its listener
-    runs behind the jobs)."""
+    runs behind the jobs).
+
+    A query's broadcast exchanges run their jobs under a job group of their own (the
+    exchange's run id, so that a timeout can cancel them), and such a job reads shuffle blocks
+    when AQE turned a join into a broadcast after its shuffle stage ran. Those jobs belong to
+    the query whose time window (`windows`: group -> (start, end), epoch seconds, while the
+    queries run one after another) holds their submission."""
     deadline = time.monotonic() + 120
     while True:
         jobs = rest(ui, f"/applications/{app_id}/jobs")
@@ -374,6 +380,11 @@ def stage_metrics(ui: str, app_id: str, names: list) -> dict:
             break
         time.sleep(0.5)
     stages = rest(ui, f"/applications/{app_id}/stages")
+    for j in jobs:
+        if j.get("jobGroup") not in names and windows:
+            t = rest_time(j.get("submissionTime"))
+            j["jobGroup"] = next((g for g, (a, b) in windows.items()
+                                  if t is not None and a - 0.05 <= t <= b + 0.05), j.get("jobGroup"))
     group_of = {}
     for j in sorted(jobs, key=lambda j: j["jobId"]):
         for s in j.get("stageIds", []):
@@ -468,12 +479,13 @@ def cmd_app(a) -> int:
     names = a.list.split(",")
     results = []
     retried = {}
+    windows = {}
     for n in names:
         text = (Path(a.queries) / f"{n}.sql").read_text()
         group = n
         for attempt in (1, 2):
             sc.setJobGroup(group, f"TPC-DS {n}")
-            t0 = time.monotonic()
+            t0, start = time.monotonic(), time.time()
             try:
                 df = spark.sql(text)
                 rows = df.collect()
@@ -488,6 +500,7 @@ def cmd_app(a) -> int:
                 wall = time.monotonic() - t0
                 r = {"query": n, "wall_s": round(wall, 3), "rows": None, "digest": None,
                      "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            windows[group] = (start, time.time())
             # Spark's own execution-memory limit (a task's sort or hash table could not get
             # its page; seen on q10 at SF 1 under both shuffles, in either round) is not the
             # shuffle's doing: the query runs once more, under a job group of its own, and the
@@ -502,10 +515,16 @@ def cmd_app(a) -> int:
         results.append(r)
         print(f"DIGEST job={n} rows={r['rows']} digest={r['digest']} wall_s={r['wall_s']}", flush=True)
     sc.setJobGroup("tpcds-end", "metrics")
-    metrics = stage_metrics(sc.uiWebUrl, sc.applicationId, names + list(retried.values()))
+    metrics = stage_metrics(sc.uiWebUrl, sc.applicationId, names + list(retried.values()), windows)
     for r in results:
         r.update(metrics[retried.get(r["query"], r["query"])])
+    # The whole application's remote reads (every stage, whichever job group): what the
+    # engines' counters, which are per application, must equal.
+    app_stages = [st for st in rest(sc.uiWebUrl, f"/applications/{sc.applicationId}/stages")
+                  if st["status"] not in ("SKIPPED", "PENDING")]
     report = {"label": a.label, "app_id": sc.applicationId, "spark_version": spark.version,
+              "app_shuffle": {"remote_bytes": sum(st.get("shuffleRemoteBytesRead", 0) for st in app_stages),
+                              "remote_blocks": sum(st.get("shuffleRemoteBlocksFetched", 0) for st in app_stages)},
               "conf": {k: v for k, v in sc.getConf().getAll()
                        if k.startswith(("spark.shuffle.", "spark.master", "spark.executor.memory",
                                         "spark.driver.memory", "spark.sql.adaptive"))},
@@ -1106,9 +1125,9 @@ def time_table(rep: dict, top: int = 10) -> str:
         d, p = per_round("default", key), per_round("plugin", key)
         diff = [b - a for a, b in zip(d, p)]
         iv = mean_interval(diff, first)
-        rng = f" [{iv['lo']:+.1f}, {iv['hi']:+.1f}]" if iv else ""
-        out.append(f"| {what} | {statistics.fmean(d):.1f} {unit} | {statistics.fmean(p):.1f} {unit} | "
-                   f"{statistics.fmean(diff):+.1f}{rng} |")
+        rng = f" [{iv['lo']:+.2f}, {iv['hi']:+.2f}]" if iv else ""
+        out.append(f"| {what} | {statistics.fmean(d):.2f} {unit} | {statistics.fmean(p):.2f} {unit} | "
+                   f"{statistics.fmean(diff):+.2f}{rng} |")
     keys = [k for k, _, _ in TERMS if k not in ("remote_mib", "local_mib", "spill_mib")]
     delta = {q["query"]: {k: statistics.fmean(per_round("plugin", k, [q])) - statistics.fmean(per_round("default", k, [q]))
                           for k, _, _ in TERMS} for q in qs}

@@ -132,16 +132,28 @@ def test_plugin_engines_served_the_remote_blocks(tpcds_runs):
         eng = plugin["engine"]
         assert set(eng) >= {"0", "1"}, f"engine stats in the driver log: {sorted(eng)}"
         total = lambda k: sum(int(v.get(k, 0)) for v in eng.values())  # noqa: E731
-        spark_remote = sum(q["shuffle_remote_bytes"] for q in plugin["queries"])
-        spark_blocks = sum(q["shuffle_remote_blocks"] for q in plugin["queries"])
+        # Spark's remote reads over the whole application: a query's broadcast exchanges run
+        # jobs of their own, which read shuffle blocks when AQE made a join a broadcast.
+        spark_remote = plugin["app_shuffle"]["remote_bytes"]
+        spark_blocks = plugin["app_shuffle"]["remote_blocks"]
+        per_query = sum(q["shuffle_remote_bytes"] for q in plugin["queries"])
         print(f"[spark-tpcds] SF {sf:g} engines: native_requests={total('native_requests')} "
               f"blocks_fetched={total('blocks_fetched')} bytes_fetched={total('bytes_fetched')}; "
-              f"Spark: remote_blocks={spark_blocks} remote_bytes={spark_remote}")
+              f"Spark: remote_blocks={spark_blocks} remote_bytes={spark_remote} (by query: {per_query})")
         assert total("native_requests") > 0, eng
         assert total("delegated_requests") == 0, eng
         assert total("failed_blocks_fetched") == 0, eng
-        assert total("bytes_fetched") == spark_remote, eng
-        assert total("blocks_fetched") == spark_blocks, eng
+        # Spark counts a remote block when its task takes it, or releases it at the task's end;
+        # a block whose fetch completes after its task ended (a join that stopped reading its
+        # input early) is dropped uncounted, under either transport. At SF 0.1 every fetch
+        # lands before its task ends (equal over all 103 queries); at SF 1 one of 3 326 006
+        # bytes did not, in two runs (the 21 queries empty at SF 0.1, and 9 of them).
+        if sf < SF_NONEMPTY:
+            assert total("bytes_fetched") == spark_remote, eng
+            assert total("blocks_fetched") == spark_blocks, eng
+        else:
+            assert total("bytes_fetched") >= spark_remote, eng
+            assert total("blocks_fetched") >= spark_blocks, eng
 
 
 # ------------------------------------------------------------------------------------------------
