@@ -9,6 +9,13 @@
 #   scripts/cluster.sh compare [--rounds R] [--json FILE] [--conf k=v]... JOB [ARGS...]
 #   scripts/cluster.sh status
 #   scripts/cluster.sh down                      stop every process, remove namespaces and links
+#   scripts/cluster.sh shape [--rate R] [--delay-us D] [--cpu C]
+#                                                shape the running cluster like hosts of a datacenter:
+#                                                every host's link limited to R (tc tbf, both ways,
+#                                                e.g. 130mbit), D microseconds added each way (tc
+#                                                netem: the kernel must have it), each worker's
+#                                                processes limited to C cores (cgroup cpu quota)
+#   scripts/cluster.sh shape-stats               per worker: CPU used and time throttled (JSON)
 #   scripts/cluster.sh net N                     the hosts' network only (namespaces, bridge,
 #                                                addresses), no Spark: for other multi-host tests
 #                                                (tests/collective/test_netns.py runs Mobius on it)
@@ -184,6 +191,8 @@ do_down() {
     # Deleting the switch namespace removes the bridge and every veth pair with it.
     ip netns del "$ns" 2>/dev/null || log "could not delete namespace $ns"
   done
+  local cg
+  for cg in "$CG_CPU/$P"-* "$CG_ACCT/$P"-*; do [ -d "$cg" ] && { rmdir "$cg" 2>/dev/null || log "could not remove cgroup $cg"; }; done
   # Shuffle files and scratch space go; logs of past runs stay under $STATE/runs.
   rm -rf "$STATE"/hosts/*/local 2>/dev/null || true
   rm -f "$STATE/cluster.env"
@@ -371,6 +380,105 @@ do_blackhole() { # HOST add|delete
   echo "$1: blackhole $([ "$2" = add ] && echo on || echo off)"
 }
 
+# --- shaping: a datacenter's links and a CPU share per host --------------------------------------
+
+CG_CPU=/sys/fs/cgroup/cpu
+CG_ACCT=/sys/fs/cgroup/cpuacct
+
+# tbf RATE: a token bucket at RATE whose bucket holds 1 ms of it, at least a 64 KiB GSO frame
+# (tbf splits larger ones), and a queue of 10 ms (a switch port's buffer at these rates).
+tbf_args() { # RATE
+  local bits burst
+  bits=$(tc_rate_bits "$1")
+  burst=$(( bits / 8 / 1000 )); [ "$burst" -ge 65536 ] || burst=65536
+  echo "rate $1 burst $burst latency 10ms"
+}
+
+tc_rate_bits() { # RATE (tc's units: 100mbit, 1gbit, 500kbit) -> bits per second
+  local v=${1%[a-zA-Z]*} u=${1##*[0-9.]}
+  case "$u" in
+    gbit) awk -v v="$v" 'BEGIN { printf "%d", v * 1e9 }' ;;
+    mbit) awk -v v="$v" 'BEGIN { printf "%d", v * 1e6 }' ;;
+    kbit) awk -v v="$v" 'BEGIN { printf "%d", v * 1e3 }' ;;
+    bit|"") awk -v v="$v" 'BEGIN { printf "%d", v }' ;;
+    *) die "rate '$1': use a number with kbit, mbit or gbit" ;;
+  esac
+}
+
+# Limits one direction of a link: the switch side's egress (frames to HOST) or HOST's own eth0
+# egress (frames from it). With a delay, netem sits under tbf (its one class).
+shape_dev() { # NS DEV RATE DELAY_US
+  local ns=$1 dev=$2
+  # shellcheck disable=SC2046
+  ip netns exec "$ns" tc qdisc replace dev "$dev" root handle 1: tbf $(tbf_args "$3")
+  if [ "$4" != 0 ]; then
+    ip netns exec "$ns" tc qdisc add dev "$dev" parent 1:1 handle 10: netem delay "${4}us" limit 100000
+  fi
+}
+
+do_shape() {
+  local rate="" delay=0 cpu="" host ns pid
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --rate) rate=$2; shift 2 ;;
+      --delay-us) delay=$2; shift 2 ;;
+      --cpu) cpu=$2; shift 2 ;;
+      *) die "shape: unknown option '$1' (--rate R --delay-us D --cpu C)" ;;
+    esac
+  done
+  state_get N >/dev/null
+  [[ "$delay" =~ ^[0-9]+$ ]] || die "--delay-us needs whole microseconds, got '$delay'"
+  if [ "$delay" != 0 ]; then
+    # Probe on a throwaway link: tc's error for a missing qdisc is "Specified qdisc kind is unknown".
+    ip -n "$SW" link add "$P-probe0" type veth peer name "$P-probe1"
+    local ok=1
+    ip netns exec "$SW" tc qdisc add dev "$P-probe0" root netem delay 1us 2>/dev/null || ok=0
+    ip -n "$SW" link del "$P-probe0"
+    [ "$ok" = 1 ] || die "--delay-us: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so no delay can be added; run with --delay-us 0 (the path's own round trip is measured and reported)"
+  fi
+  if [ -n "$rate" ]; then
+    tc_rate_bits "$rate" >/dev/null
+    for host in $(all_hosts); do
+      shape_dev "$SW" "$(veth_of "$host")" "$rate" "$delay"     # to the host
+      shape_dev "$(ns_of "$host")" eth0 "$rate" "$delay"        # from the host
+    done
+    log "links: $rate each way per host, +${delay} us each way ($(tbf_args "$rate"))"
+  fi
+  if [ -n "$cpu" ]; then
+    [[ "$cpu" =~ ^[0-9]*\.?[0-9]+$ ]] || die "--cpu needs a number of cores, got '$cpu'"
+    [ -d "$CG_CPU" ] && [ -d "$CG_ACCT" ] || die "no cgroup v1 cpu and cpuacct hierarchies at $CG_CPU, $CG_ACCT"
+    local quota; quota=$(awk -v c="$cpu" 'BEGIN { printf "%d", c * 100000 }')
+    for host in $(workers); do
+      mkdir -p "$CG_CPU/$P-$host" "$CG_ACCT/$P-$host"
+      echo 100000 > "$CG_CPU/$P-$host/cpu.cfs_period_us"
+      echo "$quota" > "$CG_CPU/$P-$host/cpu.cfs_quota_us"
+      # The worker daemon and whatever runs already; the executors it starts later inherit it.
+      for pid in $(ip netns pids "$(ns_of "$host")"); do
+        echo "$pid" > "$CG_CPU/$P-$host/cgroup.procs" 2>/dev/null || true
+        echo "$pid" > "$CG_ACCT/$P-$host/cgroup.procs" 2>/dev/null || true
+      done
+    done
+    log "CPU: each worker's processes limited to $cpu cores (cfs quota $quota us per 100000 us)"
+  fi
+  sed -i '/^SHAPE_/d' "$STATE/cluster.env"
+  printf 'SHAPE_RATE=%s\nSHAPE_DELAY_US=%s\nSHAPE_CPU=%s\n' "${rate:-none}" "$delay" "${cpu:-none}" >> "$STATE/cluster.env"
+}
+
+do_shape_stats() {
+  local host first=1
+  printf '{'
+  for host in $(workers); do
+    [ -f "$CG_ACCT/$P-$host/cpuacct.usage" ] || continue
+    [ "$first" = 1 ] || printf ','
+    first=0
+    printf '"%s": {"cpu_ns": %s, "throttled_ns": %s, "nr_throttled": %s}' "$host" \
+      "$(cat "$CG_ACCT/$P-$host/cpuacct.usage")" \
+      "$(awk '$1 == "throttled_time" { print $2 }' "$CG_CPU/$P-$host/cpu.stat")" \
+      "$(awk '$1 == "nr_throttled" { print $2 }' "$CG_CPU/$P-$host/cpu.stat")"
+  done
+  printf '}\n'
+}
+
 # --- run / compare -------------------------------------------------------------------------------
 
 # Maps JOB [ARGS] to a class and its arguments; sets JOB_CLASS, JOB_APP (what spark-submit
@@ -524,6 +632,8 @@ case "$cmd" in
   up) do_up "$@" ;;
   down) do_down; echo "cluster down (prefix $P)" ;;
   net) do_net "$@" ;;
+  shape) do_shape "$@" ;;
+  shape-stats) do_shape_stats ;;
   status) load_spark >/dev/null 2>&1 || true; do_status ;;
   run) do_run "$@" ;;
   compare) do_compare "$@" ;;
