@@ -24,9 +24,9 @@
 # vCPUs whose racks are uplinked at 3:1 (a common leaf-spine build: 48 x 25G down, 4 x 100G up)
 # give a host 25 / 32 / 3 = 0.26 Gbit/s per core of traffic between racks when the whole rack
 # sends at once; at C cores per worker that is C x 260 Mbit/s (130mbit at 0.5). (10 GbE hosts
-# with 16 cores give 0.21.) A round trip between racks is 10-50 us in such a network (three
-# switch hops and two NICs); veth pairs through a bridge on this machine measure about that, so
-# no delay is added here (and the kernel could not: no sch_netem).
+# with 16 cores give 0.21.) A round trip between racks is 10-50 us in such a network unloaded
+# (three switch hops and two NICs); veth pairs through a bridge on this machine take 50-90 us
+# already, so no delay is added here (and the kernel could not: no sch_netem).
 #
 # Writes target/bench/shaped.json (scripts/shaped_report.py: both workloads' ratios with 95 %
 # intervals, the shuffle share of task time per shuffle and round, fetch wait, the shape and the

@@ -386,12 +386,15 @@ CG_CPU=/sys/fs/cgroup/cpu
 CG_ACCT=/sys/fs/cgroup/cpuacct
 
 # tbf RATE: a token bucket at RATE whose bucket holds 1 ms of it, at least a 64 KiB GSO frame
-# (tbf splits larger ones), and a queue of 10 ms (a switch port's buffer at these rates).
+# (tbf splits larger ones), and a queue of 20 ms (325 KB at 130 Mbit/s, a congested port's share
+# of a switch's buffer). With 10 ms, TCP's 64 KiB offload frames overflowed it: a 3 s iperf3
+# between two workers at 130 Mbit/s retransmitted 385-33 811 segments; with 20 ms, 0-1, at the
+# same rate, and a ping beside it saw 2-16 ms.
 tbf_args() { # RATE
   local bits burst
   bits=$(tc_rate_bits "$1")
   burst=$(( bits / 8 / 1000 )); [ "$burst" -ge 65536 ] || burst=65536
-  echo "rate $1 burst $burst latency 10ms"
+  echo "rate $1 burst $burst latency 20ms"
 }
 
 tc_rate_bits() { # RATE (tc's units: 100mbit, 1gbit, 500kbit) -> bits per second
