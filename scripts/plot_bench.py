@@ -139,23 +139,28 @@ def plot_engine(r, plt):
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
     sizes = sorted(r["sizes"], key=lambda s: s["bytes"])
     x = [s["bytes"] for s in sizes]
-    for key, label, color in (("engine", "engine (tcp)", "tab:blue"), ("netty", "Spark (Netty)", "tab:orange")):
-        med = [s[f"{key}_gbps"] for s in sizes]
-        spread = [s.get(f"{key}_gbps_spread") or {} for s in sizes]
-        lo = [sp.get("min", m) for sp, m in zip(spread, med)]
-        hi = [sp.get("max", m) for sp, m in zip(spread, med)]
-        a = ax[0][0]
-        a.errorbar(x, med, yerr=errbars(med, lo, hi), marker="o", capsize=3, label=label, color=color)
-    ip = r["spread"].get("iperf3_gbps") or {}
+
+    def by_size(a, series, ylabel, title):
+        """One line per (key, label, color) of `series` against block size, min..max bars."""
+        for key, label, color in series:
+            med = [s[key] for s in sizes]
+            spread = [s.get(f"{key}_spread") or {} for s in sizes]
+            lo = [sp.get("min", m) for sp, m in zip(spread, med)]
+            hi = [sp.get("max", m) for sp, m in zip(spread, med)]
+            a.errorbar(x, med, yerr=errbars(med, lo, hi), marker="o", capsize=3, label=label, color=color)
+        a.set_xscale("log", base=2)
+        a.set_xticks(x, [human(b) for b in x])
+        a.set_xlabel("block size")
+        a.set_ylabel(ylabel)
+        a.set_title(title)
+
     a = ax[0][0]
+    ip = r["spread"].get("iperf3_gbps") or {}
     a.axhline(r["iperf3_gbps"], color="gray", ls="--", label="iperf3 -l 1M (ceiling)")
     if ip:
         a.axhspan(ip["min"], ip["max"], color="gray", alpha=0.12)
-    a.set_xscale("log", base=2)
-    a.set_xticks(x, [human(b) for b in x])
-    a.set_xlabel("block size")
-    a.set_ylabel("Gbit/s (median, bars: min..max)")
-    a.set_title("throughput, loopback, two processes per system")
+    by_size(a, (("engine_gbps", "engine (tcp)", "tab:blue"), ("netty_gbps", "Spark (Netty)", "tab:orange")),
+            "Gbit/s (median, bars: min..max)", "throughput, loopback, two processes per system")
     a.legend()
     a.grid(alpha=0.3)
 
@@ -181,19 +186,10 @@ def plot_engine(r, plt):
          ["Spark p50", "engine p50", "Spark p99", "engine p99"], "4 KiB fetch latency, one at a time",
          "µs (log)", log=True)
     a = ax[1][1]
-    for key, label, color in (("ratio_vs_netty", "throughput, engine ÷ Netty", "tab:blue"),
-                              ("cpu_ratio_vs_netty", "CPU s/GiB, engine ÷ Netty", "tab:green")):
-        med = [s[key] for s in sizes]
-        spread = [s.get(f"{key}_spread") or {} for s in sizes]
-        lo = [sp.get("min", m) for sp, m in zip(spread, med)]
-        hi = [sp.get("max", m) for sp, m in zip(spread, med)]
-        a.errorbar(x, med, yerr=errbars(med, lo, hi), marker="o", capsize=3, label=label, color=color)
     a.axhline(1.0, color="gray", ls="--")
-    a.set_xscale("log", base=2)
-    a.set_xticks(x, [human(b) for b in x])
-    a.set_xlabel("block size")
-    a.set_ylabel("ratio (median of per-round ratios)")
-    a.set_title("engine ÷ Spark (Netty) by block size (both processes' CPU)")
+    by_size(a, (("ratio_vs_netty", "throughput, engine ÷ Netty", "tab:blue"),
+                ("cpu_ratio_vs_netty", "CPU s/GiB, engine ÷ Netty", "tab:green")),
+            "ratio (median of per-round ratios)", "engine ÷ Spark (Netty) by block size (both processes' CPU)")
     a.legend()
     a.grid(alpha=0.3)
     fig.suptitle(f"engine vs Spark {r.get('spark_version', '')} block transfer vs iperf3 — "
