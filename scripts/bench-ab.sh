@@ -95,8 +95,9 @@ import glob, json, os, statistics, sys
 out, a, b = sys.argv[1:4]
 
 def leaves(v, path=()):
-    """Numeric leaves of a report, keyed by path; rows of a table (dicts with a 'library')
-    are keyed by what they measure, not by their position."""
+    """Numeric leaves of a report, keyed by path; rows of a table (dicts with a 'library', or
+    engine.json's block sizes, dicts with 'bytes') are keyed by what they measure, not by their
+    position: two revisions that measure different sets of sizes compare the sizes both have."""
     if isinstance(v, bool):
         return
     if isinstance(v, (int, float)):
@@ -108,7 +109,7 @@ def leaves(v, path=()):
             yield from leaves(x, path + (k,))
     elif isinstance(v, list):
         for i, x in enumerate(v):
-            if isinstance(x, dict) and "library" in x:
+            if isinstance(x, dict) and ("library" in x or "bytes" in x):
                 key = "/".join(str(x.get(k)) for k in ("library", "op", "bytes", "world") if k in x)
                 yield from leaves({k: y for k, y in x.items() if k not in ("library", "op", "bytes", "world")}, path + (key,))
             else:
