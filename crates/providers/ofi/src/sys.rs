@@ -844,7 +844,25 @@ impl Endpoint {
             let ep = Ep { fid: ep, _cq: cq.clone(), _av: av.clone(), _domain: domain.clone() };
             check("fi_ep_bind(av)", fi::fi_ep_bind(ep.fid, &mut (*av.fid).fid, 0) as i64)?;
             check("fi_ep_bind(cq)", fi::fi_ep_bind(ep.fid, &mut (*cq.fid).fid, (fi::FI_TRANSMIT | fi::FI_RECV) as u64) as i64)?;
-            check("fi_enable", fi::fi_enable(ep.fid) as i64)?;
+            check("fi_enable", fi::fi_enable(ep.fid) as i64).map_err(|e| match e {
+                // ofi_rxm sizes the core provider's completion queues for FI_UNIVERSE_SIZE
+                // peers (default 256): more entries than a small device has (rxe: 32767)
+                // fails here with EINVAL, which alone says nothing useful.
+                OfiError::Call { call, code, message }
+                    if code == fi::FI_EINVAL as i32 && summary.provider.contains("ofi_rxm") =>
+                {
+                    OfiError::Call {
+                        call,
+                        code,
+                        message: format!(
+                            "{message}; ofi_rxm sizes its completion queues for FI_UNIVERSE_SIZE peers \
+                             (default 256), more than some devices hold (rxe: 32767 entries): set \
+                             FI_UNIVERSE_SIZE lower, e.g. 64, in the environment"
+                        ),
+                    }
+                }
+                other => other,
+            })?;
 
             let mut me = Endpoint {
                 ep,

@@ -23,6 +23,8 @@ fn config(provider: &str) -> OfiConfig {
     }
     cfg.rx_depth = 8;
     cfg.max_msg = 4096;
+    // OFI_TEST_WAIT_FD=0: a completion queue without a wait fd (polled each turn).
+    cfg.wait_fd = std::env::var("OFI_TEST_WAIT_FD").map_or(true, |v| v != "0");
     cfg
 }
 
