@@ -26,7 +26,7 @@ set -euo pipefail
 
 CACHE=${SOFTROCE_CACHE:-$HOME/.cache/rdma-shuffle/softroce}
 # Bump when the package lists, module lists or base initramfs layout below change.
-CACHE_VERSION=rs2
+CACHE_VERSION=rs3
 FORCE=0
 case ${1:-} in
   --force) FORCE=1 ;;
@@ -122,7 +122,9 @@ fi
 depmod -b "$CACHE/kroot" "$KV"
 # The full module tree is ~400 MB; keep only what the guest may load.
 # crc32_generic: rdma_rxe on 6.1 needs a crc32 provider and there is no udev to load it.
-CORE_MODS=(crc32_generic rdma_rxe ib_uverbs virtio_pci virtio_net dummy veth)
+# rdma_ucm (with rdma_cm, ib_cm, iw_cm): /dev/infiniband/rdma_cm, which libfabric's verbs
+# provider connects through (the engine's own verbs provider bootstraps over TCP instead).
+CORE_MODS=(crc32_generic rdma_rxe ib_uverbs rdma_ucm virtio_pci virtio_net dummy veth)
 SHARE_MODS=(9pnet_virtio 9p overlay)
 deps_of() { for m in "$@"; do modprobe -d "$CACHE/kroot" -S "$KV" --show-depends "$m"; done \
   | awk '$1=="insmod"{print $2}'; }

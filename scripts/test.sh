@@ -79,6 +79,9 @@ summarize_cargo target/test-verbs-host.log
 step "verbs: conformance suite, cross-device test and Mobius collectives on real kernel RDMA (SoftRoCE VM)"
 run_script scripts/verbs-test.sh
 
+step "libfabric over verbs;ofi_rxm on real kernel RDMA (SoftRoCE VM): sends, fi_read as RDMA READs (counted), pool leases, two processes"
+run_script scripts/ofi-verbs-test.sh
+
 step "rust: criterion micro-benchmarks compile and run once"
 # In test mode (criterion runs each benchmark once), on the dev build made above: a release
 # build of criterion and its dependencies only for this check cost ~4 min of CI.
