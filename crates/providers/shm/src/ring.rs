@@ -8,6 +8,14 @@
 //! `head`; the consumer's acquire load of `head` makes them visible. Symmetrically the
 //! consumer releases space with a release store of `tail`.
 //!
+//! **Small traffic stays at the ring's start.** Once records reach past [`WARM`] bytes into
+//! the ring and the consumer has caught up, the producer pads to the end and starts again at
+//! offset 0, as a wrap does. So a link whose messages are small (a 4 KiB allreduce, a
+//! group's handshake and headers) touches the first [`WARM`] bytes of its ring and no more:
+//! its pages stay few and hot in cache, and the segment need not be populated when it is
+//! made (populating two 2 MiB rings was nearly all of what a group's shm links cost to set
+//! up). Records that do not drain at once (a stream of large ones) use the whole ring.
+//!
 //! The peer is another process and may be buggy or hostile: every value read from shared
 //! memory (`head`, a record header) is checked before use, and a violation is an error of the
 //! connection, never an out-of-bounds access. (A peer can still change a record's bytes while
@@ -24,6 +32,11 @@ pub(crate) const RECORD_HEADER: u64 = 8;
 pub const RING_HEAD_ROOM: usize = 512;
 /// Record kind of padding (skipped by the consumer).
 pub(crate) const KIND_PAD: u32 = 0;
+/// Bytes at the ring's start that small traffic keeps to: a record that would start past
+/// them starts at offset 0 instead when the consumer has freed what lies there (see the
+/// module docs). The producer reads the consumer's `tail` for it at most once per `WARM`
+/// bytes.
+pub(crate) const WARM: u64 = 64 * 1024;
 
 fn padded(len: u64) -> u64 {
     RECORD_HEADER + len.div_ceil(8) * 8
@@ -41,6 +54,9 @@ pub(crate) struct Producer {
     /// push reads the consumer's line only when that room runs out. Reading it on every
     /// record was the largest cost of a small send (a line the other core just wrote).
     seen_tail: u64,
+    /// Position from which a record past [`WARM`] may look at `tail` again to start over at
+    /// offset 0 (one look per `WARM` bytes while the consumer lags).
+    rewind_from: u64,
 }
 
 /// The reading end of a ring.
@@ -84,7 +100,7 @@ impl Producer {
         let pos = unsafe { (*p.head).load(Ordering::Relaxed) };
         // SAFETY: as above, for `tail`.
         let seen_tail = unsafe { (*p.tail).load(Ordering::Acquire) };
-        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_tail }
+        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_tail, rewind_from: pos }
     }
 
     /// Largest payload one record carries (so a record and its padding fit an empty ring).
@@ -101,20 +117,28 @@ impl Producer {
         let need = padded(len as u64);
         let at = self.pos & (self.cap - 1);
         let to_end = self.cap - at;
-        let total = if need > to_end { to_end + need } else { need };
         // A hostile consumer could move `tail` past `head`; then this wraps to a huge number
         // and we see no room, which only stalls our own sends to it.
-        let room = |tail: u64| self.pos.wrapping_sub(tail).saturating_add(total) <= self.cap;
-        if !room(self.seen_tail) {
+        let room = |tail: u64, total: u64| self.pos.wrapping_sub(tail).saturating_add(total) <= self.cap;
+        // Past the warm start, start over at offset 0 if the consumer freed it (see WARM).
+        let rewind = at > WARM && need <= to_end && self.pos >= self.rewind_from && {
+            // SAFETY: as the load below.
+            self.seen_tail = unsafe { (*self.tail).load(Ordering::Acquire) };
+            self.rewind_from = self.pos + WARM;
+            room(self.seen_tail, to_end + need)
+        };
+        let wrap = rewind || need > to_end;
+        let total = if wrap { to_end + need } else { need };
+        if !room(self.seen_tail, total) {
             // SAFETY: `tail` is live (constructor contract); acquire orders the consumer's
             // reads of the records it freed before our overwrite.
             self.seen_tail = unsafe { (*self.tail).load(Ordering::Acquire) };
-            if !room(self.seen_tail) {
+            if !room(self.seen_tail, total) {
                 return false;
             }
         }
         let mut at = at;
-        if need > to_end {
+        if wrap {
             self.write_header(at, (to_end - RECORD_HEADER) as u32, KIND_PAD);
             self.pos += to_end;
             at = 0;
@@ -257,7 +281,43 @@ mod tests {
 
     #[test]
     fn records_of_every_size_cross_in_order_with_wraparound_and_backpressure() {
-        let ring = std::sync::Arc::new(local(4096));
+        // 4 KiB: records wrap at the end; 256 KiB: they also start over past WARM whenever
+        // the consumer caught up.
+        for cap in [4096, 256 << 10] {
+            every_size_crosses_in_order(cap);
+        }
+    }
+
+    #[test]
+    fn small_records_a_consumer_keeps_up_with_stay_at_the_ring_s_start() {
+        let cap = 1 << 20;
+        let ring = local(cap);
+        // SAFETY: one producer and one consumer over `ring`, which outlives both.
+        let (mut p, mut c) = unsafe { (Producer::new(ring.ptrs), Consumer::new(ring.ptrs)) };
+        let body = vec![5u8; 4096];
+        let base = ring.ptrs.data as usize;
+        let mut furthest = 0;
+        for i in 0..2_000u32 {
+            assert!(p.push(i + 1, &[&body[..4096 - (i as usize % 64)]]));
+            let (kind, at) = c.pop(|kind, bytes| (kind, bytes.as_ptr() as usize - base)).unwrap().unwrap();
+            assert_eq!(kind, i + 1);
+            furthest = furthest.max(at + 4096);
+        }
+        // 8 MiB went through a 1 MiB ring, all of it within the warm start and one record.
+        assert!(furthest as u64 <= WARM + 4096 + RECORD_HEADER, "records reached {furthest} bytes into the ring");
+        // A consumer that lags keeps the producer going round the whole ring.
+        let mut furthest = 0;
+        for _ in 0..2_000 {
+            while !p.push(7, &[&body]) {
+                let at = c.pop(|_, bytes| bytes.as_ptr() as usize - base).unwrap().unwrap();
+                furthest = furthest.max(at + 4096);
+            }
+        }
+        assert!(furthest > cap / 2, "a lagging consumer's records reached only {furthest} bytes");
+    }
+
+    fn every_size_crosses_in_order(cap: usize) {
+        let ring = std::sync::Arc::new(local(cap));
         let r2 = ring.clone();
         // SAFETY: the ring lives in `ring`, kept by both threads; one producer, one consumer.
         let mut p = unsafe { Producer::new(ring.ptrs) };

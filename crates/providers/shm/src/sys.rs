@@ -65,22 +65,15 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes of `fd` shared.
     pub(crate) fn new(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
-        // Populated at once (MAP_POPULATE): each first touch of a ring page otherwise costs a
-        // page fault on both sides, on every message until the ring has wrapped once (256
-        // messages of 4 KiB into a 1 MiB ring). Measured: a 2-rank 4 KiB allreduce took 9 us
-        // over its first hundred calls against 4.4 us once warm; populated, 5.4 us from the
-        // start. The pages would all be touched by the first MiB sent anyway.
+        // Not populated: a page is made when a side first touches it, and small traffic
+        // keeps to the first 64 KiB of each ring (ring.rs, `WARM`), so a link used for small
+        // messages touches a few pages, not its whole segment. Populating both 2 MiB rings
+        // (allocating, zeroing and mapping 1,024 pages per side, freeing them at close) was
+        // nearly all of a group's shm setup (`perf record` of the `mesh_setup` example).
         // SAFETY: a fresh mapping chosen by the kernel; the file is at least `len` bytes long
         // and sealed against shrinking (checked by the caller for files a peer sent).
         let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd.as_raw_fd(),
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
         };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
