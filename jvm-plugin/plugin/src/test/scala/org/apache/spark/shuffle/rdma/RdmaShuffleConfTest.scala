@@ -92,7 +92,11 @@ class RdmaShuffleConfTest {
   }
 
   @Test def badValuesNameTheSetting(): Unit = {
-    rejects("spark.shuffle.rdma.transport" -> "infiniband", "infiniband", "must be one of", "auto|tcp")
+    rejects(
+      "spark.shuffle.rdma.transport" -> "infiniband",
+      "infiniband",
+      "must be one of",
+      "auto|tcp")
     rejects("spark.shuffle.rdma.eagerThreshold" -> "lots", "lots", "not a size")
     rejects("spark.shuffle.rdma.eagerThreshold" -> "0", "1..16777216 bytes")
     rejects("spark.shuffle.rdma.eagerThreshold" -> "32m", "1..16777216 bytes")
