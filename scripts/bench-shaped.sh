@@ -66,11 +66,7 @@ rm -f "$shape_json" target/bench/tpcds-shaped.json target/bench/shaped-sortbykey
 
 step "Spark runtime"
 . scripts/spark-env.sh
-if [ "$build" = yes ]; then
-  step "native library and jars"
-  bash scripts/build-native.sh >/dev/null
-  (cd jvm-plugin && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
-fi
+[ "$build" = no ] || build_plugin
 if [[ ",$workloads," == *,tpcds,* ]]; then
   step "TPC-DS data (SF $sf) and query texts"
   "$VENV_DIR/bin/python" scripts/tpcds.py data --sf "$sf"
@@ -91,9 +87,14 @@ rtts=$(ip netns exec "$w1" ping -c 21 -i 0.05 "$ip2" | sed -n 's/.*time=\([0-9.]
 rtt_us=$(echo "$rtts" | sort -n | awk '{ a[NR] = $1 } END { printf "%d", 1000 * (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }')
 ip netns exec "$w2" iperf3 -s -1 -B "$ip2" >/dev/null 2>&1 &
 iperf_pid=$!
-for _ in $(seq 1 50); do ip netns exec "$w1" bash -c "echo > /dev/tcp/$ip2/5201" 2>/dev/null && break; sleep 0.1; done
-bulk=$(ip netns exec "$w1" iperf3 -c "$ip2" -t 3 -J | "$VENV_DIR/bin/python" -c \
-  'import json, sys; print(round(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"] / 1e6, 1))')
+# Wait for the listening socket (a test connection would use up the one-off server).
+for _ in $(seq 1 50); do ip netns exec "$w2" ss -ltnH "sport = :5201" | grep -q . && break; sleep 0.1; done
+bulk=$(ip netns exec "$w1" iperf3 -c "$ip2" -t 3 -J | "$VENV_DIR/bin/python" -c '
+import json, sys
+r = json.load(sys.stdin)
+if "error" in r:
+    sys.exit("iperf3: " + r["error"])
+print(round(r["end"]["sum_received"]["bits_per_second"] / 1e6, 1))')
 wait "$iperf_pid" 2>/dev/null || true
 echo "round trip w1 -> w2: ${rtt_us} us (median of 20 pings); bulk w1 -> w2: $bulk Mbit/s (shaped at $rate)"
 cpu0=$(bash scripts/cluster.sh shape-stats)

@@ -53,12 +53,7 @@ step "Spark runtime"
 line=4.x; [ "${RDMA_SPARK_PROFILE:-}" = spark-3.5 ] && line=3.5
 plugin_jar="$REPO_ROOT/jvm-plugin/plugin/target/spark-$line/rdma-shuffle-spark${line}_${SCALA_BINARY}-0.1.0-SNAPSHOT.jar"
 jobs_jar="$REPO_ROOT/jvm-plugin/jobs/target/spark-$line/rdma-shuffle-jobs-spark${line}_${SCALA_BINARY}-0.1.0-SNAPSHOT.jar"
-if [ "$build" = yes ]; then
-  step "native library (scripts/build-native.sh)"
-  scripts/build-native.sh >/dev/null
-  step "jars (mvn package -DskipTests)"
-  (cd jvm-plugin && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
-fi
+[ "$build" = no ] || build_plugin
 for j in "$plugin_jar" "$jobs_jar"; do
   [ -f "$j" ] || { echo "missing $j (run without --no-build)" >&2; exit 1; }
 done

@@ -69,12 +69,7 @@ fi
 
 step "Spark runtime"
 . scripts/spark-env.sh
-if [ "$build" = yes ]; then
-  step "native library (scripts/build-native.sh)"
-  scripts/build-native.sh >/dev/null
-  step "jars (mvn package -DskipTests)"
-  (cd jvm-plugin && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
-fi
+[ "$build" = no ] || build_plugin
 [ -f "$RDMA_PLUGIN_JAR" ] || { echo "missing $RDMA_PLUGIN_JAR (run without --no-build)" >&2; exit 1; }
 if ! unzip -l "$RDMA_PLUGIN_JAR" | grep -q 'librdma_shuffle_jni'; then
   echo "$RDMA_PLUGIN_JAR bundles no native library: the plugin would hand every shuffle to Spark" >&2

@@ -57,6 +57,15 @@ summarize_cargo() {
        END { printf "rust: %d passed, %d failed\n", p, f }' "$1"
 }
 
+# build_plugin: the native library (scripts/build-native.sh, bundled into the plugin jar) and the
+# jars of the Spark line in use (RDMA_SPARK_PROFILE), as the Spark scripts need them. Source
+# scripts/spark-env.sh first; run from the repository's root.
+build_plugin() {
+  step "native library (scripts/build-native.sh) and jars (mvn package -DskipTests)"
+  bash scripts/build-native.sh >/dev/null
+  (cd jvm-plugin && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
+}
+
 # full: true under `scripts/test.sh --full` (RDMA_TEST_FULL=1), for steps only the full run has.
 full() { [ "${RDMA_TEST_FULL:-}" = 1 ]; }
 

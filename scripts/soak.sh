@@ -64,11 +64,7 @@ if [ $(( 100 + 10 * every )) -gt $(( shuffles + every )) ]; then
 fi
 
 . scripts/spark-env.sh
-if [ "$build" = yes ]; then
-  step "native library (scripts/build-native.sh) and jars (mvn package -DskipTests)"
-  bash scripts/build-native.sh >/dev/null
-  (cd jvm-plugin && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
-fi
+[ "$build" = no ] || build_plugin
 for j in "$RDMA_PLUGIN_JAR" "$RDMA_JOBS_JAR"; do
   [ -f "$j" ] || { echo "soak.sh: missing $j (run without --no-build)" >&2; exit 1; }
 done

@@ -35,11 +35,7 @@ done
 
 step "Spark runtime"
 . scripts/spark-env.sh
-if [ "$build" = yes ]; then
-  step "native library and jars"
-  bash scripts/build-native.sh >/dev/null
-  (cd jvm-plugin && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
-fi
+[ "$build" = no ] || build_plugin
 mkdir -p target/bench
 step "bigblock and hugerequest, default shuffle vs plugin (scale $scale)"
 SCALE=$scale "$VENV_DIR/bin/python" - <<'EOF'
