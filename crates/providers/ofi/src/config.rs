@@ -15,6 +15,9 @@ pub struct OfiConfig {
     pub node: Option<String>,
     /// Local service (port for tcp) to bind; `None` for an ephemeral one.
     pub service: Option<String>,
+    /// The libfabric domain to open (`fi_info -v`'s domain name: a NIC such as `rxe0` or
+    /// `efa_0`, an interface such as `eth0` for tcp); `None` takes the provider's first.
+    pub domain: Option<String>,
     /// Ask for one-sided read (`FI_RMA`). When the provider has none the endpoint opens
     /// without it and [`EndpointInfo::rma`] says so.
     pub rma: bool,
@@ -35,6 +38,7 @@ impl Default for OfiConfig {
             provider: DEFAULT_PROVIDER.to_string(),
             node: None,
             service: None,
+            domain: None,
             rma: true,
             rx_depth: 64,
             max_msg: 64 * 1024,
@@ -74,6 +78,14 @@ pub struct EndpointInfo {
     pub max_msg_size: usize,
     /// The completion queue has a file descriptor to wait on.
     pub wait_fd: bool,
+    /// Bytes of a memory key the application may choose (`mr_key_size`; 0 where the
+    /// provider chooses keys itself, `FI_MR_PROV_KEY`).
+    pub key_bytes: usize,
+    /// Registrations a peer reads must be bound to the endpoint (`FI_MR_ENDPOINT`).
+    pub mr_endpoint: bool,
+    /// Addresses are socket addresses (`FI_SOCKADDR_IN`/`IN6`): a domain is an IP interface
+    /// and an endpoint binds one of its addresses (tcp).
+    pub sockaddr: bool,
 }
 
 /// A region of a peer's memory that peer exposed for one-sided read: what travels on the

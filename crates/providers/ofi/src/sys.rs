@@ -26,7 +26,9 @@ use std::sync::Arc;
 
 use ofi_libfabric_sys::bindgen as fi;
 
+use rdma_shuffle_fabric::memory::pool::Lease;
 use rdma_shuffle_fabric::memory::registration::{RegionKeys, Registrar};
+use rdma_shuffle_fabric::providers::Source;
 use rdma_shuffle_fabric::PoolError;
 
 use crate::config::{EndpointInfo, OfiConfig, PeerAddr, RemoteRegion};
@@ -45,6 +47,12 @@ pub(crate) fn strerror(code: i32) -> String {
     // SAFETY: fi_strerror returns a pointer to a static NUL-terminated string for any
     // integer (unknown codes get a generic text); it is never freed.
     unsafe { CStr::from_ptr(fi::fi_strerror(code)) }.to_string_lossy().into_owned()
+}
+
+/// Whether a completion's error number says the target refused the access: a key it does
+/// not know (never registered, or closed since) or a range outside the registration.
+pub(crate) fn is_access_error(code: i32) -> bool {
+    [fi::FI_EACCES, fi::FI_EKEYREJECTED, fi::FI_ENOKEY, fi::FI_EINVAL, fi::FI_EREMOTEIO].contains(&(code as u32))
 }
 
 /// Turns a libfabric return code (negative on error) into a typed error naming `call`.
@@ -113,10 +121,11 @@ fn wanted_caps(cfg: &OfiConfig) -> Vec<(u64, &'static str)> {
 
 /// Memory-registration modes this layer handles: it registers local buffers when asked
 /// (LOCAL), sends virtual addresses or offsets as the provider says (VIRT_ADDR), registers
-/// only allocated memory (ALLOCATED) and uses the provider's keys (PROV_KEY). FI_MR_ENDPOINT
-/// (binding every registration to an endpoint, as cxi needs) is not offered: providers that
-/// require it are not chosen.
-const MR_MODES: u32 = fi::FI_MR_LOCAL | fi::FI_MR_VIRT_ADDR | fi::FI_MR_ALLOCATED | fi::FI_MR_PROV_KEY;
+/// only allocated memory (ALLOCATED), uses the provider's keys (PROV_KEY), and binds the
+/// registrations a peer reads to the endpoint that serves them (ENDPOINT, as cxi requires).
+/// A provider that wants both ENDPOINT and LOCAL is refused when the domain opens: the pool's
+/// slabs are registered before any endpoint exists.
+const MR_MODES: u32 = fi::FI_MR_LOCAL | fi::FI_MR_VIRT_ADDR | fi::FI_MR_ALLOCATED | fi::FI_MR_PROV_KEY | fi::FI_MR_ENDPOINT;
 
 fn getinfo(cfg: &OfiConfig) -> Result<InfoList, OfiError> {
     let prov = CString::new(cfg.provider.as_str())
@@ -133,6 +142,12 @@ fn getinfo(cfg: &OfiConfig) -> Result<InfoList, OfiError> {
         .map(CString::new)
         .transpose()
         .map_err(|_| OfiError::Invalid { what: "service", detail: "contains a NUL byte".into() })?;
+    let domain = cfg
+        .domain
+        .as_deref()
+        .map(CString::new)
+        .transpose()
+        .map_err(|_| OfiError::Invalid { what: "domain", detail: "contains a NUL byte".into() })?;
     let flags = if node.is_some() || service.is_some() { fi::FI_SOURCE } else { 0 };
     let mut last = (fi::FI_ENODATA as i32, "FI_MSG");
     for (caps, caps_name) in wanted_caps(cfg) {
@@ -161,6 +176,9 @@ fn getinfo(cfg: &OfiConfig) -> Result<InfoList, OfiError> {
             (*h.tx_attr).msg_order = fi::FI_ORDER_SAS as u64;
             (*h.rx_attr).msg_order = fi::FI_ORDER_SAS as u64;
             (*h.fabric_attr).prov_name = libc::strdup(prov.as_ptr());
+            if let Some(d) = &domain {
+                (*h.domain_attr).name = libc::strdup(d.as_ptr());
+            }
             fi::fi_getinfo(
                 api_version(),
                 node.as_ref().map_or(ptr::null(), |s| s.as_ptr()),
@@ -182,7 +200,10 @@ fn getinfo(cfg: &OfiConfig) -> Result<InfoList, OfiError> {
     if code == fi::FI_ENODATA as i32 {
         Err(OfiError::NoProvider {
             provider: cfg.provider.clone(),
-            wanted: format!("FI_EP_RDM with {caps_name}, FI_ORDER_SAS, FI_THREAD_SAFE"),
+            wanted: format!(
+                "FI_EP_RDM with {caps_name}, FI_ORDER_SAS, FI_THREAD_SAFE{}",
+                cfg.domain.as_deref().map(|d| format!(" on domain {d}")).unwrap_or_default()
+            ),
             message: strerror(code),
         })
     } else {
@@ -217,7 +238,8 @@ impl Drop for Fabric {
 pub(crate) struct DomainInner {
     fid: *mut fi::fid_domain,
     info: InfoList,
-    rma: bool,
+    /// What the provider granted (`wait_fd` is an endpoint's: false here).
+    summary: EndpointInfo,
     /// The provider chooses keys (FI_MR_PROV_KEY); else this layer requests them.
     prov_key: bool,
     _fabric: Arc<Fabric>,
@@ -238,13 +260,15 @@ unsafe impl Sync for Fabric {}
 unsafe impl Send for DomainInner {}
 unsafe impl Sync for DomainInner {}
 
-/// A shared handle on a domain, for registering memory from any thread.
+/// A shared handle on a domain: memory is registered with it from any thread, and endpoints
+/// are opened in it ([`Endpoint::open_in`]), so pool memory its registrar registered is valid
+/// for every endpoint of the domain.
 #[derive(Clone)]
 pub struct Domain(Arc<DomainInner>);
 
 impl std::fmt::Debug for Domain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Domain").field("rma", &self.0.rma).finish()
+        f.debug_struct("Domain").field("info", &self.0.summary).finish()
     }
 }
 
@@ -258,6 +282,97 @@ pub enum Access {
 }
 
 impl Domain {
+    /// Opens the fabric and domain of the first provider `fi_getinfo` offers for `cfg`
+    /// (its provider name, domain, node and capabilities).
+    pub fn open(cfg: &OfiConfig) -> Result<Domain, OfiError> {
+        let info = getinfo(cfg)?;
+        // SAFETY: `info` is a non-empty list from fi_getinfo; its first entry is read as the
+        // provider answered it. The fabric and domain opened are owned at once by values whose
+        // Drop closes them.
+        unsafe {
+            let i = &*info.0;
+            let caps = i.caps;
+            let mr_mode = (*i.domain_attr).mr_mode as u32;
+            let prov_key = mr_mode & fi::FI_MR_PROV_KEY != 0;
+            let summary = EndpointInfo {
+                provider: c_string((*i.fabric_attr).prov_name),
+                fabric: c_string((*i.fabric_attr).name),
+                domain: c_string((*i.domain_attr).name),
+                rma: caps & fi::FI_RMA as u64 != 0,
+                source: caps & fi::FI_SOURCE != 0,
+                mr_local: mr_mode & fi::FI_MR_LOCAL != 0,
+                mr_virt_addr: mr_mode & fi::FI_MR_VIRT_ADDR != 0,
+                inject_size: (*i.tx_attr).inject_size,
+                max_msg_size: (*i.ep_attr).max_msg_size,
+                wait_fd: false,
+                key_bytes: if prov_key { 0 } else { (*i.domain_attr).mr_key_size },
+                mr_endpoint: mr_mode & fi::FI_MR_ENDPOINT != 0,
+                sockaddr: i.addr_format == fi::FI_SOCKADDR_IN || i.addr_format == fi::FI_SOCKADDR_IN6,
+            };
+            if summary.mr_endpoint && summary.mr_local {
+                return Err(OfiError::NoProvider {
+                    provider: cfg.provider.clone(),
+                    wanted: "memory registration without both FI_MR_ENDPOINT and FI_MR_LOCAL".into(),
+                    message: format!(
+                        "{} on {} binds local registrations to endpoints, and the pool registers its memory before any endpoint exists",
+                        summary.provider, summary.domain
+                    ),
+                });
+            }
+            if summary.rma && !prov_key && summary.key_bytes < 4 {
+                return Err(OfiError::NoProvider {
+                    provider: cfg.provider.clone(),
+                    wanted: "memory keys of at least 4 bytes".into(),
+                    message: format!("{} takes {}-byte keys", summary.provider, summary.key_bytes),
+                });
+            }
+            let mut fabric: *mut fi::fid_fabric = ptr::null_mut();
+            check("fi_fabric", fi::fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut()) as i64)?;
+            let fabric = Arc::new(Fabric(fabric));
+            let mut domain: *mut fi::fid_domain = ptr::null_mut();
+            check("fi_domain", fi::fi_domain(fabric.0, info.0, &mut domain, ptr::null_mut()) as i64)?;
+            Ok(Domain(Arc::new(DomainInner { fid: domain, info, summary, prov_key, _fabric: fabric })))
+        }
+    }
+
+    /// What the provider granted for this domain.
+    pub fn info(&self) -> &EndpointInfo {
+        &self.0.summary
+    }
+
+    /// The IP address endpoints of this domain bind, for providers whose addresses are
+    /// socket addresses (tcp); `None` for others.
+    pub fn source_ip(&self) -> Option<std::net::IpAddr> {
+        // SAFETY: the info list lives as long as the domain; src_addr holds src_addrlen bytes
+        // of the info's address format, read only for the socket formats.
+        unsafe {
+            let i = &*self.0.info.0;
+            if i.src_addr.is_null() {
+                return None;
+            }
+            if i.addr_format == fi::FI_SOCKADDR_IN && i.src_addrlen >= std::mem::size_of::<libc::sockaddr_in>() {
+                let a = &*(i.src_addr as *const libc::sockaddr_in);
+                return Some(std::net::IpAddr::from(u32::from_be(a.sin_addr.s_addr).to_be_bytes()));
+            }
+            if i.addr_format == fi::FI_SOCKADDR_IN6 && i.src_addrlen >= std::mem::size_of::<libc::sockaddr_in6>() {
+                let a = &*(i.src_addr as *const libc::sockaddr_in6);
+                return Some(std::net::IpAddr::from(a.sin6_addr.s6_addr));
+            }
+            None
+        }
+    }
+
+    /// A new nonzero key for a registration where the application chooses keys: random over
+    /// every byte the domain takes (tcp and shm take 8), so a peer cannot guess another
+    /// region's key from its own.
+    fn new_key(&self) -> u64 {
+        match self.0.summary.key_bytes {
+            0 => 0,
+            n if n >= 8 => rand::random::<u64>().max(1),
+            n => (rand::random::<u64>() & ((1u64 << (8 * n)) - 1)).max(1),
+        }
+    }
+
     /// Registers `len` bytes at `addr` with the domain.
     ///
     /// # Safety
@@ -268,13 +383,14 @@ impl Domain {
         if len == 0 {
             return Err(OfiError::Invalid { what: "registration", detail: "zero length".into() });
         }
+        let rma = self.0.summary.rma;
         let mut acs = (fi::FI_SEND | fi::FI_RECV) as u64;
-        if self.0.rma {
+        if rma {
             acs |= fi::FI_READ as u64;
         }
         if access == Access::RemoteRead {
-            if !self.0.rma {
-                return Err(OfiError::NoRma { provider: self.provider() });
+            if !rma {
+                return Err(OfiError::NoRma { provider: self.0.summary.provider.clone() });
             }
             acs |= fi::FI_REMOTE_READ as u64;
         }
@@ -283,12 +399,11 @@ impl Domain {
         // registration is owned at once by a MemoryRegion holding the domain.
         unsafe {
             // Where the application chooses keys (tcp, shm: no FI_MR_PROV_KEY), every
-            // registration needs its own, and a peer must not guess another region's from its
-            // own: random nonzero 32-bit keys (they fit the wire's descriptor, as verbs' rkeys
-            // do), drawn again on the rare collision (FI_ENOKEY).
+            // registration needs its own: drawn at random (`new_key`), again on the rare
+            // collision (FI_ENOKEY).
             let mut attempts = 0;
             loop {
-                let key = if self.0.prov_key { 0 } else { u64::from(rand::random::<u32>().max(1)) };
+                let key = self.new_key();
                 let rc = fi::fi_mr_reg(self.0.fid, addr as *const c_void, len, acs, 0, key, 0, &mut mr, ptr::null_mut());
                 attempts += 1;
                 if rc == -(fi::FI_ENOKEY as i32) && !self.0.prov_key && attempts < 16 {
@@ -297,21 +412,142 @@ impl Domain {
                 check("fi_mr_reg", rc as i64)?;
                 break;
             }
-            let virt = (*(*self.0.info.0).domain_attr).mr_mode as u32 & fi::FI_MR_VIRT_ADDR != 0;
-            Ok(MemoryRegion {
+            let region = MemoryRegion {
                 desc: fi::fi_mr_desc(mr),
                 key: fi::fi_mr_key(mr),
-                base: if virt { addr as u64 } else { 0 },
+                base: if self.0.summary.mr_virt_addr { addr as u64 } else { 0 },
                 len,
                 fid: mr,
                 _domain: self.0.clone(),
-            })
+            };
+            Ok(region)
         }
     }
 
-    fn provider(&self) -> String {
-        // SAFETY: the info list lives as long as the domain; prov_name is NUL-terminated.
-        unsafe { c_string((*(*self.0.info.0).fabric_attr).prov_name) }
+    /// A buffer of `len` bytes, registered when the provider needs local registration
+    /// (`FI_MR_LOCAL`) or when `access` exposes it for one-sided read.
+    pub fn alloc(&self, len: usize, access: Access) -> Result<Buffer, OfiError> {
+        if len == 0 {
+            return Err(OfiError::Invalid { what: "buffer", detail: "zero length".into() });
+        }
+        let mut data = vec![0u8; len].into_boxed_slice();
+        let mr = if self.0.summary.mr_local || access == Access::RemoteRead {
+            // SAFETY: `data` is allocated, and the Buffer that owns it holds the registration
+            // (its field `mr`), which is dropped before it; operations in flight keep the
+            // Buffer in the endpoint's `ops` until their completion or the endpoint's close.
+            Some(unsafe { self.register_raw(data.as_mut_ptr(), len, access)? })
+        } else {
+            None
+        };
+        Ok(Buffer { mr, data: Storage::Owned(data) })
+    }
+
+    /// Exposes the first `len` bytes of `data` for one-sided read by peers that hold the
+    /// key: a registration of that range alone with remote read, bound to `endpoint` where
+    /// the provider wants that (`FI_MR_ENDPOINT`). On failure the memory comes back.
+    pub fn expose_copy(&self, mut data: Box<[u8]>, len: usize, endpoint: &Endpoint) -> Result<Exposure, (Box<[u8]>, OfiError)> {
+        if len == 0 || len > data.len() {
+            let e = OfiError::OutOfRange { what: "exposed range", offset: 0, len: len as u64, region: data.len() as u64 };
+            return Err((data, e));
+        }
+        // SAFETY: `data` is a heap allocation that the Exposure owns after the registration
+        // (field `backing`, dropped after `mr`); moving the Box does not move its memory.
+        let mr = match unsafe { self.register_raw(data.as_mut_ptr(), len, Access::RemoteRead) } {
+            Ok(mr) => mr,
+            Err(e) => return Err((data, e)),
+        };
+        if let Err(e) = self.bind_to(&mr, endpoint) {
+            drop(mr);
+            return Err((data, e));
+        }
+        let remote = RemoteRegion { addr: mr.base, len: len as u64, key: mr.key };
+        Ok(Exposure { mr, remote, backing: Backing::Copy(data) })
+    }
+
+    /// Exposes `len` bytes of a memory source (`Source::memory`, a caller's buffer) from
+    /// `offset` for one-sided read, without a copy: the exposure holds the source, and its
+    /// registration is closed before the source is let go of.
+    pub fn expose_source(
+        &self,
+        source: Arc<dyn Source>,
+        offset: u64,
+        len: u64,
+        endpoint: &Endpoint,
+    ) -> Result<Exposure, OfiError> {
+        let Some(bytes) = source.memory() else {
+            return Err(OfiError::Invalid { what: "exposed source", detail: "not memory (a file is exposed by a copy)".into() });
+        };
+        let range = usize::try_from(offset)
+            .ok()
+            .zip(usize::try_from(len).ok())
+            .and_then(|(o, l)| Some((o, o.checked_add(l)?)))
+            .filter(|(_, end)| *end <= bytes.len() && len > 0);
+        let Some((from, _)) = range else {
+            return Err(OfiError::OutOfRange { what: "exposed range", offset, len, region: bytes.len() as u64 });
+        };
+        // SAFETY: `Source::memory` promises the bytes stay valid while the source lives; the
+        // Exposure holds the source (field `backing`, dropped after `mr`). The provider only
+        // reads the region (remote read); nothing writes through this pointer.
+        let mr = unsafe { self.register_raw(bytes[from..].as_ptr() as *mut u8, len as usize, Access::RemoteRead)? };
+        self.bind_to(&mr, endpoint)?;
+        let remote = RemoteRegion { addr: mr.base, len, key: mr.key };
+        Ok(Exposure { mr, remote, backing: Backing::Source(source) })
+    }
+
+    /// Binds a registration to `endpoint` and enables it, where the provider wants that
+    /// (`FI_MR_ENDPOINT`); nothing to do elsewhere.
+    fn bind_to(&self, mr: &MemoryRegion, endpoint: &Endpoint) -> Result<(), OfiError> {
+        if !self.0.summary.mr_endpoint {
+            return Ok(());
+        }
+        // SAFETY: both objects are open; the endpoint outlives the registration (exposures
+        // are closed before their engine's endpoint, see the engine's field order).
+        unsafe {
+            check("fi_mr_bind", fi::fi_mr_bind(mr.fid, &mut (*endpoint.ep.fid).fid, 0) as i64)?;
+            check("fi_mr_enable", fi::fi_mr_enable(mr.fid) as i64)?;
+        }
+        Ok(())
+    }
+}
+
+/// Memory a peer may read one-sidedly (`fi_read`) with the exposure's key: its registration
+/// and what backs it. Dropping it closes the registration first: later reads with the key
+/// fail at the target (or, with libfabric 2.1's shm, never complete: the reader bounds them).
+pub struct Exposure {
+    // Declaration order is drop order: the registration closes before its memory goes.
+    mr: MemoryRegion,
+    remote: RemoteRegion,
+    backing: Backing,
+}
+
+enum Backing {
+    Copy(Box<[u8]>),
+    // Held, never read: it keeps the exposed memory alive.
+    #[allow(dead_code)]
+    Source(Arc<dyn Source>),
+}
+
+impl std::fmt::Debug for Exposure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exposure").field("len", &self.remote.len).finish()
+    }
+}
+
+impl Exposure {
+    /// The region as a peer reads it: address, length and key.
+    pub fn remote(&self) -> RemoteRegion {
+        self.remote
+    }
+
+    /// Closes the registration and hands back the copy it exposed, if it was one (for
+    /// reuse), or lets go of the source.
+    pub fn close(self) -> Option<Box<[u8]>> {
+        let Exposure { mr, backing, .. } = self;
+        drop(mr);
+        match backing {
+            Backing::Copy(b) => Some(b),
+            Backing::Source(_) => None,
+        }
     }
 }
 
@@ -414,23 +650,24 @@ unsafe impl Send for Ep {}
 // ------------------------------------------------------------------------------ buffers
 
 /// Memory for sends, receives and reads: owned by this layer (registered when the provider
-/// needs local registration or when it is exposed for one-sided read), or lent by the caller
-/// (a pool lease) for the time of one operation.
+/// needs local registration or when it is exposed for one-sided read), or a pool lease lent
+/// for the time of one operation and given back with its completion.
 pub struct Buffer {
-    data: Storage,
+    // Declaration order is drop order: a registration closes before its memory goes.
     mr: Option<MemoryRegion>,
+    data: Storage,
 }
 
 enum Storage {
     // Boxed: the address handed to libfabric stays put when the Buffer moves.
     Owned(Box<[u8]>),
-    // Memory the caller lent (see `Buffer::lent`); `keep` is what keeps it valid.
-    Lent { ptr: *mut u8, len: usize, desc: LocalDesc, keep: Box<dyn std::any::Any + Send> },
+    // A pool lease: its slab stays mapped (and registered, where the pool's registrar
+    // registers) while the lease lives, and the lease moves without moving its memory.
+    Lease { ptr: *mut u8, lease: Box<Lease> },
 }
 
-// SAFETY: owned storage is a Box; lent memory is the caller's, given to this Buffer alone
-// for as long as it lives (the contract of `Buffer::lent`), so moving it between threads
-// moves that exclusive use with it.
+// SAFETY: owned storage is a Box; a lease is the pool's handle on its memory (Send), and the
+// pointer is the lease's own memory, used only while the Buffer holds the lease.
 unsafe impl Send for Storage {}
 
 /// The local descriptor of registered memory (`fi_mr_desc`), as [`PoolRegistrar`] hands it
@@ -456,22 +693,26 @@ impl std::fmt::Debug for Buffer {
 }
 
 impl Buffer {
-    /// A buffer over memory the caller lends for one operation (a pool lease).
-    ///
-    /// # Safety
-    /// `ptr..ptr + len` is readable and writable memory that `keep` keeps valid, that nothing
-    /// else reads or writes while this Buffer lives, and that `desc` describes (registered
-    /// with the endpoint's domain, e.g. through [`PoolRegistrar`]) where the provider needs
-    /// local registration.
-    pub unsafe fn lent(ptr: *mut u8, len: usize, desc: LocalDesc, keep: Box<dyn std::any::Any + Send>) -> Buffer {
-        Buffer { data: Storage::Lent { ptr, len, desc, keep }, mr: None }
+    /// A buffer over a pool lease, for one operation: sends from its bytes, reads land in
+    /// them. Its slab's registration (where the pool's registrar is a [`PoolRegistrar`] of
+    /// the endpoint's domain) describes it to the provider. The lease comes back with the
+    /// operation's completion ([`into_lease`](Self::into_lease)).
+    pub fn from_lease(mut lease: Lease) -> Buffer {
+        let ptr = lease.as_mut_ptr();
+        Buffer { mr: None, data: Storage::Lease { ptr, lease: Box::new(lease) } }
     }
 
-    /// What keeps lent memory valid, back (None for owned memory).
-    pub fn into_kept(self) -> Option<Box<dyn std::any::Any + Send>> {
+    /// Memory this layer owns, unregistered: the source of a send where the provider needs
+    /// no local registration.
+    pub fn owned(data: Box<[u8]>) -> Buffer {
+        Buffer { mr: None, data: Storage::Owned(data) }
+    }
+
+    /// The lease back, if the buffer was one.
+    pub fn into_lease(self) -> Option<Lease> {
         match self.data {
             Storage::Owned(_) => None,
-            Storage::Lent { keep, .. } => Some(keep),
+            Storage::Lease { lease, .. } => Some(*lease),
         }
     }
 
@@ -479,8 +720,7 @@ impl Buffer {
     pub fn as_slice(&self) -> &[u8] {
         match &self.data {
             Storage::Owned(b) => b,
-            // SAFETY: valid and exclusively this Buffer's while it lives (`Buffer::lent`).
-            Storage::Lent { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Storage::Lease { lease, .. } => lease.as_slice(),
         }
     }
 
@@ -488,8 +728,7 @@ impl Buffer {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         match &mut self.data {
             Storage::Owned(b) => b,
-            // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
-            Storage::Lent { ptr, len, .. } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+            Storage::Lease { lease, .. } => lease.as_mut_slice(),
         }
     }
 
@@ -497,7 +736,7 @@ impl Buffer {
     pub fn len(&self) -> usize {
         match &self.data {
             Storage::Owned(b) => b.len(),
-            Storage::Lent { len, .. } => *len,
+            Storage::Lease { lease, .. } => lease.len(),
         }
     }
 
@@ -514,13 +753,13 @@ impl Buffer {
     fn ptr(&self) -> *mut c_void {
         match &self.data {
             Storage::Owned(b) => b.as_ptr() as *mut c_void,
-            Storage::Lent { ptr, .. } => *ptr as *mut c_void,
+            Storage::Lease { ptr, .. } => *ptr as *mut c_void,
         }
     }
 
     fn desc(&self) -> *mut c_void {
         match (&self.data, &self.mr) {
-            (Storage::Lent { desc, .. }, _) => desc.0 as *mut c_void,
+            (Storage::Lease { lease, .. }, _) => LocalDesc::of(&lease.keys()).0 as *mut c_void,
             (Storage::Owned(_), mr) => mr.as_ref().map_or(ptr::null_mut(), |m| m.desc),
         }
     }
@@ -548,11 +787,12 @@ impl std::fmt::Debug for PoolRegistrar {
 }
 
 impl PoolRegistrar {
-    /// A registrar for `endpoint`'s domain.
-    pub fn new(endpoint: &Endpoint) -> Self {
+    /// A registrar for `domain`: the endpoints opened in it
+    /// ([`Endpoint::open_in`]) read into and send from the memory it registers.
+    pub fn new(domain: &Domain) -> Self {
         PoolRegistrar {
-            domain: endpoint.domain.clone(),
-            needed: endpoint.info.mr_local,
+            domain: domain.clone(),
+            needed: domain.info().mr_local,
             regions: Default::default(),
             next: std::sync::atomic::AtomicU32::new(1),
             bytes: Default::default(),
@@ -754,9 +994,17 @@ impl Counters {
 
 /// A post libfabric could not take yet (`FI_EAGAIN`), kept with its buffer.
 enum Pending {
-    Send { peer: PeerAddr, buf: Buffer, len: usize, token: u64 },
+    Send { peer: PeerAddr, buf: Buffer, len: usize, token: u64, delivered: bool },
     Inject { peer: PeerAddr, data: Vec<u8> },
     Read { peer: PeerAddr, buf: Buffer, len: usize, addr: u64, key: u64, token: u64 },
+}
+
+impl Pending {
+    fn peer(&self) -> PeerAddr {
+        match self {
+            Pending::Send { peer, .. } | Pending::Inject { peer, .. } | Pending::Read { peer, .. } => *peer,
+        }
+    }
 }
 
 enum Posted {
@@ -791,57 +1039,37 @@ impl Endpoint {
     /// Opens fabric, domain, completion queue, address vector and endpoint for
     /// `cfg.provider`, and posts `cfg.rx_depth` receive buffers of `cfg.max_msg` bytes.
     pub fn open(cfg: &OfiConfig) -> Result<Self, OfiError> {
+        Endpoint::open_in(&Domain::open(cfg)?, cfg)
+    }
+
+    /// Opens a completion queue, an address vector and an endpoint in `domain` (with the
+    /// provider's answer the domain was opened from), and posts `cfg.rx_depth` receive
+    /// buffers of `cfg.max_msg` bytes.
+    pub fn open_in(domain: &Domain, cfg: &OfiConfig) -> Result<Self, OfiError> {
         if cfg.max_msg == 0 || cfg.rx_depth == 0 || cfg.cq_size == 0 {
             return Err(OfiError::Invalid {
                 what: "configuration",
                 detail: "max_msg, rx_depth and cq_size must be positive".into(),
             });
         }
-        let info = getinfo(cfg)?;
-        // SAFETY: `info` is a non-empty list from fi_getinfo; its first entry is used as the
-        // provider answered it. Each object opened is owned at once by a value whose Drop
-        // closes it, holding Arcs of what it was opened from.
+        let summary = domain.info().clone();
+        if cfg.max_msg > summary.max_msg_size {
+            return Err(OfiError::MessageTooLarge { len: cfg.max_msg, max: summary.max_msg_size });
+        }
+        let dom = &domain.0;
+        // SAFETY: the domain is open (its Arc is held by every object opened here) and its
+        // info entry is the provider's answer it was opened from. Each object opened is owned
+        // at once by a value whose Drop closes it, holding Arcs of what it was opened from.
         unsafe {
-            let i = &*info.0;
-            let caps = i.caps;
-            let rma = caps & fi::FI_RMA as u64 != 0;
-            let source = caps & fi::FI_SOURCE != 0;
-            let mr_mode = (*i.domain_attr).mr_mode as u32;
-            let summary = EndpointInfo {
-                provider: c_string((*i.fabric_attr).prov_name),
-                fabric: c_string((*i.fabric_attr).name),
-                domain: c_string((*i.domain_attr).name),
-                rma,
-                source,
-                mr_local: mr_mode & fi::FI_MR_LOCAL != 0,
-                mr_virt_addr: mr_mode & fi::FI_MR_VIRT_ADDR != 0,
-                inject_size: (*i.tx_attr).inject_size,
-                max_msg_size: (*i.ep_attr).max_msg_size,
-                wait_fd: false,
-            };
-            if cfg.max_msg > summary.max_msg_size {
-                return Err(OfiError::MessageTooLarge { len: cfg.max_msg, max: summary.max_msg_size });
-            }
-
-            let mut fabric: *mut fi::fid_fabric = ptr::null_mut();
-            check("fi_fabric", fi::fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut()) as i64)?;
-            let fabric = Arc::new(Fabric(fabric));
-
-            let mut domain: *mut fi::fid_domain = ptr::null_mut();
-            check("fi_domain", fi::fi_domain(fabric.0, info.0, &mut domain, ptr::null_mut()) as i64)?;
-            let prov_key = mr_mode & fi::FI_MR_PROV_KEY != 0;
-            let domain = Arc::new(DomainInner { fid: domain, info, rma, prov_key, _fabric: fabric.clone() });
-            let info_ptr = domain.info.0;
-
-            let cq = Endpoint::open_cq(&domain, cfg)?;
+            let cq = Endpoint::open_cq(dom, cfg)?;
             let mut av_attr = fi::fi_av_attr { type_: fi::fi_av_type_FI_AV_TABLE, ..Default::default() };
             let mut av: *mut fi::fid_av = ptr::null_mut();
-            check("fi_av_open", fi::fi_av_open(domain.fid, &mut av_attr, &mut av, ptr::null_mut()) as i64)?;
-            let av = Arc::new(Av { fid: av, _domain: domain.clone() });
+            check("fi_av_open", fi::fi_av_open(dom.fid, &mut av_attr, &mut av, ptr::null_mut()) as i64)?;
+            let av = Arc::new(Av { fid: av, _domain: dom.clone() });
 
             let mut ep: *mut fi::fid_ep = ptr::null_mut();
-            check("fi_endpoint", fi::fi_endpoint(domain.fid, info_ptr, &mut ep, ptr::null_mut()) as i64)?;
-            let ep = Ep { fid: ep, _cq: cq.clone(), _av: av.clone(), _domain: domain.clone() };
+            check("fi_endpoint", fi::fi_endpoint(dom.fid, dom.info.0, &mut ep, ptr::null_mut()) as i64)?;
+            let ep = Ep { fid: ep, _cq: cq.clone(), _av: av.clone(), _domain: dom.clone() };
             check("fi_ep_bind(av)", fi::fi_ep_bind(ep.fid, &mut (*av.fid).fid, 0) as i64)?;
             check("fi_ep_bind(cq)", fi::fi_ep_bind(ep.fid, &mut (*cq.fid).fid, (fi::FI_TRANSMIT | fi::FI_RECV) as u64) as i64)?;
             check("fi_enable", fi::fi_enable(ep.fid) as i64).map_err(|e| match e {
@@ -870,7 +1098,7 @@ impl Endpoint {
                 info: EndpointInfo { wait_fd: cq.wait_fd.is_some(), ..summary },
                 cq,
                 av,
-                domain: Domain(domain),
+                domain: domain.clone(),
                 max_msg: cfg.max_msg,
                 unposted: Vec::new(),
                 backlog: std::collections::VecDeque::new(),
@@ -880,8 +1108,8 @@ impl Endpoint {
                 let buf = me.alloc(cfg.max_msg, Access::Local)?;
                 me.post_recv(buf).map_err(|e| *e.error)?;
             }
-            tracing::debug!(provider = %me.info.provider, fabric = %me.info.fabric, rma = me.info.rma,
-                wait_fd = me.info.wait_fd, "libfabric endpoint open");
+            tracing::debug!(provider = %me.info.provider, fabric = %me.info.fabric, domain = %me.info.domain,
+                rma = me.info.rma, wait_fd = me.info.wait_fd, "libfabric endpoint open");
             Ok(me)
         }
     }
@@ -1000,30 +1228,9 @@ impl Endpoint {
         Ok(PeerAddr(out))
     }
 
-    /// Removes a peer from the address vector.
-    pub fn remove_peer(&mut self, peer: PeerAddr) -> Result<(), OfiError> {
-        let mut a = peer.0;
-        // SAFETY: one fi_addr_t is read from `a`.
-        let rc = unsafe { fi::fi_av_remove(self.av.fid, &mut a, 1, 0) };
-        check("fi_av_remove", rc as i64).map(drop)
-    }
-
-    /// A buffer of `len` bytes, registered when the provider needs local registration
-    /// (`FI_MR_LOCAL`) or when `access` exposes it for one-sided read.
+    /// A buffer of `len` bytes from this endpoint's domain ([`Domain::alloc`]).
     pub fn alloc(&self, len: usize, access: Access) -> Result<Buffer, OfiError> {
-        if len == 0 {
-            return Err(OfiError::Invalid { what: "buffer", detail: "zero length".into() });
-        }
-        let mut data = vec![0u8; len].into_boxed_slice();
-        let mr = if self.info.mr_local || access == Access::RemoteRead {
-            // SAFETY: `data` is allocated, and the Buffer that owns it holds the registration
-            // (its field `mr`), which is dropped with it; operations in flight keep the
-            // Buffer in `ops` until their completion or the endpoint's close.
-            Some(unsafe { self.domain.register_raw(data.as_mut_ptr(), len, access)? })
-        } else {
-            None
-        };
-        Ok(Buffer { data: Storage::Owned(data), mr })
+        self.domain.alloc(len, access)
     }
 
     fn post_recv(&mut self, buf: Buffer) -> Result<(), PostError> {
@@ -1062,14 +1269,38 @@ impl Endpoint {
     /// `FI_EAGAIN`, e.g. while `ofi_rxm` sets up a connection or `shm` maps a peer).
     fn post(&mut self, p: Pending) -> Result<(), Retry> {
         match p {
-            Pending::Send { peer, buf, len, token } => {
-                let (ptr, desc) = (buf.ptr() as *const c_void, buf.desc());
+            Pending::Send { peer, buf, len, token, delivered } => {
+                let (ptr, desc) = (buf.ptr(), buf.desc());
                 let slot = self.ops.insert(Op::Send { token, buf, len });
-                // SAFETY: as in post_recv: `ops` owns the buffer until its completion or the close.
-                let rc = unsafe { fi::fi_send(self.ep.fid, ptr, len, desc, peer.0, Ops::context(slot)) };
+                // SAFETY: as in post_recv: `ops` owns the buffer until its completion or the
+                // close. The iovec and descriptor array are read by fi_sendmsg before it
+                // returns.
+                let rc = unsafe {
+                    if delivered {
+                        let iov = libc::iovec { iov_base: ptr, iov_len: len };
+                        let mut d = [desc];
+                        let msg = fi::fi_msg {
+                            msg_iov: &iov as *const libc::iovec,
+                            desc: d.as_mut_ptr(),
+                            iov_count: 1,
+                            addr: peer.0,
+                            context: Ops::context(slot),
+                            data: 0,
+                        };
+                        let rc = fi::fi_sendmsg(self.ep.fid, &msg, fi::FI_DELIVERY_COMPLETE as u64 | fi::FI_COMPLETION as u64);
+                        if rc == -(fi::FI_EBADFLAGS as isize) {
+                            // A provider without delivery completion: a plain send.
+                            fi::fi_send(self.ep.fid, ptr, len, desc, peer.0, Ops::context(slot))
+                        } else {
+                            rc
+                        }
+                    } else {
+                        fi::fi_send(self.ep.fid, ptr, len, desc, peer.0, Ops::context(slot))
+                    }
+                };
                 match self.after_post("fi_send", rc as i64, slot) {
                     Posted::Yes => Ok(()),
-                    Posted::Again(buf) => Err(Retry::Again(Box::new(Pending::Send { peer, buf, len, token }))),
+                    Posted::Again(buf) => Err(Retry::Again(Box::new(Pending::Send { peer, buf, len, token, delivered }))),
                     Posted::Failed(e) => Err(Retry::Failed(token, e)),
                 }
             }
@@ -1099,10 +1330,12 @@ impl Endpoint {
         }
     }
 
-    /// Posts `p` now, or queues it behind earlier posts libfabric could not take yet (so
-    /// sends leave in the order they were made).
+    /// Posts `p` now, or queues it behind earlier posts to the same peer libfabric could not
+    /// take yet (so a peer's messages leave in the order they were made, and a peer that
+    /// takes nothing holds up no other).
     fn submit(&mut self, p: Pending) -> Result<(), Retry> {
-        if !self.backlog.is_empty() {
+        let to = p.peer();
+        if self.backlog.iter().any(|q| q.peer() == to) {
             self.backlog.push_back(p);
             return Ok(());
         }
@@ -1115,15 +1348,24 @@ impl Endpoint {
         }
     }
 
-    /// Posts what the backlog holds, in order, until libfabric says again; failures become
-    /// completions.
+    /// Posts what the backlog holds, each peer's in order, until libfabric says again for
+    /// that peer; failures become completions.
     fn flush(&mut self, out: &mut Vec<Completion>) {
+        if self.backlog.is_empty() {
+            return;
+        }
+        let mut blocked: Vec<PeerAddr> = Vec::new();
+        let mut kept = std::collections::VecDeque::with_capacity(self.backlog.len());
         while let Some(p) = self.backlog.pop_front() {
+            if blocked.contains(&p.peer()) {
+                kept.push_back(p);
+                continue;
+            }
             match self.post(p) {
                 Ok(()) => {}
                 Err(Retry::Again(p)) => {
-                    self.backlog.push_front(*p);
-                    break;
+                    blocked.push(p.peer());
+                    kept.push_back(*p);
                 }
                 Err(Retry::Failed(token, e)) => {
                     out.push(Completion::Failed { token: Some(token), error: *e.error, buf: Some(e.buf) })
@@ -1131,12 +1373,44 @@ impl Endpoint {
                 Err(Retry::InjectFailed(error)) => out.push(Completion::Failed { token: None, error, buf: None }),
             }
         }
+        self.backlog = kept;
+    }
+
+    /// Drops the posts to `peer` libfabric has not taken yet (its last connection went; a
+    /// peer that went away may refuse them for ever): they come back as failed completions,
+    /// with their buffers.
+    pub fn forget_peer(&mut self, peer: PeerAddr) -> Vec<Completion> {
+        let mut dropped = Vec::new();
+        let mut kept = std::collections::VecDeque::with_capacity(self.backlog.len());
+        for p in self.backlog.drain(..) {
+            let gone = || OfiError::Invalid { what: "post", detail: "its peer went before libfabric took it".into() };
+            match p {
+                Pending::Send { peer: to, buf, token, .. } | Pending::Read { peer: to, buf, token, .. } if to == peer => {
+                    dropped.push(Completion::Failed { token: Some(token), error: gone(), buf: Some(buf) })
+                }
+                Pending::Inject { peer: to, .. } if to == peer => {}
+                other => kept.push_back(other),
+            }
+        }
+        self.backlog = kept;
+        dropped
     }
 
     /// Sends the first `len` bytes of `buf` to `peer`. The buffer comes back in
     /// [`Completion::Sent`] with `token`. A post libfabric cannot take yet is queued and
     /// posted by [`poll`](Self::poll), in order.
     pub fn send(&mut self, peer: PeerAddr, buf: Buffer, len: usize, token: u64) -> Result<(), PostError> {
+        self.send_with(peer, buf, len, token, false)
+    }
+
+    /// [`send`](Self::send) whose completion says the message reached the peer's endpoint
+    /// (`FI_DELIVERY_COMPLETE`, where the provider has it), not only that it left: what goes
+    /// before a connection's close, so the peer has every message before it sees the close.
+    pub fn send_delivered(&mut self, peer: PeerAddr, buf: Buffer, len: usize, token: u64) -> Result<(), PostError> {
+        self.send_with(peer, buf, len, token, true)
+    }
+
+    fn send_with(&mut self, peer: PeerAddr, buf: Buffer, len: usize, token: u64, delivered: bool) -> Result<(), PostError> {
         if len > buf.len() || len > self.max_msg {
             let error = if len > buf.len() {
                 OfiError::OutOfRange { what: "send", offset: 0, len: len as u64, region: buf.len() as u64 }
@@ -1145,7 +1419,7 @@ impl Endpoint {
             };
             return Err(PostError::new(error, buf));
         }
-        self.submit(Pending::Send { peer, buf, len, token }).map_err(Retry::into_post_error)
+        self.submit(Pending::Send { peer, buf, len, token, delivered }).map_err(Retry::into_post_error)
     }
 
     /// Sends a small message without a completion (`fi_inject`): `data` is copied (by
@@ -1312,6 +1586,20 @@ impl Endpoint {
         // SAFETY: one valid fid in the array; the fabric is the one the CQ was opened on.
         let rc = unsafe { fi::fi_trywait(self.domain.0._fabric.0, fid.as_mut_ptr(), 1) };
         rc == 0
+    }
+
+    /// Whether a loop whose poll holds [`wait_fd`](Self::wait_fd) edge-triggered (mio) may
+    /// sleep now: the provider allows it ([`trywait`](Self::trywait)) and the descriptor is
+    /// not readable already (an edge that came before the last poll of the queue would not
+    /// come again; ofi_rxm's descriptor stays readable while a connection is being set up).
+    pub fn can_sleep(&self) -> bool {
+        let Some(fd) = self.cq.wait_fd else { return false };
+        if !self.trywait() {
+            return false;
+        }
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd for the duration of the call; a zero timeout never blocks.
+        unsafe { libc::poll(&mut pfd, 1, 0) == 0 }
     }
 
     /// Sleeps until the completion queue's fd is readable or `timeout` passes, when the

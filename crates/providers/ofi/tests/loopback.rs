@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use rdma_shuffle_fabric::{Lease, PoolConfig, TieredPool};
-use rdma_shuffle_provider_ofi::{Access, Buffer, Completion, Endpoint, LocalDesc, OfiConfig, OfiError, PeerAddr, PoolRegistrar};
+use rdma_shuffle_provider_ofi::{Access, Buffer, Completion, Endpoint, OfiConfig, OfiError, PeerAddr, PoolRegistrar};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -176,15 +176,10 @@ fn read_of_a_registered_region(provider: &str) {
 /// target of a read, lent to the endpoint and given back by the completion.
 fn pool_leases_are_sent_from_and_read_into(provider: &str) {
     let (mut a, mut b, b_in_a, _) = pair(provider);
-    let registrar = Arc::new(PoolRegistrar::new(&a));
+    let registrar = Arc::new(PoolRegistrar::new(a.domain()));
     let cfg = PoolConfig { tiers: vec![64 << 10], slab_bytes: 256 << 10, cap_bytes: 4 << 20, prealloc: false };
     let pool = TieredPool::new(cfg, registrar.clone()).unwrap();
-    let lend = |mut lease: Lease| {
-        let (ptr, len, desc) = (lease.as_mut_ptr(), lease.len(), LocalDesc::of(&lease.keys()));
-        // SAFETY: the lease's memory is valid while the lease lives, which the Buffer keeps,
-        // and nothing else touches it meanwhile; its slab was registered by `registrar`.
-        unsafe { Buffer::lent(ptr, len, desc, Box::new(lease)) }
-    };
+    let lend = Buffer::from_lease;
     let mut lease = pool.acquire(3000, None).unwrap();
     lease.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 13) as u8);
     let want = lease.as_slice().to_vec();
@@ -206,7 +201,7 @@ fn pool_leases_are_sent_from_and_read_into(provider: &str) {
         }
     }
     assert_eq!(data.unwrap(), want, "the lease's bytes arrived");
-    let back = sent.unwrap().into_kept().expect("a lent buffer keeps its lease").downcast::<Lease>().unwrap();
+    let back: Lease = sent.unwrap().into_lease().expect("a lent buffer keeps its lease");
     assert_eq!(back.as_slice(), &want[..]);
     drop(back);
 
@@ -220,7 +215,7 @@ fn pool_leases_are_sent_from_and_read_into(provider: &str) {
             Completion::Read { token: 6, buf, .. } => Some(buf),
             other => panic!("unexpected on a: {other:?}"),
         });
-        let lease = buf.into_kept().unwrap().downcast::<Lease>().unwrap();
+        let lease = buf.into_lease().unwrap();
         assert!(lease.as_slice().iter().all(|&x| x == 0x3c), "the read landed in the lease");
     }
     let registered = registrar.registered_bytes();
