@@ -1,22 +1,47 @@
-//! rdma-shuffle's libfabric provider.
+//! rdma-shuffle's libfabric provider, `ofi`.
 //!
 //! libfabric (the OFI working group's fabric interface, used by MPICH, Open MPI and NCCL's
 //! AWS plugin) reaches fabrics the verbs provider does not: AWS EFA, HPE Slingshot (`cxi`),
 //! Cornelis Omni-Path (`opx`), Intel's `psm3`, besides TCP (`tcp;ofi_rxm`), shared memory
 //! (`shm`) and InfiniBand/RoCE (`verbs;ofi_rxm`). This crate drives any of them through one
-//! reliable-datagram endpoint (`FI_EP_RDM`) per process: small messages by send, large blocks
-//! by one-sided `fi_read` of registered memory where the provider offers RMA.
+//! reliable-datagram endpoint (`FI_EP_RDM`) per driver loop, whatever the number of peers.
 //!
-//! The layer over libfabric is small and safe: [`Endpoint`] (fabric, domain, completion
-//! queue, address vector and endpoint, closed in the order libfabric requires),
-//! [`MemoryRegion`] registrations, owned [`Buffer`]s kept alive while an operation is in
-//! flight, and typed [`OfiError`]s naming the libfabric call and its `fi_strerror` text.
-//! All `unsafe` code is in one module, `sys`.
+//! # Shape
 //!
-//! Building: the `libfabric` feature links libfabric >= 2.0 through `ofi-libfabric-sys`
-//! (found by pkg-config). Without it the crate still builds (so the workspace builds on any
-//! machine) and [`Endpoint::open`] returns [`OfiError::NotBuilt`].
-//! `scripts/ensure-libfabric.sh` builds libfabric 2.1 once per machine:
+//! * **Control plane**: a tcp socket per connection (the tcp provider's), driven by the loop
+//!   like any tcp connection. It carries the protocol's handshake; only once the loop told
+//!   the link that the peer authenticated does anything get made for it: the two sides
+//!   exchange attach records (connection id, receive-buffer size, endpoint address) in the
+//!   protocol's frame for it, and the peer's address goes into the endpoint's address
+//!   vector. The socket then stays silent as the liveness channel.
+//! * **Data plane**: frames travel as messages (`fi_send`, `fi_inject` when small) through
+//!   the loop's endpoint, each ending with the receiver's connection id (random, 64 bits);
+//!   frames larger than the peer's receive buffers go in pieces. Large blocks are read
+//!   one-sidedly (`fi_read`) where the provider offers RMA, from a registration of the block
+//!   alone whose key only the connection it was exposed to learns; where it offers none (or
+//!   `ofi.rma` is `false`), the protocol pulls them and the data comes as messages.
+//! * **Memory**: pool memory is registered through the pool's registrar where the provider
+//!   needs local registration (`FI_MR_LOCAL`: verbs, EFA); exposures are registered one by
+//!   one and closed when revoked.
+//! * **Progress**: the driver drives completions. Where libfabric offers a wait descriptor
+//!   for the completion queue (tcp, verbs under `ofi_rxm`) it sits in the loop's poll and the
+//!   loop sleeps on it only when `fi_trywait` allows; where not (shm, and most HPC fabrics)
+//!   the queue is read every turn, and an idle loop is woken every millisecond.
+//!
+//! # Settings
+//!
+//! Handed over as provider settings (`ProviderOptions::extra`): `ofi.provider` (the
+//! libfabric provider, `tcp;ofi_rxm` by default; Spark's `spark.shuffle.rdma.ofi.provider`,
+//! Mobius's `MOBIUS_OFI_PROVIDER`) and `ofi.rma` (`false` moves large blocks by messages even
+//! where RMA exists). The generic `device` names the libfabric domain (`rxe0`, `efa_0`,
+//! `eth0`), and the eager message size sets the receive buffers.
+//!
+//! # Building
+//!
+//! The `libfabric` feature links libfabric >= 2.0 through `ofi-libfabric-sys` (found by
+//! pkg-config). Without it the crate still builds and registers `ofi`, whose opening then
+//! fails saying how to build it in. `scripts/ensure-libfabric.sh` builds libfabric 2.1 once
+//! per machine:
 //!
 //! ```text
 //! export PKG_CONFIG_PATH=$(bash scripts/ensure-libfabric.sh)/lib/pkgconfig
@@ -24,14 +49,20 @@
 //! ```
 //!
 //! The build script puts libfabric's library directory in the tests' rpath, and exports it
-//! to dependents as `DEP_RDMA_SHUFFLE_OFI_LIBDIR`.
+//! to dependents as `DEP_RDMA_SHUFFLE_OFI_LIBDIR`. All `unsafe` code is in one module, `sys`.
 
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod attach;
 mod config;
+#[cfg(feature = "libfabric")]
+mod conn;
+#[cfg(feature = "libfabric")]
+mod engine;
 mod error;
+#[cfg(feature = "libfabric")]
+mod provider;
 #[cfg(feature = "libfabric")]
 mod sys;
 #[cfg(not(feature = "libfabric"))]
@@ -40,11 +71,126 @@ mod unbuilt;
 pub use config::{EndpointInfo, OfiConfig, PeerAddr, RemoteRegion, DEFAULT_PROVIDER};
 pub use error::OfiError;
 #[cfg(feature = "libfabric")]
+pub use provider::OfiProvider;
+#[cfg(feature = "libfabric")]
 pub use sys::{
-    runtime_version, Access, Buffer, Completion, Counters, Domain, Endpoint, LocalDesc, MemoryRegion, PoolRegistrar, PostError,
+    runtime_version, Access, Buffer, Completion, Counters, Domain, Endpoint, Exposure, LocalDesc, MemoryRegion, PoolRegistrar,
+    PostError,
 };
 #[cfg(not(feature = "libfabric"))]
 pub use unbuilt::Endpoint;
 
+use rdma_shuffle_fabric::providers::codec::HEAD_ROOM;
+use rdma_shuffle_fabric::providers::registry::{Opened, ProviderOptions, Registration};
+use rdma_shuffle_fabric::FabricError;
+
 /// Whether this build links libfabric.
 pub const BUILT_WITH_LIBFABRIC: bool = cfg!(feature = "libfabric");
+
+/// Receive-buffer size where the protocol names no eager message size (Mobius): a 64 KiB
+/// eager payload and room for its frame.
+const DEFAULT_MAX_MSG: u32 = (64 << 10) + 4096;
+
+/// The ofi provider in the registry: `ofi`, on the libfabric provider the `ofi.provider`
+/// setting names. In a build without the `libfabric` feature opening it is an error that
+/// says so.
+pub fn registration() -> Registration {
+    Registration {
+        name: "ofi",
+        about: "libfabric reliable-datagram endpoints (tcp;ofi_rxm, shm, verbs;ofi_rxm, and the fabrics libfabric reaches: efa, cxi, opx, psm3): sends and one-sided fi_read",
+        open,
+    }
+}
+
+/// What the ofi provider is opened with, read from the protocol's provider options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// The libfabric provider (`ofi.provider`).
+    pub provider: String,
+    /// Whether large blocks may be read one-sidedly where the provider offers RMA (`ofi.rma`).
+    pub rma: bool,
+    /// The libfabric domain (the generic `device` option).
+    pub domain: Option<String>,
+    /// Receive-buffer size: the eager message size, or [`DEFAULT_MAX_MSG`].
+    pub max_msg: usize,
+    /// Receive buffers posted per endpoint.
+    pub rx_depth: usize,
+}
+
+impl Settings {
+    /// Reads the options; a malformed value is an error naming the setting.
+    pub fn from_options(o: &ProviderOptions) -> Result<Settings, FabricError> {
+        let bad = |key: &str, value: &str, why: &str| FabricError::Provider {
+            provider: "ofi",
+            message: format!(
+                "setting {key}={value:?}: {why} (Spark: spark.shuffle.rdma.{key}; Mobius: MOBIUS_{})",
+                key.replace('.', "_").to_uppercase()
+            ),
+            knob: None,
+        };
+        let provider = match o.extra("ofi.provider").map(str::trim) {
+            None | Some("") => DEFAULT_PROVIDER.to_string(),
+            Some(p) if p.contains('\0') || p.len() > 128 => return Err(bad("ofi.provider", p, "not a libfabric provider name")),
+            Some(p) => p.to_string(),
+        };
+        let rma = match o.extra("ofi.rma").map(|v| v.trim().to_ascii_lowercase()) {
+            None => true,
+            Some(v) if v.is_empty() || v == "true" || v == "1" => true,
+            Some(v) if v == "false" || v == "0" => false,
+            Some(v) => return Err(bad("ofi.rma", &v, "true or false")),
+        };
+        let max_msg = o
+            .eager_message
+            .unwrap_or(DEFAULT_MAX_MSG)
+            .max(HEAD_ROOM as u32 + 4096)
+            .clamp(attach::MIN_MESSAGE, attach::MAX_MESSAGE) as usize;
+        // ofi_rxm and shm keep what arrives before a receive is posted in their own buffers,
+        // so a few dozen posted buffers serve any number of peers.
+        let rx_depth = o.recv_buffers.map_or(64, |n| (n as usize / 8).clamp(16, 128));
+        Ok(Settings { provider, rma, domain: o.device.clone(), max_msg, rx_depth })
+    }
+}
+
+#[cfg(feature = "libfabric")]
+fn open(o: &ProviderOptions) -> Result<Opened, FabricError> {
+    let p = OfiProvider::open(&Settings::from_options(o)?)?;
+    let description = p.description();
+    Ok(Opened::new(std::sync::Arc::new(p), description))
+}
+
+#[cfg(not(feature = "libfabric"))]
+fn open(o: &ProviderOptions) -> Result<Opened, FabricError> {
+    Settings::from_options(o)?;
+    Err(FabricError::Unsupported(
+        "this build of the native library has no ofi provider (built without the `libfabric` feature; the plugin jar's \
+         librdma_shuffle_jni_ofi.so has it, and needs libfabric >= 2.0 on the library path)"
+            .into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_come_from_the_options_and_bad_values_are_named() {
+        let s = Settings::from_options(&ProviderOptions::default()).unwrap();
+        assert_eq!((s.provider.as_str(), s.rma, s.max_msg, s.rx_depth), (DEFAULT_PROVIDER, true, DEFAULT_MAX_MSG as usize, 64));
+        let mut o = ProviderOptions {
+            eager_message: Some(20_480),
+            recv_buffers: Some(512),
+            device: Some("rxe0".into()),
+            ..Default::default()
+        };
+        o.extra.insert("ofi.provider".into(), "verbs;ofi_rxm".into());
+        o.extra.insert("ofi.rma".into(), "false".into());
+        let s = Settings::from_options(&o).unwrap();
+        assert_eq!(
+            s,
+            Settings { provider: "verbs;ofi_rxm".into(), rma: false, domain: Some("rxe0".into()), max_msg: 20_480, rx_depth: 64 }
+        );
+        o.extra.insert("ofi.rma".into(), "maybe".into());
+        let e = Settings::from_options(&o).unwrap_err().to_string();
+        assert!(e.contains("ofi.rma") && e.contains("spark.shuffle.rdma.ofi.rma") && e.contains("MOBIUS_OFI_RMA"), "{e}");
+    }
+}
