@@ -135,9 +135,10 @@ impl Settings {
         };
         let rma = match o.extra("ofi.rma").map(|v| v.trim().to_ascii_lowercase()) {
             None => true,
-            Some(v) if v.is_empty() || v == "true" || v == "1" => true,
-            Some(v) if v == "false" || v == "0" => false,
-            Some(v) => return Err(bad("ofi.rma", &v, "true or false")),
+            // Spark's booleans are true/false, Mobius's on/off.
+            Some(v) if matches!(v.as_str(), "" | "true" | "on" | "1") => true,
+            Some(v) if matches!(v.as_str(), "false" | "off" | "0") => false,
+            Some(v) => return Err(bad("ofi.rma", &v, "true or false (on or off)")),
         };
         let max_msg = o
             .eager_message
@@ -162,8 +163,9 @@ fn open(o: &ProviderOptions) -> Result<Opened, FabricError> {
 fn open(o: &ProviderOptions) -> Result<Opened, FabricError> {
     Settings::from_options(o)?;
     Err(FabricError::Unsupported(
-        "this build of the native library has no ofi provider (built without the `libfabric` feature; the plugin jar's \
-         librdma_shuffle_jni_ofi.so has it, and needs libfabric >= 2.0 on the library path)"
+        "this build of the native library has no ofi provider (built without libfabric). Build it in with the cargo \
+         feature `ofi` (rdma-shuffle-providers/ofi) after `export PKG_CONFIG_PATH=$(bash scripts/ensure-libfabric.sh)/lib/pkgconfig`; \
+         it needs libfabric >= 2.0, also on the library path where it runs. Or choose another transport (auto, tcp, shm, verbs)"
             .into(),
     ))
 }
@@ -189,6 +191,8 @@ mod tests {
             s,
             Settings { provider: "verbs;ofi_rxm".into(), rma: false, domain: Some("rxe0".into()), max_msg: 20_480, rx_depth: 64 }
         );
+        o.extra.insert("ofi.rma".into(), "on".into());
+        assert!(Settings::from_options(&o).unwrap().rma, "Mobius's on");
         o.extra.insert("ofi.rma".into(), "maybe".into());
         let e = Settings::from_options(&o).unwrap_err().to_string();
         assert!(e.contains("ofi.rma") && e.contains("spark.shuffle.rdma.ofi.rma") && e.contains("MOBIUS_OFI_RMA"), "{e}");
