@@ -35,6 +35,7 @@ pub fn registry() -> &'static Registry {
                 rdma_shuffle_provider_tcp::registration(),
                 rdma_shuffle_provider_shm::registration(),
                 rdma_shuffle_provider_verbs::registration(),
+                rdma_shuffle_provider_ofi::registration(),
             ],
             // `auto`: RDMA where a device is usable here, tcp otherwise (and why).
             vec!["verbs", "tcp"],
@@ -85,10 +86,23 @@ mod tests {
     #[test]
     fn names_are_the_registered_providers_and_an_unknown_one_is_refused_with_them() {
         let names: Vec<_> = registry().names().collect();
-        assert_eq!(names, ["tcp", "shm", "verbs"]);
+        assert_eq!(names, ["tcp", "shm", "verbs", "ofi"]);
         assert!(registry().knows(AUTO) && registry().knows("shm") && !registry().knows("sim"));
         let e = open("ib", &ProviderOptions::default()).unwrap_err().to_string();
-        assert!(e.contains("\"ib\"") && e.contains("tcp, shm, verbs"), "{e}");
+        assert!(e.contains("\"ib\"") && e.contains("tcp, shm, verbs, ofi"), "{e}");
+    }
+
+    /// A build without libfabric still knows `ofi`, and opening it says how to build it in.
+    #[cfg(not(feature = "ofi"))]
+    #[test]
+    fn ofi_without_libfabric_is_refused_saying_how_to_build_it() {
+        let e = open("ofi", &ProviderOptions::default()).unwrap_err();
+        assert!(matches!(e, FabricError::Unsupported(_)), "{e:?}");
+        let e = e.to_string();
+        assert!(
+            e.contains("feature `ofi`") && e.contains("scripts/ensure-libfabric.sh") && e.contains("libfabric >= 2.0"),
+            "{e}"
+        );
     }
 
     #[test]
