@@ -628,7 +628,8 @@ mod tests {
         assert_eq!(c.provider_settings.get("verbs.example").map(String::as_str), Some("x;y"));
         assert_eq!(c.setting("spark.shuffle.rdma.verbs.example").as_deref(), Some("x;y"));
         c.apply("spark.shuffle.rdma.verbs.example", &Value::Unset).unwrap();
-        assert!(c.provider_settings.is_empty());
+        // (Other providers' declared settings, with their defaults, stay.)
+        assert!(!c.provider_settings.contains_key("verbs.example"), "{:?}", c.provider_settings);
         assert!(c.apply("spark.shuffle.rdma.nosuch.example", &Value::Text("1".into())).is_err());
         assert_eq!(c.setting("spark.shuffle.rdma.nosuch.example"), None);
     }
