@@ -105,6 +105,21 @@ mod tests {
         );
     }
 
+    /// Built with libfabric (scripts/test.sh's libfabric step), `ofi` opens by name on the
+    /// default libfabric provider, and a libfabric provider that does not exist is refused
+    /// naming the setting that chooses one.
+    #[cfg(feature = "ofi")]
+    #[test]
+    fn ofi_opens_by_name_and_an_unknown_libfabric_provider_names_the_setting() {
+        let p = open("ofi", &ProviderOptions::default()).unwrap();
+        assert_eq!(p.provider.name(), "ofi");
+        assert!(p.description.contains("tcp;ofi_rxm"), "{}", p.description);
+        let mut o = ProviderOptions::default();
+        o.extra.insert("ofi.provider".into(), "no-such-provider".into());
+        let e = open("ofi", &o).unwrap_err().to_string();
+        assert!(e.contains("no-such-provider") && e.contains("spark.shuffle.rdma.ofi.provider"), "{e}");
+    }
+
     #[test]
     fn per_host_is_shm_near_and_tcp_far_and_says_so_once_routed() {
         let s = open_per_host(&ProviderOptions::default()).unwrap();
