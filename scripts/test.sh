@@ -61,11 +61,14 @@ cargo build --workspace --all-targets --locked
 cargo test --workspace --locked 2>&1 | tee target/test-rust.log
 summarize_cargo target/test-rust.log
 
-step "libfabric: the ofi provider's safe layer over tcp;ofi_rxm and shm (libfabric 2.1 built once per machine)"
+step "libfabric: the ofi provider, its shuffle and mesh conformance suites over tcp;ofi_rxm (fi_read and messages) and shm, opened by name (libfabric 2.1 built once per machine)"
 apt_install libclang-dev clang pkg-config   # bindgen in ofi-libfabric-sys
 LIBFABRIC_PREFIX=$(run_script scripts/ensure-libfabric.sh)
-PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig cargo clippy --locked -p rdma-shuffle-provider-ofi --all-targets --features libfabric -- -D warnings
+PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig cargo clippy --locked -p rdma-shuffle-provider-ofi -p rdma-shuffle-providers --all-targets --features rdma-shuffle-providers/ofi -- -D warnings
 PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig cargo test --locked -p rdma-shuffle-provider-ofi --features libfabric 2>&1 | tee target/test-ofi.log
+# The registry's own test binary has no rpath to libfabric (the provider's tests do).
+PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig LD_LIBRARY_PATH=$LIBFABRIC_PREFIX/lib \
+  cargo test --locked -p rdma-shuffle-providers --features ofi --lib 2>&1 | tee -a target/test-ofi.log
 summarize_cargo target/test-ofi.log
 
 step "mobius: collectives in real processes (numpy, torch backend, DDP vs gloo, faults, bench smoke)"
