@@ -117,6 +117,9 @@ pub(crate) struct OfiConn {
     /// The control socket ended and the completion queue was read once more since, for
     /// messages of the peer still on their way in.
     drained: bool,
+    /// The peer's last message (`Fin`) came: it is closing, and a last message of ours
+    /// would go to an endpoint that may be gone (shm never completes such a send).
+    peer_fin: bool,
 }
 
 impl OfiConn {
@@ -147,6 +150,7 @@ impl OfiConn {
             fin_sent: false,
             control_closed: false,
             drained: false,
+            peer_fin: false,
         }
     }
 
@@ -415,7 +419,7 @@ impl OfiConn {
             // Kept by the engine as they are routed.
             Kind::Grant | Kind::Revoke => {}
             // The peer closes; its control socket's end follows and ends the connection.
-            Kind::Fin => {}
+            Kind::Fin => self.peer_fin = true,
         }
         Ok(())
     }
@@ -552,8 +556,11 @@ impl Link for OfiConn {
         for (_, x) in self.revoking.drain() {
             e.close_exposure(x);
         }
+        // No last message to a peer that has closed (its Fin came, or its control socket
+        // ended): nobody reads it, and over shm a send to a closed endpoint never completes,
+        // which held the link for the driver's whole close limit.
         let fin = match (&self.peer, self.phase, &self.failed) {
-            (Some((peer, _)), Phase::Open, None) => {
+            (Some((peer, _)), Phase::Open, None) if !self.peer_fin && !self.drained => {
                 let msg = trailer(Kind::Fin, self.peer_conn).to_vec();
                 matches!(e.post(*peer, self.key, msg, true, None), Ok(Posted::Yes { completes: true }))
             }
