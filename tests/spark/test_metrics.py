@@ -20,13 +20,24 @@ digest) must equal it. And while the plugin's application waits, with `bindHost`
 engine's listening socket (from /proc/net/tcp{,6}) is on the address its log names, never on
 all interfaces (README Security).
 
+Native memory in Spark's accounts: while the application waits, its REST API (the driver's live
+UI) shows the accumulator `rdmaShuffle native memory peak (bytes)` on every stage that read a
+plugin shuffle and on each of its tasks; per executor, the highest task value equals the
+`native_peak_bytes` the engine reported with its last counters, which stays within the bound
+each executor logs (`RDMA_SHUFFLE_MEMORY ... bound=`): half of the executor's memory overhead
+as Spark computes it for `spark.executor.memory=1024m` (384 MiB). The stage page of the UI shows
+the accumulator too. A second test starts an application whose explicit `pool.capBytes` cannot
+fit in that bound: it must fail at start, naming both settings and the numbers.
+
 Run: `tests/spark/run.sh -k metrics`.
 """
 import csv
 import glob
 import ipaddress
+import json
 import os
 import re
+import urllib.request
 import subprocess
 import tempfile
 import threading
@@ -41,6 +52,13 @@ LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+
 DIGEST_RE = re.compile(r"^DIGEST job=(\S+) (.*)$")
 # How long one step may wait for the application (executor start-up on 2 busy cores included).
 STEP_TIMEOUT_S = 300
+UI_RE = re.compile(r"started at (http://[^\s,]+)")
+MEMORY_RE = re.compile(r"RDMA_SHUFFLE_MEMORY executor=(\S+) bound=(\d+) pool_cap=(\d+) fixed=(\d+) "
+                       r"transport=(\w+): (.*)$", re.M)
+ACC_NAME = "rdmaShuffle native memory peak (bytes)"
+# Spark's memory overhead of an executor with spark.executor.memory=1024m (local-cluster's
+# third number): max(384 MiB, 0.10 x 1024 MiB), in bytes; the engine's bound is half of it.
+EXPECTED_BOUND = max(384, int(0.10 * 1024)) * 2**20 * 50 // 100
 
 
 def submit_cmd(runner, main_class: str, app_args: list, conf: dict, plugin: bool = True) -> list:
@@ -185,6 +203,37 @@ def sink_rows(csv_dir: str, app_id: str) -> dict:
     return out
 
 
+def rest(url: str):
+    with urllib.request.urlopen(url, timeout=60) as r:
+        body = r.read().decode()
+    return json.loads(body) if r.headers.get_content_type() == "application/json" else body
+
+
+def read_native_memory_from_rest_api(app) -> dict:
+    """The accumulator, from the REST API of the running application: {"stages": {stage id:
+    value}, "tasks": {executor id: [task update, ...]}, "ui_pages": {stage id: page shows it}}."""
+    m = UI_RE.search("\n".join(app.err))
+    assert m, "the driver logged no UI address:\n" + "\n".join(app.err[-40:])
+    ui = m.group(1).rstrip("/")
+    apps = rest(f"{ui}/api/v1/applications")
+    assert len(apps) == 1, apps
+    base = f"{ui}/api/v1/applications/{apps[0]['id']}"
+    out = {"stages": {}, "tasks": {}, "ui_pages": {}}
+    for stage in rest(f"{base}/stages"):
+        accs = [a for a in stage.get("accumulatorUpdates", []) if a["name"] == ACC_NAME]
+        if not accs:
+            continue
+        sid, attempt = stage["stageId"], stage["attemptId"]
+        out["stages"][sid] = int(accs[0]["value"])
+        for task in rest(f"{base}/stages/{sid}/{attempt}/taskList?length=10000"):
+            for a in task.get("accumulatorUpdates", []):
+                if a["name"] == ACC_NAME:
+                    out["tasks"].setdefault(task["executorId"], []).append(int(a["update"]))
+        page = rest(f"{ui}/stages/stage/?id={sid}&attempt={attempt}")
+        out["ui_pages"][sid] = ACC_NAME in page
+    return out
+
+
 def test_engine_counters_reach_spark_metrics_sinks(runner):
     csv_dir = tempfile.mkdtemp(prefix="rs-a3-metrics-")
     release = os.path.join(csv_dir, "release")
@@ -203,6 +252,9 @@ def test_engine_counters_reach_spark_metrics_sinks(runner):
         f"{sink}.unit": "seconds",
         f"{sink}.directory": csv_dir,
         "spark.shuffle.rdma.eagerTreshold": "8k",  # misspelt on purpose: one warning expected
+        # The live UI and its REST API, on a free port (the address is in the driver's log).
+        "spark.ui.enabled": "true",
+        "spark.ui.port": "0",
     }
     app = App(submit_cmd(runner, METRICS_JOB, [release, str(RUN_TIMEOUT_S)], conf), runner.env)
     try:
@@ -210,6 +262,7 @@ def test_engine_counters_reach_spark_metrics_sinks(runner):
         done = time.time()
         app_id = app_id_of("\n".join(app.err))
         check_engines_listen_on_their_own_address(runner, app_id)
+        from_rest = read_native_memory_from_rest_api(app)
         # Wait for a sink row of every executor taken after the job ended (whole seconds).
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while True:
@@ -260,8 +313,60 @@ def test_engine_counters_reach_spark_metrics_sinks(runner):
     # Both paths carried blocks: small ones inline, ~1 MiB ones pulled.
     assert total("eager_blocks_fetched") > 0 and total("rendezvous_blocks_fetched") > 0, last
 
+    check_native_memory(from_rest, stats, executor_logs(runner, app_id))
+
     logs = [stderr] + list(executor_logs(runner, app_id).values())
     warnings = [ln for text in logs for ln in text.splitlines()
                 if "spark.shuffle.rdma.eagerTreshold is not a setting" in ln]
     assert len(warnings) == 1, warnings
     assert "WARN" in warnings[0] and "did you mean spark.shuffle.rdma.eagerThreshold?" in warnings[0]
+
+
+def check_native_memory(from_rest: dict, stats: dict, logs: dict) -> None:
+    """The native-memory accumulator in the REST API against the engines' own reports, and
+    each executor's bound line against Spark's overhead (see the module docs)."""
+    print(f"[metrics] native memory from the REST API: {from_rest}")
+    # Both shuffles of the job read through the plugin: two stages carry the accumulator, and
+    # the UI's stage page shows it.
+    assert len(from_rest["stages"]) == 2, from_rest
+    assert all(from_rest["ui_pages"].values()), from_rest["ui_pages"]
+    assert set(from_rest["tasks"]) == set(stats) == {"0", "1"}, (from_rest["tasks"], sorted(stats))
+    for executor, kv in stats.items():
+        peak, bound = int(kv["native_peak_bytes"]), int(kv["native_bound_bytes"])
+        assert max(from_rest["tasks"][executor]) == peak, \
+            f"executor {executor}: REST API {from_rest['tasks'][executor]}, engine native_peak_bytes={peak}"
+        assert bound == EXPECTED_BOUND, f"executor {executor}: bound {bound}, expected {EXPECTED_BOUND}"
+        # Over tcp the pool is capped at the bound minus the heap reserve, and the heap is far
+        # below that reserve: the peak stays within the bound, and holds at least the pool.
+        assert int(kv["pool_peak_bytes_in_use"]) <= peak <= bound, kv
+        assert int(kv["pool_cap_bytes"]) + int(kv["native_fixed_bytes"]) == bound, kv
+    assert max(from_rest["stages"].values()) == max(int(kv["native_peak_bytes"]) for kv in stats.values())
+    lines = [m for text in logs.values() for m in MEMORY_RE.finditer(text)]
+    assert sorted(m.group(1) for m in lines) == ["0", "1"], [m.group(0) for m in lines]
+    for m in lines:
+        assert int(m.group(2)) == EXPECTED_BOUND, m.group(0)
+        assert "50 % (spark.shuffle.rdma.memory.overheadPercent) of spark.executor.memoryOverhead" in m.group(6) \
+            and "spark.executor.memory=1024m" in m.group(6), m.group(0)
+
+
+def test_a_pool_cap_that_cannot_fit_is_refused_at_start(runner):
+    """An explicit pool.capBytes above the engine's share of the overhead: Spark does not start,
+    and the error names both settings with their numbers and what to change."""
+    release = os.path.join(tempfile.mkdtemp(prefix="rs-a3-refuse-"), "release")
+    Path(release).touch()
+    conf = {"spark.executor.memoryOverhead": "384m", "spark.shuffle.rdma.pool.capBytes": "512m"}
+    app = App(submit_cmd(runner, METRICS_JOB, [release, "1"], conf), runner.env)
+    rc = app.finish(STEP_TIMEOUT_S)
+    err = "\n".join(app.err)
+    assert rc != 0, "an application with a pool cap that cannot fit started"
+    assert "METRICS_JOB_DONE" not in app.out
+    refusal = [ln for ln in app.err if "spark.shuffle.rdma.pool.capBytes='536870912'" in ln]
+    assert refusal, "no refusal naming the cap in the driver's output:\n" + err[-4000:]
+    why = refusal[0]
+    for want in ("RdmaShuffleConfigException",
+                 "spark.executor.memoryOverhead = 402653184 bytes, set to '384m'",
+                 f"native memory bound of {EXPECTED_BOUND} bytes",
+                 f"at most {EXPECTED_BOUND - 8 * 2**20} bytes",
+                 "spark.executor.memoryOverhead of at least"):
+        assert want in why, f"{want!r} missing from: {why}"
+    print(f"[metrics] refused at start: {why}")

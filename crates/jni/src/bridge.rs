@@ -5,6 +5,7 @@ use crate::leases::LeaseTable;
 use jni::objects::{GlobalRef, JClass, JIntArray, JLongArray, JObject, JString, JValue};
 use jni::sys::{jboolean, jint, jlong, jstring, JNI_FALSE, JNI_TRUE};
 use jni::{JNIEnv, JavaVM};
+use rdma_shuffle_shuffle::budget::MemoryBudget;
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::{
     BlockFailure, BlockSink, ChunkSink, Engine, EngineConfig, FailureCode, FetchedBlock, Lease, ShuffleBlock, StreamConfig,
@@ -464,10 +465,46 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSta
         // Block buffers Java holds now, over every engine of the process (the table is one per
         // process): 0 between shuffles, or a reader leaked a buffer (scripts/soak.sh checks).
         let _ = writeln!(text, "leases_held={}", LEASES.live());
-        // What the engines' Rust code holds on the native heap (the library's allocator
-        // counts it): flat over an application's life, or the engine leaks (soak.sh checks).
-        let _ = writeln!(text, "native_heap_bytes={}", crate::heap::live_bytes());
         Ok(env.new_string(text)?.into_raw())
+    })
+}
+
+/// How an engine opened with `config` would split its native memory, for the JVM to check
+/// when Spark starts (before any engine opens). `key=value` lines, over tcp and (unless the
+/// transport is tcp) over verbs with the prefix `verbs_`: `native_bound_bytes`,
+/// `pool_cap_bytes`, `native_fixed_bytes`, `pool_cap_explicit` when the settings fit, else
+/// `unfit=<why, naming the settings and numbers>`; and `bound_needed_bytes`, the smallest bound
+/// they fit in; `bound_source`, how the bound was computed from Spark's settings. Throws
+/// `config` only for a malformed config.
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_memoryBudget(
+    mut env: JNIEnv,
+    _c: JClass,
+    config: JString,
+) -> jstring {
+    guard(&mut env, std::ptr::null_mut(), |env| {
+        let text = string(env, &config, "config")?;
+        let cfg = EngineConfig::from_kv(&text).map_err(|e| BridgeError::new("config", e.to_string()))?;
+        let mut out = String::new();
+        let transports: &[bool] = if MemoryBudget::may_use_verbs(&cfg) { &[false, true] } else { &[false] };
+        for &verbs in transports {
+            let prefix = if verbs { "verbs_" } else { "" };
+            match MemoryBudget::resolve(&cfg, verbs) {
+                Ok(b) => {
+                    for line in b.describe().lines() {
+                        let _ = writeln!(out, "{prefix}{line}");
+                    }
+                }
+                Err(e) => {
+                    let _ = writeln!(out, "{prefix}unfit={}", e.to_string().replace('\n', " "));
+                }
+            }
+            let _ = writeln!(out, "{prefix}bound_needed_bytes={}", MemoryBudget::bound_needed(&cfg, verbs));
+        }
+        if let Some(b) = &cfg.memory_bound {
+            let _ = writeln!(out, "bound_source={}", b.source);
+        }
+        Ok(env.new_string(out)?.into_raw())
     })
 }
 

@@ -4,12 +4,11 @@
 //! code, the collector's structures, thread stacks and whatever glibc keeps of memory already
 //! freed. This library's allocations all go through [`CountingAlloc`] (its global allocator),
 //! so [`live_bytes`] is exactly what the engine holds now — the `native_heap_bytes` gauge that
-//! `scripts/soak.sh` checks over an application's life.
+//! `scripts/soak.sh` checks over an application's life. The count is the heap part of the
+//! engine's native memory ([`accounting`]), whose total and peak the engine reports against
+//! the bound Spark's settings give it.
+use rdma_shuffle_fabric::memory::accounting::{self, Kind};
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// Bytes allocated and not yet freed. Relaxed: a gauge, read for its trend, never a lock.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
 
 /// The system allocator plus a count of live bytes.
 pub struct CountingAlloc;
@@ -20,7 +19,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc(layout);
         if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+            accounting::charge(Kind::Heap, layout.size() as u64);
         }
         p
     }
@@ -28,14 +27,14 @@ unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc_zeroed(layout);
         if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+            accounting::charge(Kind::Heap, layout.size() as u64);
         }
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        accounting::credit(Kind::Heap, layout.size() as u64);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -43,9 +42,9 @@ unsafe impl GlobalAlloc for CountingAlloc {
         // On failure the old block is untouched and still counted.
         if !p.is_null() {
             if new_size >= layout.size() {
-                LIVE.fetch_add(new_size - layout.size(), Ordering::Relaxed);
+                accounting::charge(Kind::Heap, (new_size - layout.size()) as u64);
             } else {
-                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+                accounting::credit(Kind::Heap, (layout.size() - new_size) as u64);
             }
         }
         p
@@ -54,7 +53,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
 
 /// Bytes this library's Rust code holds on the heap now (over every engine of the process).
 pub fn live_bytes() -> usize {
-    LIVE.load(Ordering::Relaxed)
+    accounting::snapshot().heap as usize
 }
 
 #[cfg(test)]

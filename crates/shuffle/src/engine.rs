@@ -2,8 +2,10 @@
 //! Spark's `spark.shuffle.rdma.*` settings. This is what the JNI layer opens per executor.
 
 use crate::blocks::{ClientEndpointConfig, ServerEndpointConfig};
+use crate::budget::MemoryBudget;
 use crate::knobs::{render_error, with_setting};
 use crate::{BlockClient, BlockServer, ServerError};
+use rdma_shuffle_fabric::memory::accounting;
 use rdma_shuffle_fabric::pool::{PoolConfig, TieredPool};
 use rdma_shuffle_fabric::ProviderOptions;
 use rdma_shuffle_fabric::{Driver, DriverConfig, FabricError, PoolError, Provider};
@@ -60,8 +62,14 @@ pub struct EngineConfig {
     pub eager_threshold: u32,
     /// `spark.shuffle.rdma.pool.tiers` (bytes).
     pub pool_tiers: Vec<usize>,
-    /// `spark.shuffle.rdma.pool.capBytes`.
-    pub pool_cap: u64,
+    /// `spark.shuffle.rdma.pool.capBytes`; `None`: derived from [`memory_bound`](Self::memory_bound)
+    /// ([`MemoryBudget`](crate::budget::MemoryBudget)).
+    pub pool_cap: Option<u64>,
+    /// The bound on all the engine's native memory, from Spark's memory settings
+    /// ([`MemoryBound::from_spark`](crate::budget::MemoryBound::from_spark)); `None` outside Spark.
+    pub memory_bound: Option<crate::budget::MemoryBound>,
+    /// `spark.shuffle.rdma.memory.overheadPercent`: the bound's share of the memory overhead.
+    pub overhead_percent: u32,
     /// `spark.shuffle.rdma.port` (0 = ephemeral).
     pub port: u16,
     /// `spark.shuffle.rdma.bindHost`: the executor's own address, which the caller must set
@@ -102,32 +110,53 @@ pub struct EngineConfig {
     pub spin: Duration,
 }
 
+/// The provider an engine opens, why, and how its native memory is split for it.
+pub struct Selected {
+    /// The provider.
+    pub provider: Arc<dyn Provider>,
+    /// Why this provider (logged once by the caller).
+    pub why: String,
+    /// The pool cap and fixed memory for this provider ([`MemoryBudget`]).
+    pub budget: MemoryBudget,
+}
+
 /// Picks the provider `transport` names, with the reason (logged once by the caller),
 /// through the provider registry (`rdma_shuffle_providers`, the one place providers are
-/// listed).
+/// listed), and the memory budget for it ([`MemoryBudget`]).
 ///
 /// `auto` tries the registry's automatic order (verbs, then tcp) and falls back on any
-/// failure (no device, no active port, memlock too low), saying why; a name fails instead
-/// of falling back.
-pub fn select_provider(config: &EngineConfig) -> Result<(Arc<dyn Provider>, String), EngineError> {
+/// failure (no device, no active port, memlock too low, verbs buffers that do not fit in the
+/// memory bound), saying why; a name fails instead of falling back.
+pub fn select_provider(config: &EngineConfig) -> Result<Selected, EngineError> {
+    let (budget, verbs_unfit) = MemoryBudget::for_transport(config)?;
+    // `auto` where the verbs buffers would not fit in the bound: tcp, and why.
+    let name = if verbs_unfit.is_some() { "tcp" } else { config.transport.as_str() };
     let options = ProviderOptions {
         device: config.device.clone(),
         gid_index: config.gid_index,
         eager_message: Some(config.eager_threshold.max(4096) + 4096),
         max_message: None,
         recv_buffers: Some(config.recv_buffers),
-        pool_bytes: config.pool_cap,
+        // Checked against the memlock limit: the pool, and the blocks exposed at once (their
+        // registration pins their pages too).
+        pool_bytes: budget.pool_cap + config.max_bytes_exposed,
         secret: config.secret.clone(),
         extra: config.provider_settings.clone(),
     };
-    let opened = providers::open(&config.transport, &options).map_err(|e| EngineError::Transport(render_error(&e)))?;
+    let opened = providers::open(name, &options).map_err(|e| EngineError::Transport(render_error(&e)))?;
     let name = opened.provider.name();
-    let why = match &opened.fallback {
-        Some((skipped, e)) => format!("transport=auto: using {name} because {skipped} is unusable: {}", render_error(e)),
-        None if config.transport == name => format!("spark.shuffle.rdma.transport={name}: {}", opened.description),
-        None => format!("transport: {}", opened.description),
+    let why = match (&opened.fallback, &verbs_unfit) {
+        (_, Some(e)) => format!("transport=auto: using tcp because the verbs buffers do not fit in the memory bound: {e}"),
+        (Some((skipped, e)), None) => {
+            format!("transport=auto: using {name} because {skipped} is unusable: {}", render_error(e))
+        }
+        (None, None) if config.transport == name => format!("spark.shuffle.rdma.transport={name}: {}", opened.description),
+        (None, None) => format!("transport: {}", opened.description),
     };
-    Ok((opened.provider, why))
+    // The budget the verbs attempt used also holds when auto fell back to tcp, but tcp needs
+    // no buffers: give the pool what verbs would have reserved.
+    let budget = if opened.provider.name() == "verbs" { budget } else { MemoryBudget::resolve(config, false)? };
+    Ok(Selected { provider: opened.provider, why, budget })
 }
 
 /// An executor's engine: one driver (event loop, plus its delivery thread) runs both the
@@ -139,6 +168,7 @@ pub struct Engine {
     server: BlockServer,
     client: BlockClient,
     why: String,
+    budget: MemoryBudget,
 }
 
 impl Engine {
@@ -155,13 +185,13 @@ impl Engine {
                 ),
             });
         }
-        let (provider, why) = select_provider(&config)?;
+        let Selected { provider, why, budget } = select_provider(&config)?;
         tracing::info!(executor = %config.executor_id, transport = provider.name(), "{why}");
         let driver = Driver::new(
             provider.clone(),
             DriverConfig { name: config.executor_id.clone(), idle_timeout: config.idle_timeout, spin: config.spin },
         )?;
-        let pool_cfg = PoolConfig { tiers: config.pool_tiers.clone(), cap_bytes: config.pool_cap, ..PoolConfig::default() };
+        let pool_cfg = PoolConfig { tiers: config.pool_tiers.clone(), cap_bytes: budget.pool_cap, ..PoolConfig::default() };
         let pool = TieredPool::new(pool_cfg, provider.registrar())?;
         let limits = Limits { max_eager: config.eager_threshold.max(1), ..Limits::default() };
         let handshake_timeout = config.connect_timeout.min(Duration::from_secs(30));
@@ -194,7 +224,7 @@ impl Engine {
             name: format!("executor {}", config.executor_id),
         };
         let client = BlockClient::on(&driver, pool, client_cfg)?;
-        Ok(Engine { config, provider, driver, server, client, why })
+        Ok(Engine { config, provider, driver, server, client, why, budget })
     }
 
     /// The driver (event loop) of this engine.
@@ -225,6 +255,11 @@ impl Engine {
     /// The settings in force.
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// How this engine's native memory is split (bound, fixed memory, pool cap).
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.budget
     }
 
     /// Counters as `key=value` lines (what the executor logs and tests read).
@@ -282,6 +317,7 @@ impl Engine {
         kv("peak_exposed_bytes", r(&b.peak_exposed_bytes));
         kv("exposure_waits", r(&b.exposure_waits));
         kv("pool_bytes_allocated", p.bytes_allocated);
+        kv("pool_cap_bytes", self.budget.pool_cap);
         kv("pool_bytes_in_use", p.bytes_in_use);
         kv("pool_peak_bytes_in_use", p.peak_bytes_in_use);
         kv("pool_waits", p.waits);
@@ -298,6 +334,16 @@ impl Engine {
         for (k, v) in self.driver.provider_counters() {
             kv(k, v);
         }
+        // All the native memory of the process's engines (one per executor), by kind, with
+        // its exact peak, against the bound Spark's settings gave (0: none).
+        let m = accounting::snapshot();
+        kv("native_bytes", m.total);
+        kv("native_peak_bytes", m.peak);
+        kv("native_heap_bytes", m.heap);
+        kv("native_pool_bytes", m.pool);
+        kv("native_provider_bytes", m.provider);
+        kv("native_bound_bytes", self.budget.bound.unwrap_or(0));
+        kv("native_fixed_bytes", self.budget.fixed);
         let _ = writeln!(out, "transport={}", self.transport());
         out
     }
@@ -320,7 +366,7 @@ mod tests {
     fn auto_picks_tcp_on_a_machine_without_a_device_and_says_why() {
         // This test runs on hosts without RDMA (CI's); inside the SoftRoCE VM the verbs suite
         // covers the other branch.
-        let (p, why) = select_provider(&EngineConfig::default()).unwrap();
+        let Selected { provider: p, why, .. } = select_provider(&EngineConfig::default()).unwrap();
         assert_eq!(p.name(), "tcp");
         assert!(why.contains("using tcp because verbs is unusable"), "{why}");
         let e = select_provider(&EngineConfig { transport: "verbs".into(), ..EngineConfig::default() }).err().unwrap();
@@ -334,7 +380,7 @@ mod tests {
             transport: "tcp".into(),
             bind_host: "127.0.0.1".parse().unwrap(),
             executor_id: id.into(),
-            pool_cap: 64 << 20,
+            pool_cap: Some(64 << 20),
             ..EngineConfig::default()
         };
         let a = Engine::open(cfg("1")).unwrap();

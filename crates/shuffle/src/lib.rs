@@ -5,6 +5,7 @@
 //!   memory, mapped read-only, resolved to validated byte ranges.
 //! * [`server`] — [`BlockServer`]: the store exposed through a fabric endpoint.
 //! * [`client`] — [`BlockClient`]: fetches Spark shuffle blocks from many block servers.
+//! * [`budget`] — the engine's native-memory bound and the pool cap it leaves.
 //! * [`engine`] — [`Engine`]: one executor's provider, driver (event loop), pool, server and
 //!   client, from Spark's settings.
 //! * [`knobs`] — the Spark key behind each setting an error of a lower layer points at.
@@ -17,6 +18,7 @@
 #![deny(missing_docs)]
 
 pub mod blocks;
+pub mod budget;
 #[cfg(any(test, feature = "testing"))]
 pub mod channel;
 pub mod client;

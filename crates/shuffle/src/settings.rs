@@ -350,7 +350,7 @@ impl EngineConfig {
                     self.pool_tiers = t.iter().map(|&n| n as usize).collect();
                 }
             }
-            "spark.shuffle.rdma.pool.capBytes" => self.pool_cap = number(v),
+            "spark.shuffle.rdma.pool.capBytes" => self.pool_cap = matches!(v, Value::Number(_)).then(|| number(v)),
             "spark.shuffle.rdma.port" => self.port = number(v) as u16,
             "spark.shuffle.rdma.bindHost" => self.bind_host = resolve_host(key, &text().unwrap_or_default())?,
             "spark.shuffle.rdma.connectTimeout" => self.connect_timeout = Duration::from_millis(number(v)),
@@ -361,6 +361,8 @@ impl EngineConfig {
             "spark.shuffle.rdma.recvBuffers" => self.recv_buffers = number(v) as u32,
             "spark.shuffle.rdma.store.maxOpenFiles" => self.max_open_files = number(v) as usize,
             "spark.shuffle.rdma.maxBytesExposed" => self.max_bytes_exposed = number(v),
+            // In range by the schema (1..100).
+            "spark.shuffle.rdma.memory.overheadPercent" => self.overhead_percent = number(v) as u32,
             "spark.shuffle.rdma.device" => self.device = text().filter(|d| !d.is_empty()),
             "spark.shuffle.rdma.gidIndex" => self.gid_index = matches!(v, Value::Number(_)).then(|| number(v) as u8),
             _ if provider_key(key).is_some() => {
@@ -391,7 +393,7 @@ impl EngineConfig {
             "spark.shuffle.rdma.transport" => self.transport.clone(),
             "spark.shuffle.rdma.eagerThreshold" => self.eager_threshold.to_string(),
             "spark.shuffle.rdma.pool.tiers" => self.pool_tiers.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","),
-            "spark.shuffle.rdma.pool.capBytes" => self.pool_cap.to_string(),
+            "spark.shuffle.rdma.pool.capBytes" => self.pool_cap.map(|c| c.to_string()).unwrap_or_default(),
             "spark.shuffle.rdma.port" => self.port.to_string(),
             "spark.shuffle.rdma.bindHost" => self.bind_host.to_string(),
             "spark.shuffle.rdma.connectTimeout" => ms(&self.connect_timeout),
@@ -402,6 +404,7 @@ impl EngineConfig {
             "spark.shuffle.rdma.recvBuffers" => self.recv_buffers.to_string(),
             "spark.shuffle.rdma.store.maxOpenFiles" => self.max_open_files.to_string(),
             "spark.shuffle.rdma.maxBytesExposed" => self.max_bytes_exposed.to_string(),
+            "spark.shuffle.rdma.memory.overheadPercent" => self.overhead_percent.to_string(),
             "spark.shuffle.rdma.device" => self.device.clone().unwrap_or_default(),
             "spark.shuffle.rdma.gidIndex" => self.gid_index.map(|g| g.to_string()).unwrap_or_default(),
             _ => self.provider_settings.get(provider_key(key)?).cloned().unwrap_or_default(),
@@ -427,6 +430,7 @@ impl EngineConfig {
         let mut c = EngineConfig::default();
         let mut auth = false;
         let mut secret = None;
+        let mut spark_memory = std::collections::HashMap::new();
         for line in text.lines() {
             let Some((k, v)) = line.split_once('=') else { continue };
             let (k, v) = (k.trim(), v.trim());
@@ -435,6 +439,9 @@ impl EngineConfig {
                 "spark.authenticate.secret" => secret = Some(v.to_string()),
                 "spark.executor.id" => c.executor_id = v.to_string(),
                 "spark.app.id" => c.app_id = v.to_string(),
+                k if crate::budget::SPARK_MEMORY_KEYS.contains(&k) => {
+                    spark_memory.insert(k.to_string(), v.to_string());
+                }
                 _ => {
                     if let Some(s) = lookup(k).filter(|s| s.scope == Scope::Engine) {
                         c.apply(s.key, &s.parse(v)?)?;
@@ -442,11 +449,14 @@ impl EngineConfig {
                 }
             }
         }
+        if !spark_memory.is_empty() {
+            c.memory_bound = Some(crate::budget::MemoryBound::from_spark(&|k| spark_memory.get(k).cloned(), c.overhead_percent)?);
+        }
         let largest_tier = c.pool_tiers.iter().copied().max().unwrap_or(0) as u64;
-        if c.pool_cap < largest_tier {
+        if let Some(cap) = c.pool_cap.filter(|&cap| cap < largest_tier) {
             return Err(EngineError::Setting {
                 key: "spark.shuffle.rdma.pool.capBytes".into(),
-                value: c.pool_cap.to_string(),
+                value: cap.to_string(),
                 why: format!(
                     "smaller than the largest pool tier ({largest_tier} bytes); raise it or lower spark.shuffle.rdma.pool.tiers"
                 ),
@@ -474,7 +484,9 @@ impl Default for EngineConfig {
             provider_settings: std::collections::BTreeMap::new(),
             eager_threshold: 0,
             pool_tiers: Vec::new(),
-            pool_cap: 0,
+            pool_cap: None,
+            memory_bound: None,
+            overhead_percent: 0,
             port: 0,
             bind_host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             connect_timeout: Duration::ZERO,
@@ -532,6 +544,8 @@ mod tests {
             (Kind::Sizes, Value::Numbers(n)) => n[..n.len() - 1].iter().map(u64::to_string).collect::<Vec<_>>().join(","),
             (Kind::Host, _) => "127.0.0.2".into(),
             (Kind::Text, _) => "dev0".into(),
+            // An unset size (the pool cap): one that holds the largest default tier.
+            (Kind::Size, Value::Unset) => "64m".into(),
             (_, Value::Number(n)) => if s.max == Some(n) { n - 1 } else { n + 1 }.to_string(),
             (_, _) => s.min.unwrap_or(1).to_string(),
         }

@@ -27,7 +27,7 @@ fn engine(id: &str) -> Engine {
         transport: "tcp".into(),
         bind_host: "127.0.0.1".parse().unwrap(),
         executor_id: id.into(),
-        pool_cap: 16 << 20,
+        pool_cap: Some(16 << 20),
         ..EngineConfig::default()
     })
     .unwrap()

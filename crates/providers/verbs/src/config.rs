@@ -41,7 +41,7 @@ impl Default for VerbsConfig {
             port: 1,
             gid_index: None,
             recv_buffers: 512,
-            send_buffers: 128,
+            send_buffers: crate::DEFAULT_SEND_BUFFERS,
             max_message: 64 * 1024 + 4096,
             pool_bytes: 0,
             sq_depth: 256,

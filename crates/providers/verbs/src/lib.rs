@@ -60,6 +60,10 @@ mod sys;
 
 pub use memlock::{can_lock_unlimited, check_memlock, memlock_limit};
 
+/// Registered send buffers of each driver ([`VerbsConfig`]'s default), known without the
+/// `ibverbs` feature so that an engine can budget them before it opens a device.
+pub const DEFAULT_SEND_BUFFERS: u32 = 128;
+
 #[cfg(feature = "ibverbs")]
 pub use config::VerbsConfig;
 #[cfg(feature = "ibverbs")]

@@ -73,7 +73,7 @@ fn blocks_cross_between_two_rdma_devices() {
 #[test]
 fn auto_transport_picks_verbs_where_a_device_exists() {
     let cfg = rdma_shuffle_shuffle::EngineConfig {
-        pool_cap: 32 << 20,
+        pool_cap: Some(32 << 20),
         bind_host: "127.0.0.1".parse().unwrap(),
         recv_buffers: 64,
         ..Default::default()

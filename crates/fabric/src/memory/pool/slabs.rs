@@ -1,6 +1,7 @@
 //! The pool's internals: tiers of slabs, free lists, reservations under the cap, reclaim.
 
 use super::config::{round_up, PoolConfig, PoolError, PoolStats, TierSpec};
+use crate::memory::accounting;
 use crate::memory::registration::{RegionKeys, Registrar};
 use memmap2::{MmapMut, MmapRaw};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -84,6 +85,7 @@ unsafe impl Sync for Region {}
 
 impl Drop for Region {
     fn drop(&mut self) {
+        accounting::credit(accounting::Kind::Pool, self.map.len() as u64);
         self.registrar.deregister(&self.keys);
         trace!(bytes = self.map.len(), handle = self.keys.handle, "pool region deregistered");
         // `map` is unmapped when the fields drop, after deregistration.
@@ -403,7 +405,11 @@ impl Shared {
         let base = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| PoolError::Alloc { bytes, source: io::Error::other("mmap returned a null address") })?;
         match self.registrar.register(base.as_ptr(), bytes) {
-            Ok(keys) => Ok(Region { map, base, keys, registrar: Arc::clone(&self.registrar) }),
+            Ok(keys) => {
+                // Counted from here until the region drops (it unmaps then).
+                accounting::charge(accounting::Kind::Pool, bytes as u64);
+                Ok(Region { map, base, keys, registrar: Arc::clone(&self.registrar) })
+            }
             Err(e) => {
                 // `map` is unmapped on return; nothing was registered.
                 warn!(bytes, error = %e, "pool memory registration failed");

@@ -130,6 +130,21 @@ public final class NativeBridge {
   public static native String engineStats(long h);
 
   /**
+   * How an engine opened with {@code config} would split its native memory; needs no engine.
+   * The JVM asks when Spark starts, so that settings that cannot fit fail the start.
+   *
+   * @param config the engine settings and the bound, as {@code RdmaShuffleConf.budgetConfig}
+   *     gives them
+   * @return {@code key=value} lines over tcp and, unless the transport is tcp, the same with
+   *     the prefix {@code verbs_}: {@code native_bound_bytes}, {@code pool_cap_bytes},
+   *     {@code native_fixed_bytes}, {@code pool_cap_explicit} when the settings fit, else
+   *     {@code unfit} (why, naming the settings and the numbers); and
+   *     {@code bound_needed_bytes}, the smallest bound they fit in
+   * @throws RdmaShuffleException of kind {@code config} for a malformed config
+   */
+  public static native String memoryBudget(String config);
+
+  /**
    * @param h engine handle
    * @return the engine's settings in force: one canonical {@code key=value} line per engine
    *     setting of the schema, in the form {@code engineOpen} takes

@@ -37,6 +37,12 @@ object RdmaShuffleConf {
   /** Where the engine listens (default: the executor's host). */
   val BindHostKey: String = Prefix + "bindHost"
 
+  /** The pool's cap; unset: derived from the native-memory bound. */
+  val PoolCapKey: String = Prefix + "pool.capBytes"
+
+  /** The engine's native-memory bound as a percentage of the memory overhead. */
+  val OverheadPercentKey: String = Prefix + "memory.overheadPercent"
+
   /**
    * Parses and validates every declared setting.
    *
@@ -163,7 +169,8 @@ object RdmaShuffleConf {
   private def checkCapHoldsLargestTier(values: Map[String, String]): Unit = {
     val capKey = Prefix + "pool.capBytes"
     val tiersKey = Prefix + "pool.tiers"
-    for (cap <- values.get(capKey); tiers <- values.get(tiersKey) if tiers.nonEmpty) {
+    for (cap <- values.get(capKey) if cap.nonEmpty; tiers <- values.get(tiersKey)
+      if tiers.nonEmpty) {
       val largest = tiers.split(",").map(_.toLong).max
       if (cap.toLong < largest) {
         throw new RdmaShuffleConfigException(
@@ -202,6 +209,28 @@ final case class RdmaShuffleConf(
       throw new NoSuchElementException(s"$key is not resolved without an " +
         "executor host, or not declared in settings/settings.tsv"))
 
+  /** Whether the user set `spark.shuffle.rdma.pool.capBytes` (else it follows the bound). */
+  def explicitPoolCap: Boolean = values.get(PoolCapKey).exists(_.nonEmpty)
+
+  /**
+   * The text `NativeBridge.memoryBudget` takes: every engine-scope setting resolved now and
+   * Spark's memory settings (`sparkMemory`, [[NativeMemoryBound.settings]]). Settings that
+   * follow the executor's host are left out (they do not touch memory, and no host is known
+   * yet).
+   */
+  def budgetConfig(sparkMemory: Seq[(String, String)]): String =
+    (SettingsSchema.all.filter(s => s.forEngine && !fromExecutorHost.contains(s.key))
+      .map(s => s.key -> apply(s.key)) ++ sparkMemory).map { case (k, v) => s"$k=$v" }
+      .mkString("", "\n", "\n")
+
+  /** [[engineConfig]] without a native-memory bound (engines opened outside Spark, tests). */
+  def engineConfig(
+      executorId: String,
+      appId: String,
+      authSecret: Option[String],
+      executorHost: String): String =
+    engineConfig(executorId, appId, authSecret, executorHost, Nil)
+
   /** The bind host the user set, as an address; `None` when it follows the executor's host. */
   def explicitBindHost: Option[String] = if (bindHostSet) values.get(BindHostKey) else None
 
@@ -222,6 +251,8 @@ final case class RdmaShuffleConf(
    * @param authSecret   the app's `spark.authenticate` secret when authentication is on
    * @param executorHost the executor's host as Spark knows it (the default of the settings
    *                     whose fallback is the executor's host, e.g. `bindHost`)
+   * @param sparkMemory  Spark's memory settings the engine's native-memory bound is computed
+   *                     from ([[NativeMemoryBound.settings]])
    * @throws RdmaShuffleConfigException when the executor host does not resolve, or a value
    *                                    contains a line break (it would corrupt the line format)
    */
@@ -229,7 +260,8 @@ final case class RdmaShuffleConf(
       executorId: String,
       appId: String,
       authSecret: Option[String],
-      executorHost: String): String = {
+      executorHost: String,
+      sparkMemory: Seq[(String, String)]): String = {
     val settings = SettingsSchema.all.filter(_.forEngine).map { s =>
       if (fromExecutorHost.contains(s.key)) {
         s.key -> RdmaShuffleConf.canonical(s, executorHost, "the executor's host")
@@ -238,6 +270,7 @@ final case class RdmaShuffleConf(
       }
     }
     val lines = settings ++ Seq("spark.executor.id" -> executorId, "spark.app.id" -> appId) ++
+      sparkMemory ++
       authSecret.toSeq.flatMap(s =>
         Seq("spark.authenticate" -> "true", "spark.authenticate.secret" -> s))
     lines.foreach { case (k, v) =>

@@ -14,11 +14,15 @@ import org.apache.spark.shuffle.{BaseShuffleHandle, ShuffleHandle, ShuffleWriter
  * (bypass-merge, serialized or base), which still selects the writer. A shuffle the manager
  * handed over to Spark keeps Spark's plain handle, so executors can tell the two apart without
  * asking the driver.
+ *
+ * @param nativeMemoryPeak the shuffle's [[NativeMemoryAccumulator]], registered on the driver;
+ *                         travels to the tasks with the handle, as Spark's own accumulators do
  */
 private[rdma] class RdmaShuffleHandle[K, V, C](
     shuffleId: Int,
     dependency: ShuffleDependency[K, V, C],
-    val sortHandle: ShuffleHandle)
+    val sortHandle: ShuffleHandle,
+    val nativeMemoryPeak: Option[NativeMemoryAccumulator] = None)
   extends BaseShuffleHandle[K, V, C](shuffleId, dependency)
 
 /**

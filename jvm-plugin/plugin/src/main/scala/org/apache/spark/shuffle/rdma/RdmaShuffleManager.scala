@@ -88,8 +88,34 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   private val fallbackPolicy: FallbackPolicy = createFallbackPolicy(settings, nativeFailure)
 
+  /** Spark's memory settings the engines' native-memory bound comes from. */
+  private val sparkMemory: Seq[(String, String)] = NativeMemoryBound.settings(conf)
+
+  /**
+   * How the engines of this application split their native memory (the engine's answer to
+   * [[NativeBridge.memoryBudget]]), when engines may run at all.
+   */
+  private val memoryPlan: Map[String, String] =
+    if (!settings.enabled || nativeFailure.isDefined ||
+      fallbackPolicy.reasonToHandOverAll.isDefined) Map.empty
+    else NativeEngine.parseLines(memoryBudget(settings.budgetConfig(sparkMemory))).toMap
+
+  /**
+   * Why the engines' memory cannot fit in the bound, when the plugin chose the sizes (then every
+   * shuffle goes to Spark, with one warning). Settings the user chose that cannot fit (an
+   * explicit `pool.capBytes`, `transport=verbs`) fail the start instead, here. Over tcp the
+   * need is smallest: `auto` uses tcp where the verbs buffers do not fit, and says so.
+   */
+  private val memoryUnfit: Option[String] = {
+    val verbsOnly = settings(RdmaShuffleConf.Prefix + "transport") == "verbs"
+    memoryPlan.get(if (verbsOnly) "verbs_unfit" else "unfit").map { why =>
+      if (settings.explicitPoolCap || verbsOnly) throw new RdmaShuffleConfigException(why)
+      why
+    }
+  }
+
   /** Set when no shuffle of this application can use the engine: none is started then. */
-  private val handOverAll: Option[String] = fallbackPolicy.reasonToHandOverAll
+  private val handOverAll: Option[String] = fallbackPolicy.reasonToHandOverAll.orElse(memoryUnfit)
 
   /** Shuffle ids handed to Spark's sort shuffle (driver side), with the reason. */
   private val handedOver = new ConcurrentHashMap[Int, String]()
@@ -142,6 +168,15 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       case _ =>
     }
   }
+  if (isDriver) {
+    memoryUnfit.foreach { reason =>
+      if (memoryWarningLogged.compareAndSet(false, true)) {
+        logWarning(s"RDMA shuffle: the engine's native memory does not fit in its bound " +
+          s"($reason). Every shuffle of this application is handed to Spark's built-in sort " +
+          "shuffle; jobs run unchanged.")
+      }
+    }
+  }
   handOverAll.foreach(reason => logInfo(s"RDMA shuffle engine not started: $reason"))
   if (isDriver && shuffleServiceEnabled && handOverAll.isEmpty) {
     logInfo("RDMA shuffle beside the external shuffle service (spark.shuffle.service.enabled=" +
@@ -171,6 +206,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
 
   /** Opens this JVM's engine. */
   protected def openEngine(config: String): ShuffleEngine = NativeEngine.open(config)
+
+  /** The engine's memory split for `config` ([[NativeBridge.memoryBudget]]). */
+  protected def memoryBudget(config: String): String = NativeBridge.memoryBudget(config)
 
   /** The directory readers resolve executors through (the driver registry, cached). */
   protected def readerDirectory(registry: CachingEngineDirectory): EngineDirectory = registry
@@ -214,14 +252,18 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       shuffleId: Int,
       dependency: ShuffleDependency[K, V, C]): ShuffleHandle = {
     val sortHandle = super.registerShuffle(shuffleId, dependency)
-    fallbackPolicy.reasonToHandOver(dependency) match {
+    memoryUnfit.orElse(fallbackPolicy.reasonToHandOver(dependency)) match {
       case Some(reason) =>
         handedOver.put(shuffleId, reason)
         logInfo(s"Shuffle $shuffleId handed to Spark's sort shuffle: $reason")
         sortHandle
       case None =>
         startRegistry()
-        new RdmaShuffleHandle(shuffleId, dependency, sortHandle)
+        new RdmaShuffleHandle(
+          shuffleId,
+          dependency,
+          sortHandle,
+          nativeMemoryAccumulator(dependency))
     }
   }
 
@@ -263,8 +305,14 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     case h: RdmaShuffleHandle[K @unchecked, _, C @unchecked] =>
       engine() match {
         case running @ EngineState.Running(_, _, client) =>
-          // After each reduce task, tell the driver the engine's counters (see EngineStats).
-          context.addTaskCompletionListener[Unit](_ => reportStats(running))
+          // After each reduce task, tell the driver the engine's counters (see EngineStats),
+          // and the shuffle's accumulator the engine's native-memory peak.
+          context.addTaskCompletionListener[Unit] { _ =>
+            val stats = reportStats(running)
+            for (acc <- h.nativeMemoryPeak; (_, v) <- stats.find(_._1 == "native_peak_bytes")) {
+              Try(v.toLong).foreach(acc.add)
+            }
+          }
           val (blocksByAddress, canEnableBatchFetch) =
             mapSizesByExecutorId(h, startMapIndex, endMapIndex, startPartition, endPartition)
           new RdmaShuffleReader[K, C](
@@ -476,10 +524,30 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     ) ++ native
   }
 
-  private def reportStats(running: EngineState.Running): Unit = {
+  /** Reports the engine's counters to the driver; returns them. */
+  private def reportStats(running: EngineState.Running): Seq[(String, String)] = {
+    val stats = statsOf(running)
     val env = SparkEnv.get
-    if (env != null) running.directory.reportStats(env.executorId, statsOf(running))
+    if (env != null) running.directory.reportStats(env.executorId, stats)
+    stats
   }
+
+  /**
+   * A new named accumulator for the native-memory peak of `dependency`'s reduce tasks,
+   * registered with the driver's context (see [[NativeMemoryAccumulator]]); `None` where there
+   * is no context to register it with (managers made outside an application).
+   */
+  private def nativeMemoryAccumulator(
+      dependency: ShuffleDependency[_, _, _]): Option[NativeMemoryAccumulator] =
+    try {
+      val acc = new NativeMemoryAccumulator
+      dependency.rdd.sparkContext.register(acc, NativeMemoryAccumulator.Name)
+      Some(acc)
+    } catch {
+      case NonFatal(e) =>
+        logDebug(s"No native-memory accumulator for shuffle ${dependency.shuffleId}", e)
+        None
+    }
 
   /** One line, `key=value`, grepped by tests/spark: keep the format stable. */
   private def logStats(executorId: String, stats: Seq[(String, String)]): Unit =
@@ -529,7 +597,8 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       val host = settings.explicitBindHost
         .filterNot(h => Try(InetAddress.getByName(h).isAnyLocalAddress).getOrElse(false))
         .getOrElse(ownHost)
-      val eng = openEngine(settings.engineConfig(env.executorId, conf.getAppId, secret, ownHost))
+      val eng = openEngine(
+        settings.engineConfig(env.executorId, conf.getAppId, secret, ownHost, sparkMemory))
       opened = Some(eng)
       val ref = if (isDriver) {
         startRegistry()
@@ -548,6 +617,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       )
       logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
         s"(transport ${eng.transport})")
+      logMemoryBound(env.executorId, eng)
       val running = EngineState.Running(eng, directory, client)
       registerMetrics(env, running)
       running
@@ -562,6 +632,24 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
           e)
         EngineState.Unavailable(e.toString)
     }
+  }
+
+  /**
+   * The one line per executor that gives the engine's native-memory bound, where it came from
+   * and how it is split (grepped by tests/spark: keep the format stable).
+   */
+  private def logMemoryBound(executorId: String, eng: ShuffleEngine): Unit = {
+    val kv =
+      try eng.stats.toMap
+      catch { case NonFatal(_) => Map.empty[String, String] }
+    def get(k: String) = kv.getOrElse(k, "?")
+    val capFrom = if (settings.explicitPoolCap) RdmaShuffleConf.PoolCapKey else "the bound"
+    logInfo(s"$MemoryMarker executor=$executorId bound=${get("native_bound_bytes")} " +
+      s"pool_cap=${get("pool_cap_bytes")} fixed=${get("native_fixed_bytes")} " +
+      s"transport=${eng.transport}: the engine's native memory is bounded by " +
+      memoryPlan.get("bound_source").fold("nothing (no bound)")(src =>
+        s"${get("native_bound_bytes")} bytes: $src") +
+      s"; its pool's cap comes from $capFrom, and the pool waits for free buffers beyond it")
   }
 
   /**
@@ -600,6 +688,12 @@ object RdmaShuffleManager {
 
   /** Prefix of the engine-stats log line written at stop (grepped by tests/spark). */
   val StatsMarker = "RDMA_SHUFFLE_ENGINE_STATS"
+
+  /** Prefix of the line each executor logs with its native-memory bound (tests/spark). */
+  val MemoryMarker = "RDMA_SHUFFLE_MEMORY"
+
+  /** Once per JVM: the warning that the engine's memory does not fit in its bound. */
+  private val memoryWarningLogged = new AtomicBoolean(false)
 
   private val nativeWarningLogged = new AtomicBoolean(false)
 

@@ -23,6 +23,8 @@ class LoopbackShuffleManager(conf: SparkConf, isDriver: Boolean)
   override protected def nativeLibrary(): NativeLoader.Outcome =
     NativeLoader.Outcome.of(true, "test", null)
 
+  override protected def memoryBudget(config: String): String = "pool_cap_bytes=67108864\n"
+
   override protected def openEngine(config: String): ShuffleEngine = {
     LoopbackShuffleManager.lastConfig = config
     val e = new LoopbackEngine(

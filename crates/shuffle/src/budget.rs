@@ -1,0 +1,391 @@
+//! The engine's native-memory bound, and the pool cap it leaves.
+//!
+//! Inside Spark the engine's native memory is bounded by a share ([`MemoryBound`],
+//! `spark.shuffle.rdma.memory.overheadPercent`) of the memory overhead Spark sizes the executor's
+//! container with for memory outside the JVM heap (`spark.executor.memoryOverhead`, computed as
+//! Spark computes it; see the README). The JVM hands the engine Spark's memory settings as it
+//! resolves them ([`SPARK_MEMORY_KEYS`]); the engine splits the bound:
+//!
+//! * fixed memory, reserved first: a reserve for the engine's own heap ([`HEAP_RESERVE`]) and,
+//!   over verbs, the registered receive and send buffers and the bytes of blocks it may
+//!   expose for RDMA READ at once (`maxBytesExposed`);
+//! * the pool, which gets the rest. The pool's cap is hard: beyond it fetches wait for
+//!   buffers to come back (backpressure), so the engine's memory never grows past the bound
+//!   because of load.
+//!
+//! An explicit `spark.shuffle.rdma.pool.capBytes` must fit in the same bound; the JVM asks
+//! [`MemoryBudget::resolve`] when Spark starts, so a cap that cannot fit fails the application
+//! at start, naming both settings and the numbers.
+//!
+//! Engines opened outside Spark without a bound (benchmarks, tests) keep the cap they are
+//! given, or [`DEFAULT_POOL_CAP`].
+
+use crate::engine::{EngineConfig, EngineError};
+use rdma_shuffle_providers::verbs::DEFAULT_SEND_BUFFERS;
+use rdma_shuffle_providers::AUTO;
+
+/// Bytes of the bound kept for the engine's own Rust heap (connection state, frames,
+/// tables): measured at 0.15-0.5 MiB per executor in TPC-DS runs (`native_heap_bytes`), plus
+/// about 0.4 MiB per open connection; connections close when idle.
+pub const HEAP_RESERVE: u64 = 8 << 20;
+
+/// The pool cap of an engine given neither a bound nor a cap (opened outside Spark).
+pub const DEFAULT_POOL_CAP: u64 = 512 << 20;
+
+const CAP_KEY: &str = "spark.shuffle.rdma.pool.capBytes";
+const PERCENT_KEY: &str = "spark.shuffle.rdma.memory.overheadPercent";
+
+/// The Spark settings the bound is computed from. The JVM passes each one that is set, as
+/// `SparkConf` resolves it (deprecated names included); a config with none of them (an engine
+/// opened outside Spark) has no bound.
+pub const SPARK_MEMORY_KEYS: &[&str] = &[
+    "spark.master",
+    "spark.executor.memory",
+    "spark.executor.memoryOverhead",
+    "spark.executor.memoryOverheadFactor",
+    "spark.executor.minMemoryOverhead",
+    "spark.driver.memory",
+    "spark.driver.memoryOverhead",
+    "spark.driver.memoryOverheadFactor",
+    "spark.driver.minMemoryOverhead",
+    "spark.kubernetes.memoryOverheadFactor",
+];
+
+/// Spark's floor of the memory overhead when `minMemoryOverhead` is not set (MiB).
+const DEFAULT_MIN_OVERHEAD_MIB: u64 = 384;
+/// Spark's default `memoryOverheadFactor`.
+const DEFAULT_OVERHEAD_FACTOR: f64 = 0.10;
+
+/// The bound on all of an engine's native memory, from Spark's memory settings.
+///
+/// Spark sizes an executor's container (YARN, Kubernetes) as its heap plus
+/// `spark.executor.memoryOverhead` (plus off-heap and PySpark memory when those are set), and
+/// the cluster manager kills a container that grows past it. The overhead is Spark's account of
+/// what a JVM holds outside its heap, Netty's buffers for Spark's own shuffle fetches among it,
+/// which the engine takes over. So the engine takes `percent` of that account, computed as Spark
+/// computes the container request: `spark.executor.memoryOverhead` when set, else
+/// `max(spark.executor.minMemoryOverhead (384 MiB), spark.executor.memoryOverheadFactor (0.10)
+/// x spark.executor.memory)` (the factor's product truncated to whole MiB, as Spark does). In
+/// local mode the driver runs the tasks, and the driver's settings count. Where Spark uses a
+/// larger default factor (0.4 for non-JVM applications on Kubernetes) this reads 0.10: the
+/// bound comes out smaller than Spark's account, never larger.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryBound {
+    /// The bound.
+    pub bytes: u64,
+    /// How it was computed, naming the settings and their values.
+    pub source: String,
+    /// The overhead setting it is a share of (`spark.executor.memoryOverhead`).
+    pub overhead_key: String,
+    /// The share, in percent.
+    pub percent: u32,
+}
+
+impl MemoryBound {
+    /// The bound from Spark's settings (`get` answers the keys of [`SPARK_MEMORY_KEYS`] that
+    /// are set) and the share `percent`.
+    pub fn from_spark(get: &dyn Fn(&str) -> Option<String>, percent: u32) -> Result<MemoryBound, EngineError> {
+        let master = get("spark.master").unwrap_or_default().trim().to_ascii_lowercase();
+        let role = if master == "local" || master.starts_with("local[") { "driver" } else { "executor" };
+        let overhead_key = format!("spark.{role}.memoryOverhead");
+        let (overhead_mib, how) = match get(&overhead_key) {
+            Some(v) => (mib(&overhead_key, &v)?, format!("set to '{v}'")),
+            None => {
+                let memory_key = format!("spark.{role}.memory");
+                let memory_mib = get(&memory_key).map(|v| mib(&memory_key, &v)).transpose()?.unwrap_or(1024);
+                let factor_key = format!("spark.{role}.memoryOverheadFactor");
+                let k8s_key = "spark.kubernetes.memoryOverheadFactor";
+                let factor_setting = get(&factor_key)
+                    .map(|v| (factor_key.clone(), v))
+                    .or_else(|| get(k8s_key).filter(|_| master.starts_with("k8s://")).map(|v| (k8s_key.to_string(), v)));
+                let (factor_text, factor) = match factor_setting {
+                    Some((k, v)) => {
+                        let f = v.trim().parse::<f64>().ok().filter(|f| f.is_finite() && *f >= 0.0).ok_or_else(|| {
+                            EngineError::Setting {
+                                key: k.clone(),
+                                value: v.clone(),
+                                why: "expected a non-negative number".into(),
+                            }
+                        })?;
+                        (format!("{k}={v}"), f)
+                    }
+                    None => (format!("{factor_key}={DEFAULT_OVERHEAD_FACTOR} (default)"), DEFAULT_OVERHEAD_FACTOR),
+                };
+                let min_key = format!("spark.{role}.minMemoryOverhead");
+                let (min_text, min_mib) = match get(&min_key) {
+                    Some(v) => (format!("{min_key}={v}"), mib(&min_key, &v)?),
+                    None => (format!("{DEFAULT_MIN_OVERHEAD_MIB}m"), DEFAULT_MIN_OVERHEAD_MIB),
+                };
+                let by_factor = (factor * memory_mib as f64) as u64;
+                (by_factor.max(min_mib), format!("unset: max({min_text}, {factor_text} x {memory_key}={memory_mib}m)"))
+            }
+        };
+        let overhead = overhead_mib << 20;
+        Ok(MemoryBound {
+            bytes: overhead * u64::from(percent) / 100,
+            source: format!("{percent} % ({PERCENT_KEY}) of {overhead_key} = {overhead} bytes, {how}"),
+            overhead_key,
+            percent,
+        })
+    }
+
+    /// What to set so that the bound is at least `needed` bytes.
+    pub fn raise_to(&self, needed: u64) -> String {
+        let per_mib = u64::from(self.percent.max(1)) << 20;
+        let overhead_mib = (needed.saturating_mul(100)).div_ceil(per_mib);
+        format!("raise {} to at least {overhead_mib}m (at {} %), or {PERCENT_KEY}", self.overhead_key, self.percent)
+    }
+}
+
+/// A Spark memory setting in MiB: a bare number is MiB, as Spark reads these keys.
+fn mib(key: &str, value: &str) -> Result<u64, EngineError> {
+    let v = value.trim();
+    let bytes = if v.chars().all(|c| c.is_ascii_digit()) {
+        v.parse::<u64>().ok().and_then(|n| n.checked_mul(1 << 20))
+    } else {
+        crate::settings::parse_size(v)
+    };
+    bytes.map(|b| b >> 20).ok_or_else(|| EngineError::Setting {
+        key: key.to_string(),
+        value: v.to_string(),
+        why: "expected a size (a bare number is MiB: 384, 2g, 512m)".into(),
+    })
+}
+
+/// How an engine's native memory is split, for one transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryBudget {
+    /// The bound on all native memory; `None` for engines opened outside Spark.
+    pub bound: Option<u64>,
+    /// Native memory besides the pool: the heap reserve and, over verbs, buffers and
+    /// exposures.
+    pub fixed: u64,
+    /// The pool's hard cap.
+    pub pool_cap: u64,
+    /// Whether the cap is `spark.shuffle.rdma.pool.capBytes` (else derived from the bound).
+    pub explicit_cap: bool,
+}
+
+impl MemoryBudget {
+    /// The budget of `config` over verbs (`verbs`) or tcp. Fails when an explicit cap does not
+    /// fit in the bound, or the bound leaves the pool less than its largest tier; the message
+    /// names the settings, the numbers and what to change.
+    pub fn resolve(config: &EngineConfig, verbs: bool) -> Result<MemoryBudget, EngineError> {
+        let largest_tier = config.pool_tiers.iter().copied().max().unwrap_or(0) as u64;
+        let fixed = HEAP_RESERVE + if verbs { verbs_fixed_bytes(config) } else { 0 };
+        let parts = if verbs {
+            format!(
+                "{HEAP_RESERVE} bytes of heap reserve, {} bytes of verbs receive and send buffers \
+                 (spark.shuffle.rdma.recvBuffers) and {} bytes of exposed blocks (spark.shuffle.rdma.maxBytesExposed)",
+                verbs_fixed_bytes(config) - config.max_bytes_exposed,
+                config.max_bytes_exposed
+            )
+        } else {
+            format!("{HEAP_RESERVE} bytes of heap reserve")
+        };
+        let over = if verbs { "over verbs" } else { "over tcp" };
+        let bound = config.memory_bound.as_ref();
+        let source = || bound.map(|b| b.source.clone()).unwrap_or_default();
+        let raise = |needed: u64| bound.map(|b| b.raise_to(needed)).unwrap_or_default();
+        match (bound.map(|b| b.bytes), config.pool_cap) {
+            (None, cap) => {
+                Ok(MemoryBudget { bound: None, fixed, pool_cap: cap.unwrap_or(DEFAULT_POOL_CAP), explicit_cap: cap.is_some() })
+            }
+            (Some(bound), Some(cap)) => {
+                if cap.saturating_add(fixed) > bound {
+                    return Err(EngineError::Setting {
+                        key: CAP_KEY.into(),
+                        value: cap.to_string(),
+                        why: format!(
+                            "{}the pool cap plus the engine's fixed native memory {over} ({fixed} bytes: {parts}) \
+                             is {} bytes, more than the engine's native memory bound of {bound} bytes ({}). Lower {CAP_KEY} \
+                             to at most {} bytes (or unset it: the cap is then derived from the bound), or {}",
+                            who(config),
+                            cap.saturating_add(fixed),
+                            source(),
+                            bound.saturating_sub(fixed),
+                            raise(cap.saturating_add(fixed))
+                        ),
+                    });
+                }
+                Ok(MemoryBudget { bound: Some(bound), fixed, pool_cap: cap, explicit_cap: true })
+            }
+            (Some(bound), None) => {
+                let cap = bound.saturating_sub(fixed);
+                if cap < largest_tier {
+                    return Err(EngineError::Setting {
+                        key: config.memory_bound.as_ref().map(|b| b.overhead_key.clone()).unwrap_or_default(),
+                        value: bound.to_string(),
+                        why: format!(
+                            "{}the engine's native memory bound of {bound} bytes ({}) leaves {cap} bytes for the \
+                             pool {over} after {fixed} bytes of fixed native memory ({parts}), less than its largest tier \
+                             ({largest_tier} bytes, spark.shuffle.rdma.pool.tiers): {}",
+                            who(config),
+                            source(),
+                            raise(largest_tier + fixed)
+                        ),
+                    });
+                }
+                Ok(MemoryBudget { bound: Some(bound), fixed, pool_cap: cap, explicit_cap: false })
+            }
+        }
+    }
+
+    /// The budget for the provider `transport=...` may open: with the verbs buffers for
+    /// `verbs`, and for `auto` if they fit (else tcp's, and why verbs does not fit); without
+    /// them for every other provider.
+    pub fn for_transport(config: &EngineConfig) -> Result<(MemoryBudget, Option<EngineError>), EngineError> {
+        match config.transport.as_str() {
+            "verbs" => Ok((Self::resolve(config, true)?, None)),
+            AUTO => match Self::resolve(config, true) {
+                Ok(b) => Ok((b, None)),
+                Err(e) => Ok((Self::resolve(config, false)?, Some(e))),
+            },
+            _ => Ok((Self::resolve(config, false)?, None)),
+        }
+    }
+
+    /// Whether the provider `transport=...` names may be verbs (`verbs`, `auto`).
+    pub fn may_use_verbs(config: &EngineConfig) -> bool {
+        matches!(config.transport.as_str(), "verbs" | AUTO)
+    }
+
+    /// The smallest bound the settings of `config` fit in over verbs (`verbs`) or tcp: the
+    /// fixed memory plus the explicit cap, or plus the largest tier when the cap is derived.
+    pub fn bound_needed(config: &EngineConfig, verbs: bool) -> u64 {
+        let largest_tier = config.pool_tiers.iter().copied().max().unwrap_or(0) as u64;
+        let fixed = HEAP_RESERVE + if verbs { verbs_fixed_bytes(config) } else { 0 };
+        fixed.saturating_add(config.pool_cap.unwrap_or(largest_tier))
+    }
+
+    /// `key=value` lines describing this budget (the JVM's check and the preflight).
+    pub fn describe(&self) -> String {
+        format!(
+            "native_bound_bytes={}\npool_cap_bytes={}\nnative_fixed_bytes={}\npool_cap_explicit={}\n",
+            self.bound.unwrap_or(0),
+            self.pool_cap,
+            self.fixed,
+            self.explicit_cap
+        )
+    }
+}
+
+/// `executor <id>: ` where the config names an executor (the JVM checks before any exists).
+fn who(config: &EngineConfig) -> String {
+    match config.executor_id.as_str() {
+        "" | "unknown" => String::new(),
+        id => format!("executor {id}: "),
+    }
+}
+
+/// Native memory the verbs provider holds besides the pool: each driver's receive and send
+/// buffers (`recvBuffers` + the send buffers, of `eagerThreshold` + 4 KiB each) and the
+/// blocks exposed for RDMA READ at once (`maxBytesExposed`).
+pub fn verbs_fixed_bytes(config: &EngineConfig) -> u64 {
+    let message = u64::from(config.eager_threshold.max(4096)) + 4096;
+    (u64::from(config.recv_buffers) + u64::from(DEFAULT_SEND_BUFFERS)) * message + config.max_bytes_exposed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(bound: Option<u64>, cap: Option<u64>) -> EngineConfig {
+        EngineConfig {
+            memory_bound: bound.map(|bytes| MemoryBound {
+                bytes,
+                source: "50 % of spark.executor.memoryOverhead=402653184 bytes".into(),
+                overhead_key: "spark.executor.memoryOverhead".into(),
+                percent: 50,
+            }),
+            pool_cap: cap,
+            executor_id: "7".into(),
+            ..EngineConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_pool_gets_the_bound_minus_the_fixed_memory_of_the_transport() {
+        let c = config(Some(192 << 20), None);
+        let tcp = MemoryBudget::resolve(&c, false).unwrap();
+        assert_eq!((tcp.pool_cap, tcp.fixed, tcp.explicit_cap), ((192 << 20) - HEAP_RESERVE, HEAP_RESERVE, false));
+        let verbs = MemoryBudget::resolve(&c, true).unwrap();
+        // 512 receive + 128 send buffers of 68 KiB, 4 MiB exposed: the schema's defaults.
+        let buffers = 640 * (68 << 10);
+        assert_eq!(verbs.fixed, HEAP_RESERVE + buffers + (4 << 20));
+        assert_eq!(verbs.pool_cap + verbs.fixed, 192 << 20);
+        // Without a bound (outside Spark): the cap given, or the old default.
+        assert_eq!(MemoryBudget::resolve(&config(None, None), true).unwrap().pool_cap, DEFAULT_POOL_CAP);
+        assert_eq!(MemoryBudget::resolve(&config(None, Some(64 << 20)), true).unwrap().pool_cap, 64 << 20);
+    }
+
+    #[test]
+    fn an_explicit_cap_that_cannot_fit_is_refused_naming_the_settings_and_numbers() {
+        let c = config(Some(192 << 20), Some(512 << 20));
+        let e = MemoryBudget::resolve(&c, false).unwrap_err().to_string();
+        for want in [
+            "spark.shuffle.rdma.pool.capBytes='536870912'",
+            "201326592",
+            "spark.executor.memoryOverhead=402653184",
+            "executor 7",
+            &format!("at most {} bytes", (192 << 20) - HEAP_RESERVE),
+            // (512 MiB + 8 MiB) at 50 %.
+            "raise spark.executor.memoryOverhead to at least 1040m (at 50 %)",
+        ] {
+            assert!(e.contains(want), "{want:?} missing from: {e}");
+        }
+        // A cap that fits over tcp but not with the verbs buffers: auto falls back to tcp and
+        // says why; verbs fails.
+        let fits_tcp = config(Some(192 << 20), Some(160 << 20));
+        let (b, why) = MemoryBudget::for_transport(&fits_tcp).unwrap();
+        assert_eq!(b.pool_cap, 160 << 20);
+        assert!(why.unwrap().to_string().contains("recvBuffers"));
+        let verbs = EngineConfig { transport: "verbs".into(), ..fits_tcp };
+        assert!(MemoryBudget::for_transport(&verbs).is_err());
+    }
+
+    #[test]
+    fn a_bound_too_small_for_the_largest_tier_says_how_large_it_must_be() {
+        let e = MemoryBudget::resolve(&config(Some(20 << 20), None), false).unwrap_err().to_string();
+        // 16 MiB tier + 8 MiB heap reserve = 24 MiB, at 50 %: 48 MiB of overhead.
+        assert!(e.contains("raise spark.executor.memoryOverhead to at least 48m (at 50 %)"), "{e}");
+    }
+
+    fn spark(kv: &[(&str, &str)], percent: u32) -> Result<MemoryBound, EngineError> {
+        let map: std::collections::HashMap<String, String> = kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        MemoryBound::from_spark(&|k| map.get(k).cloned(), percent)
+    }
+
+    #[test]
+    fn the_bound_is_a_share_of_the_overhead_as_spark_sizes_it() {
+        // The floor: 10 % of 1 GiB is below 384 MiB.
+        let b = spark(&[("spark.master", "spark://m:7077"), ("spark.executor.memory", "1g")], 50).unwrap();
+        assert_eq!(b.bytes, 192 << 20);
+        assert!(b.source.contains("spark.executor.memoryOverhead = 402653184 bytes, unset: max(384m"), "{}", b.source);
+        // The factor: 10 % of 8 GiB = 819 MiB (truncated, as Spark does), a bare number is MiB.
+        let b = spark(&[("spark.executor.memory", "8192")], 100).unwrap();
+        assert_eq!(b.bytes, 819 << 20);
+        // Set explicitly, and Spark 4's floor and factor settings.
+        assert_eq!(spark(&[("spark.executor.memoryOverhead", "2g")], 25).unwrap().bytes, 512 << 20);
+        let b = spark(
+            &[
+                ("spark.executor.memory", "4g"),
+                ("spark.executor.memoryOverheadFactor", "0.2"),
+                ("spark.executor.minMemoryOverhead", "100m"),
+            ],
+            50,
+        )
+        .unwrap();
+        assert_eq!(b.bytes, (819 << 20) / 2);
+        // Local mode: the driver's settings; Kubernetes' own factor only on Kubernetes.
+        let b = spark(&[("spark.master", "local[4]"), ("spark.driver.memoryOverhead", "1000")], 50).unwrap();
+        assert_eq!((b.bytes, b.overhead_key.as_str()), (500 << 20, "spark.driver.memoryOverhead"));
+        let k8s = |m| {
+            spark(&[("spark.master", m), ("spark.executor.memory", "10g"), ("spark.kubernetes.memoryOverheadFactor", "0.4")], 100)
+        };
+        assert_eq!(k8s("k8s://https://api:6443").unwrap().bytes, 4096 << 20);
+        assert_eq!(k8s("yarn").unwrap().bytes, 1024 << 20);
+        let e = spark(&[("spark.executor.memoryOverheadFactor", "lots")], 50).unwrap_err().to_string();
+        assert!(e.contains("spark.executor.memoryOverheadFactor") && e.contains("lots"), "{e}");
+    }
+}
