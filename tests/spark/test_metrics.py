@@ -52,7 +52,8 @@ LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+
 DIGEST_RE = re.compile(r"^DIGEST job=(\S+) (.*)$")
 # How long one step may wait for the application (executor start-up on 2 busy cores included).
 STEP_TIMEOUT_S = 300
-UI_RE = re.compile(r"started at (http://[^\s,]+)")
+# The application's UI (local-cluster also starts the master's and workers' UIs).
+UI_RE = re.compile(r"Bound SparkUI to \S+ and started at (http://[^\s,]+)")
 MEMORY_RE = re.compile(r"RDMA_SHUFFLE_MEMORY executor=(\S+) bound=(\d+) pool_cap=(\d+) fixed=(\d+) "
                        r"transport=(\w+): (.*)$", re.M)
 ACC_NAME = "rdmaShuffle native memory peak (bytes)"
@@ -367,6 +368,7 @@ def test_a_pool_cap_that_cannot_fit_is_refused_at_start(runner):
                  "spark.executor.memoryOverhead = 402653184 bytes, set to '384m'",
                  f"native memory bound of {EXPECTED_BOUND} bytes",
                  f"at most {EXPECTED_BOUND - 8 * 2**20} bytes",
-                 "spark.executor.memoryOverhead of at least"):
+                 # (512 MiB cap + 8 MiB heap reserve) at 50 %.
+                 "raise spark.executor.memoryOverhead to at least 1040m (at 50 %)"):
         assert want in why, f"{want!r} missing from: {why}"
     print(f"[metrics] refused at start: {why}")

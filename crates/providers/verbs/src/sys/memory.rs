@@ -5,6 +5,7 @@ use super::device::{err, err_knob, os_err, Device, Pd};
 use crate::memlock::memlock_advice;
 use parking_lot::Mutex;
 use rdma_shuffle_fabric::error::FabricError;
+use rdma_shuffle_fabric::memory::accounting;
 use rdma_shuffle_fabric::memory::pool::{PoolError, RegionKeys, Registrar};
 use rdma_shuffle_fabric::providers::Source;
 use rdma_shuffle_wire::Knob;
@@ -58,7 +59,9 @@ impl Drop for Mr {
     }
 }
 
-/// A private mapping (anonymous, or copy-on-write of a file), unmapped on drop.
+/// A private mapping (anonymous, or copy-on-write of a file), unmapped on drop. Counted as the
+/// provider's native memory while it lives ([`accounting`]): receive and send buffers, and the
+/// pages of blocks exposed for RDMA READ (registration pins them).
 pub(super) struct Mapping {
     pub(super) ptr: *mut u8,
     pub(super) len: usize,
@@ -76,6 +79,7 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
+        accounting::charge(accounting::Kind::Provider, len as u64);
         Ok(Mapping { ptr: p.cast(), len })
     }
     pub(super) fn file(fd: RawFd, offset: u64, len: usize) -> io::Result<Mapping> {
@@ -87,6 +91,7 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
+        accounting::charge(accounting::Kind::Provider, len as u64);
         Ok(Mapping { ptr: p.cast(), len })
     }
 }
@@ -94,6 +99,7 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: our own mapping; its MR (a sibling field declared first) is gone.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        accounting::credit(accounting::Kind::Provider, self.len as u64);
     }
 }
 
