@@ -6,6 +6,10 @@
 # digests must be equal, and the executors' engine counters must show both data paths: blocks
 # above the eager threshold by one-sided RDMA READ (terasort's ~88 KB blocks) and blocks below
 # it by SEND/RECV (wordcount's few-KB blocks).
+# In the same boot, before the job, the preflight (`java -cp <plugin jar> ...Doctor`) must see
+# rxe0 (port ACTIVE, Ethernet, RoCE v2 GIDs), pick the IPv4-mapped GID, register the pool's
+# memory, and move 1 MiB by SEND and 1 MiB by RDMA READ on loopback; and with the locked-memory
+# limit lowered (no CAP_IPC_LOCK) it must exit 2 naming the limit and the settings to change.
 #   scripts/spark-verbs-test.sh [jobs] [scale]      (default: terasort,wordcount 0.05)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +53,13 @@ submit() {
     --conf spark.shuffle.rdma.pool.capBytes=128m --conf spark.network.timeout=300s \
     --class org.apache.spark.shuffle.rdma.jobs.ShuffleJobs '$JOBS' '$JOB' '$SCALE'
 }
+# The preflight, as an operator runs it on the node (verbs asked for), then with the memlock
+# limit lowered as in a pod without IPC_LOCK. One JSON line each.
+DOCTOR="\$JAVA_HOME/bin/java $JOPTS -cp $PLUGIN org.apache.spark.shuffle.rdma.Doctor --json --transport verbs --conf spark.shuffle.rdma.device=rxe0 --conf spark.executor.memory=512m"
+out=\$(\$DOCTOR 2>/tmp/doctor.err); echo "GUEST-LOG DOCTOR rc=\$? \$out"
+out=\$(setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock -- sh -c "ulimit -l 1024 && exec \$DOCTOR" 2>>/tmp/doctor.err)
+echo "GUEST-LOG DOCTOR-LOWMEM rc=\$? \$out"
+tail -n 5 /tmp/doctor.err | sed 's/^/GUEST-TAIL doctor: /'
 for attempt in 1 2; do
   ( submit 2>&1; echo "SPARK-RC \$?" ) | tee /tmp/spark-submit.out \
     | grep --line-buffered -E '^(DIGEST|SPARK-RC)|RDMA_SHUFFLE_ENGINE_STATS|shuffle engine|transport|Granted executor|Registered executor|Starting job|Job [0-9]+ finished|ERROR|Exception|rdma' \
@@ -73,6 +84,44 @@ grep -a -E "GUEST-LOG|GUEST-TAIL|SOFTROCE-RESULT" "$OUT/console.log" | tr -d '\r
 cat "$OUT/plugin.lines"
 grep -q "GUEST-LOG SPARK-RC 0" "$OUT/plugin.lines" || { echo "spark-submit in the VM failed (see $OUT/console.log)" >&2; exit 1; }
 [ $VMRC -eq 0 ] || { echo "the VM run failed (see $OUT/console.log)" >&2; exit 1; }
+
+step "preflight (Doctor) in the VM: verbs usable; a lowered memlock named"
+python3 - "$OUT/plugin.lines" <<'PY'
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+def report(tag):
+    got = [l for l in lines if l.startswith(f"GUEST-LOG {tag} rc=")]
+    assert got, f"no {tag} line from the VM"
+    head, _, body = got[-1][len(f"GUEST-LOG {tag} "):].partition(" ")
+    return int(head[3:]), json.loads(body)
+rc, r = report("DOCTOR")
+print(json.dumps(r)[:3000])
+assert rc == 0 and r["ok"], f"rc={rc}: {r.get('verdict')}"
+rxe = [d for d in r["devices"] if d["name"] == "rxe0"]
+assert rxe and rxe[0]["ports"], r["devices"]
+port = rxe[0]["ports"][0]
+assert port["state"] == "ACTIVE" and port["link_layer"] == "Ethernet" and port["active_mtu"] >= 1024, port
+assert any(g["type"] == "RoCE v2" for g in port["gids"]), port["gids"]
+uses = r["uses"]
+assert uses["device"] == "rxe0" and uses["gid"].startswith("::ffff:") and "IPv4-mapped" in uses["why"], uses
+assert [g for g in port["gids"] if g["index"] == uses["gid_index"]][0]["type"] == "RoCE v2", uses
+assert r["registration"]["ok"] is True and r["registration"]["bytes"] > 0, r["registration"]
+assert r["auto"]["transport"] == "verbs", r["auto"]
+lb = r["loopback"]
+assert lb["ok"] and lb["transport"] == "verbs" and lb["send"]["path"] == "SEND/RECV" and lb["read"]["path"] == "RDMA READ", lb
+assert lb["counters"]["one_sided_reads"] > 0 and lb["send"]["bytes"] == lb["read"]["bytes"] == 1 << 20, lb
+print(f"doctor: rxe0 port {port['port']} {port['state']} {port['link_layer']} MTU {port['active_mtu']}, GID [{uses['gid_index']}] "
+      f"{uses['gid']}, registered {r['registration']['bytes']} bytes in {r['registration']['ms']:.1f} ms, "
+      f"SEND 1 MiB {lb['send']['ms']:.1f} ms, READ 1 MiB {lb['read']['ms']:.1f} ms (emulated)")
+rc, r = report("DOCTOR-LOWMEM")
+m = r["memlock"]
+assert rc == 2 and not r["ok"], f"rc={rc}: {r.get('verdict')}"
+assert m["limit_bytes"] == 1 << 20 and not m["cap_ipc_lock"] and not m["ok"], m
+for want in ("1048576", "ulimit -l", "spark.shuffle.rdma.pool.capBytes", "IPC_LOCK"):
+    assert want in m["message"], (want, m["message"])
+assert "1048576" in r["loopback"]["error"], r["loopback"]
+print(f"doctor with memlock 1 MiB: exit {rc}: {m['message'][:200]}...")
+PY
 
 step "compare"
 digest() { awk '{for(i=1;i<=NF;i++) if ($i ~ /^(job|records|sum|check)=/) printf "%s ", $i}'; }

@@ -6,6 +6,7 @@ use jni::objects::{GlobalRef, JClass, JIntArray, JLongArray, JObject, JString, J
 use jni::sys::{jboolean, jint, jlong, jstring, JNI_FALSE, JNI_TRUE};
 use jni::{JNIEnv, JavaVM};
 use rdma_shuffle_shuffle::budget::MemoryBudget;
+use rdma_shuffle_shuffle::doctor;
 use rdma_shuffle_shuffle::store::MapOutputFiles;
 use rdma_shuffle_shuffle::{
     BlockFailure, BlockSink, ChunkSink, Engine, EngineConfig, FailureCode, FetchedBlock, Lease, ShuffleBlock, StreamConfig,
@@ -505,6 +506,26 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_memoryBud
             let _ = writeln!(out, "bound_source={}", b.source);
         }
         Ok(env.new_string(out)?.into_raw())
+    })
+}
+
+/// The preflight (`Doctor`): every check of [`doctor::run`] for the settings in `config`; the
+/// first line is `exit=<code>` (0 when the transport asked for works here, 2 when it cannot),
+/// then the report as text or (`json`) one JSON document. Logs nothing: the report is the
+/// output.
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_doctor(
+    mut env: JNIEnv,
+    _c: JClass,
+    config: JString,
+    json: jboolean,
+) -> jstring {
+    guard(&mut env, std::ptr::null_mut(), |env| {
+        let text = string(env, &config, "config")?;
+        let cfg = EngineConfig::from_kv(&text).map_err(|e| BridgeError::new("config", e.to_string()))?;
+        let report = doctor::run(&cfg);
+        let body = if json == JNI_FALSE { report.text } else { report.json.to_text() + "\n" };
+        Ok(env.new_string(format!("exit={}\n{body}", report.exit_code))?.into_raw())
     })
 }
 

@@ -6,6 +6,8 @@
 //! * [`server`] — [`BlockServer`]: the store exposed through a fabric endpoint.
 //! * [`client`] — [`BlockClient`]: fetches Spark shuffle blocks from many block servers.
 //! * [`budget`] — the engine's native-memory bound and the pool cap it leaves.
+//! * [`doctor`] — the preflight an operator runs on a node (devices, GIDs, memlock, a
+//!   loopback transfer), behind the plugin's `Doctor`.
 //! * [`engine`] — [`Engine`]: one executor's provider, driver (event loop), pool, server and
 //!   client, from Spark's settings.
 //! * [`knobs`] — the Spark key behind each setting an error of a lower layer points at.
@@ -22,6 +24,7 @@ pub mod budget;
 #[cfg(any(test, feature = "testing"))]
 pub mod channel;
 pub mod client;
+pub mod doctor;
 pub mod engine;
 pub mod knobs;
 pub mod open_files;

@@ -39,8 +39,9 @@
 //!   for the (flush) completion of every request it posted before any buffer a request
 //!   targets goes back to the pool; [`sys`] enforces it by owning those buffers until then.
 //!
-//! Only [`bootstrap`] (the attach record codec) and [`memlock`] are built without the
-//! `ibverbs` feature: the fuzzer and the host tests use them without libibverbs.
+//! Only [`bootstrap`] (the attach record codec), [`memlock`], the registration and the pure
+//! parts of [`probe`] are built without the `ibverbs` feature: the fuzzer, the preflight and the
+//! host tests use them without libibverbs.
 
 pub mod bootstrap;
 pub mod memlock;
@@ -53,6 +54,7 @@ pub(crate) mod conn;
 pub(crate) mod engine;
 #[cfg(feature = "ibverbs")]
 mod link;
+pub mod probe;
 #[cfg(feature = "ibverbs")]
 mod provider;
 #[cfg(feature = "ibverbs")]

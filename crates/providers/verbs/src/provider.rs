@@ -45,13 +45,14 @@ impl VerbsProvider {
                 knob: Some(Knob::RecvBuffers),
             });
         }
+        // The device first: where there is none, that is the answer, whatever the limit.
+        let dev = Device::open(config.device.as_deref(), config.port, config.gid_index)?;
         let need = config.pool_bytes + config.buffer_bytes();
         check_memlock(memlock_limit(), can_lock_unlimited(), need).map_err(|m| FabricError::Provider {
             provider: "verbs",
             message: m,
             knob: Some(Knob::PoolCapBytes),
         })?;
-        let dev = Device::open(config.device.as_deref(), config.port, config.gid_index)?;
         if dev.max_mw == 0 {
             return Err(sys::err(format!(
                 "{} has no memory windows: rendezvous regions could not be exposed to one peer only",

@@ -1,6 +1,7 @@
 //! The device, its protection domain, and the errors and work-request ids every wrapper
 //! shares.
 
+use crate::probe::{mtu_bytes, DeviceInfo, GidInfo, PortInfo};
 use rdma_shuffle_fabric::error::FabricError;
 use rdma_shuffle_wire::Knob;
 use rdma_sys::*;
@@ -83,8 +84,95 @@ pub(crate) struct Device {
     pub(crate) max_mw: u32,
 }
 
-fn is_ipv4_mapped(g: &[u8; 16]) -> bool {
-    g[..10].iter().all(|b| *b == 0) && g[10] == 0xff && g[11] == 0xff
+/// The non-empty entries of a port's GID table, as (index, GID).
+///
+/// # Safety
+/// `ctx` must be an open device context.
+unsafe fn gid_table(ctx: *mut ibv_context, port: u8, len: i32) -> Vec<(u32, [u8; 16])> {
+    (0..len.clamp(0, 1024))
+        .filter_map(|i| {
+            // SAFETY: per the contract; `g` is a plain out-parameter.
+            let mut g: ibv_gid = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let rc = unsafe { ibv_query_gid(ctx, port, i, &mut g) };
+            // SAFETY: every bit pattern is a valid `raw`.
+            let raw = unsafe { g.raw };
+            (rc == 0 && raw.iter().any(|b| *b != 0)).then_some((i as u32, raw))
+        })
+        .collect()
+}
+
+fn port_state(state: u32) -> &'static str {
+    match state {
+        ibv_port_state::IBV_PORT_DOWN => "DOWN",
+        ibv_port_state::IBV_PORT_INIT => "INIT",
+        ibv_port_state::IBV_PORT_ARMED => "ARMED",
+        ibv_port_state::IBV_PORT_ACTIVE => "ACTIVE",
+        ibv_port_state::IBV_PORT_ACTIVE_DEFER => "ACTIVE_DEFER",
+        _ => "NOP",
+    }
+}
+
+/// Every device, port and GID (the preflight, [`crate::probe`]). A device that cannot be opened
+/// is listed without ports.
+pub(crate) fn probe_devices() -> Result<Vec<DeviceInfo>, FabricError> {
+    // SAFETY: plain verbs calls; every pointer is checked before use, each context opened here
+    // is closed here, and the list is freed after the loop.
+    unsafe {
+        let mut n = 0i32;
+        let list = ibv_get_device_list(&mut n);
+        if list.is_null() {
+            let e = io::Error::last_os_error();
+            return Err(err(format!(
+                "no RDMA device found (ibv_get_device_list: {e}; no /dev/infiniband or no rdma driver loaded)"
+            )));
+        }
+        let mut out = Vec::new();
+        for i in 0..n.max(0) as usize {
+            let d = *list.add(i);
+            let name = CStr::from_ptr(ibv_get_device_name(d)).to_string_lossy().into_owned();
+            let mut info = DeviceInfo { name: name.clone(), ports: Vec::new(), max_mw: 0 };
+            let ctx = ibv_open_device(d);
+            if !ctx.is_null() {
+                let mut attr: ibv_device_attr = std::mem::zeroed();
+                if ibv_query_device(ctx, &mut attr) == 0 {
+                    info.max_mw = attr.max_mw.max(0) as u32;
+                    for port in 1..=attr.phys_port_cnt {
+                        let mut pa: ibv_port_attr = std::mem::zeroed();
+                        if ___ibv_query_port(ctx, port, &mut pa) != 0 {
+                            continue;
+                        }
+                        let gids = gid_table(ctx, port, pa.gid_tbl_len)
+                            .into_iter()
+                            .map(|(index, gid)| {
+                                let (kind, netdev) = crate::probe::gid_attrs(&name, port, index);
+                                GidInfo { index, gid, kind, netdev }
+                            })
+                            .collect();
+                        info.ports.push(PortInfo {
+                            port,
+                            state: port_state(pa.state).into(),
+                            // IBV_LINK_LAYER_INFINIBAND and _ETHERNET (an anonymous enum in
+                            // verbs.h that the bindings do not carry).
+                            link_layer: match pa.link_layer {
+                                1 => "InfiniBand",
+                                2 => "Ethernet",
+                                _ => "unspecified",
+                            }
+                            .into(),
+                            active_mtu: mtu_bytes(pa.active_mtu),
+                            max_mtu: mtu_bytes(pa.max_mtu),
+                            gids,
+                        });
+                    }
+                }
+                ibv_close_device(ctx);
+            }
+            out.push(info);
+        }
+        ibv_free_device_list(list);
+        Ok(out)
+    }
 }
 
 impl Device {
@@ -139,30 +227,10 @@ impl Device {
             if rc != 0 {
                 return Err(rc_err("ibv_query_device", rc));
             }
-            let (gid_index, gid) = match gid_index {
-                Some(i) => {
-                    let mut g: ibv_gid = std::mem::zeroed();
-                    let rc = ibv_query_gid(ctx.raw, port, i as i32, &mut g);
-                    if rc != 0 {
-                        let e = rc_err(&format!("ibv_query_gid index {i}"), rc);
-                        return Err(err_knob(e.to_string(), Knob::GidIndex));
-                    }
-                    (i, g.raw)
-                }
-                None => {
-                    let mut found = None;
-                    for i in 0..port_attr.gid_tbl_len.min(256) {
-                        let mut g: ibv_gid = std::mem::zeroed();
-                        if ibv_query_gid(ctx.raw, port, i, &mut g) == 0 && is_ipv4_mapped(&g.raw) {
-                            found = Some((i as u8, g.raw));
-                            break;
-                        }
-                    }
-                    found.ok_or_else(|| {
-                        err_knob(format!("{} port {port} has no IPv4-mapped (RoCEv2) GID", ctx.name), Knob::GidIndex)
-                    })?
-                }
-            };
+            let table = gid_table(ctx.raw, port, port_attr.gid_tbl_len);
+            let (gid_index, _why) = crate::probe::pick_gid(&table, gid_index)
+                .map_err(|e| err_knob(format!("{} port {port}: {e}", ctx.name), Knob::GidIndex))?;
+            let gid = table.iter().find(|(i, _)| *i == u32::from(gid_index)).map(|(_, g)| *g).unwrap_or_default();
             let pd = ibv_alloc_pd(ctx.raw);
             if pd.is_null() {
                 return Err(os_err("ibv_alloc_pd"));

@@ -121,6 +121,16 @@ impl Slab {
     }
 }
 
+/// Maps and registers `bytes` in one region on `dev`, then releases it: whether the pool's
+/// memory can be registered here, and how long it took (the preflight, [`crate::probe`]).
+pub(crate) fn register_for_probe(dev: &Device, bytes: usize) -> Result<std::time::Duration, FabricError> {
+    let t0 = std::time::Instant::now();
+    let slab = Slab::new(&dev.pd, bytes, "the memory pool")?;
+    let took = t0.elapsed();
+    drop(slab);
+    Ok(took)
+}
+
 /// Registers pool slabs with the device's protection domain (local write: READ targets and
 /// receive copies only; nothing in the pool is ever exposed to a peer).
 pub(crate) struct PoolRegistrar {

@@ -24,7 +24,7 @@ mod memory;
 mod qp;
 mod queues;
 
-pub(crate) use device::{err, Device, WR_RECV, WR_SEND};
-pub(crate) use memory::{Exposure, PoolRegistrar, UserRegion};
+pub(crate) use device::{err, probe_devices, Device, WR_RECV, WR_SEND};
+pub(crate) use memory::{register_for_probe, Exposure, PoolRegistrar, UserRegion};
 pub(crate) use qp::{Completed, Qp, QpTimers};
 pub(crate) use queues::{CompChannel, Cq, SendBuffers, Srq, Wc};

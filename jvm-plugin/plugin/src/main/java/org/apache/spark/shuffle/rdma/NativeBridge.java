@@ -145,6 +145,19 @@ public final class NativeBridge {
   public static native String memoryBudget(String config);
 
   /**
+   * The preflight an operator runs on a node ({@link Doctor}): devices, ports, GIDs, the GID and
+   * transport the engine would pick and why, memlock against the memory bound, registration
+   * of the pool's memory, and a loopback transfer through two engines. Needs no engine.
+   *
+   * @param config engine settings and Spark memory settings as {@code key=value} lines (Spark's
+   *     unit syntax accepted); {@code spark.shuffle.rdma.transport} is the transport asked for
+   * @param json the report as one JSON document instead of text
+   * @return {@code exit=<code>} on the first line (0 when the transport asked for works here, 2
+   *     when it cannot), then the report
+   */
+  public static native String doctor(String config, boolean json);
+
+  /**
    * @param h engine handle
    * @return the engine's settings in force: one canonical {@code key=value} line per engine
    *     setting of the schema, in the form {@code engineOpen} takes
