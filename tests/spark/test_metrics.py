@@ -52,8 +52,9 @@ LISTEN_RE = re.compile(r"RDMA shuffle engine of executor (\S+) listening on (\S+
 DIGEST_RE = re.compile(r"^DIGEST job=(\S+) (.*)$")
 # How long one step may wait for the application (executor start-up on 2 busy cores included).
 STEP_TIMEOUT_S = 300
-# The application's UI (local-cluster also starts the master's and workers' UIs).
-UI_RE = re.compile(r"Bound SparkUI to \S+ and started at (http://[^\s,]+)")
+# The application's UI (local-cluster also starts the master's and workers' UIs), on the
+# address SPARK_LOCAL_IP gives it (127.0.0.1, scripts/spark-env.sh).
+UI_RE = re.compile(r"Successfully started service 'SparkUI' on port (\d+)")
 MEMORY_RE = re.compile(r"RDMA_SHUFFLE_MEMORY executor=(\S+) bound=(\d+) pool_cap=(\d+) fixed=(\d+) "
                        r"transport=(\w+): (.*)$", re.M)
 ACC_NAME = "rdmaShuffle native memory peak (bytes)"
@@ -215,23 +216,31 @@ def read_native_memory_from_rest_api(app) -> dict:
     value}, "tasks": {executor id: [task update, ...]}, "ui_pages": {stage id: page shows it}}."""
     m = UI_RE.search("\n".join(app.err))
     assert m, "the driver logged no UI address:\n" + "\n".join(app.err[-40:])
-    ui = m.group(1).rstrip("/")
+    ui = f"http://127.0.0.1:{m.group(1)}"
     apps = rest(f"{ui}/api/v1/applications")
     assert len(apps) == 1, apps
     base = f"{ui}/api/v1/applications/{apps[0]['id']}"
-    out = {"stages": {}, "tasks": {}, "ui_pages": {}}
+    out = {"stages": {}, "map_stages": {}, "tasks": {}, "ui_pages": {}}
     for stage in rest(f"{base}/stages"):
         accs = [a for a in stage.get("accumulatorUpdates", []) if a["name"] == ACC_NAME]
         if not accs:
             continue
         sid, attempt = stage["stageId"], stage["attemptId"]
+        if stage.get("shuffleReadBytes", 0) == 0:
+            # A map stage: its tasks add the peak too, but only reduce tasks report their
+            # counters to the driver, which the test compares with.
+            out["map_stages"][sid] = int(accs[0]["value"])
+            continue
         out["stages"][sid] = int(accs[0]["value"])
         for task in rest(f"{base}/stages/{sid}/{attempt}/taskList?length=10000"):
             for a in task.get("accumulatorUpdates", []):
                 if a["name"] == ACC_NAME:
                     out["tasks"].setdefault(task["executorId"], []).append(int(a["update"]))
+        # The UI's stage page is drawn by its stagepage.js from this endpoint, whose
+        # accumulatorUpdates (all but Spark's internal ones) fill its Accumulators table.
         page = rest(f"{ui}/stages/stage/?id={sid}&attempt={attempt}")
-        out["ui_pages"][sid] = ACC_NAME in page
+        shown = rest(f"{base}/stages/{sid}/{attempt}")["accumulatorUpdates"]
+        out["ui_pages"][sid] = "stagepage.js" in page and any(a["name"] == ACC_NAME for a in shown)
     return out
 
 
@@ -327,9 +336,11 @@ def check_native_memory(from_rest: dict, stats: dict, logs: dict) -> None:
     """The native-memory accumulator in the REST API against the engines' own reports, and
     each executor's bound line against Spark's overhead (see the module docs)."""
     print(f"[metrics] native memory from the REST API: {from_rest}")
-    # Both shuffles of the job read through the plugin: two stages carry the accumulator, and
-    # the UI's stage page shows it.
-    assert len(from_rest["stages"]) == 2, from_rest
+    # Both shuffles of the job go through the plugin: their two reduce stages and two map
+    # stages carry the accumulator (non-zero: the engine holds memory from its start), and the
+    # UI's stage page shows it.
+    assert len(from_rest["stages"]) == 2 and len(from_rest["map_stages"]) == 2, from_rest
+    assert all(v > 0 for v in list(from_rest["stages"].values()) + list(from_rest["map_stages"].values())), from_rest
     assert all(from_rest["ui_pages"].values()), from_rest["ui_pages"]
     assert set(from_rest["tasks"]) == set(stats) == {"0", "1"}, (from_rest["tasks"], sorted(stats))
     for executor, kv in stats.items():

@@ -14,9 +14,9 @@ import org.apache.spark.util.AccumulatorV2
  * Spark's executor metrics (`ExecutorMetricType`: `JVMHeapMemory`, `ProcessTreeJVMRSSMemory`,
  * ...) are a sealed, fixed list in Spark 3.5 and 4.x alike, so no plugin can add one to the
  * executors page or `/executors`; a named accumulator is the per-task, per-stage view Spark
- * offers to code outside it (SQL metrics work the same way). Each reduce task of a shuffle adds
- * its executor's `native_peak_bytes` when it ends; values merge by maximum, so a task shows
- * its executor's peak so far and the stage the highest of its executors. The executor-level
+ * offers to code outside it (SQL metrics work the same way). Each map and reduce task of a
+ * shuffle adds its executor's `native_peak_bytes` when it ends; values merge by maximum, so a
+ * task shows its executor's peak so far and the stage the highest of its executors. The executor-level
  * gauges (current, peak, bound and their parts) are in the `rdmaShuffle` metrics source.
  */
 private[rdma] final class NativeMemoryAccumulator extends AccumulatorV2[Long, Long] {

@@ -275,7 +275,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
     case h: RdmaShuffleHandle[K @unchecked, V @unchecked, _] =>
       val writer = super.getWriter[K, V](h.sortHandle, mapId, context, metrics)
       engine() match {
-        case EngineState.Running(eng, _, _) =>
+        case running @ EngineState.Running(eng, _, _) =>
+          // The engine's native-memory peak for the map stage too (it serves as it writes).
+          context.addTaskCompletionListener[Unit](_ => addNativePeak(h, statsOf(running)))
           val numPartitions = h.dependency.partitioner.numPartitions
           new CommitNotifyingWriter[K, V](
             writer,
@@ -307,12 +309,7 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
         case running @ EngineState.Running(_, _, client) =>
           // After each reduce task, tell the driver the engine's counters (see EngineStats),
           // and the shuffle's accumulator the engine's native-memory peak.
-          context.addTaskCompletionListener[Unit] { _ =>
-            val stats = reportStats(running)
-            for (acc <- h.nativeMemoryPeak; (_, v) <- stats.find(_._1 == "native_peak_bytes")) {
-              Try(v.toLong).foreach(acc.add)
-            }
-          }
+          context.addTaskCompletionListener[Unit](_ => addNativePeak(h, reportStats(running)))
           val (blocksByAddress, canEnableBatchFetch) =
             mapSizesByExecutorId(h, startMapIndex, endMapIndex, startPartition, endPartition)
           new RdmaShuffleReader[K, C](
@@ -523,6 +520,12 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       "departed_executors" -> running.client.departedExecutorCount.toString
     ) ++ native
   }
+
+  /** Adds the engine's `native_peak_bytes` in `stats` to the shuffle's accumulator. */
+  private def addNativePeak(h: RdmaShuffleHandle[_, _, _], stats: Seq[(String, String)]): Unit =
+    for (acc <- h.nativeMemoryPeak; (_, v) <- stats.find(_._1 == "native_peak_bytes")) {
+      Try(v.toLong).foreach(acc.add)
+    }
 
   /** Reports the engine's counters to the driver; returns them. */
   private def reportStats(running: EngineState.Running): Seq[(String, String)] = {
