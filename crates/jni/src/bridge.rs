@@ -82,6 +82,16 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineTra
     guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.transport())?.into_raw()))
 }
 
+/// Why the engine runs over its transport (`transport=auto: using tcp because ...`).
+#[no_mangle]
+pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineTransportReason(
+    mut env: JNIEnv,
+    _c: JClass,
+    h: jlong,
+) -> jstring {
+    guard(&mut env, std::ptr::null_mut(), |env| Ok(env.new_string(engine(h)?.transport_reason())?.into_raw()))
+}
+
 #[no_mangle]
 pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_registerMapOutput(
     mut env: JNIEnv,

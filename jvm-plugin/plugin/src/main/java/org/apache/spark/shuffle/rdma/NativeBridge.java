@@ -45,6 +45,13 @@ public final class NativeBridge {
   public static native String engineTransport(long h);
 
   /**
+   * @param h engine handle
+   * @return why the engine runs over its transport, e.g. {@code transport=auto: using tcp
+   *     because verbs is unusable: <what stopped it>}
+   */
+  public static native String engineTransportReason(long h);
+
+  /**
    * Makes a committed map output servable. Called once per successful map task, after Spark
    * has renamed the files into place.
    *

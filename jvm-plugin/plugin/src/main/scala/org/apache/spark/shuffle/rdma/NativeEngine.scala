@@ -48,6 +48,9 @@ final class NativeEngine private (handle: Long) extends ShuffleEngine with Loggi
   override lazy val transport: String =
     guarded("engineTransport")(NativeBridge.engineTransport(handle))
 
+  override lazy val transportReason: String =
+    guarded("engineTransportReason")(NativeBridge.engineTransportReason(handle))
+
   override def registerMapOutput(
       shuffleId: Int,
       mapId: Long,

@@ -620,6 +620,9 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
       )
       logInfo(s"RDMA shuffle engine of executor ${env.executorId} listening on $host:${eng.port} " +
         s"(transport ${eng.transport})")
+      // One line saying why this transport (on a node or in a pod without RDMA: why tcp).
+      logInfo(s"$TransportMarker executor=${env.executorId} transport=${eng.transport}: " +
+        Try(eng.transportReason).getOrElse("?"))
       logMemoryBound(env.executorId, eng)
       val running = EngineState.Running(eng, directory, client)
       registerMetrics(env, running)
@@ -691,6 +694,9 @@ object RdmaShuffleManager {
 
   /** Prefix of the engine-stats log line written at stop (grepped by tests/spark). */
   val StatsMarker = "RDMA_SHUFFLE_ENGINE_STATS"
+
+  /** Prefix of the line each executor logs with its transport and why (docker/cluster.sh). */
+  val TransportMarker = "RDMA_SHUFFLE_TRANSPORT"
 
   /** Prefix of the line each executor logs with its native-memory bound (tests/spark). */
   val MemoryMarker = "RDMA_SHUFFLE_MEMORY"

@@ -29,6 +29,9 @@ trait ShuffleEngine {
   /** Transport in use: `verbs` or `tcp`. */
   def transport: String
 
+  /** Why this transport (for the executor's log), when the engine says. */
+  def transportReason: String = ""
+
   /** Makes a committed map output servable (see [[NativeBridge.registerMapOutput]]). */
   def registerMapOutput(
       shuffleId: Int,
