@@ -390,4 +390,15 @@ mod tests {
         let e = spark(&[("spark.executor.memoryOverheadFactor", "lots")], 50).unwrap_err().to_string();
         assert!(e.contains("spark.executor.memoryOverheadFactor") && e.contains("lots"), "{e}");
     }
+
+    /// The JVM passes the engine exactly the keys its own list names (SparkMemorySettings.java):
+    /// a key missing there would silently leave the bound at Spark's defaults.
+    #[test]
+    fn the_jvm_passes_the_keys_the_bound_is_computed_from() {
+        let java =
+            include_str!("../../../jvm-plugin/plugin/src/main/java/org/apache/spark/shuffle/rdma/SparkMemorySettings.java");
+        let list = java.split_once("KEYS = {").and_then(|(_, rest)| rest.split_once("};")).expect("the KEYS array").0;
+        let keys: Vec<&str> = list.split(',').map(|k| k.trim().trim_matches('"')).filter(|k| !k.is_empty()).collect();
+        assert_eq!(keys, SPARK_MEMORY_KEYS);
+    }
 }
