@@ -18,11 +18,12 @@
 #
 # Checks, per executor (fails with exit 1 and a PROBLEMS list):
 #  - growth: the median of the 5 samples from shuffle 100 on ("@100") against the median of the
-#    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, RSS outside
-#    the Java heap less what the JIT and the collector hold (see PROC below), the heap in use
-#    after a GC, and the engine's registered_bytes, pool_bytes_allocated, connections_open, open_data_files and
-#    native_heap_bytes (the bytes the engine's Rust code holds, counted by its allocator). The
-#    slack is 0 except for gauges that are legitimately 0 or tiny at @100 (see SLACK below).
+#    last 5 ("@end"): end <= max(1.05 x @100, @100 + slack) for fds, maps, threads, the heap in
+#    use after a GC, and the engine's registered_bytes, pool_bytes_allocated, connections_open,
+#    open_data_files and native_heap_bytes (the bytes the engine's Rust code holds, counted by
+#    its allocator); the slack is 0 except for gauges that are legitimately 0 or tiny at @100
+#    (see SLACK below). RSS outside the Java heap less what the JIT and the collector hold (see
+#    PROC below) has no 5 %: end <= @100 + a slack measured without the plugin (SLACK below).
 #    VmRSS is reported, not checked (see PROC below: heap pages touched by the collector make
 #    it swing without a leak);
 #  - between shuffles (every sample): leases_held, exposed_bytes, reads_in_flight and
@@ -89,15 +90,28 @@ RATIO = 1.05
 # Absolute slack for quantities that are legitimately 0 or a handful at @100, where 5 % of
 # the baseline is less than one unit: connections to the other executor's engine (opened and
 # idle-closed as reduce tasks come and go: 0..2 per direction) and data files the block server
-# keeps open (those of shuffles not yet cleaned up: up to every x 4 maps). And 8 MB for native
-# RSS (native_rss_kb, below). All others: 0.
-SLACK = {"connections_open": 4, "open_data_files": 4 * every, "native_rss_kb": 8 * 1024}
+# keeps open (those of shuffles not yet cleaned up: up to every x 4 maps). All others: 0, but
+# native RSS (native_rss_kb, below), which gets this slack and no 5 % (ABSOLUTE): its ~100 MB
+# are the JVM's and Spark's, 5 % of them would be 5 MB whatever the plugin does.
+# Its slack is what the figure does without the plugin (scripts/soak_baseline.py over reports
+# of `scripts/soak.sh --shuffles 200 --mode default`): 4 runs x 2 executors grew by +0.6 to
+# +2.7 MB between the two windows (metaspace +0.3-0.6 MB of it: Spark loading classes; the
+# rest outside NMT, glibc's arenas most likely); the 99.9 % upper prediction bound of one more executor's growth is 5.3 MB:
+# 6 MiB (CI checks 2 executors a run; a run failed for nothing should be rarer than 1 in 500).
+# Two plugin runs grew +0.8 to +1.3 MB. It was 8 MB on top of the 5 %, a guess, which passed a
+# build leaking 96 KiB of native memory per shuffle (+6.6 and +6.8 MB); this fails it. At the
+# CI size the windows' medians are 60 shuffles apart, so leaks from ~80 kB per shuffle fail it;
+# smaller ones are the exact counters' job (native_heap_bytes, fds, pool bytes, leases).
+SLACK = {"connections_open": 4, "open_data_files": 4 * every, "native_rss_kb": 6 * 1024}
+ABSOLUTE = {"native_rss_kb"}
 # Every sample is taken after a GC of the Java heap and a trim of glibc's (free memory it kept,
 # e.g. of C2's arenas, returned to the kernel); the untrimmed figure is reported too.
 # RSS is checked in two parts: the resident pages outside the Java heap's address range
 # (native memory such as the engine's, metaspace, stacks) and the heap in use after a GC. The
 # first is checked less what two parts of the JVM hold by its own accounting (NMT, committed),
-# neither of which follows the shuffle count:
+# neither of which follows the shuffle count, and neither of which can hold the engine's memory
+# (its Rust code allocates through malloc, which NMT does not see; the plugin's JVM side holds
+# Java objects, checked as heap_used_kb, and direct buffers, NMT `Other`, left in):
 #  - the JIT: its code cache (`Code`; HotSpot keeps compiling more of Spark for the whole run
 #    and never uncommits it: +7-9 MB from shuffle 100 to 2000 with either shuffle,
 #    docs/benchmarks.md) and the working memory of compilations in flight (`Compiler`, `Arena
@@ -105,10 +119,11 @@ SLACK = {"connections_open": 4, "open_data_files": 4 * every, "native_rss_kb": 8
 #  - the collector's own structures (`GC`: 44 MB or 49-54 MB from one sample to the next on a
 #    1 GB executor, two states whichever the shuffle count). With it, 3 of the last 5 samples
 #    in the high state failed a CI run at +5.4 % (2026-12-03).
-# non_heap_rss_kb (all included) and non_heap_rss_less_jit_kb (less the code cache only) are
-# reported. The checked figure's absolute slack (SLACK) is what the JIT's chunk pool leaves when
-# it is released (-9.5 MB in NMT, -3.3 MB in RSS at the same sample: glibc could not trim the
-# rest), so a release between the two windows reads as growth.
+# Measured without the plugin (the 4 default-mode runs of SLACK): between the two windows `Code`
+# grew +1.2 to +2.6 MB, `GC` -0.1 to +5.1 MB, `Arena Chunk` -5.1 to +5.0 MB, and `Compiler`
+# jumped by up to 17 MB from one sample to the next; RSS outside the heap with them in
+# (non_heap_rss_kb) grew -3.3 to +8.6 MB, without them +0.6 to +2.7 MB. non_heap_rss_kb and
+# non_heap_rss_less_jit_kb (less the code cache only) are reported.
 # VmRSS itself is reported, not checked: it includes every heap page the collector touched
 # since its last shrink, which swings by 100+ MB from sample to sample with no leak (a 2000-
 # shuffle run had 340-495 MB on one executor with the heap in use at 42 MB throughout).
@@ -223,7 +238,7 @@ for ex, ss in sorted(samples.items()):
         b = statistics.median(s.get(key, 0) for s in base)
         e = statistics.median(s.get(key, 0) for s in last)
         slack = SLACK.get(key.removeprefix("gauge."), 0)
-        limit = max(RATIO * b, b + slack)
+        limit = b + slack if key in ABSOLUTE else max(RATIO * b, b + slack)
         row = {"executor": ex, "quantity": key, "at_100": b, "at_end": e,
                "ratio": round(e / b, 4) if b else None, "limit": round(limit, 1), "slack": slack,
                "ok": e <= limit or key in INFO, "checked": key not in INFO, "base_shuffles": [s["shuffle"] for s in base],
@@ -255,7 +270,8 @@ report = {
     "cleanup_wait_ms": {"median": statistics.median(waits) if waits else None,
                         "max": max(waits) if waits else None},
     "rule": f"median of {WINDOW} samples from shuffle {BASE_SHUFFLE} vs median of the last "
-            f"{WINDOW}: end <= max({RATIO} x base, base + slack)",
+            f"{WINDOW}: end <= max({RATIO} x base, base + slack); {', '.join(sorted(ABSOLUTE))}: "
+            "end <= base + slack",
     "growth": growth, "between_shuffle_violations": quiet, "samples": samples,
     "threads_by_name": threads, "problems": problems, "logs": str(logs),
 }
