@@ -4,7 +4,10 @@
 # namespace of its own and every host hangs off it by a veth pair, so a host can be cut off
 # (link down) or blackholed (nft drop on the bridge) without touching the machine's network.
 #
-#   scripts/cluster.sh up N                      start master + N workers (one 1-core executor each)
+#   scripts/cluster.sh up N [--shuffle-service]  start master + N workers (one 1-core executor each);
+#                                                with --shuffle-service every worker also runs Spark's
+#                                                external shuffle service (port 7337), which runs
+#                                                with `--conf spark.shuffle.service.enabled=true` use
 #   scripts/cluster.sh run [--default|--plugin] [--conf k=v]... JOB [ARGS...]
 #   scripts/cluster.sh compare [--rounds R] [--json FILE] [--conf k=v]... JOB [ARGS...]
 #   scripts/cluster.sh status
@@ -262,9 +265,14 @@ write_driver_confs() { # N
 }
 
 do_up() {
-  local n=${1:-}
+  local n=${1:-} service=0
   [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le "$MAX_WORKERS" ] \
-    || die "usage: scripts/cluster.sh up N   (1 <= N <= $MAX_WORKERS)"
+    || die "usage: scripts/cluster.sh up N [--shuffle-service]   (1 <= N <= $MAX_WORKERS)"
+  case "${2:-}" in
+    "") ;;
+    --shuffle-service) service=1 ;;
+    *) die "usage: scripts/cluster.sh up N [--shuffle-service]" ;;
+  esac
   [ "$(id -u)" = 0 ] || die "needs root (network namespaces, veth pairs, nft)"
   apt_install nftables iproute2 procps
   rm -f "$STATE/cluster.env"    # a fresh `up` takes RDMA_SPARK_PROFILE from the environment
@@ -288,6 +296,7 @@ SPARK_VERSION=$SPARK_VERSION
 PREFIX=$P
 SUBNET=$NET
 EXECUTOR_MEMORY=${CLUSTER_EXECUTOR_MEMORY:-512m}
+SHUFFLE_SERVICE=$service
 EOF
   make_network "$n"
   write_driver_confs "$n"
@@ -297,6 +306,11 @@ EOF
     org.apache.spark.deploy.master.Master --host "$(ip_of master)" --port "$MASTER_PORT" --webui-port 8080
   wait_for_line "$STATE/hosts/master/daemon.log" "I have been elected leader" 180 "master"
   for host in $(seq -f 'w%g' 1 "$n"); do
+    if [ "$service" = 1 ]; then
+      # The worker reads its own conf dir's spark-defaults.conf: it starts Spark's external
+      # shuffle service in its JVM, as `spark.shuffle.service.enabled` on a worker does.
+      printf 'spark.shuffle.service.enabled true\n' > "$STATE/hosts/$host/conf/spark-defaults.conf"
+    fi
     start_in "$host" "$STATE/hosts/$host/daemon.log" "$SPARK_HOME/bin/spark-class" \
       org.apache.spark.deploy.worker.Worker --host "$(ip_of "$host")" --port "$WORKER_PORT" \
       --webui-port 8081 --cores 1 --memory "${CLUSTER_EXECUTOR_MEMORY:-512m}" \
@@ -334,7 +348,9 @@ do_net() {
 do_status() {
   local n host ns role pid
   n=$(state_get N)
-  echo "cluster: $n workers, Spark $(state_get SPARK_VERSION)${RDMA_SPARK_PROFILE:+ ($RDMA_SPARK_PROFILE)}, master spark://$(ip_of master):$MASTER_PORT, state $STATE"
+  local ess=""
+  [ "$(sed -n 's/^SHUFFLE_SERVICE=//p' "$STATE/cluster.env")" = 1 ] && ess=", external shuffle service on every worker"
+  echo "cluster: $n workers, Spark $(state_get SPARK_VERSION)${RDMA_SPARK_PROFILE:+ ($RDMA_SPARK_PROFILE)}, master spark://$(ip_of master):$MASTER_PORT$ess, state $STATE"
   local holes; holes=$(ip netns exec "$SW" nft list set bridge "$P" holes 2>/dev/null | sed -n 's/.*elements = { \(.*\) }/\1/p')
   for host in $(all_hosts); do
     ns=$(ns_of "$host")

@@ -1,6 +1,8 @@
 """The cluster every module of tests/cluster shares: scripts/cluster.sh brings up a master, a
-driver and three workers once per session (test_cluster.py, then test_faults.py, run on it) and
-takes it down at the end, checking that no namespace is left behind."""
+driver and three workers once per session (test_cluster.py, test_faults.py and test_service.py
+run on it) and takes it down at the end, checking that no namespace is left behind. Every worker
+runs Spark's external shuffle service (`up --shuffle-service`); only the applications that set
+`spark.shuffle.service.enabled=true` (test_service.py) use it."""
 import os
 import subprocess
 import time
@@ -31,7 +33,7 @@ def sh(*args, timeout=900, check=True) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def cluster():
     try:
-        sh("up", str(N), timeout=900)
+        sh("up", str(N), "--shuffle-service", timeout=900)
         yield
     finally:
         sh("down", timeout=300, check=False)

@@ -32,7 +32,7 @@ import org.apache.spark.storage.ShuffleBlockId
  * tests/spark/test_elastic.py. Like [[ShuffleJobs]] and [[FaultJob]] it knows nothing of the
  * plugin, and the driver computes each expected digest without a shuffle.
  *
- * Usage: `ElasticJob decommission|dynamic`.
+ * Usage: `ElasticJob decommission|dynamic|service`.
  *
  *  - `decommission` (3 executors, `spark.decommission.enabled`,
  *    `spark.storage.decommission.shuffleBlocks.enabled`): the map stage of a shuffle (12 map
@@ -47,6 +47,14 @@ import org.apache.spark.storage.ShuffleBlockId
  *    tasks wait until the driver knows 3 executors, at most 3 minutes); between the rounds
  *    both shuffles are cleaned up, so the idle executors hold no shuffle data and are removed,
  *    and the second round runs on executors that did not exist in the first.
+ *  - `service` (dynamic allocation beside the external shuffle service,
+ *    `spark.shuffle.service.enabled`, from 0 executors, at most 2): the map stages of two
+ *    shuffles (12 map tasks -> 6 partitions -> re-keyed -> 3 partitions) run on executors that
+ *    joined for them (the first tasks wait until two executors are up), so the first shuffle's
+ *    blocks cross executors; then the job waits until dynamic allocation has released every
+ *    executor (the service keeps their map outputs), and the last stage runs on new executors,
+ *    reading the second shuffle's outputs of executors that are gone. No map task may run again
+ *    (`maps_rerun=0`): the outputs were read from the service.
  *
  * Lines printed (stdout):
  * {{{
@@ -54,6 +62,7 @@ import org.apache.spark.storage.ShuffleBlockId
  *   ELASTIC_MAP_DONE shuffle=<id> outputs=<exec>:<n>,...
  *   ELASTIC_MIGRATED victim=<exec> outputs=<exec>:<n>,... missing=<n> wait_ms=<n>
  *   ELASTIC_ROUND round=<n> executors=<exec>,... removed_before=<exec>,...
+ *   ELASTIC_RELEASED outputs=<exec>:<n>,... removed=<exec>,... wait_ms=<n>
  *   ELASTIC_RESULT mode=<m> round=<n> records=<n> sum=<hex> expected_records=<n>
  *                  expected_sum=<hex> misplaced=<n> maps_rerun=<n> ok=<bool>
  *   ELASTIC_EXECUTORS added=<exec>,... removed=<exec>,...
@@ -71,15 +80,20 @@ object ElasticJob {
 
   def main(args: Array[String]): Unit = {
     require(
-      args.length == 1 && Set("decommission", "dynamic").contains(args(0)),
-      "usage: ElasticJob decommission|dynamic")
+      args.length == 1 && Set("decommission", "dynamic", "service").contains(args(0)),
+      "usage: ElasticJob decommission|dynamic|service")
     val spark = SparkSession.builder().appName(s"rdma-shuffle-elastic-${args(0)}").getOrCreate()
     val sc = spark.sparkContext
     FaultJob.say(s"ELASTIC_APP id=${sc.applicationId}")
     val events = new Events
     sc.addSparkListener(events)
     val ok =
-      try if (args(0) == "decommission") decommission(sc, events) else dynamic(sc, events)
+      try
+        args(0) match {
+          case "decommission" => decommission(sc, events)
+          case "dynamic" => dynamic(sc, events)
+          case _ => service(sc, events)
+        }
       finally {
         FaultJob.say(
           s"ELASTIC_EXECUTORS added=${events.added.asScala.toSeq.sorted.mkString(",")} " +
@@ -170,19 +184,42 @@ object ElasticJob {
           val id = rdd.dependencies.head.asInstanceOf[ShuffleDependency[_, _, _]].shuffleId
           sc.cleaner.foreach(_.doCleanupShuffle(id, blocking = true))
         }
-        val t0 = System.currentTimeMillis()
-        while (liveExecutors(sc) > 0) {
-          if (System.currentTimeMillis() - t0 > WaitMs) {
-            throw new IllegalStateException(
-              s"${liveExecutors(sc)} idle executors still up ${WaitMs / 1000} s after round 1")
-          }
-          Thread.sleep(200)
-        }
+        awaitNoExecutors(sc, "round 1")
         events.nextRound()
       }
       ok
     }
     results.forall(identity)
+  }
+
+  private def service(sc: SparkContext, events: Events): Boolean = {
+    val shape = DynamicShape
+    val seed = 9300L
+    val rekey: Int => Int = k => k * 31 + 7
+    val mapped = sc.parallelize(0 until shape.maps, shape.maps)
+      .mapPartitions { it =>
+        // The first tasks hold the stage until two executors are up, so that the first
+        // shuffle's blocks cross executors.
+        awaitPeers(1)
+        it
+      }
+      .flatMap(p => FaultJob.records(seed, p, shape))
+    val first = mapped.partitionBy(new HashPartitioner(shape.reduces))
+    val second = first.map { case (k, v) => (rekey(k), v) }.partitionBy(new HashPartitioner(3))
+    val dep =
+      second.dependencies.head.asInstanceOf[ShuffleDependency[Int, Array[Byte], Array[Byte]]]
+    sc.submitMapStage(dep).get()
+    val outputs = outputsByExecutor(dep.shuffleId, 3)
+    FaultJob.say(s"ELASTIC_MAP_DONE shuffle=${dep.shuffleId} outputs=${render(outputs)}")
+    // Idle executors go (the service keeps their outputs); wait until none is left.
+    val t0 = System.currentTimeMillis()
+    awaitNoExecutors(sc, "the map stages")
+    ListenerBus.drain(sc)
+    FaultJob.say(s"ELASTIC_RELEASED outputs=${render(outputsByExecutor(dep.shuffleId, 3))} " +
+      s"removed=${events.removed.asScala.toSeq.sorted.mkString(",")} " +
+      s"wait_ms=${System.currentTimeMillis() - t0}")
+    events.nextRound()
+    reduceAndCheck(second, "service", 1, seed, shape, rekey, events.successfulMaps.get(), events)
   }
 
   /** Reduces `rdd` (digest, count, misplaced records) and prints `ELASTIC_RESULT`. */
@@ -203,10 +240,10 @@ object ElasticJob {
     val n = perPartition.map(_._1).sum
     val sum = perPartition.map(_._2).sum
     val misplaced = perPartition.map(_._3).sum
-    // Successful map tasks of this shuffle's lineage after the map stage (decommission) or
-    // beyond the first run of each map stage (dynamic: 12 + 6 map tasks per round).
+    // Successful map tasks of this shuffle's lineage after the map stages (decommission,
+    // service) or beyond the first run of each map stage (dynamic: 12 + 6 map tasks per round).
     val maps = events.successfulMaps.get() - mapsBefore
-    val rerun = if (mode == "decommission") maps else maps - (shape.maps + shape.reduces)
+    val rerun = if (mode == "dynamic") maps - (shape.maps + shape.reduces) else maps
     val ok = n == expN && sum == expSum && misplaced == 0
     FaultJob.say(f"ELASTIC_RESULT mode=$mode round=$round records=$n sum=$sum%016x " +
       f"expected_records=$expN expected_sum=$expSum%016x misplaced=$misplaced " +
@@ -247,6 +284,18 @@ object ElasticJob {
     m.toSeq.sortBy(_._1).map { case (e, n) => s"$e:$n" }.mkString(",")
 
   private def liveExecutors(sc: SparkContext): Int = sc.statusTracker.getExecutorInfos.length - 1
+
+  /** Waits until dynamic allocation has removed every executor (idle after `after`). */
+  private def awaitNoExecutors(sc: SparkContext, after: String): Unit = {
+    val t0 = System.currentTimeMillis()
+    while (liveExecutors(sc) > 0) {
+      if (System.currentTimeMillis() - t0 > WaitMs) {
+        throw new IllegalStateException(
+          s"${liveExecutors(sc)} idle executors still up ${WaitMs / 1000} s after $after")
+      }
+      Thread.sleep(200)
+    }
+  }
 
   /** Executors added and removed, and successful map tasks, as the listener bus reports them. */
   private final class Events extends SparkListener {
