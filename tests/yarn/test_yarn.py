@@ -174,14 +174,6 @@ def test_jobs_engines_moved_every_remote_block(submitter):
     assert "RdmaShuffleManager" not in runs["default"].driver_log
 
 
-def test_no_container_went_over_its_memory(submitter, yarn):
-    """Every application of the session ran within its containers' sizes: the NodeManager killed
-    none for physical memory (it logs 'running beyond physical memory limits')."""
-    both(submitter, "jobs")
-    log = (WORK / "cluster" / "minicluster.log").read_text(errors="replace")
-    assert "beyond physical memory" not in log and "beyond the 'PHYSICAL' memory limit" not in log
-
-
 # --- kill: cluster mode, a container killed mid-shuffle ------------------------------------------
 
 def test_kill_recovered_as_under_the_default_shuffle(submitter):
@@ -235,3 +227,14 @@ def test_service_engines_moved_blocks_of_live_executors_and_the_service_the_rest
           f"delegated_requests={p.total('delegated_requests')} departed={p.total('departed_executors')}")
     assert from_service > 0, p.engines()
     assert "beside the external shuffle service" in p.driver_log
+
+
+# --- all of them -----------------------------------------------------------------------------------
+
+def test_no_container_went_over_its_memory(submitter, yarn):
+    """Every application ran within its containers' sizes: the NodeManager's physical-memory
+    check killed none (it logs 'running beyond physical memory limits' when it does)."""
+    for name in ("jobs", "kill", "service"):
+        both(submitter, name)
+    log = (WORK / "cluster" / "minicluster.log").read_text(errors="replace")
+    assert "beyond physical memory" not in log and "beyond the 'PHYSICAL' memory limit" not in log
