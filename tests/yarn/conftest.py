@@ -83,11 +83,11 @@ class MemorySampler(threading.Thread):
         self.peaks: dict = {}   # container id -> peak bytes
         self.roles: dict = {}   # container id -> "am" | "executor <id>"
         self.live: set = set()  # containers with a process at the last sample
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self):
         page = os.sysconf("SC_PAGE_SIZE")
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             now: dict = {}
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
@@ -108,10 +108,10 @@ class MemorySampler(threading.Thread):
             for cid, rss in now.items():
                 self.peaks[cid] = max(self.peaks.get(cid, 0), rss)
             self.live = set(now)
-            self._stop.wait(0.5)
+            self._halt.wait(0.5)
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
 
     @staticmethod

@@ -40,7 +40,7 @@ JOBS_CLASS = "org.apache.spark.shuffle.rdma.jobs.ShuffleJobs"
 FAULT_CLASS = "org.apache.spark.shuffle.rdma.jobs.FaultJob"
 ELASTIC_CLASS = "org.apache.spark.shuffle.rdma.jobs.ElasticJob"
 JOBS = ["wordcount", "terasort", "sql"]
-JOBS_SCALE = os.environ.get("RDMA_YARN_SCALE", "0.5")
+JOBS_SCALE = os.environ.get("RDMA_YARN_SCALE", "0.25")
 KILL = "during_reduce.kill9"
 SERVICE_CONF = {
     "spark.shuffle.service.enabled": "true",
