@@ -83,25 +83,32 @@ object ElasticJob {
       args.length == 1 && Set("decommission", "dynamic", "service").contains(args(0)),
       "usage: ElasticJob decommission|dynamic|service")
     val spark = SparkSession.builder().appName(s"rdma-shuffle-elastic-${args(0)}").getOrCreate()
-    val sc = spark.sparkContext
-    FaultJob.say(s"ELASTIC_APP id=${sc.applicationId}")
-    val events = new Events
-    sc.addSparkListener(events)
-    val ok =
-      try
-        args(0) match {
-          case "decommission" => decommission(sc, events)
-          case "dynamic" => dynamic(sc, events)
-          case _ => service(sc, events)
-        }
-      finally {
-        FaultJob.say(
-          s"ELASTIC_EXECUTORS added=${events.added.asScala.toSeq.sorted.mkString(",")} " +
-            s"removed=${events.removed.asScala.toSeq.sorted.mkString(",")}")
-      }
+    val ok = run(spark.sparkContext, args(0))
     spark.stop()
     if (!ok)
       throw new IllegalStateException(s"ElasticJob ${args(0)}: wrong result (see ELASTIC_RESULT)")
+  }
+
+  /**
+   * Runs `mode` in `sc`'s application (see the object's doc) and returns whether its result was
+   * right; the lines it prints end with `ELASTIC_EXECUTORS`.
+   */
+  def run(sc: SparkContext, mode: String): Boolean = {
+    FaultJob.say(s"ELASTIC_APP id=${sc.applicationId}")
+    val events = new Events
+    sc.addSparkListener(events)
+    try
+      mode match {
+        case "decommission" => decommission(sc, events)
+        case "dynamic" => dynamic(sc, events)
+        case _ => service(sc, events)
+      }
+    finally {
+      sc.removeSparkListener(events)
+      FaultJob.say(
+        s"ELASTIC_EXECUTORS added=${events.added.asScala.toSeq.sorted.mkString(",")} " +
+          s"removed=${events.removed.asScala.toSeq.sorted.mkString(",")}")
+    }
   }
 
   private def decommission(sc: SparkContext, events: Events): Boolean = {
@@ -259,7 +266,7 @@ object ElasticJob {
    * (the other executors), or [[WaitMs]]; never fails, a round without them is the test's to
    * judge.
    */
-  private def awaitPeers(n: Int): Unit = {
+  private[jobs] def awaitPeers(n: Int): Unit = {
     val bm = SparkEnv.get.blockManager
     val deadline = System.currentTimeMillis() + WaitMs
     while (bm.master.getPeers(

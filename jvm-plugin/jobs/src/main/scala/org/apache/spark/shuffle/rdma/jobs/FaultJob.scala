@@ -118,7 +118,25 @@ object FaultJob {
 
     val spark = SparkSession.builder().appName(s"rdma-shuffle-faults-${scenarios.mkString("+")}")
       .getOrCreate()
-    val sc = spark.sparkContext
+    val wrong = run(spark.sparkContext, gateDir, scenarios, executors)
+    spark.stop()
+    if (wrong.nonEmpty)
+      throw new IllegalStateException(s"wrong results in scenarios: ${wrong.mkString(", ")}")
+  }
+
+  /**
+   * Runs one job per scenario in `sc`'s application (see the object's doc) and returns the
+   * scenarios whose result was wrong. Before each job the driver waits for `executors` live
+   * executors. Under dynamic allocation, where executors come only for tasks waiting, pass
+   * `executors = 0` and `mapsAwaitPeers = n`: the job's map tasks then wait, inside the tasks,
+   * until the driver knows `n` executors besides theirs, so that the job runs on `n + 1`.
+   */
+  def run(
+      sc: SparkContext,
+      gateDir: String,
+      scenarios: Seq[String],
+      executors: Int,
+      mapsAwaitPeers: Int = 0): Seq[String] = {
     say(s"FAULT_APP id=${sc.applicationId}")
     val mapStages = new MapStageListener
     sc.addSparkListener(mapStages)
@@ -131,8 +149,11 @@ object FaultJob {
       say(s"FAULT_START scenario=$scenario start_ms=$startMs")
       sc.setJobGroup(scenario, s"fault scenario $scenario")
       val seed = 7000L + 100L * i
-      val data = sc.parallelize(0 until shape.maps, shape.maps)
-        .flatMap(p => records(seed, p, shape))
+      val splits = sc.parallelize(0 until shape.maps, shape.maps)
+      val held =
+        if (mapsAwaitPeers == 0) splits
+        else splits.mapPartitions { it => ElasticJob.awaitPeers(mapsAwaitPeers); it }
+      val data = held.flatMap(p => records(seed, p, shape))
       val reduces = shape.reduces
       val shuffled = data.partitionBy(new HashPartitioner(reduces))
       val shuffleId = shuffled.dependencies.head.asInstanceOf[ShuffleDependency[_, _, _]].shuffleId
@@ -151,10 +172,8 @@ object FaultJob {
         f"start_ms=$startMs end_ms=$endMs")
       (scenario, ok)
     }
-    spark.stop()
-    val wrong = results.filterNot(_._2).map(_._1)
-    if (wrong.nonEmpty)
-      throw new IllegalStateException(s"wrong results in scenarios: ${wrong.mkString(", ")}")
+    sc.removeSparkListener(mapStages)
+    results.filterNot(_._2).map(_._1)
   }
 
   /** Prints a line at once: the harness acts on these while the job runs. */

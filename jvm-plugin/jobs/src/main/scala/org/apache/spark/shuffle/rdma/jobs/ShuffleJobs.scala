@@ -50,6 +50,15 @@ object ShuffleJobs {
     // local-cluster costs more than most of the jobs themselves.
     val spark =
       SparkSession.builder().appName(s"rdma-shuffle-jobs-${jobs.mkString("+")}").getOrCreate()
+    run(spark, jobs, scale)
+    spark.stop()
+  }
+
+  /**
+   * Runs `jobs` at `scale` in `spark`'s application, printing each one's `DIGEST` and
+   * `SHUFFLE_METRICS` lines; the session stays open (YarnJob runs more after them).
+   */
+  def run(spark: SparkSession, jobs: Seq[String], scale: Double): Unit = {
     val sc = spark.sparkContext
     // A test hook: a listener ahead of the metrics one that takes this long per task end, so
     // the bus lags behind the jobs as on a loaded machine. The tests that compare the printed
@@ -76,7 +85,7 @@ object ShuffleJobs {
       println(s"DIGEST job=$job $digest")
       println(s"SHUFFLE_METRICS job=$job wall_ms=$wallMs ${metrics.render}")
     }
-    spark.stop()
+    sc.removeSparkListener(metrics)
   }
 
   // ------------------------------------------------------------------------------------------
