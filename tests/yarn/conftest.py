@@ -56,6 +56,8 @@ COMMON_CONF = {
     # Reduce tasks are not pulled to the executor holding most of their input.
     "spark.shuffle.reduceLocality.enabled": "false",
     "spark.ui.enabled": "false",
+    # A failed driver in cluster mode is not run again in a second application attempt.
+    "spark.yarn.maxAppAttempts": "1",
     # Spark's jars are on the node already (pyspark's SPARK_HOME): nothing is zipped or uploaded.
     "spark.yarn.jars": "local:{SPARK_HOME}/jars/*",
     "spark.executor.memory": "512m",
@@ -207,47 +209,86 @@ class App:
         return sum(kv.get(key, 0) for kv in self.engines().values() if isinstance(kv.get(key, 0), int))
 
 
+def line_env(profile: str) -> dict:
+    """The environment scripts/spark-env.sh exports for a Spark line (`""`: 4.x, `"spark-3.5"`),
+    its venv created on first use."""
+    out = subprocess.run(["bash", "-c", f". '{REPO}/scripts/spark-env.sh' >&2 && env -0"], check=True,
+                         capture_output=True, env={**os.environ, "RDMA_SPARK_PROFILE": profile}).stdout
+    return dict(kv.split("=", 1) for kv in out.decode().split("\0") if "=" in kv)
+
+
+def yarn_plugin_args(env: dict, deploy: str) -> list:
+    """spark-submit arguments installing the plugin on YARN as docs/yarn.md tells a user.
+    Spark 4.x: `--jars` (rdma_plugin_submit_args of scripts/spark-env.sh). Spark 3.5 creates the
+    shuffle manager before it adds `--jars` to an executor's class loader, so the jar must be on
+    the JVMs' own class path; on YARN `--jars` ships it into every container's working directory,
+    where the relative `extraClassPath` finds it (a client-mode driver takes the local path)."""
+    jar = env["RDMA_PLUGIN_JAR"]
+    if env["SPARK_LINE"] != "3.5":
+        return plugin_submit_args(env, jar)
+    name = os.path.basename(jar)
+    return ["--conf", "spark.shuffle.manager=org.apache.spark.shuffle.rdma.RdmaShuffleManager",
+            "--jars", jar, "--conf", f"spark.executor.extraClassPath={name}",
+            "--conf", f"spark.driver.extraClassPath={jar if deploy == 'client' else name}"]
+
+
 class Submitter:
     def __init__(self, yarn: Yarn):
         self.yarn = yarn
-        self.env = yarn.env
-        self.plugin_args = plugin_submit_args(self.env, self.env["RDMA_PLUGIN_JAR"])
+        self.line = yarn.env["SPARK_LINE"]   # the Spark line tests/yarn/run.sh was started for
+        self.envs = {self.line: yarn.env}
         self.apps: list = []
 
+    def env_of(self, line: str) -> dict:
+        """The environment of Spark line `line` ("4.x" or "3.5") with the cluster's HADOOP_CONF_DIR."""
+        if line not in self.envs:
+            self.envs[line] = {**line_env("spark-3.5" if line == "3.5" else ""), "HADOOP_CONF_DIR": self.yarn.conf_dir}
+            assert self.envs[line]["SPARK_LINE"] == line, self.envs[line]["SPARK_LINE"]
+        return self.envs[line]
+
     def submit(self, name: str, shuffle: str, deploy: str, main: str, args: list, conf: dict,
-               executors: int | None = 2, while_running=None) -> App:
-        """spark-submit of `main` (a class of the jobs jar) with `args`; `while_running(app_id,
-        stdout_reader)` runs beside it (fault injection)."""
-        events = WORK / "events" / f"{name}-{shuffle}"
+               executors: int | None = 2, while_running=None, line: str | None = None) -> App:
+        """spark-submit of `main` (a class of the jobs jar) with `args`, from Spark line `line`
+        (default: the suite's); `while_running(app_id, stdout_reader)` runs beside it (fault
+        injection)."""
+        line = line or self.line
+        env = self.env_of(line)
+        for j in ("RDMA_PLUGIN_JAR", "RDMA_JOBS_JAR"):
+            assert Path(env[j]).is_file(), f"{env[j]} is missing: build the Spark {line} jars first"
+        tag = f"{name}-{deploy}-{shuffle}"
+        events = WORK / "events" / tag
         shutil.rmtree(events, ignore_errors=True)
         events.mkdir(parents=True)
-        spark_home = self.env["SPARK_HOME"]
+        spark_home = env["SPARK_HOME"]
         settings = {**COMMON_CONF, "spark.eventLog.dir": f"file://{events}",
                     "spark.shuffle.service.port": str(self.yarn.service_port), **conf}
         cmd = [f"{spark_home}/bin/spark-submit", "--master", "yarn", "--deploy-mode", deploy,
-               "--name", f"rdma-yarn-{name}-{shuffle}"]
+               "--name", f"rdma-yarn-{tag}"]
         if executors is not None:
             cmd += ["--num-executors", str(executors)]
         for k, v in settings.items():
             cmd += ["--conf", f"{k}={v.format(SPARK_HOME=spark_home)}"]
         if shuffle == "plugin":
-            cmd += self.plugin_args
+            cmd += yarn_plugin_args(env, deploy)
         if deploy == "cluster":
             # The driver runs in the application master's container: its output is there.
             cmd += ["--conf", "spark.yarn.submit.waitAppCompletion=true"]
-        cmd += ["--class", main, self.env["RDMA_JOBS_JAR"], *args]
-        out_f, err_f = WORK / f"{name}-{shuffle}.out", WORK / f"{name}-{shuffle}.err"
+        cmd += ["--class", main, env["RDMA_JOBS_JAR"], *args]
+        out_f, err_f = WORK / f"{tag}.out", WORK / f"{tag}.err"
         t0 = time.monotonic()
         with open(out_f, "w") as out, open(err_f, "w") as err:
-            p = subprocess.Popen(cmd, stdout=out, stderr=err, env=self.env, text=True)
-            app_id = None
+            p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
+            app_id, inject_error = None, None
             try:
                 while app_id is None and p.poll() is None:
                     m = re.search(r"Submitted application (application_\d+_\d+)", err_f.read_text(errors="replace"))
                     app_id = m.group(1) if m else None
                     time.sleep(0.2)
                 if while_running and app_id:
-                    while_running(app_id, lambda: self._driver_stdout(deploy, app_id, out_f))
+                    try:
+                        while_running(app_id, lambda: self._driver_stdout(deploy, app_id, out_f))
+                    except Exception as e:  # noqa: BLE001 -- the tests report it; the application goes on
+                        inject_error = f"{type(e).__name__}: {e}"
                 p.wait(timeout=APP_TIMEOUT_S)
             finally:
                 if p.poll() is None:
@@ -258,10 +299,10 @@ class Submitter:
             m = re.search(r"(application_\d+_\d+)", err_f.read_text(errors="replace"))
             app_id = m.group(1) if m else None
         app = App(name, shuffle, deploy, p.returncode, wall, app_id,
-                  self._driver_stdout(deploy, app_id, out_f), "", extra={"cmd": cmd})
+                  self._driver_stdout(deploy, app_id, out_f), "", extra={"cmd": cmd, "inject_error": inject_error})
         if app_id:
             self._collect(app, deploy, err_f, events)
-        print(f"[yarn] {name:8s} {shuffle:7s} {deploy:7s} rc={app.rc} wall={wall:5.1f}s {app_id} "
+        print(f"[yarn] {name:8s} {deploy:7s} {shuffle:7s} rc={app.rc} wall={wall:5.1f}s {app_id} "
               f"peaks(MiB)={ {k: v >> 20 for k, v in sorted(app.peaks.items())} }")
         self.apps.append(app)
         return app
@@ -318,9 +359,9 @@ def write_memory_table(apps: list) -> None:
     .json; docs/benchmarks.md keeps the table of a run)."""
     import json
     rows = []
-    by = {(a.name, a.shuffle): a for a in apps}
-    for name in dict.fromkeys(a.name for a in apps):
-        d, p = by.get((name, "default")), by.get((name, "plugin"))
+    by = {(a.name, a.deploy, a.shuffle): a for a in apps}
+    for name, deploy in dict.fromkeys((a.name, a.deploy) for a in apps):
+        d, p = by.get((name, deploy, "default")), by.get((name, deploy, "plugin"))
         if not (d and p):
             continue
         for role in sorted(set(d.peaks) | set(p.peaks), key=lambda r: (r != "am", r)):

@@ -6,17 +6,29 @@
 # PyPI on first use; the cluster's jars are cached under $HOME/.cache/rdma-shuffle/.
 #   tests/yarn/run.sh                 # build the jars if missing, run every case
 #   tests/yarn/run.sh --no-build -k kill
+#   RDMA_TEST_FULL=1 tests/yarn/run.sh   # scripts/test.sh --full: every deploy mode with and
+#                                        # without the service, the jobs at scale 1
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build=yes
 if [ "${1:-}" = --no-build ]; then build=no; shift; fi
 . "$here/../../scripts/spark-env.sh"
 "$VENV_DIR/bin/python" -c "import pytest" 2>/dev/null || "$VENV_DIR/bin/pip" install -q --disable-pip-version-check pytest
-if [ "$build" = yes ] && { [ ! -f "$RDMA_PLUGIN_JAR" ] || [ ! -f "$RDMA_JOBS_JAR" ]; }; then
-  (cd "$REPO_ROOT/jvm-plugin" && mvn -q -B package -DskipTests ${RDMA_SPARK_PROFILE:+-P$RDMA_SPARK_PROFILE})
-fi
-for j in "$RDMA_PLUGIN_JAR" "$RDMA_JOBS_JAR"; do
-  [ -f "$j" ] || { echo "tests/yarn/run.sh: missing $j (build it, or run without --no-build)" >&2; exit 1; }
+# The jars of this Spark line, and of Spark 3.5 for its application (RDMA_YARN_SPARK35=0 leaves
+# it out).
+jars() { # profile
+  (RDMA_SPARK_PROFILE=$1; . "$REPO_ROOT/scripts/spark-env.sh" >/dev/null && echo "$RDMA_PLUGIN_JAR $RDMA_JOBS_JAR")
+}
+profiles=("${RDMA_SPARK_PROFILE:-}")
+[ "${RDMA_YARN_SPARK35:-1}" = 1 ] && [ "${RDMA_SPARK_PROFILE:-}" != spark-3.5 ] && profiles+=(spark-3.5)
+for profile in "${profiles[@]}"; do
+  for j in $(jars "$profile"); do
+    [ -f "$j" ] && continue
+    if [ "$build" = yes ]; then
+      (cd "$REPO_ROOT/jvm-plugin" && mvn -q -B package -DskipTests ${profile:+-P$profile})
+    fi
+    [ -f "$j" ] || { echo "tests/yarn/run.sh: missing $j (build it, or run without --no-build)" >&2; exit 1; }
+  done
 done
 
 # The cluster's class path: tests/yarn/pom.xml resolved once into a versioned cache.
