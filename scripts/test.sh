@@ -134,8 +134,9 @@ else
   RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py --ignore=tests/spark/test_elastic.py
 fi
 
-step "yarn: Spark $SPARK_VERSION on a real YARN cluster (MiniYARNCluster, pmem check on, spark_shuffle service): client and cluster mode, a container killed mid-shuffle, executors released by dynamic allocation beside the external shuffle service; default shuffle vs the plugin, peak memory per container"
-# Three applications per shuffle on one cluster start (tests/yarn/test_yarn.py).
+step "yarn: Spark $SPARK_VERSION and 3.5.9 on a real YARN cluster (MiniYARNCluster, pmem check on, spark_shuffle service): client mode without and cluster mode with the external shuffle service and dynamic allocation, executors released, a container killed in each; default shuffle vs the plugin, peak memory per container"
+# Two applications per shuffle and one Spark 3.5 application on one cluster start
+# (tests/yarn/test_yarn.py); RDMA_TEST_FULL=1 adds the other deploy mode of each and scale 1.
 run_script tests/yarn/run.sh --no-build
 
 step "cluster: Spark standalone, master + 3 workers in network namespaces (each with Spark's external shuffle service), default shuffle vs the plugin, executors killed with and without the service"

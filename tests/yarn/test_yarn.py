@@ -21,7 +21,14 @@ conftest.py (physical-memory check on, the `spark_shuffle` auxiliary service):
 
 So client and cluster mode, without and with the service, each run; `RDMA_TEST_FULL=1`
 (`scripts/test.sh --full`) adds the other two pairings (`jobs` in cluster mode, `service` in
-client mode) and runs the jobs at scale 1. Every container's peak RSS under both shuffles is
+client mode) and runs the jobs at scale 1.
+
+- `jobs35`, Spark 3.5.9 (client mode; also cluster mode under --full): ShuffleJobs' three jobs
+  under the plugin, installed as docs/yarn.md gives for 3.5 on YARN; digests equal to the `jobs`
+  application's under Spark 4.x's default shuffle, the engines' counters equal to Spark's remote
+  reads.
+
+Every container's peak RSS under both shuffles is
 printed side by side at the end (target/yarn/memory.md; docs/benchmarks.md has the table of a
 run), and no container went over its size (the NodeManager's physical-memory check).
 
@@ -271,18 +278,19 @@ def test_service_engines_moved_blocks_of_live_executors_and_the_service_the_rest
 # --- Spark 3.5 -------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not SPARK35, reason="RDMA_YARN_SPARK35=0")
-def test_spark35_jobs_outputs_equal_and_the_engines_moved_every_remote_block(submitter):
-    """Spark 3.5 on the same cluster: one application of ShuffleJobs (client mode, 2 executors)
-    under the plugin, installed the way docs/yarn.md gives for 3.5 (`--jars` and the container's
+@pytest.mark.parametrize("deploy", ["client"] + (["cluster"] if FULL else []))
+def test_spark35_jobs_outputs_equal_and_the_engines_moved_every_remote_block(submitter, deploy):
+    """Spark 3.5 on the same cluster: one application of ShuffleJobs (2 executors) under the
+    plugin, installed the way docs/yarn.md gives for 3.5 on YARN (`--jars` and the container's
     relative `extraClassPath`). Its digests equal those of the same deterministic jobs at the
     same scale under Spark 4.x's default shuffle (the `jobs` application), and, where it runs
     (`RDMA_TEST_FULL=1` or RDMA_YARN_SPARK35_DEFAULT=1), under Spark 3.5's own. Nothing else
     runs in this application, so the engines' counters must equal Spark's remote reads."""
-    p = submitter.submit("jobs35", "plugin", "client", SHUFFLE_JOBS, [",".join(JOBS), JOBS_SCALE], {},
+    p = submitter.submit("jobs35", "plugin", deploy, SHUFFLE_JOBS, [",".join(JOBS), JOBS_SCALE], {},
                          line="3.5")
     refs = {"4.x default": both(submitter, "jobs", "client")["default"]}
     if FULL or os.environ.get("RDMA_YARN_SPARK35_DEFAULT") == "1":
-        refs["3.5 default"] = submitter.submit("jobs35", "default", "client", SHUFFLE_JOBS,
+        refs["3.5 default"] = submitter.submit("jobs35", "default", deploy, SHUFFLE_JOBS,
                                                [",".join(JOBS), JOBS_SCALE], {}, line="3.5")
     for a in (p, *refs.values()):
         assert a.rc == 0, f"{a.name}/{a.shuffle} failed (rc={a.rc}, {a.app_id}):\n{a.driver_log[-3000:]}"
@@ -291,7 +299,7 @@ def test_spark35_jobs_outputs_equal_and_the_engines_moved_every_remote_block(sub
     assert sorted(got) == sorted(JOBS), got
     for what, ref in refs.items():
         assert got == digest(ref), (what, got, digest(ref))
-    assert "Spark version 3.5" in p.driver_log
+    assert "Running Spark version 3.5" in p.driver_log
     assert_engine_ran(p)
     remote = sum(int(m["remote_bytes"]) for m in p.lines("SHUFFLE_METRICS"))
     assert remote > 0
