@@ -7,13 +7,19 @@
 #
 # On one podman network, from the image docker/build.sh builds: a master, two workers (one
 # executor of one core each) and a driver container (client mode); every node advertises its
-# own address. One application runs twice on that cluster: with Spark's default shuffle
-# (`--conf spark.shuffle.manager=sort`), then with the plugin as the image's
+# own address. Every container is started as Kubernetes starts a pod: as a non-root user (the
+# image's spark, uid 185), with a memory limit, every capability dropped (so no IPC_LOCK), no
+# new privileges, and the default locked-memory limit (8 MiB, the kernel's and systemd's
+# default); the script checks that inside a worker before the jobs run. One application runs
+# twice on that cluster: with Spark's default shuffle (`--conf spark.shuffle.manager=sort`),
+# then with the plugin as the image's
 # spark-defaults.conf installs it. The script fails unless
 #   - both runs succeed and print the same digest for every job;
 #   - each executor's engine registered with the driver at its own worker container's address;
-#   - the engines ran over tcp (no RDMA device is passed into the containers), served in all
-#     what they fetched in all, and fetched at least the remote bytes Spark's read metrics count.
+#   - the engines ran over tcp (no RDMA device is passed into the containers), each executor
+#     saying why in one line (RDMA_SHUFFLE_TRANSPORT) and giving its memory bound
+#     (RDMA_SHUFFLE_MEMORY), served in all what they fetched in all, and fetched at least the
+#     remote bytes Spark's read metrics count.
 # Everything it creates is removed on exit (also on failure); logs stay in target/docker/cluster/.
 set -euo pipefail
 # shellcheck source=docker/lib.sh
@@ -49,6 +55,22 @@ if [ -n "$(ip -4 route show "$subnet" 2>/dev/null)" ]; then
 fi
 rm -rf "$OUT"
 mkdir -p "$OUT/worker1" "$OUT/worker2"
+# The workers run as uid 185 and write their executors' logs here.
+chown 185:185 "$OUT/worker1" "$OUT/worker2"
+
+# As a pod: not root, no capabilities (no IPC_LOCK), the default memlock limit, a memory limit.
+# A worker container holds the worker daemon (256 MiB heap) and one executor (640 MiB heap +
+# Spark's 384 MiB overhead, what its own pod's limit would be).
+# A --ulimit replaces podman's default_ulimits (docker/lib.sh), so nofile and nproc are given
+# again, at the values lib.sh keeps within this host's hard limits.
+POD_MEMLOCK=8388608
+pod_nofile=$(ulimit -Hn)
+[ "$pod_nofile" = unlimited ] && pod_nofile=1048576
+pod_flags() { # memory limit
+  echo --user 185:185 --cap-drop=all --security-opt=no-new-privileges \
+    --ulimit "memlock=$POD_MEMLOCK:$POD_MEMLOCK" --ulimit "nofile=$pod_nofile:$pod_nofile" \
+    --ulimit nproc=32768:32768 --memory "$1" --memory-swap "$1"
+}
 
 step "cluster: network $net ($subnet), master $master_ip, workers ${worker_ips[*]}"
 podman network create --subnet "$subnet" "$net" >/dev/null
@@ -61,9 +83,11 @@ node() { # name ip args...
     -e SPARK_DAEMON_MEMORY=256m "$@" > /dev/null 2> "$OUT/podman-$name.log" \
     || { cat "$OUT/podman-$name.log" >&2; echo "podman run of $PREFIX$name failed" >&2; exit 1; }
 }
-node master "$master_ip" "$IMAGE" master
+# shellcheck disable=SC2046
+node master "$master_ip" $(pod_flags 768m) "$IMAGE" master
 for i in 1 2; do
-  node "worker$i" "${worker_ips[i - 1]}" -v "$OUT/worker$i:/var/lib/spark/work" \
+  # shellcheck disable=SC2046
+  node "worker$i" "${worker_ips[i - 1]}" $(pod_flags 1792m) -v "$OUT/worker$i:/var/lib/spark/work" \
     "$IMAGE" worker "spark://$master_ip:7077" --cores 1 --memory 1g
 done
 
@@ -86,6 +110,16 @@ while [ "$(podman logs "${PREFIX}master" 2>&1 | grep -c 'Registering worker')" -
 done
 podman logs "${PREFIX}master" 2>&1 | grep 'Registering worker' | sed 's/.*\(Registering worker\)/  \1/'
 
+# What a process in a worker container gets, as the executor will: uid, capabilities, memlock
+# (ulimit -l prints KiB), memory limit (cgroup v2 or v1).
+pod=$(podman exec "${PREFIX}worker1" sh -c 'id -u; grep ^CapEff /proc/self/status | cut -f2; ulimit -l;
+  cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes' | tr '\n' ' ')
+echo "  worker1 as a pod: uid, CapEff, memlock KiB, memory limit = $pod"
+read -r uid caps memlock_kib mem_limit <<<"$pod"
+[ "$uid" = 185 ] && [ "$caps" = 0000000000000000 ] && [ "$memlock_kib" = $((POD_MEMLOCK / 1024)) ] \
+  && [ "$mem_limit" = $((1792 << 20)) ] \
+  || { echo "worker1 does not run as a pod would (uid 185, no capabilities, memlock $POD_MEMLOCK, limit 1792m)" >&2; exit 1; }
+
 # submit MODE [spark-submit options...]: runs the jobs from a driver container in client mode.
 # The cluster has 2 cores; the application waits until both executors have registered, so the
 # map outputs are spread over both containers and every reduce task reads from the other one.
@@ -94,7 +128,9 @@ submit() {
   shift
   step "submit: $jobs (scale $scale) with the $mode shuffle"
   t0=$(date +%s)
-  podman run --rm --name "${PREFIX}driver" --hostname driver --network "$net" --ip "$driver_ip" "$IMAGE" \
+  # shellcheck disable=SC2046
+  podman run --rm --name "${PREFIX}driver" --hostname driver --network "$net" --ip "$driver_ip" \
+    $(pod_flags 1536m) "$IMAGE" \
     spark-submit --master "spark://$master_ip:7077" --driver-memory 768m \
     --conf spark.executor.memory=640m --conf spark.executor.cores=1 --conf spark.cores.max=2 \
     --conf spark.scheduler.minRegisteredResourcesRatio=1.0 \
@@ -218,12 +254,19 @@ if (served != fetched) if exact else (served > fetched or served == 0):
 if app:
     for log in sorted(glob.glob(os.path.join(out, "worker*", app.group(1), "*", "stderr"))):
         text = open(log, errors="replace").read()
-        why = re.search(r"transport=auto: using tcp because[^\n]*", text)
+        # The manager's one line saying why tcp, and its memory bound line.
+        why = re.findall(r"RDMA_SHUFFLE_TRANSPORT executor=\S+ transport=(\w+): ([^\n]*)", text)
+        bound = re.findall(r"RDMA_SHUFFLE_MEMORY executor=\S+ bound=(\d+)[^\n]*", text)
         native = "native=loaded" in text
         print(f"  {os.path.relpath(log, out)}: native library {'loaded' if native else 'NOT loaded'}; "
-              f"{why.group(0) if why else 'no transport line'}")
+              f"transport: {why[0] if why else 'no RDMA_SHUFFLE_TRANSPORT line'}; bound {bound[0] if bound else '?'} bytes")
         if not native:
             problems.append(f"{log}: the native library did not load in the executor")
+        if len(why) != 1 or why[0][0] != "tcp" or "using tcp because verbs is unusable" not in why[0][1]:
+            problems.append(f"{log}: expected one line saying why the engine uses tcp, found {why}")
+        # 640m executors: Spark's overhead is max(384 MiB, 64 MiB); the engine's bound half of it.
+        if bound != [str(192 << 20)]:
+            problems.append(f"{log}: expected one memory bound line of {192 << 20} bytes, found {bound}")
 
 if problems:
     print("\nFAILED:\n  " + "\n  ".join(problems))

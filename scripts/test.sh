@@ -143,11 +143,11 @@ run_script tests/yarn/run.sh --no-build
 step "cluster: Spark standalone, master + 3 workers in network namespaces (each with Spark's external shuffle service), default shuffle vs the plugin, executors killed with and without the service"
 run_script tests/cluster/run.sh
 
-step "container: the podman image and a standalone cluster of containers, default shuffle vs the plugin"
+step "container: the podman image and a standalone cluster of containers started as Kubernetes starts pods (uid 185, no capabilities, default memlock, memory limits), default shuffle vs the plugin (tcp, saying why)"
 run_script docker/build.sh
 run_script docker/cluster.sh terasort,wordcount 0.1
 
-step "spark over verbs: an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
+step "spark over verbs: the preflight (Doctor) and an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
 run_script scripts/spark-verbs-test.sh
 
 # The benchmark scripts at CI size, so they cannot rot: reports complete, speed not asserted.
