@@ -102,6 +102,12 @@ impl Loop {
                         continue;
                     }
                     let key = ConnKey { index, gen: slot.gen };
+                    let hung_up = ev.is_read_closed() || ev.is_error();
+                    if ev.is_readable() || hung_up {
+                        if let Some(conn) = self.conn_mut(key) {
+                            conn.transport.on_readable(hung_up);
+                        }
+                    }
                     if ev.is_writable() {
                         self.on_writable(key);
                     }

@@ -16,7 +16,8 @@
 //! behind a lock, and a caller that blocks for a message (a Mobius call) takes
 //! it over and runs the turns on its own thread, as MPI's progress engine does
 //! (`progress`). Its sends go out and its answers are read without any thread hand-off;
-//! the loop thread steps aside while callers drive and takes over again once none does.
+//! the loop thread steps aside while callers drive and takes over again once none has come
+//! for a millisecond.
 //! No thread is added for it.
 //!
 //! Why `mio`: it is the small, widely used readiness layer under tokio — epoll on Linux,

@@ -412,6 +412,15 @@ pub trait Link: Send {
         Ok(false)
     }
 
+    /// The poll reported the socket readable (`hung_up`: or closed by the peer, or in
+    /// error), just before the link is driven for it. A link that learns this way when a
+    /// read can find bytes may skip reads that cannot (tcp: after a read found the socket
+    /// empty, until the next event). The driver reports every such event of a registered
+    /// socket; a link driven without events never hears of any.
+    fn on_readable(&mut self, hung_up: bool) {
+        let _ = hung_up;
+    }
+
     /// The peer proved the protocol's secret (or none is required): only now may the link
     /// create, register or expose anything for it. `Ok(true)`: messages flow as before;
     /// `Ok(false)`: the link attaches a data plane first (verbs: queue pairs, its record in
