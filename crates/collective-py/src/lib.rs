@@ -465,6 +465,8 @@ impl PyComm {
             ("folded_bytes", t.folded_bytes),
             ("staged", t.staged),
             ("staged_bytes", t.staged_bytes),
+            ("eager_in_place", t.eager_in_place),
+            ("joined", t.joined),
         ] {
             d.set_item(k, v)?;
         }

@@ -103,6 +103,10 @@ impl Transport for MeshTransport {
         self.mesh.send(peer, tag, data, proto(p), reg).map_err(convert)
     }
 
+    fn send_with_next(&self, peer: usize, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.mesh.send_with_next(peer, tag, data).map_err(convert)
+    }
+
     fn is_complete(ticket: &SendTicket<'_>) -> bool {
         ticket.is_complete()
     }
@@ -184,6 +188,8 @@ impl Transport for MeshTransport {
             folded_bytes: s.folded_bytes,
             staged: s.staged,
             staged_bytes: s.staged_bytes,
+            eager_in_place: s.eager_in_place,
+            joined: s.joined,
         }
     }
 }

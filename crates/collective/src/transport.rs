@@ -108,6 +108,10 @@ pub struct TransportStats {
     pub staged: u64,
     /// Bytes of those.
     pub staged_bytes: u64,
+    /// Eager messages a stream link wrote from the caller's memory, without a copy.
+    pub eager_in_place: u64,
+    /// Messages that left in one write with a message held for them (a call's header).
+    pub joined: u64,
 }
 
 /// A network among `world` ranks. Messages between two ranks under one tag arrive in the
@@ -152,6 +156,13 @@ pub trait Transport: Send + Sync {
         proto: Proto,
         reg: Option<&Self::Reg>,
     ) -> Result<Self::Ticket<'a>, TransportError>;
+
+    /// Sends a small eager message that may leave with this rank's next message to `peer`
+    /// or when this rank next waits (a collective's per-call header: one write with the
+    /// data that follows instead of two). Complete on return.
+    fn send_with_next(&self, peer: usize, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
+        self.send(peer, tag, data, Proto::Eager, None).map(drop)
+    }
 
     /// Whether a ticket completed when posted (no need to wait).
     fn is_complete(ticket: &Self::Ticket<'_>) -> bool;

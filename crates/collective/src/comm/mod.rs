@@ -675,8 +675,9 @@ impl<T: Transport> Communicator<T> {
                 let right = (self.rank + 1) % self.world;
                 let bytes = header.encode();
                 let err = |source| CollectiveError::Transport { rank: self.rank, op: label.to_string(), source };
-                let tk = self.t.send(right, algo::tag(0, STEP_HEADER, 0), &bytes, Proto::Eager, None).map_err(err)?;
-                self.t.wait(tk, deadline).map_err(err)?;
+                // It leaves with the call's first message on the same link (the ring's and
+                // a 2-rank call's data go to the right neighbour too).
+                self.t.send_with_next(right, algo::tag(0, STEP_HEADER, 0), &bytes).map_err(err)?;
             }
             let expect = (self.world > 1).then_some(header);
             let op_value = reduce.unwrap_or(ReduceOp::Sum);

@@ -203,6 +203,11 @@ pub struct MeshStats {
     pub staged: u64,
     /// Bytes of those.
     pub staged_bytes: u64,
+    /// Eager messages a stream link (tcp) wrote from the caller's memory, without a copy.
+    pub eager_in_place: u64,
+    /// Messages that left in one write with a message held for them (a collective call's
+    /// header, [`Mesh::send_with_next`]).
+    pub joined: u64,
 }
 
 /// Persistent links to every other rank of a group, with tagged send and receive.
@@ -435,6 +440,8 @@ impl Mesh {
             folded_bytes: l(&c.folded_bytes),
             staged: l(&c.staged),
             staged_bytes: l(&c.staged_bytes),
+            eager_in_place: l(&c.eager_in_place),
+            joined: l(&c.joined),
         }
     }
 
@@ -473,9 +480,11 @@ impl Mesh {
         Ok(())
     }
 
-    /// Sends `data` to `peer` under `tag`. Eager messages are complete on return; a
-    /// rendezvous completes when the peer has read it (one-sided) or the last byte is written
-    /// (tcp), so [`wait`](Mesh::wait) on the ticket before changing `data`. `reg`, when given,
+    /// Sends `data` to `peer` under `tag`. Eager messages are complete on return, but for
+    /// one a stream link (tcp) wrote from `data` and its socket did not take whole, which
+    /// completes once it has; a rendezvous completes when the peer has read it (one-sided) or
+    /// the last byte is written (tcp). So [`wait`](Mesh::wait) on the ticket (or drop it,
+    /// which waits) before changing `data`. `reg`, when given,
     /// must cover `data` (see [`register`](Mesh::register)); without it a one-sided rendezvous
     /// send registers `data` for its own duration.
     pub fn send<'a>(
@@ -503,14 +512,34 @@ impl Mesh {
                 }
                 let head = codec::encode(codec::Kind::Data, tag, len as u64, &[]);
                 // A caller that finds the loop free puts the message out itself, from `data`
-                // (shm: straight into the ring); else it goes through the loop's queue.
-                let sent = self.driver.try_run(|lp| link::send_now(lp, key, &head, data)).unwrap_or(false);
-                if !sent {
-                    self.post(MeshCmd::Send { key, head, body: OutBody::Bytes(data.to_vec()), mark: None })?;
-                }
+                // (shm: straight into the ring; tcp: written from `data`); else a copy goes
+                // through the loop's queue.
+                let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+                let memory = Arc::new(UserMemory { ptr: data.as_ptr() as usize, len });
+                let now = self.driver.try_run(|lp| link::send_eager_now(lp, key, &head, &memory, token));
                 bump(&s.counters.eager_sent, 1);
                 bump(&s.counters.eager_sent_bytes, len as u64);
-                Ok(SendTicket::done(peer))
+                match now.unwrap_or(link::EagerNow::NotTaken) {
+                    link::EagerNow::Done => Ok(SendTicket::done(peer)),
+                    // The socket did not take it all: the ticket holds `data` until it has.
+                    link::EagerNow::Pending => Ok(SendTicket {
+                        peer,
+                        pending: Some(PendingSend { token, conn: key, shared: self.shared.clone(), driver: self.driver.clone() }),
+                        drop_wait: self.memory_timeout,
+                        _temporary: None,
+                        _data: PhantomData,
+                    }),
+                    link::EagerNow::NotTaken => {
+                        self.post(MeshCmd::Send {
+                            key,
+                            head,
+                            body: OutBody::Bytes(data.to_vec()),
+                            mark: None,
+                            with_next: false,
+                        })?;
+                        Ok(SendTicket::done(peer))
+                    }
+                }
             }
             Proto::Rendezvous => {
                 if len > s.max_message {
@@ -530,7 +559,7 @@ impl Mesh {
                 let mut temporary = None;
                 if !self.one_sided {
                     let head = codec::encode(codec::Kind::Bulk, tag, len as u64, &[]);
-                    self.post(MeshCmd::Send { key, head, body: OutBody::User(memory), mark: Some(token) })?;
+                    self.post(MeshCmd::Send { key, head, body: OutBody::User(memory), mark: Some(token), with_next: false })?;
                 } else {
                     let r = match reg {
                         Some(r) if r.covers(data) => r,
@@ -566,6 +595,37 @@ impl Mesh {
                 })
             }
         }
+    }
+
+    /// Sends a small eager message that may leave together with this rank's next message on
+    /// the same link, or when this rank next waits (a collective's per-call header before its
+    /// data: over tcp, one `writev` and one wake-up of the peer instead of two). Complete on
+    /// return, as an eager [`send`](Mesh::send). Every caller path after it runs the loop (a
+    /// send kicks it, a wait drives it), so it never waits for anything but that.
+    pub fn send_with_next(&self, peer: usize, tag: Tag, data: &[u8]) -> Result<(), MeshError> {
+        let s = &*self.shared;
+        let key = self.link(peer)?;
+        if data.len() > s.eager_limit {
+            return Err(MeshError::TooLarge {
+                rank: s.rank,
+                peer,
+                proto: Proto::Eager,
+                len: data.len(),
+                limit: s.eager_limit,
+                setting: "MOBIUS_EAGER_LIMIT",
+            });
+        }
+        let head = codec::encode(codec::Kind::Data, tag, data.len() as u64, &[]);
+        // A link read in memory (shm) takes it at once, from `data`: nothing to gain by waiting.
+        let sent = self.driver.try_run(|lp| link::send_polled_now(lp, key, &head, data)).unwrap_or(false);
+        if !sent {
+            let body = OutBody::Bytes(data.to_vec());
+            submit_quiet(&self.driver, MeshCmd::Send { key, head, body, mark: None, with_next: true })
+                .map_err(|_| MeshError::Closed { rank: s.rank })?;
+        }
+        bump(&s.counters.eager_sent, 1);
+        bump(&s.counters.eager_sent_bytes, data.len() as u64);
+        Ok(())
     }
 
     /// Waits until the send of `ticket` completed (the peer has read a rendezvous buffer, or

@@ -143,6 +143,8 @@ pub(crate) struct Counters {
     pub(crate) folded_bytes: AtomicU64,
     pub(crate) staged: AtomicU64,
     pub(crate) staged_bytes: AtomicU64,
+    pub(crate) eager_in_place: AtomicU64,
+    pub(crate) joined: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
