@@ -61,11 +61,14 @@ def test_the_work_torch_hands_back_completes_when_polled(world, tmp_path):
     assert res[0]["pending_before_peer"] and res[0]["irecv_after_wait_timeout"]
 
 
-def test_a_lost_rank_survivors_abort_regroup_and_train_on_as_gloo_would(tmp_path):
+@pytest.mark.parametrize("regroup", ["shrink_group", "new_group"])
+def test_a_lost_rank_survivors_abort_regroup_and_train_on_as_gloo_would(regroup, tmp_path):
+    # Regrouped by torch's shrink_group, or by a new group of the survivors
+    # (new_group(..., use_local_synchronization=True), the way where torch has no shrink_group).
     k, more = 3, 4
     out = tmp_path / "state"
     out.mkdir()
-    g = Group("torch_lost_rank", 3, tmp_path / "mobius", {"k": k, "more": more, "out": str(out)})
+    g = Group("torch_lost_rank", 3, tmp_path / "mobius", {"k": k, "more": more, "out": str(out), "regroup": regroup})
     codes = g.wait(300)
     assert codes[2] == -9, f"rank 2 should have been killed: {codes}\n{g.tail()}"
     assert codes[0] == 0 and codes[1] == 0, f"{codes}\n{g.tail()}"
@@ -77,7 +80,7 @@ def test_a_lost_rank_survivors_abort_regroup_and_train_on_as_gloo_would(tmp_path
         assert r["failed_after_s"] < 30, r["failed_after_s"]  # the group's timeout is 120 s
         assert r["get_error"].endswith("REMOTE_ERROR") and r["failed_rank"] == 2, r
         assert r["abort_s"] < 5, r["abort_s"]
-        assert (r["new_size"], r["new_rank"]) == (2, rank), r
+        assert (r["new_size"], r["new_rank"]) == (2, rank) and r["regroup"] == regroup, r
         # Resources of the lost group released: no more threads or fds than before it failed.
         assert r["threads"][1] <= r["threads"][0], r["threads"]
         assert r["fds"][1] <= r["fds"][0], r["fds"]

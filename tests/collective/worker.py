@@ -1140,8 +1140,8 @@ def _threads() -> int:
 def scenario_torch_lost_rank(args):
     """Fault-tolerant DDP as torchft-style trainers do it. 3 ranks train; at step k the last
     rank is SIGKILLed mid-step. The survivors' step fails naming it, their next call too;
-    get_error() reports it; they shrink the group (dist.shrink_group, or a new group of the
-    survivors where torch lacks it), wrap the model again and train on from the state of
+    get_error() reports it; they shrink the group (dist.shrink_group, or with `regroup` =
+    "new_group" or where torch lacks it a new group of the survivors), wrap the model again and train on from the state of
     step k, which they save for the gloo reference. Before training, abort() of a healthy
     group ends a pending receive at once."""
     import re
@@ -1200,10 +1200,11 @@ def scenario_torch_lost_rank(args):
     t1 = time.monotonic()
     pg.abort()
     res["abort_s"] = time.monotonic() - t1
-    if hasattr(dist, "shrink_group"):
+    if args.get("regroup", "shrink_group") == "shrink_group" and hasattr(dist, "shrink_group"):
         new = dist.shrink_group([dead])
         res["regroup"] = "shrink_group"
-    else:  # pragma: no cover - older torch
+    else:
+        # The way where torch has no shrink_group: only the survivors take part.
         new = dist.new_group([r for r in range(WORLD) if r != dead], use_local_synchronization=True)
         res["regroup"] = "new_group"
     res["new_size"], res["new_rank"] = new.size(), new.rank()
