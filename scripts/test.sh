@@ -10,7 +10,8 @@
 # What --full adds: TPC-DS all 103 queries of each Spark line at SF 0.1 (those empty there again
 # at SF 1) instead of a representative set; the Spark 3.5 line's fault, soak, large-block and
 # elastic tests; on YARN, each application in the other deploy mode too, Spark 3.5's default
-# shuffle beside its plugin run, and the jobs at scale 1. Each step's time is printed at the end
+# shuffle beside its plugin run, and the jobs at scale 1; the Mobius suite's `full` cases (world 3
+# beside 2 and 4, more host layouts, the sdist build). Each step's time is printed at the end
 # (step_summary in scripts/lib.sh; under .ci/run, at the end of CI). To add a step:
 # `step "what it shows"` then its commands, in the place its prerequisites are built; a step only
 # for --full goes inside `if full; then ... fi` (or reads RDMA_TEST_FULL inside its suite). Keep

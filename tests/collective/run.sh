@@ -12,6 +12,10 @@
 #
 #   tests/collective/run.sh [pytest args]      e.g. -k ddp, -x
 #
+# CI runs one representative case of each family; the cases marked `full` (world 3 beside 2 and
+# 4, five of the eight faked host layouts, the sdist build, ...) run under RDMA_TEST_FULL=1
+# (`scripts/test.sh --full`); conftest.py deselects them otherwise.
+#
 # Sets up its own Python (tests/collective/env.sh: cached torch venv, mobius wheel built from
 # this tree). The Rust side of Mobius is tested by `cargo test -p mobius-collective` and the
 # mesh by `cargo test -p mobius-collective --lib mesh`.

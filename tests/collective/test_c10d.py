@@ -7,7 +7,7 @@ import pytest
 from harness import Group, run
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full), 4])
 def test_every_collective_dtype_and_op_matches_numpy(world, tmp_path):
     # One launch per world runs the whole matrix (about 500 calls per rank).
     res = run("torch_matrix", world, tmp_path, timeout=600)
@@ -22,7 +22,7 @@ def test_every_collective_dtype_and_op_matches_numpy(world, tmp_path):
         assert r["checked"] == reduced + 10 * per_dtype_moves + 5 - (rank != 0), r["checked"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_async_work_is_pending_until_done_and_p2p_never_blocks(world, tmp_path):
     res = run("torch_async", world, tmp_path)
     for rank, r in res.items():

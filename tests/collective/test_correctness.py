@@ -58,8 +58,10 @@ def test_every_op_dtype_and_reduce_op(world, algo, tmp_path):
 
 # Host of each rank (MOBIUS_HOST_ID per rank): 2 and 3 hosts, equal and unequal, ranks of a host
 # consecutive and interleaved.
-HOST_LAYOUTS = [[0, 1], [0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 1], [0, 0, 0, 1, 1], [0, 1, 2, 0, 1],
-                [0, 0, 1, 1, 2, 2], [1, 0, 0, 2, 0, 1]]
+# CI runs three (unequal, interleaved, three unequal interleaved hosts); --full all eight.
+HOST_LAYOUTS = [[0, 0, 1], [0, 1, 0, 1], [1, 0, 0, 2, 0, 1]] + [
+    pytest.param(h, marks=pytest.mark.full)
+    for h in ([0, 1], [0, 0, 1, 1], [0, 0, 0, 1, 1], [0, 1, 2, 0, 1], [0, 0, 1, 1, 2, 2])]
 
 
 @pytest.mark.parametrize("hosts", HOST_LAYOUTS, ids=lambda h: "".join(map(str, h)))
@@ -83,7 +85,7 @@ def test_hierarchical_collectives_on_faked_hosts(hosts, tmp_path):
 # Between the matrix's 256 KiB and the 64 MiB test: ~1 MiB and ~16 MiB of f32 (odd counts), every
 # op, the policy's choice and the default segments, so the pipelined large-message paths of every
 # algorithm the policy picks there run with short last segments.
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full), 4])
 def test_mid_sizes_every_op(world, tmp_path):
     res = run("matrix", world, tmp_path, {
         "algo": "auto", "ops": ALL_OPS, "dtypes": ["f32", "i32"], "reduce_ops": ["sum", "max"],
@@ -95,7 +97,8 @@ def test_mid_sizes_every_op(world, tmp_path):
     assert res[0]["stats"]["rendezvous_bytes"] >= 4 << 20, res[0]["stats"]
 
 
-@pytest.mark.parametrize("world,algo", [(2, "auto"), (3, "auto"), (4, "auto"), (4, "ring"), (3, "rhd")])
+@pytest.mark.parametrize("world,algo", [(2, "auto"), pytest.param(3, "auto", marks=pytest.mark.full),
+                                        pytest.param(4, "auto", marks=pytest.mark.full), (4, "ring"), (3, "rhd")])
 def test_64_mib_buffers(world, algo, tmp_path):
     res = run("large", world, tmp_path, {"bytes": 64 << 20, "algo": algo}, timeout=600)
     failures = [f for r in res.values() for f in r["failures"]]

@@ -81,7 +81,7 @@ def tail(logs):
     return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs if log.exists())
 
 
-@pytest.mark.parametrize("per_host", [1, 2])
+@pytest.mark.parametrize("per_host", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_torchrun_on_three_hosts_matches_gloo_and_publishes_each_hosts_address(hosts, per_host, tmp_path):
     port = free_port()
     worker = [str(HERE / "worker_hosts.py"), "ddp_hosts", json.dumps({"steps": 30}), str(tmp_path)]

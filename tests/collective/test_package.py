@@ -94,6 +94,7 @@ def test_wheel_installs_in_a_fresh_venv_and_the_readme_example_runs(tmp_path):
         assert res["mobius"].startswith(str(tmp_path / "venv")), res["mobius"]
 
 
+@pytest.mark.full
 @pytest.mark.timeout(1800)
 def test_sdist_builds_from_source_with_pip(tmp_path):
     v = Path(sys.executable).parent

@@ -8,7 +8,7 @@ import pytest
 from harness import run
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_torch_distributed_calls_work_through_mobius(world, tmp_path):
     res = run("torch_ops", world, tmp_path)
     for rank, r in res.items():
@@ -29,7 +29,7 @@ def test_destroy_process_group_closes_mobius_so_a_rank_may_leave_at_once(world, 
         assert r == {"sums": True, "closed": True}, f"rank {rank}: {r}"
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full), 4])
 def test_ddp_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     steps = 50
     gloo = run("ddp", world, tmp_path / "gloo", {"backend": "gloo", "steps": steps})
@@ -52,7 +52,7 @@ def assert_same_parameters(gloo, mob, world):
             assert diff <= 1e-6 * norm, f"rank {rank} parameter {i}: relative difference {diff / norm:.3g}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_fsdp2_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     # FSDP2 all-gathers in place (its input is the rank's shard inside the output), which
     # Mobius once refused ("`input` and `output` overlap").
@@ -63,7 +63,7 @@ def test_fsdp2_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     assert len(gloo[0]["params"]) == 6 and gloo[0]["loss"] != 0
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_monitored_barrier_names_the_rank_that_did_not_come(world, tmp_path):
     # torch allows monitored_barrier on gloo only unless the backend implements it.
     res = run("monitored_barrier", world, tmp_path)
@@ -87,7 +87,7 @@ def _same(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("world,init", [(2, "env"), (3, "file")])
+@pytest.mark.parametrize("world,init", [(2, "env"), pytest.param(3, "file", marks=pytest.mark.full)])
 def test_torch_utilities_give_gloo_s_results(world, init, tmp_path):
     # What training scripts use beyond the collectives: DDP's unused parameters and Join,
     # ZeroRedundancyOptimizer, distributed checkpoints, tensor parallelism, DTensor,
