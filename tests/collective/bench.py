@@ -344,7 +344,7 @@ def group_rows(args, out: Path):
 def print_table(rows, libs):
     by = {(r["library"], r["op"], r["world"], r["bytes"]): r for r in rows}
     for op in sorted({r["op"] for r in rows} - {"new_group"}):
-        for world in sorted({r["world"] for r in rows}):
+        for world in sorted({r["world"] for r in rows if r["op"] == op}):
             sizes = sorted({r["bytes"] for r in rows if r["world"] == world and r["op"] == op})
             print(f"\n# {op}, {world} ranks, float32 (time: median over rounds [min-max]; busbw in GB/s)")
             head = f"#{'size':>11}" + "".join(f"{lib + ' time(us)':>26}{'busbw':>8}" for lib in libs)
