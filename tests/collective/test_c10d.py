@@ -97,7 +97,12 @@ def test_groups_device_mesh_and_split_under_torch_leave_threads_and_fds_bounded(
     # a group costs a few threads and fds while it lives and gives them back when destroyed.
     # (Their speed against gloo's is a benchmark: scripts/bench-collective.sh --groups.)
     n = 10
-    r = run("torch_groups", 4, tmp_path / "groups", {"groups": n}, timeout=300)
+    # MOBIUS_TUNE=on (the default, said out loud, as the benchmark does): the default group
+    # measures its links, the groups made after it take its model (measuring again cost a
+    # group of 4 ranks ~70 ms, gloo's ~6).
+    r = run("torch_groups", 4, tmp_path / "groups", {"groups": n}, env={"MOBIUS_TUNE": "on"}, timeout=300)
+    measured = r[0]["measured_links"]
+    assert measured[0] > 0 and measured[1:] == [0] * n, measured
     for rank, x in r.items():
         (t0, t1, t2), (f0, f1, f2) = x["threads"], x["fds"]
         assert t1 - t0 <= 3 * n and f1 - f0 <= 16 * n, (rank, x)

@@ -1264,6 +1264,11 @@ def scenario_torch_groups(args):
         t = torch.ones(4)
         dist.all_reduce(t, group=g)
         assert t[0].item() == WORLD
+    if backend == "mobius":
+        # Links rank 0 measured, per group: the default group's (when MOBIUS_TUNE is on), and
+        # none for the groups made after it, which take its cost model.
+        cpu = torch.device("cpu")
+        res["measured_links"] = [len(pg._get_backend(cpu).comm.link_costs()) for pg in [dist.group.WORLD] + groups]
     res["threads"].append(_threads())
     res["fds"].append(_fds())
     if WORLD % 2 == 0:
