@@ -84,7 +84,7 @@ summarize_cargo target/test-verbs-host.log
 step "verbs: conformance suite, cross-device test and Mobius collectives on real kernel RDMA (SoftRoCE VM)"
 run_script scripts/verbs-test.sh
 
-step "libfabric over verbs;ofi_rxm on real kernel RDMA (SoftRoCE VM): sends, fi_read as RDMA READs (counted), pool leases, two processes"
+step "libfabric over verbs;ofi_rxm on real kernel RDMA (SoftRoCE VM): sends, fi_read as RDMA READs (counted), and the shuffle conformance suite over the ofi provider"
 run_script scripts/ofi-verbs-test.sh
 
 step "rust: criterion micro-benchmarks compile and run once"
