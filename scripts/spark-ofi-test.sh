@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A real Spark job shuffling through the libfabric provider: spark-submit runs unchanged jobs
 # on local-cluster[2,1,...] with spark.shuffle.rdma.transport=ofi over each libfabric provider
-# named (tcp;ofi_rxm, shm: both reach executors on one host), and once with Spark's default
-# shuffle. The outputs' digests must be equal, and the executors' engine counters must show the
+# named (default tcp;ofi_rxm), and once with Spark's default shuffle. (libfabric's shm between
+# two executor processes does not work yet: each side's first message completes at the sender
+# and is never received, so fetches wait out spark.shuffle.rdma.fetchTimeout and Spark
+# recomputes; the engine's suites run shm within one process.) The outputs' digests must be equal, and the executors' engine counters must show the
 # blocks went through libfabric: messages (ofi_sends/ofi_recvs) for small blocks and one-sided
 # fi_read (ofi_reads, rendezvous_blocks_fetched) for blocks above the eager threshold.
 #
@@ -11,13 +13,13 @@
 # (spark.{driver,executor}.extraLibraryPath) beside libfabric: NativeLoader loads a library on
 # java.library.path before the jar's own. The jar does not bundle this variant.
 #   scripts/spark-ofi-test.sh [jobs] [scale] [providers]
-#     (default: terasort,wordcount 0.05 'tcp;ofi_rxm,shm')
+#     (default: terasort,wordcount 0.05 'tcp;ofi_rxm'; several providers comma-separated)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 JOB=${1:-terasort,wordcount}
 SCALE=${2:-0.05}
-PROVIDERS=${3:-tcp;ofi_rxm,shm}
+PROVIDERS=${3:-tcp;ofi_rxm}
 . scripts/lib.sh
 ensure_rust >/dev/null
 apt_install libclang-dev clang pkg-config
