@@ -52,6 +52,9 @@ apt_install libibverbs-dev librdmacm-dev libclang-dev clang pkg-config   # build
 cargo clippy --locked -p rdma-shuffle-provider-verbs -p rdma-shuffle-providers -p rdma-shuffle-shuffle -p mobius-collective -p rdma-shuffle-bench \
   --all-targets --features rdma-shuffle-providers/verbs -- -D warnings
 
+step "lint: no import cycle between the modules of fabric and of each provider crate (scripts/module_cycles.py)"
+for src in crates/fabric/src crates/providers/*/src; do python3 scripts/module_cycles.py "$src"; done
+
 step "lint: Scala formatting (scalafmt through spotless; 'mvn spotless:apply' fixes it)"
 (cd jvm-plugin && mvn -B -q spotless:check)
 

@@ -54,6 +54,7 @@ pub(crate) mod conn;
 pub(crate) mod engine;
 #[cfg(feature = "ibverbs")]
 mod link;
+mod ports;
 pub mod probe;
 #[cfg(feature = "ibverbs")]
 mod provider;

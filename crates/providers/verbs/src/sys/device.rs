@@ -1,7 +1,7 @@
 //! The device, its protection domain, and the errors and work-request ids every wrapper
 //! shares.
 
-use crate::probe::{mtu_bytes, DeviceInfo, GidInfo, PortInfo};
+use crate::ports::{mtu_bytes, DeviceInfo, GidInfo, PortInfo};
 use rdma_shuffle_fabric::error::FabricError;
 use rdma_shuffle_wire::Knob;
 use rdma_sys::*;
@@ -145,7 +145,7 @@ pub(crate) fn probe_devices() -> Result<Vec<DeviceInfo>, FabricError> {
                         let gids = gid_table(ctx, port, pa.gid_tbl_len)
                             .into_iter()
                             .map(|(index, gid)| {
-                                let (kind, netdev) = crate::probe::gid_attrs(&name, port, index);
+                                let (kind, netdev) = crate::ports::gid_attrs(&name, port, index);
                                 GidInfo { index, gid, kind, netdev }
                             })
                             .collect();
@@ -228,7 +228,7 @@ impl Device {
                 return Err(rc_err("ibv_query_device", rc));
             }
             let table = gid_table(ctx.raw, port, port_attr.gid_tbl_len);
-            let (gid_index, _why) = crate::probe::pick_gid(&table, gid_index)
+            let (gid_index, _why) = crate::ports::pick_gid(&table, gid_index)
                 .map_err(|e| err_knob(format!("{} port {port}: {e}", ctx.name), Knob::GidIndex))?;
             let gid = table.iter().find(|(i, _)| *i == u32::from(gid_index)).map(|(_, g)| *g).unwrap_or_default();
             let pd = ibv_alloc_pd(ctx.raw);
