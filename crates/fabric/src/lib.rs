@@ -29,5 +29,5 @@ pub use driver::{Driver, DriverConfig, DriverStats, DEFAULT_SPIN, MAX_SPIN};
 pub use error::FabricError;
 pub use memory::pool;
 pub use pool::{Lease, PoolConfig, PoolError, PoolStats, TieredPool};
-pub use providers::registry::{ProviderOptions, Registration, Registry};
+pub use providers::registry::{Fit, FixedMemory, FixedPart, ProviderOptions, Registration, Registry};
 pub use providers::{Provider, ProviderCapabilities, Source};

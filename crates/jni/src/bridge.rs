@@ -481,12 +481,14 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSta
 }
 
 /// How an engine opened with `config` would split its native memory, for the JVM to check
-/// when Spark starts (before any engine opens). `key=value` lines, over tcp and (unless the
-/// transport is tcp) over verbs with the prefix `verbs_`: `native_bound_bytes`,
-/// `pool_cap_bytes`, `native_fixed_bytes`, `pool_cap_explicit` when the settings fit, else
-/// `unfit=<why, naming the settings and numbers>`; and `bound_needed_bytes`, the smallest bound
-/// they fit in; `bound_source`, how the bound was computed from Spark's settings. Throws
-/// `config` only for a malformed config.
+/// when Spark starts (before any engine opens). `key=value` lines for each provider the
+/// transport may open (`auto`: the registry's auto order), with the prefix `<provider>_`
+/// (`verbs_`, `tcp_`), and without a prefix for the one of them that needs the least fixed
+/// memory (the one `auto` ends on when the others do not fit; for a name, that provider):
+/// `native_bound_bytes`, `pool_cap_bytes`, `native_fixed_bytes`, `pool_cap_explicit` when the
+/// settings fit, else `unfit=<why, naming the settings and numbers>`; and
+/// `bound_needed_bytes`, the smallest bound they fit in; `bound_source`, how the bound was
+/// computed from Spark's settings. Throws `config` only for a malformed config.
 #[no_mangle]
 pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_memoryBudget(
     mut env: JNIEnv,
@@ -496,21 +498,30 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_memoryBud
     guard(&mut env, std::ptr::null_mut(), |env| {
         let text = string(env, &config, "config")?;
         let cfg = EngineConfig::from_kv(&text).map_err(|e| BridgeError::new("config", e.to_string()))?;
+        let setting = |e: rdma_shuffle_shuffle::EngineError| BridgeError::new("config", e.to_string());
+        let mut sized = Vec::new();
+        for name in MemoryBudget::candidates(&cfg) {
+            sized.push((name, MemoryBudget::bound_needed(&cfg, name).map_err(setting)?));
+        }
+        let smallest = sized.iter().min_by_key(|(_, needed)| *needed).map(|(name, _)| *name);
         let mut out = String::new();
-        let transports: &[bool] = if MemoryBudget::may_use_verbs(&cfg) { &[false, true] } else { &[false] };
-        for &verbs in transports {
-            let prefix = if verbs { "verbs_" } else { "" };
-            match MemoryBudget::resolve(&cfg, verbs) {
-                Ok(b) => {
-                    for line in b.describe().lines() {
-                        let _ = writeln!(out, "{prefix}{line}");
+        for (name, needed) in &sized {
+            let prefixes =
+                if Some(*name) == smallest { vec![format!("{name}_"), String::new()] } else { vec![format!("{name}_")] };
+            let budget = MemoryBudget::over(&cfg, name);
+            for prefix in prefixes {
+                match &budget {
+                    Ok(b) => {
+                        for line in b.describe().lines() {
+                            let _ = writeln!(out, "{prefix}{line}");
+                        }
+                    }
+                    Err(e) => {
+                        let _ = writeln!(out, "{prefix}unfit={}", e.to_string().replace('\n', " "));
                     }
                 }
-                Err(e) => {
-                    let _ = writeln!(out, "{prefix}unfit={}", e.to_string().replace('\n', " "));
-                }
+                let _ = writeln!(out, "{prefix}bound_needed_bytes={needed}");
             }
-            let _ = writeln!(out, "{prefix}bound_needed_bytes={}", MemoryBudget::bound_needed(&cfg, verbs));
         }
         if let Some(b) = &cfg.memory_bound {
             let _ = writeln!(out, "bound_source={}", b.source);

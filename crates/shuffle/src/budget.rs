@@ -6,9 +6,11 @@
 //! Spark computes it; see the README). The JVM hands the engine Spark's memory settings as it
 //! resolves them ([`SPARK_MEMORY_KEYS`]); the engine splits the bound:
 //!
-//! * fixed memory, reserved first: a reserve for the engine's own heap ([`HEAP_RESERVE`]) and,
-//!   over verbs, the registered receive and send buffers and the bytes of blocks it may
-//!   expose for RDMA READ at once (`maxBytesExposed`);
+//! * fixed memory, reserved first: a reserve for the engine's own heap ([`HEAP_RESERVE`]) and
+//!   what the provider holds whatever the traffic, as the provider itself says through the
+//!   registry ([`FixedMemory`]): over verbs the registered receive and send buffers and the
+//!   bytes of blocks it may expose for RDMA READ at once (`maxBytesExposed`), over ofi its
+//!   buffers and exposed copies, over tcp nothing;
 //! * the pool, which gets the rest. The pool's cap is hard: beyond it fetches wait for
 //!   buffers to come back (backpressure), so the engine's memory never grows past the bound
 //!   because of load.
@@ -20,9 +22,9 @@
 //! Engines opened outside Spark without a bound (benchmarks, tests) keep the cap they are
 //! given, or [`DEFAULT_POOL_CAP`].
 
-use crate::engine::{EngineConfig, EngineError};
-use rdma_shuffle_providers::verbs::DEFAULT_SEND_BUFFERS;
-use rdma_shuffle_providers::AUTO;
+use crate::engine::{provider_options, EngineConfig, EngineError};
+use rdma_shuffle_providers::{self as providers, Fit, FixedMemory};
+use std::fmt::Write as _;
 
 /// Bytes of the bound kept for the engine's own Rust heap (connection state, frames,
 /// tables): 0.15-0.5 MiB per executor at the end of TPC-DS runs (`native_heap_bytes`); it
@@ -154,13 +156,13 @@ fn mib(key: &str, value: &str) -> Result<u64, EngineError> {
     })
 }
 
-/// How an engine's native memory is split, for one transport.
+/// How an engine's native memory is split, for one provider.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryBudget {
     /// The bound on all native memory; `None` for engines opened outside Spark.
     pub bound: Option<u64>,
-    /// Native memory besides the pool: the heap reserve and, over verbs, buffers and
-    /// exposures.
+    /// Native memory besides the pool: the heap reserve and the provider's fixed memory
+    /// (buffers and exposures).
     pub fixed: u64,
     /// The pool's hard cap.
     pub pool_cap: u64,
@@ -169,23 +171,28 @@ pub struct MemoryBudget {
 }
 
 impl MemoryBudget {
-    /// The budget of `config` over verbs (`verbs`) or tcp. Fails when an explicit cap does not
-    /// fit in the bound, or the bound leaves the pool less than its largest tier; the message
-    /// names the settings, the numbers and what to change.
-    pub fn resolve(config: &EngineConfig, verbs: bool) -> Result<MemoryBudget, EngineError> {
+    /// The budget of `config` over the registered provider `name`, with the fixed memory
+    /// the provider says it holds for the engine's options ([`fixed_memory`]).
+    pub fn over(config: &EngineConfig, name: &str) -> Result<MemoryBudget, EngineError> {
+        Self::resolve(config, name, &fixed_memory(config, name)?)
+    }
+
+    /// The budget of `config` over provider `name`, which holds `provider_fixed` besides the
+    /// pool. Fails when an explicit cap does not fit in the bound, or the bound leaves the
+    /// pool less than its largest tier; the message names the settings, the numbers and
+    /// what to change.
+    pub fn resolve(config: &EngineConfig, name: &str, provider_fixed: &FixedMemory) -> Result<MemoryBudget, EngineError> {
         let largest_tier = config.pool_tiers.iter().copied().max().unwrap_or(0) as u64;
-        let fixed = HEAP_RESERVE + if verbs { verbs_fixed_bytes(config) } else { 0 };
-        let parts = if verbs {
-            format!(
-                "{HEAP_RESERVE} bytes of heap reserve, {} bytes of verbs receive and send buffers \
-                 (spark.shuffle.rdma.recvBuffers) and {} bytes of exposed blocks (spark.shuffle.rdma.maxBytesExposed)",
-                verbs_fixed_bytes(config) - config.max_bytes_exposed,
-                config.max_bytes_exposed
-            )
-        } else {
-            format!("{HEAP_RESERVE} bytes of heap reserve")
-        };
-        let over = if verbs { "over verbs" } else { "over tcp" };
+        let fixed = HEAP_RESERVE.saturating_add(provider_fixed.bytes());
+        let mut parts = format!("{HEAP_RESERVE} bytes of heap reserve");
+        for p in provider_fixed.parts.iter().filter(|p| p.bytes > 0) {
+            let settings: Vec<&str> = p.follows.iter().map(|f| setting_of(f)).collect();
+            let _ = write!(parts, ", {} bytes of {}", p.bytes, p.what);
+            if !settings.is_empty() {
+                let _ = write!(parts, " ({})", settings.join(", "));
+            }
+        }
+        let over = format!("over {name}");
         let bound = config.memory_bound.as_ref();
         let source = || bound.map(|b| b.source.clone()).unwrap_or_default();
         let raise = |needed: u64| bound.map(|b| b.raise_to(needed)).unwrap_or_default();
@@ -233,31 +240,28 @@ impl MemoryBudget {
         }
     }
 
-    /// The budget for the provider `transport=...` may open: with the verbs buffers for
-    /// `verbs`, and for `auto` if they fit (else tcp's, and why verbs does not fit); without
-    /// them for every other provider.
-    pub fn for_transport(config: &EngineConfig) -> Result<(MemoryBudget, Option<EngineError>), EngineError> {
-        match config.transport.as_str() {
-            "verbs" => Ok((Self::resolve(config, true)?, None)),
-            AUTO => match Self::resolve(config, true) {
-                Ok(b) => Ok((b, None)),
-                Err(e) => Ok((Self::resolve(config, false)?, Some(e))),
-            },
-            _ => Ok((Self::resolve(config, false)?, None)),
-        }
+    /// The budget for the provider `transport=...` may open, asked of the registry
+    /// ([`Registry::fit`](rdma_shuffle_providers::Registry::fit)): for a name, that provider's
+    /// (an error if its fixed memory does not fit); for `auto`, the first of the auto order
+    /// whose fixed memory fits, and which one it passed over and why.
+    pub fn for_transport(config: &EngineConfig) -> Result<Fit<MemoryBudget, EngineError>, EngineError> {
+        providers::registry()
+            .fit(&config.transport, &provider_options(config, 0), |name, fixed| Self::resolve(config, name, fixed))
+            .unwrap_or_else(|| Err(unknown_transport(config)))
     }
 
-    /// Whether the provider `transport=...` names may be verbs (`verbs`, `auto`).
-    pub fn may_use_verbs(config: &EngineConfig) -> bool {
-        matches!(config.transport.as_str(), "verbs" | AUTO)
+    /// The providers `transport=...` may open: the registry's auto order for `auto`, else
+    /// the one it names.
+    pub fn candidates(config: &EngineConfig) -> Vec<&'static str> {
+        providers::registry().candidates(&config.transport)
     }
 
-    /// The smallest bound the settings of `config` fit in over verbs (`verbs`) or tcp: the
-    /// fixed memory plus the explicit cap, or plus the largest tier when the cap is derived.
-    pub fn bound_needed(config: &EngineConfig, verbs: bool) -> u64 {
+    /// The smallest bound the settings of `config` fit in over provider `name`: the fixed
+    /// memory plus the explicit cap, or plus the largest tier when the cap is derived.
+    pub fn bound_needed(config: &EngineConfig, name: &str) -> Result<u64, EngineError> {
         let largest_tier = config.pool_tiers.iter().copied().max().unwrap_or(0) as u64;
-        let fixed = HEAP_RESERVE + if verbs { verbs_fixed_bytes(config) } else { 0 };
-        fixed.saturating_add(config.pool_cap.unwrap_or(largest_tier))
+        let fixed = HEAP_RESERVE.saturating_add(fixed_memory(config, name)?.bytes());
+        Ok(fixed.saturating_add(config.pool_cap.unwrap_or(largest_tier)))
     }
 
     /// `key=value` lines describing this budget (the JVM's check and the preflight).
@@ -272,20 +276,44 @@ impl MemoryBudget {
     }
 }
 
+/// The native memory provider `name` holds besides the pool with the options an engine of
+/// `config` opens it with, as the provider says through the registry.
+pub fn fixed_memory(config: &EngineConfig, name: &str) -> Result<FixedMemory, EngineError> {
+    providers::registry().fixed_memory(name, &provider_options(config, 0)).ok_or_else(|| unknown_transport(config))
+}
+
+fn unknown_transport(config: &EngineConfig) -> EngineError {
+    EngineError::Setting {
+        key: "spark.shuffle.rdma.transport".into(),
+        value: config.transport.clone(),
+        why: format!(
+            "no provider of that name: this build has {}, and {}",
+            providers::registry().names().collect::<Vec<_>>().join(", "),
+            providers::AUTO
+        ),
+    }
+}
+
+/// The Spark setting a provider option ([`ProviderOptions`](rdma_shuffle_providers::ProviderOptions)'s
+/// field) comes from, as [`provider_options`] sets it.
+fn setting_of(option: &str) -> &str {
+    match option {
+        "recv_buffers" => "spark.shuffle.rdma.recvBuffers",
+        "eager_message" => "spark.shuffle.rdma.eagerThreshold",
+        "exposed_bytes" => "spark.shuffle.rdma.maxBytesExposed",
+        "pool_bytes" => CAP_KEY,
+        "device" => "spark.shuffle.rdma.device",
+        "gid_index" => "spark.shuffle.rdma.gidIndex",
+        other => other,
+    }
+}
+
 /// `executor <id>: ` where the config names an executor (the JVM checks before any exists).
 fn who(config: &EngineConfig) -> String {
     match config.executor_id.as_str() {
         "" | "unknown" => String::new(),
         id => format!("executor {id}: "),
     }
-}
-
-/// Native memory the verbs provider holds besides the pool: each driver's receive and send
-/// buffers (`recvBuffers` + the send buffers, of `eagerThreshold` + 4 KiB each) and the
-/// blocks exposed for RDMA READ at once (`maxBytesExposed`).
-pub fn verbs_fixed_bytes(config: &EngineConfig) -> u64 {
-    let message = u64::from(config.eager_threshold.max(4096)) + 4096;
-    (u64::from(config.recv_buffers) + u64::from(DEFAULT_SEND_BUFFERS)) * message + config.max_bytes_exposed
 }
 
 #[cfg(test)]
@@ -309,22 +337,22 @@ mod tests {
     #[test]
     fn the_pool_gets_the_bound_minus_the_fixed_memory_of_the_transport() {
         let c = config(Some(192 << 20), None);
-        let tcp = MemoryBudget::resolve(&c, false).unwrap();
+        let tcp = MemoryBudget::over(&c, "tcp").unwrap();
         assert_eq!((tcp.pool_cap, tcp.fixed, tcp.explicit_cap), ((192 << 20) - HEAP_RESERVE, HEAP_RESERVE, false));
-        let verbs = MemoryBudget::resolve(&c, true).unwrap();
+        let verbs = MemoryBudget::over(&c, "verbs").unwrap();
         // 512 receive + 128 send buffers of 68 KiB, 4 MiB exposed: the schema's defaults.
         let buffers = 640 * (68 << 10);
         assert_eq!(verbs.fixed, HEAP_RESERVE + buffers + (4 << 20));
         assert_eq!(verbs.pool_cap + verbs.fixed, 192 << 20);
         // Without a bound (outside Spark): the cap given, or the old default.
-        assert_eq!(MemoryBudget::resolve(&config(None, None), true).unwrap().pool_cap, DEFAULT_POOL_CAP);
-        assert_eq!(MemoryBudget::resolve(&config(None, Some(64 << 20)), true).unwrap().pool_cap, 64 << 20);
+        assert_eq!(MemoryBudget::over(&config(None, None), "verbs").unwrap().pool_cap, DEFAULT_POOL_CAP);
+        assert_eq!(MemoryBudget::over(&config(None, Some(64 << 20)), "verbs").unwrap().pool_cap, 64 << 20);
     }
 
     #[test]
     fn an_explicit_cap_that_cannot_fit_is_refused_naming_the_settings_and_numbers() {
         let c = config(Some(192 << 20), Some(512 << 20));
-        let e = MemoryBudget::resolve(&c, false).unwrap_err().to_string();
+        let e = MemoryBudget::over(&c, "tcp").unwrap_err().to_string();
         for want in [
             "spark.shuffle.rdma.pool.capBytes='536870912'",
             "201326592",
@@ -339,18 +367,45 @@ mod tests {
         // A cap that fits over tcp but not with the verbs buffers: auto falls back to tcp and
         // says why; verbs fails.
         let fits_tcp = config(Some(192 << 20), Some(160 << 20));
-        let (b, why) = MemoryBudget::for_transport(&fits_tcp).unwrap();
-        assert_eq!(b.pool_cap, 160 << 20);
-        assert!(why.unwrap().to_string().contains("recvBuffers"));
+        let fit = MemoryBudget::for_transport(&fits_tcp).unwrap();
+        assert_eq!((fit.name, fit.value.pool_cap), ("tcp", 160 << 20));
+        let (passed_over, why) = fit.passed_over.expect("auto says why it passed over verbs");
+        assert_eq!(passed_over, "verbs");
+        assert!(why.to_string().contains("recvBuffers"), "{why}");
         let verbs = EngineConfig { transport: "verbs".into(), ..fits_tcp };
         assert!(MemoryBudget::for_transport(&verbs).is_err());
     }
 
     #[test]
     fn a_bound_too_small_for_the_largest_tier_says_how_large_it_must_be() {
-        let e = MemoryBudget::resolve(&config(Some(20 << 20), None), false).unwrap_err().to_string();
+        let e = MemoryBudget::over(&config(Some(20 << 20), None), "tcp").unwrap_err().to_string();
         // 16 MiB tier + 8 MiB heap reserve = 24 MiB, at 50 %: 48 MiB of overhead.
         assert!(e.contains("raise spark.executor.memoryOverhead to at least 48m (at 50 %)"), "{e}");
+    }
+
+    /// ofi pins its receive buffers too (and copies what it exposes): the budget counts what
+    /// the provider says it holds, not tcp's nothing.
+    #[test]
+    fn the_fixed_memory_of_ofi_is_counted() {
+        let c = config(Some(192 << 20), None);
+        let ofi = MemoryBudget::over(&c, "ofi").unwrap();
+        // The schema's defaults: 512 / 8 = 64 receive and 64 send buffers of 68 KiB, and the
+        // 4 MiB exposed at once.
+        assert_eq!(ofi.fixed, HEAP_RESERVE + 128 * (68 << 10) + (4 << 20));
+        assert_eq!(ofi.pool_cap + ofi.fixed, 192 << 20);
+        assert!(ofi.fixed > MemoryBudget::over(&c, "tcp").unwrap().fixed);
+        // A cap that fits over tcp but not beside ofi's buffers: transport=ofi is refused,
+        // naming ofi's part and the settings that size it.
+        let cap = (192 << 20) - HEAP_RESERVE - (1 << 20);
+        let c = EngineConfig { transport: "ofi".into(), ..config(Some(192 << 20), Some(cap)) };
+        assert!(MemoryBudget::over(&c, "tcp").is_ok());
+        let e = MemoryBudget::for_transport(&c).unwrap_err().to_string();
+        for want in
+            ["over ofi", "ofi receive and send buffers (spark.shuffle.rdma.recvBuffers", "spark.shuffle.rdma.maxBytesExposed"]
+        {
+            assert!(e.contains(want), "{want:?} missing from: {e}");
+        }
+        assert_eq!(MemoryBudget::bound_needed(&c, "ofi").unwrap(), ofi.fixed + cap);
     }
 
     fn spark(kv: &[(&str, &str)], percent: u32) -> Result<MemoryBound, EngineError> {

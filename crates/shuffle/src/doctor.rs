@@ -13,7 +13,7 @@
 //! The report is text or JSON ([`Report`]); its exit code is non-zero when the transport asked
 //! for cannot work.
 
-use crate::budget::{verbs_fixed_bytes, MemoryBudget, HEAP_RESERVE};
+use crate::budget::{fixed_memory, MemoryBudget, HEAP_RESERVE};
 use crate::engine::{select_provider, Engine, EngineConfig, Selected};
 use crate::{BlockSink, FetchedBlock, ShuffleBlock};
 use rdma_shuffle_providers::verbs::memlock::{can_lock_unlimited, check_memlock, memlock_limit};
@@ -257,9 +257,11 @@ pub fn run(config: &EngineConfig) -> Report {
         }
     }
 
-    // The memory bound, and memlock against what verbs would register.
-    let tcp_budget = MemoryBudget::resolve(config, false);
-    let verbs_budget = MemoryBudget::resolve(config, true);
+    // The memory bound over each provider the transport may open, and memlock against what
+    // the first of them would hold (auto: verbs).
+    let candidates = MemoryBudget::candidates(config);
+    let budgets: Vec<(&'static str, Result<MemoryBudget, crate::EngineError>)> =
+        candidates.iter().map(|&name| (name, MemoryBudget::over(config, name))).collect();
     let bound = config.memory_bound.as_ref();
     line(
         &mut text,
@@ -273,29 +275,28 @@ pub fn run(config: &EngineConfig) -> Report {
         Ok(b) => obj(vec![("pool_cap_bytes", Json::Int(b.pool_cap)), ("fixed_bytes", Json::Int(b.fixed))]),
         Err(e) => obj(vec![("error", s(e.to_string()))]),
     };
-    for (name, b) in [("over tcp", &tcp_budget), ("over verbs", &verbs_budget)] {
+    for (name, b) in &budgets {
         line(
             &mut text,
             "",
             match b {
-                Ok(b) => format!("{name}: pool cap {} bytes + {} bytes fixed", b.pool_cap, b.fixed),
-                Err(e) => format!("{name}: does not fit: {e}"),
+                Ok(b) => format!("over {name}: pool cap {} bytes + {} bytes fixed", b.pool_cap, b.fixed),
+                Err(e) => format!("over {name}: does not fit: {e}"),
             },
         );
     }
-    fields.push((
-        "memory",
-        obj(vec![
-            ("bound_bytes", bound.map(|b| Json::Int(b.bytes)).unwrap_or(Json::Null)),
-            ("bound_source", bound.map(|b| s(&b.source)).unwrap_or(Json::Null)),
-            ("heap_reserve_bytes", Json::Int(HEAP_RESERVE)),
-            ("tcp", budget_json(&tcp_budget)),
-            ("verbs", budget_json(&verbs_budget)),
-        ]),
-    ));
-    let pool_cap = verbs_budget.as_ref().or(tcp_budget.as_ref()).map(|b| b.pool_cap).unwrap_or(0);
-    // What verbs pins: the pool, the receive and send buffers, and the blocks exposed at once.
-    let need = pool_cap + verbs_fixed_bytes(config);
+    let mut memory = vec![
+        ("bound_bytes", bound.map(|b| Json::Int(b.bytes)).unwrap_or(Json::Null)),
+        ("bound_source", bound.map(|b| s(&b.source)).unwrap_or(Json::Null)),
+        ("heap_reserve_bytes", Json::Int(HEAP_RESERVE)),
+    ];
+    memory.extend(budgets.iter().map(|(name, b)| (*name, budget_json(b))));
+    fields.push(("memory", obj(memory)));
+    let pool_cap = budgets.iter().find_map(|(_, b)| b.as_ref().ok()).map(|b| b.pool_cap).unwrap_or(0);
+    // What the first provider holds: the pool, and its fixed memory (verbs: the receive and
+    // send buffers and the blocks exposed at once, all pinned).
+    let first = candidates.first().copied().unwrap_or(AUTO);
+    let need = pool_cap + fixed_memory(config, first).map_or(0, |f| f.bytes());
     let limit = memlock_limit();
     let privileged = can_lock_unlimited();
     let memlock = check_memlock(limit, privileged, need).map_err(|e| {
@@ -308,7 +309,7 @@ pub fn run(config: &EngineConfig) -> Report {
         &mut text,
         "memlock",
         format!(
-            "limit {} ({}), verbs needs {need} bytes: {}",
+            "limit {} ({}), {first} needs {need} bytes: {}",
             limit.map(|l| format!("{l} bytes")).unwrap_or_else(|| "unlimited".into()),
             if privileged { "CAP_IPC_LOCK: the limit does not apply" } else { "no CAP_IPC_LOCK" },
             match &memlock {
@@ -375,15 +376,16 @@ pub fn run(config: &EngineConfig) -> Report {
     ));
     drop(auto);
 
-    // The loopback through the transport asked for (auto: what it picks).
+    // The loopback through the transport asked for (auto: what it picks, else the last of
+    // its order).
     let run_on = match (asked_name, auto_pick) {
         (AUTO, Some(picked)) => picked,
-        (AUTO, None) => "tcp",
+        (AUTO, None) => rdma_shuffle_providers::registry().auto_order().last().copied().unwrap_or(AUTO),
         (asked, _) => asked,
     };
     let lb = loopback(config, run_on);
     let exit_code = match &lb {
-        Ok((send, read, _)) => {
+        Ok((send, read, ..)) => {
             line(&mut text, "loopback", format!("over {run_on} (two engines on 127.0.0.1): ok"));
             line(&mut text, "  SEND", send.text());
             line(&mut text, "  READ", read.text());
@@ -397,11 +399,11 @@ pub fn run(config: &EngineConfig) -> Report {
     fields.push((
         "loopback",
         match &lb {
-            Ok((send, read, counters)) => obj(vec![
+            Ok((send, read, counters, one_sided)) => obj(vec![
                 ("transport", s(run_on)),
                 ("ok", Json::Bool(true)),
-                ("send", send.json(if run_on == "verbs" { "SEND/RECV" } else { "inline" })),
-                ("read", read.json(if run_on == "verbs" { "RDMA READ" } else { "pulled" })),
+                ("send", send.json(if *one_sided { "SEND/RECV" } else { "inline" })),
+                ("read", read.json(if *one_sided { "RDMA READ" } else { "pulled" })),
                 ("counters", obj(counters.iter().map(|(k, v)| (*k, Json::Int(*v))).collect())),
             ]),
             Err(e) => obj(vec![("transport", s(run_on)), ("ok", Json::Bool(false)), ("error", s(e.clone()))]),
@@ -474,8 +476,9 @@ type Outcome = (usize, Result<Vec<u8>, BlockFailure>);
 /// Collects a fetch's blocks (copied out, so the pool buffers go back at once).
 struct Collect(Mutex<mpsc::Sender<Outcome>>);
 
-/// The two loopback transfers (SEND, READ) and the client's counters.
-type Loopback = (Transfer, Transfer, Vec<(&'static str, u64)>);
+/// The two loopback transfers (SEND, READ), the client's counters, and whether the provider
+/// reads one-sidedly.
+type Loopback = (Transfer, Transfer, Vec<(&'static str, u64)>, bool);
 
 impl BlockSink for Collect {
     fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
@@ -549,10 +552,11 @@ fn loopback_in(config: &EngineConfig, transport: &str, dir: &std::path::Path) ->
         if r(&c.rendezvous_blocks) == 0 {
             return Err("the large block did not take the rendezvous path".into());
         }
-        if transport == "verbs" && r(&c.one_sided_reads) == 0 {
-            return Err("over verbs, the large block was not read by RDMA READ".into());
+        let one_sided = client.capabilities().one_sided;
+        if one_sided && r(&c.one_sided_reads) == 0 {
+            return Err(format!("over {transport}, which reads one-sidedly, the large block was not read by RDMA READ"));
         }
-        Ok((send, read, counters))
+        Ok((send, read, counters, one_sided))
     };
     let result = run();
     client.shutdown();

@@ -120,42 +120,53 @@ pub struct Selected {
     pub budget: MemoryBudget,
 }
 
-/// Picks the provider `transport` names, with the reason (logged once by the caller),
-/// through the provider registry (`rdma_shuffle_providers`, the one place providers are
-/// listed), and the memory budget for it ([`MemoryBudget`]).
-///
-/// `auto` tries the registry's automatic order (verbs, then tcp) and falls back on any
-/// failure (no device, no active port, memlock too low, verbs buffers that do not fit in the
-/// memory bound), saying why; a name fails instead of falling back.
-pub fn select_provider(config: &EngineConfig) -> Result<Selected, EngineError> {
-    let (budget, verbs_unfit) = MemoryBudget::for_transport(config)?;
-    // `auto` where the verbs buffers would not fit in the bound: tcp, and why.
-    let name = if verbs_unfit.is_some() { "tcp" } else { config.transport.as_str() };
-    let options = ProviderOptions {
+/// The options an engine of `config` opens its provider with; `pool_bytes`: what the pool
+/// may register (0 where only the provider's [fixed memory](crate::budget::fixed_memory) is
+/// asked, which does not follow it).
+pub fn provider_options(config: &EngineConfig, pool_bytes: u64) -> ProviderOptions {
+    ProviderOptions {
         device: config.device.clone(),
         gid_index: config.gid_index,
         eager_message: Some(config.eager_threshold.max(4096) + 4096),
         max_message: None,
         recv_buffers: Some(config.recv_buffers),
-        // Checked against the memlock limit: the pool, and the blocks exposed at once (their
-        // registration pins their pages too).
-        pool_bytes: budget.pool_cap + config.max_bytes_exposed,
+        pool_bytes,
+        exposed_bytes: config.max_bytes_exposed,
         secret: config.secret.clone(),
         extra: config.provider_settings.clone(),
-    };
+    }
+}
+
+/// Picks the provider `transport` names, with the reason (logged once by the caller),
+/// through the provider registry (`rdma_shuffle_providers`, the one place providers are
+/// listed), and the memory budget for it ([`MemoryBudget`]).
+///
+/// `auto` tries the registry's automatic order (verbs, then tcp) and falls back on any
+/// failure (no device, no active port, memlock too low, a provider's fixed memory that does
+/// not fit in the memory bound), saying why; a name fails instead of falling back.
+pub fn select_provider(config: &EngineConfig) -> Result<Selected, EngineError> {
+    let fit = MemoryBudget::for_transport(config)?;
+    // `auto` where a provider's fixed memory would not fit in the bound: the first whose
+    // does, and why.
+    let name = if fit.passed_over.is_some() { fit.name } else { config.transport.as_str() };
+    // Checked against the memlock limit: the pool, and the blocks exposed at once (their
+    // registration pins their pages too).
+    let options = provider_options(config, fit.value.pool_cap + config.max_bytes_exposed);
     let opened = providers::open(name, &options).map_err(|e| EngineError::Transport(render_error(&e)))?;
     let name = opened.provider.name();
-    let why = match (&opened.fallback, &verbs_unfit) {
-        (_, Some(e)) => format!("transport=auto: using tcp because the verbs buffers do not fit in the memory bound: {e}"),
+    let why = match (&opened.fallback, &fit.passed_over) {
+        (_, Some((skipped, e))) => {
+            format!("transport=auto: using {name} because the fixed memory of {skipped} does not fit in the memory bound: {e}")
+        }
         (Some((skipped, e)), None) => {
             format!("transport=auto: using {name} because {skipped} is unusable: {}", render_error(e))
         }
         (None, None) if config.transport == name => format!("spark.shuffle.rdma.transport={name}: {}", opened.description),
         (None, None) => format!("transport: {}", opened.description),
     };
-    // The budget the verbs attempt used also holds when auto fell back to tcp, but tcp needs
-    // no buffers: give the pool what verbs would have reserved.
-    let budget = if opened.provider.name() == "verbs" { budget } else { MemoryBudget::resolve(config, false)? };
+    // Where `auto` opened another provider than the one the budget was fitted for (that one
+    // could not open here), the budget is the opened provider's own.
+    let budget = if name == fit.name { fit.value } else { MemoryBudget::over(config, name)? };
     Ok(Selected { provider: opened.provider, why, budget })
 }
 
@@ -245,6 +256,12 @@ impl Engine {
     /// The provider's name (`tcp`, `verbs`, `sim`).
     pub fn transport(&self) -> &'static str {
         self.provider.name()
+    }
+
+    /// What the provider can do ([`Provider::capabilities`]): whether large blocks are read
+    /// one-sidedly, among others.
+    pub fn capabilities(&self) -> rdma_shuffle_fabric::ProviderCapabilities {
+        self.provider.capabilities()
     }
 
     /// Why this transport was chosen.

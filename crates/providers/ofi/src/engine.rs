@@ -11,6 +11,7 @@ use crate::attach::{decode_revoke, read_trailer, Grant, Kind};
 use crate::config::{OfiConfig, PeerAddr, RemoteRegion};
 use crate::error::OfiError;
 use crate::sys::{Buffer, Completion, Domain, Endpoint, Exposure};
+use crate::SEND_BUFFERS;
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
 use rdma_shuffle_fabric::error::FabricError;
@@ -32,8 +33,6 @@ pub(crate) type SharedEngine = Arc<parking_lot::Mutex<OfiEngine>>;
 pub(crate) const MAX_READS: usize = 1024;
 /// Reads in flight per connection.
 pub(crate) const MAX_READS_PER_LINK: usize = 64;
-/// Registered send buffers, where the provider needs local registration (FI_MR_LOCAL).
-const SEND_BUFFERS: usize = 64;
 /// Sends in flight over the whole engine where they go from unregistered memory.
 const MAX_SENDS: usize = 1024;
 /// Without a completion descriptor the loop keeps turning this long after the last

@@ -81,7 +81,7 @@ pub use sys::{
 pub use unbuilt::Endpoint;
 
 use rdma_shuffle_fabric::providers::codec::HEAD_ROOM;
-use rdma_shuffle_fabric::providers::registry::{Opened, ProviderOptions, Registration};
+use rdma_shuffle_fabric::providers::registry::{FixedMemory, Opened, ProviderOptions, Registration};
 use rdma_shuffle_fabric::FabricError;
 
 /// Whether this build links libfabric.
@@ -91,6 +91,10 @@ pub const BUILT_WITH_LIBFABRIC: bool = cfg!(feature = "libfabric");
 /// eager payload and room for its frame.
 const DEFAULT_MAX_MSG: u32 = (64 << 10) + 4096;
 
+/// Registered send buffers of each engine, where the libfabric provider needs local
+/// registration (FI_MR_LOCAL).
+pub(crate) const SEND_BUFFERS: usize = 64;
+
 /// The ofi provider in the registry: `ofi`, on the libfabric provider the `ofi.provider`
 /// setting names. In a build without the `libfabric` feature opening it is an error that
 /// says so.
@@ -99,6 +103,47 @@ pub fn registration() -> Registration {
         name: "ofi",
         about: "libfabric reliable-datagram endpoints (tcp;ofi_rxm, shm, verbs;ofi_rxm, and the fabrics libfabric reaches: efa, cxi, opx, psm3): sends and one-sided fi_read",
         open,
+        fixed_memory,
+    }
+}
+
+/// What the ofi provider holds whatever the traffic: each engine's posted receive buffers
+/// and its send buffers ([`Settings::rx_depth`] and [`SEND_BUFFERS`] of
+/// [`Settings::max_msg`] bytes each; the send buffers only where the libfabric provider
+/// needs them registered, which is known once it opens, so counted always), and, where large
+/// blocks may be read one-sidedly (`ofi.rma`), the copies of the data exposed at once
+/// (`exposed_bytes`). Settings that do not parse count as their defaults (opening then fails,
+/// naming them).
+pub fn fixed_memory(o: &ProviderOptions) -> FixedMemory {
+    let (max_msg, rx_depth) = buffer_sizes(o);
+    let buffers = ((rx_depth + SEND_BUFFERS) * max_msg) as u64;
+    let fixed = FixedMemory::default().with(buffers, "ofi receive and send buffers", &["recv_buffers", "eager_message"]);
+    if rma(o).unwrap_or(true) {
+        fixed.with(o.exposed_bytes, "copies of blocks exposed for fi_read", &["exposed_bytes"])
+    } else {
+        fixed
+    }
+}
+
+/// Receive-buffer size and receive buffers posted per endpoint, from the options.
+fn buffer_sizes(o: &ProviderOptions) -> (usize, usize) {
+    let max_msg =
+        o.eager_message.unwrap_or(DEFAULT_MAX_MSG).max(HEAD_ROOM as u32 + 4096).clamp(attach::MIN_MESSAGE, attach::MAX_MESSAGE)
+            as usize;
+    // ofi_rxm and shm keep what arrives before a receive is posted in their own buffers,
+    // so a few dozen posted buffers serve any number of peers.
+    let rx_depth = o.recv_buffers.map_or(64, |n| (n as usize / 8).clamp(16, 128));
+    (max_msg, rx_depth)
+}
+
+/// `ofi.rma`, or the malformed value.
+fn rma(o: &ProviderOptions) -> Result<bool, String> {
+    match o.extra("ofi.rma").map(|v| v.trim().to_ascii_lowercase()) {
+        None => Ok(true),
+        // Spark's booleans are true/false, Mobius's on/off.
+        Some(v) if matches!(v.as_str(), "" | "true" | "on" | "1") => Ok(true),
+        Some(v) if matches!(v.as_str(), "false" | "off" | "0") => Ok(false),
+        Some(v) => Err(v),
     }
 }
 
@@ -133,21 +178,8 @@ impl Settings {
             Some(p) if p.contains('\0') || p.len() > 128 => return Err(bad("ofi.provider", p, "not a libfabric provider name")),
             Some(p) => p.to_string(),
         };
-        let rma = match o.extra("ofi.rma").map(|v| v.trim().to_ascii_lowercase()) {
-            None => true,
-            // Spark's booleans are true/false, Mobius's on/off.
-            Some(v) if matches!(v.as_str(), "" | "true" | "on" | "1") => true,
-            Some(v) if matches!(v.as_str(), "false" | "off" | "0") => false,
-            Some(v) => return Err(bad("ofi.rma", &v, "true or false (on or off)")),
-        };
-        let max_msg = o
-            .eager_message
-            .unwrap_or(DEFAULT_MAX_MSG)
-            .max(HEAD_ROOM as u32 + 4096)
-            .clamp(attach::MIN_MESSAGE, attach::MAX_MESSAGE) as usize;
-        // ofi_rxm and shm keep what arrives before a receive is posted in their own buffers,
-        // so a few dozen posted buffers serve any number of peers.
-        let rx_depth = o.recv_buffers.map_or(64, |n| (n as usize / 8).clamp(16, 128));
+        let rma = rma(o).map_err(|v| bad("ofi.rma", &v, "true or false (on or off)"))?;
+        let (max_msg, rx_depth) = buffer_sizes(o);
         Ok(Settings { provider, rma, domain: o.device.clone(), max_msg, rx_depth })
     }
 }
@@ -196,5 +228,21 @@ mod tests {
         o.extra.insert("ofi.rma".into(), "maybe".into());
         let e = Settings::from_options(&o).unwrap_err().to_string();
         assert!(e.contains("ofi.rma") && e.contains("spark.shuffle.rdma.ofi.rma") && e.contains("MOBIUS_OFI_RMA"), "{e}");
+    }
+
+    #[test]
+    fn fixed_memory_is_the_buffers_the_settings_size_and_the_exposed_copies_where_blocks_are_read() {
+        let mut o = ProviderOptions {
+            eager_message: Some(20_480),
+            recv_buffers: Some(512),
+            exposed_bytes: 4 << 20,
+            ..Default::default()
+        };
+        // 64 receive (512 / 8) and 64 send buffers of 20 KiB, and the exposed copies.
+        assert_eq!(fixed_memory(&o).bytes(), 128 * 20_480 + (4 << 20));
+        o.extra.insert("ofi.rma".into(), "off".into());
+        assert_eq!(fixed_memory(&o).bytes(), 128 * 20_480);
+        let s = Settings::from_options(&o).unwrap();
+        assert_eq!(fixed_memory(&o).bytes(), ((s.rx_depth + SEND_BUFFERS) * s.max_msg) as u64);
     }
 }

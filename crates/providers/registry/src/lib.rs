@@ -16,7 +16,7 @@
 //! it directly (`rdma_shuffle_provider_sim::SimProvider`).
 #![deny(missing_docs)]
 
-pub use rdma_shuffle_fabric::providers::registry::{Opened, ProviderOptions, Registration, Registry, AUTO};
+pub use rdma_shuffle_fabric::providers::registry::{Fit, FixedMemory, Opened, ProviderOptions, Registration, Registry, AUTO};
 pub use rdma_shuffle_provider_shm as shm;
 pub use rdma_shuffle_provider_sim as sim;
 pub use rdma_shuffle_provider_tcp as tcp;

@@ -24,7 +24,7 @@ use rdma_shuffle_fabric::providers::link::{
     encode_message, Capabilities, EngineCtx, Folds, Incoming, Link, Listener, MemoryPolled, MsgPayload, OutPayload, Placement,
     ProviderEngine, SendProgress,
 };
-use rdma_shuffle_fabric::providers::registry::{Opened, Registration};
+use rdma_shuffle_fabric::providers::registry::{FixedMemory, Opened, Registration};
 use rdma_shuffle_fabric::providers::{Provider, ProviderCapabilities};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -50,7 +50,8 @@ impl ShmProvider {
 }
 
 /// The shm provider in the registry: `shm`, with the protocol's largest message and its
-/// secret, which a peer proves before its segment is made.
+/// secret, which a peer proves before its segment is made. It holds no fixed memory: its
+/// rings are per link, made for a peer that proved the secret and gone with the link.
 pub fn registration() -> Registration {
     Registration {
         name: "shm",
@@ -64,6 +65,7 @@ pub fn registration() -> Registration {
             };
             Ok(Opened::new(Arc::new(ShmProvider::new(config)), "shm"))
         },
+        fixed_memory: FixedMemory::none,
     }
 }
 

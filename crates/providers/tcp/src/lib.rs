@@ -20,7 +20,7 @@ use rdma_shuffle_fabric::providers::link::{
     Capabilities, Coalescing, EngineCtx, Folds, Incoming, Link, Listener, ProviderEngine, SendProgress,
 };
 use rdma_shuffle_fabric::providers::link::{Fold, OutPayload, Placement, UserBuf};
-use rdma_shuffle_fabric::providers::registry::{Opened, Registration};
+use rdma_shuffle_fabric::providers::registry::{FixedMemory, Opened, Registration};
 use rdma_shuffle_fabric::providers::{Provider, ProviderCapabilities};
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -62,12 +62,14 @@ impl TcpProvider {
     }
 }
 
-/// The tcp provider in the registry: `tcp`, nothing to configure.
+/// The tcp provider in the registry: `tcp`, nothing to configure, and no fixed memory
+/// (the kernel's socket buffers are per connection, and not the process's).
 pub fn registration() -> Registration {
     Registration {
         name: "tcp",
         about: "TCP sockets: frames over a byte stream, large blocks streamed on request",
         open: |_| Ok(Opened::new(Arc::new(TcpProvider::new()), "tcp")),
+        fixed_memory: FixedMemory::none,
     }
 }
 

@@ -66,20 +66,38 @@ pub use memlock::{can_lock_unlimited, check_memlock, memlock_limit};
 /// Registered send buffers of each driver ([`VerbsConfig`]'s default), known without the
 /// `ibverbs` feature so that an engine can budget them before it opens a device.
 pub const DEFAULT_SEND_BUFFERS: u32 = 128;
+/// Buffers of each driver's shared receive queue where the options name none.
+pub const DEFAULT_RECV_BUFFERS: u32 = 512;
+/// Size of every receive and send buffer where the options name no eager message: a 64 KiB
+/// eager payload and room for its frame.
+pub const DEFAULT_MAX_MESSAGE: u32 = 64 * 1024 + 4096;
 
 #[cfg(feature = "ibverbs")]
 pub use config::VerbsConfig;
 #[cfg(feature = "ibverbs")]
 pub use provider::VerbsProvider;
 
-use rdma_shuffle_fabric::providers::registry::{Opened, ProviderOptions, Registration};
+use rdma_shuffle_fabric::providers::registry::{FixedMemory, Opened, ProviderOptions, Registration};
 use rdma_shuffle_fabric::FabricError;
 
 /// The verbs provider in the registry: `verbs`, on the device, GID index, message size,
 /// receive buffers and pool size of the options. In a build without the `ibverbs` feature
 /// (libibverbs was not available) opening it is an error that says so.
 pub fn registration() -> Registration {
-    Registration { name: "verbs", about: "RDMA verbs (InfiniBand, RoCE): SEND/RECV and one-sided RDMA READ", open }
+    Registration { name: "verbs", about: "RDMA verbs (InfiniBand, RoCE): SEND/RECV and one-sided RDMA READ", open, fixed_memory }
+}
+
+/// What verbs pins whatever the traffic: each driver's receive and send buffers (the
+/// `recv_buffers` of the options and [`DEFAULT_SEND_BUFFERS`], of `eager_message` bytes each),
+/// and the data exposed for RDMA READ at once (`exposed_bytes`: registration pins it).
+pub fn fixed_memory(o: &ProviderOptions) -> FixedMemory {
+    let message = u64::from(o.eager_message.unwrap_or(DEFAULT_MAX_MESSAGE));
+    let buffers = u64::from(o.recv_buffers.unwrap_or(DEFAULT_RECV_BUFFERS)) + u64::from(DEFAULT_SEND_BUFFERS);
+    FixedMemory::default().with(buffers * message, "verbs receive and send buffers", &["recv_buffers", "eager_message"]).with(
+        o.exposed_bytes,
+        "blocks exposed for RDMA READ",
+        &["exposed_bytes"],
+    )
 }
 
 #[cfg(feature = "ibverbs")]
