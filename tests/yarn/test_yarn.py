@@ -156,8 +156,10 @@ def both(submitter, name, deploy):
 def assert_engine_ran(a):
     """Every executor of a plugin run that started loaded the plugin with its engine, and the
     engines fetched and served blocks. (A replacement container the application no longer
-    needed may be stopped before its JVM started Spark: its log has no Spark line at all.)"""
-    started = {cid: t for cid, t in a.executor_logs.items() if "Started daemon with process name" in t}
+    needed may be stopped, or find the driver gone, before its executor started: only
+    containers whose executor started — "Starting executor ID", logged once it registered
+    with the driver — are held to this.)"""
+    started = {cid: t for cid, t in a.executor_logs.items() if "Executor: Starting executor ID" in t}
     assert len(started) >= 2, f"executor logs of {a.app_id}: {list(a.executor_logs)}"
     for cid, text in started.items():
         assert "RdmaShuffleManager created (isDriver=false" in text, cid
