@@ -8,6 +8,8 @@
 #   unpacked into target/mobius-py, which goes first on PYTHONPATH, so two checkouts sharing
 #   the venv never see each other's build.
 # * MOBIUS_SKIP_BUILD=1 reuses target/mobius-py as it is.
+# * MOBIUS_FEATURES=ofi (or verbs) builds that provider in; ofi needs PKG_CONFIG_PATH at
+#   scripts/ensure-libfabric.sh's prefix to build and LD_LIBRARY_PATH=<prefix>/lib to run.
 #
 # Exports: MOBIUS_PY (the interpreter), PYTHONPATH, PATH (venv bin first).
 
@@ -45,7 +47,10 @@ if [ "${MOBIUS_SKIP_BUILD:-0}" != 1 ] || [ ! -d "$_mobius_root/target/mobius-py/
   echo "mobius env: building the mobius wheel (maturin, release)" >&2
   mkdir -p "$_mobius_root/target"   # a fresh checkout has none; the build log goes there
   rm -rf "$_mobius_root/target/wheels/mobius"[-_]*.whl
-  (cd "$_mobius_root" && "$MOBIUS_VENV/bin/maturin" build --release ${MOBIUS_FEATURES:+--features "$MOBIUS_FEATURES"} \
+  # A wheel with a provider feature (verbs, ofi) links that provider's system library; it is
+  # built for this machine, so maturin leaves the libraries where they are (no auditwheel
+  # repair, which would copy them in and bind whatever libfabric.so.1 the loader finds first).
+  (cd "$_mobius_root" && "$MOBIUS_VENV/bin/maturin" build --release ${MOBIUS_FEATURES:+--features "$MOBIUS_FEATURES" --auditwheel skip} \
       -m crates/collective-py/Cargo.toml -o target/wheels -i "$MOBIUS_PY" >target/mobius-wheel.log 2>&1) \
     || { tail -n 40 "$_mobius_root/target/mobius-wheel.log" >&2; echo "mobius env: wheel build failed" >&2; return 1 2>/dev/null || exit 1; }
   rm -rf "$_mobius_root/target/mobius-py"
