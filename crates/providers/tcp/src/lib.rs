@@ -323,6 +323,17 @@ pub enum TcpRead {
     Idle,
 }
 
+/// What the control socket of a link whose data plane attaches after authentication (verbs,
+/// ofi) read before the switch ([`TcpConn::next_control`]).
+pub enum ControlRead {
+    /// The peer's attach record: the link's own, never handed up to the protocol.
+    Attach(Vec<u8>),
+    /// A frame or payload of the protocol (its handshake).
+    Up(Incoming),
+    /// Nothing more to read now.
+    Idle,
+}
+
 /// A nonblocking, framed tcp connection.
 pub struct TcpConn {
     stream: mio::net::TcpStream,
@@ -880,6 +891,34 @@ impl TcpConn {
         }
     }
 
+    /// The next step of reading the control socket of a link whose data plane attaches after
+    /// authentication: the protocol's frames and payloads go up as they are, the peer's
+    /// attach record (the protocol's attach frame, recognised by `codec`) is told apart.
+    /// The providers that attach a data plane (verbs, ofi) read their control socket through
+    /// this until the switch, and through [`poll_attached`](Self::poll_attached) after it.
+    pub fn next_control(&mut self, codec: &dyn Codec) -> Result<ControlRead, FabricError> {
+        Ok(match self.next(codec)? {
+            TcpRead::Frame(head) => match codec.attach_record(&head) {
+                Some(record) => ControlRead::Attach(record),
+                None => ControlRead::Up(Incoming::Frame(head)),
+            },
+            TcpRead::Payload(l) => ControlRead::Up(Incoming::Payload(l)),
+            TcpRead::PayloadVec(v) => ControlRead::Up(Incoming::PayloadVec(v)),
+            TcpRead::Idle => ControlRead::Idle,
+        })
+    }
+
+    /// The liveness check of a control socket once its link's data plane is attached: the
+    /// socket must stay silent. A payload frame read before the switch and still waiting
+    /// (the peer sent one with or after its attach record) is a protocol error, as is any
+    /// byte now; the end of the stream is [`FabricError::Closed`].
+    pub fn poll_attached(&mut self) -> Result<(), FabricError> {
+        if self.awaits_placement() {
+            return Err(FabricError::Unsupported(format!("{} sent a payload frame on its control socket", self.peer)));
+        }
+        self.poll_silent()
+    }
+
     /// Whether the socket has bytes (or an end of stream) waiting: a liveness check for
     /// control sockets that must stay silent.
     pub fn poll_silent(&mut self) -> Result<(), FabricError> {
@@ -1075,6 +1114,90 @@ mod tests {
         }
     }
 
+    /// [`TestCodec`]'s frames, where a fixed part whose first byte after the header is `A`
+    /// is the attach frame (its record the rest).
+    struct AttachCodec;
+
+    impl Codec for AttachCodec {
+        fn header_len(&self) -> usize {
+            TestCodec.header_len()
+        }
+        fn shape(&self, h: &[u8]) -> Result<FrameShape, rdma_shuffle_fabric::providers::codec::CodecError> {
+            TestCodec.shape(h)
+        }
+        fn attach_frame(&self, _: &[u8]) -> Vec<u8> {
+            Vec::new()
+        }
+        fn attach_record(&self, head: &[u8]) -> Option<Vec<u8>> {
+            (head.get(8) == Some(&b'A')).then(|| head[9..].to_vec())
+        }
+    }
+
+    /// A nonblocking connection over loopback, and its peer's blocking socket.
+    fn connected() -> (TcpConn, std::net::TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let std_stream = std::net::TcpStream::connect(addr).unwrap();
+        let (peer, _) = listener.accept().unwrap();
+        std_stream.set_nonblocking(true).unwrap();
+        (TcpConn::accepted(mio::net::TcpStream::from_std(std_stream), addr), peer)
+    }
+
+    /// Before the switch the control socket hands up the protocol's frames and payloads and
+    /// tells the attach record apart; after it, silence is fine, and a byte, a payload frame
+    /// left waiting, or the end of the stream fail the link.
+    #[test]
+    fn a_control_socket_tells_the_attach_record_apart_and_must_stay_silent_after_it() {
+        let (mut conn, mut peer) = connected();
+        let codec = AttachCodec;
+        let (mut hello, _) = test_frame(1, 0);
+        hello[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut attach = vec![0u8; 12];
+        attach[0..4].copy_from_slice(&12u32.to_le_bytes());
+        attach[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        attach[8..12].copy_from_slice(b"Arec");
+        let (data_head, data) = test_frame(2, 100);
+        for b in [&hello, &attach, &data_head, &data] {
+            peer.write_all(b).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let next = |conn: &mut TcpConn| loop {
+            assert!(Instant::now() < deadline, "nothing read in 60 s");
+            conn.on_readable(false);
+            match conn.next_control(&codec).unwrap() {
+                ControlRead::Idle => std::thread::sleep(Duration::from_millis(1)),
+                r => return r,
+            }
+        };
+        assert!(matches!(next(&mut conn), ControlRead::Up(Incoming::Frame(h)) if h == hello));
+        assert!(matches!(next(&mut conn), ControlRead::Attach(r) if r == b"rec"));
+        assert!(matches!(next(&mut conn), ControlRead::Up(Incoming::Frame(h)) if h == data_head));
+        // The data frame's payload waits for placement: after the switch that is an error.
+        let err = conn.poll_attached().unwrap_err();
+        assert!(err.to_string().contains("payload frame on its control socket"), "{err}");
+        conn.place(Placement::Discard).unwrap();
+        assert!(matches!(next(&mut conn), ControlRead::Up(Incoming::Payload(None))));
+        conn.poll_attached().unwrap();
+        peer.write_all(b"x").unwrap();
+        let err = loop {
+            assert!(Instant::now() < deadline, "the byte after the switch was not seen in 60 s");
+            match conn.poll_attached() {
+                Ok(()) => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(err, FabricError::Unsupported(_)), "{err}");
+        drop(peer);
+        let err = loop {
+            assert!(Instant::now() < deadline, "the end of the stream was not seen in 60 s");
+            match conn.poll_attached() {
+                Ok(()) => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(err, FabricError::Closed { .. }), "{err}");
+    }
+
     fn test_frame(i: usize, len: usize) -> (Vec<u8>, Vec<u8>) {
         let mut head = vec![0u8; 24];
         head[0..4].copy_from_slice(&24u32.to_le_bytes());
@@ -1154,12 +1277,7 @@ mod tests {
     /// is read to the end of the stream even when its bytes and its FIN came in one event.
     #[test]
     fn reads_after_an_empty_one_wait_for_the_next_event_and_a_close_is_read_to_its_end() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let std_stream = std::net::TcpStream::connect(addr).unwrap();
-        let (mut peer, _) = listener.accept().unwrap();
-        std_stream.set_nonblocking(true).unwrap();
-        let mut conn = TcpConn::accepted(mio::net::TcpStream::from_std(std_stream), addr);
+        let (mut conn, mut peer) = connected();
         let mut poll = mio::Poll::new().unwrap();
         poll.registry().register(conn.stream_mut(), Token(7), Interest::READABLE).unwrap();
         let codec = TestCodec;
