@@ -23,7 +23,7 @@ use rdma_shuffle_fabric::providers::link::{
     ReceiveCredits, UserBuf,
 };
 use rdma_shuffle_fabric::providers::Source;
-use rdma_shuffle_provider_tcp::{TcpConn, TcpRead};
+use rdma_shuffle_provider_tcp::{ControlRead, TcpConn};
 use rdma_shuffle_wire::{Descriptor, Knob};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -338,24 +338,17 @@ impl VerbsConn {
                 return Err(e);
             }
             match self.phase {
-                Phase::Control | Phase::Attaching => match self.control.next(codec)? {
-                    TcpRead::Frame(head) => match codec.attach_record(&head) {
-                        // The peer's record: the link's own, never handed up. What it
-                        // produced (`Attached`) is returned on the next round.
-                        Some(data) => self.attach_record(&data, codec)?,
-                        None => return Ok(Some(Incoming::Frame(head))),
-                    },
-                    TcpRead::Payload(l) => return Ok(Some(Incoming::Payload(l))),
-                    TcpRead::PayloadVec(v) => return Ok(Some(Incoming::PayloadVec(v))),
-                    TcpRead::Idle => return Ok(None),
+                Phase::Control | Phase::Attaching => match self.control.next_control(codec)? {
+                    // The peer's record, the link's own: what it produced (`Attached`) is
+                    // returned on the next round.
+                    ControlRead::Attach(record) => self.attach_record(&record, codec)?,
+                    ControlRead::Up(incoming) => return Ok(Some(incoming)),
+                    ControlRead::Idle => return Ok(None),
                 },
                 Phase::Open => {
-                    // Stream bytes before the switch (an Attach sent with frames after it)
-                    // would be a protocol error; so is anything but the end of the stream now.
-                    if self.control.awaits_placement() {
-                        return Err(dead("the peer sent a payload frame on the control socket"));
-                    }
-                    self.control.poll_silent()?;
+                    // The socket is the liveness channel now: anything but its end is a
+                    // protocol error.
+                    self.control.poll_attached()?;
                     return Ok(None);
                 }
             }
