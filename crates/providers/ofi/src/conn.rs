@@ -38,7 +38,7 @@ use rdma_shuffle_fabric::providers::link::{
     encode_message, Authenticated, Capabilities, FailedRead, Folds, Incoming, Link, MsgPayload, OneSided, OutPayload, Placement,
 };
 use rdma_shuffle_fabric::providers::Source;
-use rdma_shuffle_provider_tcp::{TcpConn, TcpRead};
+use rdma_shuffle_provider_tcp::{ControlRead, TcpConn};
 use rdma_shuffle_wire::Descriptor;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -305,23 +305,17 @@ impl OfiConn {
                 return Err(e);
             }
             match self.phase {
-                Phase::Control | Phase::Attaching => match self.control.next(codec)? {
-                    TcpRead::Frame(head) => match codec.attach_record(&head) {
-                        // The peer's record: the link's own, never handed up.
-                        Some(data) => self.attach_record(&data, codec)?,
-                        None => return Ok(Some(Incoming::Frame(head))),
-                    },
-                    TcpRead::Payload(l) => return Ok(Some(Incoming::Payload(l))),
-                    TcpRead::PayloadVec(v) => return Ok(Some(Incoming::PayloadVec(v))),
-                    TcpRead::Idle => return Ok(None),
+                Phase::Control | Phase::Attaching => match self.control.next_control(codec)? {
+                    // The peer's record, the link's own: what it produced (`Attached`) is
+                    // returned on the next round.
+                    ControlRead::Attach(record) => self.attach_record(&record, codec)?,
+                    ControlRead::Up(incoming) => return Ok(Some(incoming)),
+                    ControlRead::Idle => return Ok(None),
                 },
                 Phase::Open => {
                     // The socket is the liveness channel now: anything but its end is a
                     // protocol error.
-                    if self.control.awaits_placement() {
-                        return Err(dead("the peer sent a payload frame on the control socket"));
-                    }
-                    match self.control.poll_silent() {
+                    match self.control.poll_attached() {
                         Ok(()) => return Ok(None),
                         // The end may overtake the peer's last messages, which come another
                         // way: read the completion queue once more before reporting it (the
