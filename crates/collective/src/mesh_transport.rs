@@ -111,6 +111,10 @@ impl Transport for MeshTransport {
         ticket.is_complete()
     }
 
+    fn is_done(&self, ticket: &SendTicket<'_>) -> bool {
+        ticket.is_done()
+    }
+
     fn wait(&self, ticket: SendTicket<'_>, deadline: Instant) -> Result<(), TransportError> {
         self.mesh.wait(ticket, deadline).map_err(convert)
     }

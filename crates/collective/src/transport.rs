@@ -167,6 +167,13 @@ pub trait Transport: Send + Sync {
     /// Whether a ticket completed when posted (no need to wait).
     fn is_complete(ticket: &Self::Ticket<'_>) -> bool;
 
+    /// Whether a send has completed by now (its buffer may be written), without waiting:
+    /// a streamed rendezvous send over tcp is done once the loop wrote its last byte, often
+    /// before `send` returned. [`wait`](Transport::wait) still takes the ticket back.
+    fn is_done(&self, ticket: &Self::Ticket<'_>) -> bool {
+        Self::is_complete(ticket)
+    }
+
     /// Waits until a send no longer needs its buffer.
     fn wait(&self, ticket: Self::Ticket<'_>, deadline: Instant) -> Result<(), TransportError>;
 

@@ -76,6 +76,12 @@ impl SendTicket<'_> {
     pub fn is_complete(&self) -> bool {
         self.pending.is_none()
     }
+
+    /// Whether the send has completed by now (a streamed one: its last byte written), without
+    /// waiting; [`Mesh::wait`](super::Mesh::wait) still takes the ticket back.
+    pub fn is_done(&self) -> bool {
+        self.pending.as_ref().is_none_or(|p| p.shared.lock().done.contains(&(self.peer, p.token)))
+    }
 }
 
 impl Drop for SendTicket<'_> {
