@@ -555,9 +555,16 @@ impl Policy {
         let k = bytes.div_ceil(seg.max(1)).max(1) as f64;
         let s = (seg.min(bytes.max(1))) as f64;
         let frac = (pf - 1.0) / pf;
+        // Recursive doubling sends and reduces the same buffer, so a segment's reducing
+        // receive can be posted only once its own send completed. Over a stream link (tcp)
+        // the peer's segment has mostly arrived by then and is staged in a pool buffer: one
+        // more pass through memory per byte (2 ranks, 1 MiB over tcp, a barrier before each
+        // call as the benchmark does: 196 of 210 MB staged in 200 calls; the ring, whose
+        // receives are posted before its sends, 58). The ring also reduces half as much.
+        let staged = if self.one_sided || self.cpu_copies { 0.0 } else { n * c };
         Some(match (op, algo) {
             (Op::AllReduce, Algo::Ring) => 2.0 * (pf - 1.0) * a + 2.0 * frac * n * b + frac * n * g,
-            (Op::AllReduce, Algo::RecursiveDoubling) => lg2 * (a + n * b + n * g) + np2 * (2.0 * (a + n * b) + n * g),
+            (Op::AllReduce, Algo::RecursiveDoubling) => lg2 * (a + n * b + n * g + staged) + np2 * (2.0 * (a + n * b) + n * g),
             (Op::AllReduce, Algo::HalvingDoubling) => {
                 let f2 = (p2f - 1.0) / p2f;
                 2.0 * lg2 * a + 2.0 * f2 * n * b + f2 * n * g + np2 * (2.0 * (a + n * b) + n * g)
@@ -768,6 +775,32 @@ mod tests {
         assert!(shm_segment <= shm.largest_ring_body() && shm_segment > shm.single_copy_min);
         p.overrides.segment = Some(128 << 10);
         assert_eq!(p.choose(Op::AllReduce, 16 << 20, DType::F32, 2).segment, 128 << 10, "a forced segment still wins");
+    }
+
+    #[test]
+    fn over_tcp_two_ranks_leave_recursive_doubling_where_its_staging_costs_more_than_a_step() {
+        // The model the benchmark measured over tcp loopback (2 ranks, 7 December).
+        let model = CostModel {
+            alpha: 2.3715e-5,
+            beta: 3.674e-10,
+            gamma: 2.5616e-11,
+            copy: 2.8068e-11,
+            alpha_rndv: 2.3715e-5,
+            local_alpha: 2.3715e-5,
+            local_beta: 3.674e-10,
+        };
+        let mut p = policy(false);
+        p.model = model;
+        let at = |p: &Policy, bytes: usize| p.choose(Op::AllReduce, bytes, DType::F32, 2).algo;
+        assert_eq!(at(&p, 64 << 10), Algo::RecursiveDoubling, "64 KiB: one step is worth its staging");
+        assert_ne!(at(&p, 1 << 20), Algo::RecursiveDoubling, "1 MiB: staging 1 MiB costs more than a second step");
+        // Where receives do not stage (one-sided reads, shm's copies), the choice is as before.
+        for (one_sided, cpu_copies) in [(true, false), (false, true)] {
+            let mut q = policy(one_sided);
+            q.cpu_copies = cpu_copies;
+            q.model = model;
+            assert_eq!(at(&q, 1 << 20), Algo::RecursiveDoubling, "one_sided {one_sided}, cpu_copies {cpu_copies}");
+        }
     }
 
     #[test]
