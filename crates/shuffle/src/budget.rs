@@ -389,9 +389,10 @@ mod tests {
     fn the_fixed_memory_of_ofi_is_counted() {
         let c = config(Some(192 << 20), None);
         let ofi = MemoryBudget::over(&c, "ofi").unwrap();
-        // The schema's defaults: 512 / 8 = 64 receive and 64 send buffers of 68 KiB, and the
-        // 4 MiB exposed at once.
-        assert_eq!(ofi.fixed, HEAP_RESERVE + 128 * (68 << 10) + (4 << 20));
+        // The schema's defaults: 512 / 8 = 64 receive and 64 send buffers of 68 KiB, the
+        // copies of the 4 MiB exposed at once (rounded up to powers of two: 8 MiB at most),
+        // and 4 MiB of copies kept for reuse.
+        assert_eq!(ofi.fixed, HEAP_RESERVE + 128 * (68 << 10) + 2 * (4 << 20) + (4 << 20));
         assert_eq!(ofi.pool_cap + ofi.fixed, 192 << 20);
         assert!(ofi.fixed > MemoryBudget::over(&c, "tcp").unwrap().fixed);
         // A cap that fits over tcp but not beside ofi's buffers: transport=ofi is refused,

@@ -42,8 +42,6 @@ const SPIN: Duration = Duration::from_micros(200);
 pub(crate) const IDLE_TICK: Duration = Duration::from_millis(1);
 /// Completions taken in one turn before the loop gets to its other work.
 const TURN_COMPLETIONS: usize = 512;
-/// Bytes of exposure copies kept for reuse (see `spare`).
-const SPARE_BYTES: usize = 64 << 20;
 /// A key the loop routes nowhere: `notify` with it only wakes the loop for another turn.
 const NO_CONN: u64 = u32::MAX as u64;
 
@@ -149,6 +147,9 @@ pub(crate) struct OfiEngine {
     /// when its reader misbehaves, and must then find exposed bytes, not reused heap.
     spare: Vec<Box<[u8]>>,
     spare_bytes: usize,
+    /// The most `spare` holds ([`Settings::spare_bytes`](crate::Settings::spare_bytes)):
+    /// counted in the provider's fixed memory.
+    spare_max: usize,
     name: String,
     cfg: OfiConfig,
     /// The provider's domain (pool memory is registered in it).
@@ -181,13 +182,14 @@ impl OfiEngine {
     /// listener may move it to the address it binds, [`listening_on`](Self::listening_on)):
     /// opening one takes tens of milliseconds (ofi_rxm sizes its pools), which a driver pays
     /// when it starts rather than a connection when it attaches.
-    pub(crate) fn new(domain: Domain, cfg: OfiConfig, ctx: EngineCtx<'_>) -> Result<Self, FabricError> {
+    pub(crate) fn new(domain: Domain, cfg: OfiConfig, spare_max: usize, ctx: EngineCtx<'_>) -> Result<Self, FabricError> {
         let registry = ctx.registry.try_clone().map_err(|e| FabricError::io("local", "clone the poll registry for", e))?;
         let mut e = OfiEngine {
             ticker: None,
             ep: None,
             spare: Vec::new(),
             spare_bytes: 0,
+            spare_max,
             name: ctx.name.to_string(),
             cfg,
             domain,
@@ -510,22 +512,23 @@ impl OfiEngine {
         }
     }
 
-    /// A copy buffer of at least `n` bytes: the smallest spare that fits, else a new one of
-    /// the next power of two (so spares fit later regions of similar sizes).
+    /// A copy buffer for `n` bytes, of the next power of two (so spares fit later regions of
+    /// similar sizes): a spare of that size, else a new one. Never a larger spare: a copy is
+    /// then less than twice its region, which the fixed memory counts on.
     fn take_spare(&mut self, n: usize) -> Box<[u8]> {
-        let best = self.spare.iter().enumerate().filter(|(_, b)| b.len() >= n).min_by_key(|(_, b)| b.len()).map(|(i, _)| i);
-        match best {
+        let size = n.max(4096).next_power_of_two();
+        match self.spare.iter().position(|b| b.len() == size) {
             Some(i) => {
                 let b = self.spare.swap_remove(i);
                 self.spare_bytes -= b.len();
                 b
             }
-            None => vec![0u8; n.max(4096).next_power_of_two()].into_boxed_slice(),
+            None => vec![0u8; size].into_boxed_slice(),
         }
     }
 
     fn give_spare(&mut self, b: Box<[u8]>) {
-        if self.spare_bytes + b.len() <= SPARE_BYTES {
+        if self.spare_bytes + b.len() <= self.spare_max {
             self.spare_bytes += b.len();
             self.spare.push(b);
         }

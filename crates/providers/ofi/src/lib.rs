@@ -95,6 +95,9 @@ const DEFAULT_MAX_MSG: u32 = (64 << 10) + 4096;
 /// registration (FI_MR_LOCAL).
 pub(crate) const SEND_BUFFERS: usize = 64;
 
+/// The most bytes of exposure copies an engine keeps for reuse, whatever the exposure budget.
+pub(crate) const SPARE_BYTES_MAX: u64 = 64 << 20;
+
 /// The ofi provider in the registry: `ofi`, on the libfabric provider the `ofi.provider`
 /// setting names. In a build without the `libfabric` feature opening it is an error that
 /// says so.
@@ -112,16 +115,32 @@ pub fn registration() -> Registration {
 /// [`Settings::max_msg`] bytes each; the send buffers only where the libfabric provider
 /// needs them registered, which is known once it opens, so counted always), and, where large
 /// blocks may be read one-sidedly (`ofi.rma`), the copies of the data exposed at once
-/// (`exposed_bytes`). Settings that do not parse count as their defaults (opening then fails,
-/// naming them).
+/// (`exposed_bytes`, twice: a copy is the block's size rounded up to a power of two) and the
+/// copies kept for reuse once their exposure ended ([`Settings::spare_bytes`]). Settings that
+/// do not parse count as their defaults (opening then fails, naming them).
 pub fn fixed_memory(o: &ProviderOptions) -> FixedMemory {
     let (max_msg, rx_depth) = buffer_sizes(o);
     let buffers = ((rx_depth + SEND_BUFFERS) * max_msg) as u64;
     let fixed = FixedMemory::default().with(buffers, "ofi receive and send buffers", &["recv_buffers", "eager_message"]);
     if rma(o).unwrap_or(true) {
-        fixed.with(o.exposed_bytes, "copies of blocks exposed for fi_read", &["exposed_bytes"])
+        fixed.with(o.exposed_bytes.saturating_mul(2), "copies of blocks exposed for fi_read", &["exposed_bytes"]).with(
+            spare_bytes(o) as u64,
+            "copies of exposed blocks kept for reuse",
+            &["exposed_bytes"],
+        )
     } else {
         fixed
+    }
+}
+
+/// Bytes of exposure copies an engine keeps for reuse: as many as it may expose at once
+/// (`exposed_bytes`), at most [`SPARE_BYTES_MAX`]; that much where the protocol states no
+/// exposure budget (0). Kept rather than freed because a target-side libfabric provider (tcp)
+/// may still be answering a misbehaving reader from a copy whose registration closed.
+fn spare_bytes(o: &ProviderOptions) -> usize {
+    match o.exposed_bytes {
+        0 => SPARE_BYTES_MAX as usize,
+        n => n.min(SPARE_BYTES_MAX) as usize,
     }
 }
 
@@ -160,6 +179,10 @@ pub struct Settings {
     pub max_msg: usize,
     /// Receive buffers posted per endpoint.
     pub rx_depth: usize,
+    /// Bytes of exposure copies each engine keeps for reuse once their exposure ended: the
+    /// exposure budget (`exposed_bytes`), at most [`SPARE_BYTES_MAX`]; part of the
+    /// [fixed memory](fixed_memory).
+    pub spare_bytes: usize,
 }
 
 impl Settings {
@@ -180,7 +203,7 @@ impl Settings {
         };
         let rma = rma(o).map_err(|v| bad("ofi.rma", &v, "true or false (on or off)"))?;
         let (max_msg, rx_depth) = buffer_sizes(o);
-        Ok(Settings { provider, rma, domain: o.device.clone(), max_msg, rx_depth })
+        Ok(Settings { provider, rma, domain: o.device.clone(), max_msg, rx_depth, spare_bytes: spare_bytes(o) })
     }
 }
 
@@ -221,7 +244,14 @@ mod tests {
         let s = Settings::from_options(&o).unwrap();
         assert_eq!(
             s,
-            Settings { provider: "verbs;ofi_rxm".into(), rma: false, domain: Some("rxe0".into()), max_msg: 20_480, rx_depth: 64 }
+            Settings {
+                provider: "verbs;ofi_rxm".into(),
+                rma: false,
+                domain: Some("rxe0".into()),
+                max_msg: 20_480,
+                rx_depth: 64,
+                spare_bytes: SPARE_BYTES_MAX as usize
+            }
         );
         o.extra.insert("ofi.rma".into(), "on".into());
         assert!(Settings::from_options(&o).unwrap().rma, "Mobius's on");
@@ -238,8 +268,16 @@ mod tests {
             exposed_bytes: 4 << 20,
             ..Default::default()
         };
-        // 64 receive (512 / 8) and 64 send buffers of 20 KiB, and the exposed copies.
-        assert_eq!(fixed_memory(&o).bytes(), 128 * 20_480 + (4 << 20));
+        // 64 receive (512 / 8) and 64 send buffers of 20 KiB, the exposed copies (rounded
+        // up to powers of two: twice the budget at most) and as many kept for reuse.
+        assert_eq!(fixed_memory(&o).bytes(), 128 * 20_480 + 2 * (4 << 20) + (4 << 20));
+        assert_eq!(Settings::from_options(&o).unwrap().spare_bytes, 4 << 20);
+        o.exposed_bytes = 1 << 30;
+        assert_eq!(Settings::from_options(&o).unwrap().spare_bytes, 64 << 20, "spares are bounded whatever the budget");
+        let unstated = ProviderOptions { exposed_bytes: 0, ..o.clone() };
+        assert_eq!(Settings::from_options(&unstated).unwrap().spare_bytes, 64 << 20, "no budget stated: the bound");
+        assert_eq!(fixed_memory(&unstated).bytes(), 128 * 20_480 + (64 << 20));
+        assert_eq!(fixed_memory(&o).bytes(), 128 * 20_480 + 2 * (1 << 30) + (64 << 20));
         o.extra.insert("ofi.rma".into(), "off".into());
         assert_eq!(fixed_memory(&o).bytes(), 128 * 20_480);
         let s = Settings::from_options(&o).unwrap();

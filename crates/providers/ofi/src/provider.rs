@@ -24,6 +24,8 @@ pub struct OfiProvider {
     domain: Domain,
     cfg: OfiConfig,
     one_sided: bool,
+    /// [`Settings::spare_bytes`].
+    spare_bytes: usize,
     registrar: Arc<PoolRegistrar>,
 }
 
@@ -77,7 +79,7 @@ impl OfiProvider {
         tracing::info!(provider = %info.provider, fabric = %info.fabric, domain = %info.domain, one_sided,
             mr_local = info.mr_local, libfabric = %version, "ofi provider ready");
         let registrar = Arc::new(PoolRegistrar::new(&domain));
-        Ok(OfiProvider { domain, cfg, one_sided, registrar })
+        Ok(OfiProvider { domain, cfg, one_sided, spare_bytes: settings.spare_bytes, registrar })
     }
 
     /// A line for the log: the library, the provider, its fabric and domain, how blocks move.
@@ -110,7 +112,7 @@ impl Provider for OfiProvider {
     }
 
     fn engine(&self, ctx: EngineCtx<'_>) -> Result<Box<dyn ProviderEngine>, FabricError> {
-        let engine = OfiEngine::new(self.domain.clone(), self.cfg.clone(), ctx)?;
+        let engine = OfiEngine::new(self.domain.clone(), self.cfg.clone(), self.spare_bytes, ctx)?;
         Ok(Box::new(OfiLoop { engine: Arc::new(parking_lot::Mutex::new(engine)), one_sided: self.one_sided }))
     }
 
