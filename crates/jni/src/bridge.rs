@@ -488,7 +488,10 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_engineSta
 /// `native_bound_bytes`, `pool_cap_bytes`, `native_fixed_bytes`, `pool_cap_explicit` when the
 /// settings fit, else `unfit=<why, naming the settings and numbers>`; and
 /// `bound_needed_bytes`, the smallest bound they fit in; `bound_source`, how the bound was
-/// computed from Spark's settings. Throws `config` only for a malformed config.
+/// computed from Spark's settings; `unfit_fallback`, what the plugin does when the
+/// unprefixed plan is `unfit`: `spark` (every shuffle to Spark's sort shuffle) or `none` (the
+/// start fails: the user chose the provider or the pool cap). Throws `config` only for a
+/// malformed config.
 #[no_mangle]
 pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_memoryBudget(
     mut env: JNIEnv,
@@ -526,6 +529,7 @@ pub extern "system" fn Java_org_apache_spark_shuffle_rdma_NativeBridge_memoryBud
         if let Some(b) = &cfg.memory_bound {
             let _ = writeln!(out, "bound_source={}", b.source);
         }
+        let _ = writeln!(out, "unfit_fallback={}", MemoryBudget::unfit_fallback(&cfg).unwrap_or("none"));
         Ok(env.new_string(out)?.into_raw())
     })
 }

@@ -256,6 +256,15 @@ impl MemoryBudget {
         providers::registry().candidates(&config.transport)
     }
 
+    /// What happens when the settings of `config` do not fit: `None` where the user chose
+    /// what does not fit (a provider by name, or `pool.capBytes`), and the start must fail
+    /// naming it; else the fallback, `spark` (every shuffle goes to Spark's sort shuffle,
+    /// with one warning). Asked by the JVM through the `unfit_fallback` line, so that it
+    /// reads no provider's name.
+    pub fn unfit_fallback(config: &EngineConfig) -> Option<&'static str> {
+        (config.transport == providers::AUTO && config.pool_cap.is_none()).then_some("spark")
+    }
+
     /// The smallest bound the settings of `config` fit in over provider `name`: the fixed
     /// memory plus the explicit cap, or plus the largest tier when the cap is derived.
     pub fn bound_needed(config: &EngineConfig, name: &str) -> Result<u64, EngineError> {
@@ -407,6 +416,18 @@ mod tests {
             assert!(e.contains(want), "{want:?} missing from: {e}");
         }
         assert_eq!(MemoryBudget::bound_needed(&c, "ofi").unwrap(), ofi.fixed + cap);
+    }
+
+    /// What the user chose is refused when it does not fit (a provider by name, the pool
+    /// cap); only what the plugin chose (`auto`, a derived cap) falls back to Spark.
+    #[test]
+    fn only_what_the_plugin_chose_falls_back_to_spark_when_it_does_not_fit() {
+        assert_eq!(MemoryBudget::unfit_fallback(&config(Some(20 << 20), None)), Some("spark"));
+        assert_eq!(MemoryBudget::unfit_fallback(&config(Some(20 << 20), Some(64 << 20))), None);
+        for name in providers::registry().names() {
+            let c = EngineConfig { transport: name.into(), ..config(Some(20 << 20), None) };
+            assert_eq!(MemoryBudget::unfit_fallback(&c), None, "transport={name}");
+        }
     }
 
     fn spark(kv: &[(&str, &str)], percent: u32) -> Result<MemoryBound, EngineError> {

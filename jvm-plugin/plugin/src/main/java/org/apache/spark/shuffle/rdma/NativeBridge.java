@@ -142,11 +142,13 @@ public final class NativeBridge {
    *
    * @param config the engine settings and the bound, as {@code RdmaShuffleConf.budgetConfig}
    *     gives them
-   * @return {@code key=value} lines over tcp and, unless the transport is tcp, the same with
-   *     the prefix {@code verbs_}: {@code native_bound_bytes}, {@code pool_cap_bytes},
-   *     {@code native_fixed_bytes}, {@code pool_cap_explicit} when the settings fit, else
-   *     {@code unfit} (why, naming the settings and the numbers); and
-   *     {@code bound_needed_bytes}, the smallest bound they fit in
+   * @return {@code key=value} lines for each provider the transport may open, with the prefix
+   *     {@code <provider>_}, and without a prefix for the one it ends on when the others do
+   *     not fit: {@code native_bound_bytes}, {@code pool_cap_bytes}, {@code native_fixed_bytes},
+   *     {@code pool_cap_explicit} when the settings fit, else {@code unfit} (why, naming the
+   *     settings and the numbers); {@code bound_needed_bytes}, the smallest bound they fit in;
+   *     and {@code unfit_fallback}: {@code spark} when settings that do not fit hand every
+   *     shuffle to Spark, {@code none} when they fail the start (the user chose them)
    * @throws RdmaShuffleException of kind {@code config} for a malformed config
    */
   public static native String memoryBudget(String config);

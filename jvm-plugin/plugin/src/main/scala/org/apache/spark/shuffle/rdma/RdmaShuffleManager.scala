@@ -103,16 +103,17 @@ class RdmaShuffleManager(conf: SparkConf, isDriver: Boolean)
   /**
    * Why the engines' memory cannot fit in the bound, when the plugin chose the sizes (then every
    * shuffle goes to Spark, with one warning). Settings the user chose that cannot fit (an
-   * explicit `pool.capBytes`, `transport=verbs`) fail the start instead, here. Over tcp the
-   * need is smallest: `auto` uses tcp where the verbs buffers do not fit, and says so.
+   * explicit `pool.capBytes`, a transport by name) fail the start instead, here. The engine
+   * says which applies (`unfit_fallback`): `auto` already ended on the provider whose fixed
+   * memory is smallest, and said which one it passed over and why.
    */
-  private val memoryUnfit: Option[String] = {
-    val verbsOnly = settings(RdmaShuffleConf.Prefix + "transport") == "verbs"
-    memoryPlan.get(if (verbsOnly) "verbs_unfit" else "unfit").map { why =>
-      if (settings.explicitPoolCap || verbsOnly) throw new RdmaShuffleConfigException(why)
+  private val memoryUnfit: Option[String] =
+    memoryPlan.get("unfit").map { why =>
+      if (!memoryPlan.get("unfit_fallback").contains("spark")) {
+        throw new RdmaShuffleConfigException(why)
+      }
       why
     }
-  }
 
   /** Set when no shuffle of this application can use the engine: none is started then. */
   private val handOverAll: Option[String] = fallbackPolicy.reasonToHandOverAll.orElse(memoryUnfit)

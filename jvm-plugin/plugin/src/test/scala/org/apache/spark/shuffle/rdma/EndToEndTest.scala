@@ -205,6 +205,42 @@ class EndToEndTest {
     assertTrue(manager.runningEngine.isEmpty)
   }
 
+  /**
+   * Memory the plugin sized that does not fit (the engine's `unfit_fallback=spark`): every
+   * shuffle goes to Spark with the engine's reason, no engine starts, the job runs.
+   */
+  @Test def memoryThePluginChoseThatDoesNotFitHandsShufflesToSpark(): Unit = {
+    LoopbackShuffleManager.budget = "unfit=too small for any provider\nunfit_fallback=spark\n"
+    start()
+    val got = sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect()
+    assertEquals(10, got.length)
+    assertEquals(Some("too small for any provider"), manager.handOverReason(0))
+    assertNull("no engine when its memory does not fit", LoopbackShuffleManager.engine)
+  }
+
+  /**
+   * Settings the user chose that do not fit (a transport by name, an explicit pool cap: the
+   * engine's `unfit_fallback=none`) fail the start with the engine's reason, whatever provider
+   * it names: the JVM reads no provider name.
+   */
+  @Test def memoryTheUserChoseThatDoesNotFitFailsTheStart(): Unit = {
+    for (transport <- Seq("tcp", "shm", "ofi")) {
+      LoopbackShuffleManager.budget =
+        s"${transport}_unfit=needs more\nunfit=over $transport: needs more\nunfit_fallback=none\n"
+      val e = assertThrows(
+        classOf[Exception],
+        () => start("spark.shuffle.rdma.transport" -> transport))
+      var cause: Throwable = e
+      while (cause != null && !cause.isInstanceOf[RdmaShuffleConfigException]) {
+        cause = cause.getCause
+      }
+      assertNotNull(s"transport=$transport: $e", cause)
+      assertEquals(s"over $transport: needs more", cause.getMessage)
+      if (sc != null) sc.stop()
+      sc = null
+    }
+  }
+
   @Test def disabledPluginHandsShufflesOver(): Unit = {
     start("spark.shuffle.rdma.enabled" -> "false")
     val got = sc.parallelize(1 to 100, 2).map(i => (i % 10, 1)).reduceByKey(_ + _, 3).collect()

@@ -23,7 +23,7 @@ class LoopbackShuffleManager(conf: SparkConf, isDriver: Boolean)
   override protected def nativeLibrary(): NativeLoader.Outcome =
     NativeLoader.Outcome.of(true, "test", null)
 
-  override protected def memoryBudget(config: String): String = "pool_cap_bytes=67108864\n"
+  override protected def memoryBudget(config: String): String = LoopbackShuffleManager.budget
 
   override protected def openEngine(config: String): ShuffleEngine = {
     LoopbackShuffleManager.lastConfig = config
@@ -74,7 +74,13 @@ object LoopbackShuffleManager {
   @volatile var refuseRegistration: (Int, Long) => Boolean = (_, _) => false
   @volatile var realHost = false
 
+  /** The engine's answer to `memoryBudget` (its lines, as the native library gives them). */
+  @volatile var budget: String = FittingBudget
+
+  def FittingBudget: String = "pool_cap_bytes=67108864\nunfit_fallback=spark\n"
+
   def reset(): Unit = {
+    budget = FittingBudget
     engine = null
     lastConfig = null
     failure = (_, _) => None
