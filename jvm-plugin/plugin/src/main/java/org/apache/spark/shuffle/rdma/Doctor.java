@@ -18,7 +18,7 @@ import java.util.Properties;
  *
  * <pre>
  *   java -cp rdma-shuffle-spark4.x_2.13-0.1.0-SNAPSHOT.jar org.apache.spark.shuffle.rdma.Doctor [--json]
- *       [--transport auto|verbs|tcp] [--conf key=value]... [--properties-file FILE]
+ *       [--transport auto|{@literal <provider>}] [--conf key=value]... [--properties-file FILE]
  * </pre>
  *
  * <p>It loads the engine the executors would load (the jar's native library) and prints the
@@ -45,7 +45,7 @@ public final class Doctor {
 
   private static final String USAGE =
       "usage: java -cp <plugin jar> org.apache.spark.shuffle.rdma.Doctor [--json]\n"
-          + "         [--transport auto|verbs|tcp] [--conf key=value]... [--properties-file FILE]";
+          + "         [--transport auto|<provider>] [--conf key=value]... [--properties-file FILE]";
 
   public static void main(String[] args) {
     System.exit(run(args, System.getenv(), System.out, System.err));

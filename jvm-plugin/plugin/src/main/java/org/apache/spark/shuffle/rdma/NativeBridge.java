@@ -40,7 +40,8 @@ public final class NativeBridge {
 
   /**
    * @param h engine handle
-   * @return the transport actually chosen: {@code "verbs"} or {@code "tcp"}
+   * @return the transport actually chosen: the name of the provider the engine opened (one of
+   *     the values of {@code spark.shuffle.rdma.transport} but {@code auto})
    */
   public static native String engineTransport(long h);
 
