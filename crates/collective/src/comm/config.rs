@@ -4,7 +4,7 @@
 use crate::error::CollectiveError;
 use crate::mesh::MeshConfig;
 use crate::policy::{parse_bytes, Overrides};
-use rdma_shuffle_fabric::{PoolConfig, Provider};
+use rdma_shuffle_fabric::{PoolConfig, Provider, DEFAULT_SPIN, MAX_SPIN};
 use rdma_shuffle_providers::{registry, ProviderOptions, AUTO, PER_HOST};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
@@ -23,6 +23,12 @@ pub struct CommConfig {
     /// Limit for every wait: joining the group, and each collective call (`MOBIUS_TIMEOUT`,
     /// seconds; default 120).
     pub timeout: Duration,
+    /// How long a caller waiting on a call polls its links after their last progress before
+    /// it sleeps, and the loop thread while answers are due (`MOBIUS_SPIN`; default the
+    /// driver's [`DEFAULT_SPIN`], 50 µs; at most [`MAX_SPIN`]): the rank's
+    /// [`DriverConfig::spin`](rdma_shuffle_fabric::DriverConfig::spin). Longer trades CPU
+    /// burnt by a waiting caller for replies that cost no wake-up.
+    pub spin: Duration,
     /// Provider (`MOBIUS_TRANSPORT`): a name of the provider registry
     /// (`rdma_shuffle_providers::registry`: `tcp`, `shm`, `verbs`...), or `auto` (the default):
     /// per link, the registry's near provider to the ranks on this host, its far one to the
@@ -84,6 +90,7 @@ impl CommConfig {
             rank,
             world,
             timeout: Duration::from_secs(120),
+            spin: DEFAULT_SPIN,
             transport: AUTO.into(),
             device: None,
             provider_settings: BTreeMap::new(),
@@ -129,18 +136,42 @@ impl CommConfig {
 
     /// Applies the `MOBIUS_*` settings found in the environment.
     pub fn apply_env(&mut self) -> Result<(), CollectiveError> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        // Variables whose name or value is not Unicode are no setting of ours (and would
+        // make `std::env::vars` panic).
+        self.apply_vars(std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))))
+    }
+
+    /// Applies the `MOBIUS_*` settings among `vars` (name, value), as
+    /// [`apply_env`](Self::apply_env) does those of the environment.
+    pub fn apply_vars(&mut self, vars: impl IntoIterator<Item = (String, String)>) -> Result<(), CollectiveError> {
+        let vars: BTreeMap<String, String> = vars.into_iter().collect();
+        let var = |k: &str| vars.get(k).filter(|v| !v.trim().is_empty()).cloned();
         let bytes = |k: &str| -> Result<Option<usize>, CollectiveError> {
             var(k)
                 .map(|v| parse_bytes(&v).ok_or_else(|| CollectiveError::Config(format!("{k}={v:?} is not a byte size"))))
                 .transpose()
         };
+        let seconds = |k: &str, v: &str| {
+            parse_seconds(v)
+                .ok_or_else(|| CollectiveError::Config(format!("{k}={v:?} is not seconds (e.g. 120, 30s, 500ms, 50us)")))
+        };
         if let Some(t) = var("MOBIUS_TIMEOUT") {
-            let s: f64 = t.trim().parse().map_err(|_| CollectiveError::Config(format!("MOBIUS_TIMEOUT={t:?} is not seconds")))?;
-            if !(s > 0.0 && s.is_finite()) {
+            self.timeout = seconds("MOBIUS_TIMEOUT", &t)?;
+            if self.timeout.is_zero() {
                 return Err(CollectiveError::Config(format!("MOBIUS_TIMEOUT={t:?} must be positive")));
             }
-            self.timeout = Duration::from_secs_f64(s);
+        }
+        if let Some(t) = var("MOBIUS_SPIN") {
+            let spin = seconds("MOBIUS_SPIN", &t)?;
+            // Refused, not cut to the driver's limit: the setting would say a spin the
+            // driver does not do.
+            if spin > MAX_SPIN {
+                return Err(CollectiveError::Config(format!(
+                    "MOBIUS_SPIN={t:?} is above the longest spin the driver honours, {} µs",
+                    MAX_SPIN.as_micros()
+                )));
+            }
+            self.spin = spin;
         }
         if let Some(t) = var("MOBIUS_TRANSPORT") {
             self.set_transport(&t)?;
@@ -148,7 +179,7 @@ impl CommConfig {
         if let Some(d) = var("MOBIUS_VERBS_DEVICE") {
             self.device = Some(d);
         }
-        self.provider_settings.extend(provider_settings(std::env::vars()));
+        self.provider_settings.extend(provider_settings(vars.iter().map(|(k, v)| (k.clone(), v.clone()))));
         if let Some(n) = bytes("MOBIUS_EAGER_LIMIT")? {
             self.eager_limit = n;
         }
@@ -308,6 +339,25 @@ impl CommConfig {
             .or_else(|| interface_addrs().into_iter().map(|(_, ip)| ip).find(usable))
             .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
     }
+}
+
+/// A duration as the `seconds` settings of settings/mobius.tsv take it: a bare number is
+/// seconds (`120`, `0.5`), or a number with the unit `us` (or `µs`), `ms` or `s` (`50us`,
+/// `1.5ms`, `30s`) — the shuffle's (Spark's) unit names, though a bare number stays seconds
+/// here, as `MOBIUS_TIMEOUT` always took it. Rounded to nanoseconds; `None` for anything
+/// else, a negative number included.
+pub(crate) fn parse_seconds(text: &str) -> Option<Duration> {
+    let t = text.trim().to_ascii_lowercase();
+    let (number, nanos) = if let Some(n) = t.strip_suffix("us").or_else(|| t.strip_suffix("µs")) {
+        (n, 1e3)
+    } else if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e6)
+    } else {
+        (t.strip_suffix('s').unwrap_or(&t), 1e9)
+    };
+    let ns = number.trim().parse::<f64>().ok()? * nanos;
+    // Below 2^64 ns (584 years): the cast neither saturates nor wraps.
+    (0.0..1.8e19).contains(&ns).then(|| Duration::from_nanos(ns.round() as u64))
 }
 
 /// `<α µs>,<GB/s>` → (seconds, seconds per byte).
@@ -532,6 +582,51 @@ mod tests {
     }
 
     #[test]
+    fn seconds_take_a_bare_number_or_a_unit() {
+        for (text, want) in [
+            ("120", Duration::from_secs(120)),
+            ("0.5", Duration::from_millis(500)),
+            ("30s", Duration::from_secs(30)),
+            (" 1.5ms ", Duration::from_micros(1500)),
+            ("50us", Duration::from_micros(50)),
+            ("50µs", Duration::from_micros(50)),
+            ("0.05ms", Duration::from_micros(50)),
+            ("5e-5", Duration::from_micros(50)),
+            ("0", Duration::ZERO),
+        ] {
+            assert_eq!(parse_seconds(text), Some(want), "{text}");
+        }
+        for bad in ["", "us", "fast", "-1", "-5us", "2min", "1h", "nan", "inf", "1e30"] {
+            assert_eq!(parse_seconds(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn spin_and_timeout_settings_are_read_and_bounded() {
+        let vars = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+        let mut c = CommConfig::new(0, 1);
+        c.apply_vars(vars(&[("MOBIUS_SPIN", "500us"), ("MOBIUS_TIMEOUT", "30s")])).unwrap();
+        assert_eq!((c.spin, c.timeout), (Duration::from_micros(500), Duration::from_secs(30)));
+        c.apply_vars(vars(&[("MOBIUS_SPIN", "0")])).unwrap();
+        assert_eq!(c.spin, Duration::ZERO);
+        c.apply_vars(vars(&[("MOBIUS_SPIN", "1ms")])).unwrap();
+        assert_eq!(c.spin, MAX_SPIN);
+        for (k, v, says) in [
+            ("MOBIUS_SPIN", "2ms", "above the longest spin"),
+            ("MOBIUS_SPIN", "fast", "is not seconds"),
+            ("MOBIUS_TIMEOUT", "0", "must be positive"),
+            ("MOBIUS_TIMEOUT", "soon", "is not seconds"),
+        ] {
+            let e = CommConfig::new(0, 1).apply_vars(vars(&[(k, v)])).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(says), "{k}={v}: {e}");
+        }
+        // Unset or blank leaves the default.
+        let mut c = CommConfig::new(0, 1);
+        c.apply_vars(vars(&[("MOBIUS_SPIN", " ")])).unwrap();
+        assert_eq!(c.spin, DEFAULT_SPIN);
+    }
+
+    #[test]
     fn groups_are_fresh_and_bind_the_job_and_the_secret() {
         let (a, b) = (GroupKey::generate().unwrap(), GroupKey::generate().unwrap());
         assert_ne!(a, b);
@@ -557,8 +652,20 @@ mod tests {
                 .find_map(|l| l.strip_prefix(&format!("{key}\t")).map(|rest| rest.split('\t').nth(1).unwrap().to_string()))
                 .unwrap_or_else(|| panic!("{key} is not in settings/mobius.tsv"))
         };
+        let range_of = |key: &str| -> &str {
+            schema
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{key}\t")))
+                .and_then(|rest| rest.split('\t').nth(2))
+                .unwrap_or_else(|| panic!("{key}'s range in settings/mobius.tsv"))
+        };
         let c = CommConfig::new(0, 1);
-        assert_eq!(Duration::from_secs_f64(default("MOBIUS_TIMEOUT").parse().unwrap()), c.timeout);
+        assert_eq!(parse_seconds(&default("MOBIUS_TIMEOUT")), Some(c.timeout));
+        assert_eq!(parse_seconds(&default("MOBIUS_SPIN")), Some(c.spin));
+        assert_eq!(c.spin, DEFAULT_SPIN, "MOBIUS_SPIN's default is the driver's");
+        let spin_range = range_of("MOBIUS_SPIN");
+        let (lo, hi) = spin_range.split_once("..").expect("MOBIUS_SPIN's range lo..hi");
+        assert_eq!((parse_seconds(lo), parse_seconds(hi)), (Some(Duration::ZERO), Some(MAX_SPIN)), "MOBIUS_SPIN's range");
         assert_eq!(parse_bytes(&default("MOBIUS_EAGER_LIMIT")), Some(c.eager_limit));
         assert_eq!(parse_bytes(&default("MOBIUS_MAX_MESSAGE")), Some(c.max_message));
         assert_eq!(parse_bytes(&default("MOBIUS_POOL_BYTES")).map(|n| n as u64), Some(c.pool_bytes));
@@ -566,11 +673,7 @@ mod tests {
         assert_eq!(default("MOBIUS_TRANSPORT"), "auto");
         assert_eq!(c.transport, AUTO);
         // MOBIUS_TRANSPORT takes the provider registry's names and auto.
-        let range = schema
-            .lines()
-            .find_map(|l| l.strip_prefix("MOBIUS_TRANSPORT\t"))
-            .and_then(|rest| rest.split('\t').nth(2))
-            .expect("MOBIUS_TRANSPORT's range in settings/mobius.tsv");
+        let range = range_of("MOBIUS_TRANSPORT");
         let mut names: Vec<&str> = range.split('|').collect();
         let mut want: Vec<&str> = std::iter::once(AUTO).chain(registry().names()).collect();
         names.sort_unstable();

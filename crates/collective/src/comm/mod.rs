@@ -206,7 +206,7 @@ impl Communicator<MeshTransport> {
         let rank = config.rank;
         let rdv = |m: String| CollectiveError::Rendezvous { rank, message: m };
         let deadline = Instant::now() + config.timeout;
-        let bind = |p| MeshListener::bind(p, SocketAddr::new(ip, 0), rank).map_err(|e| rdv(e.to_string()));
+        let bind = |p| MeshListener::bind_with_spin(p, SocketAddr::new(ip, 0), rank, config.spin).map_err(|e| rdv(e.to_string()));
         let mut split = None;
         let listener = if config.transport == rdma_shuffle_providers::AUTO && config.world > 1 {
             let s = rdma_shuffle_providers::open_per_host(&config.provider_options()).map_err(|e| rdv(e.to_string()))?;
@@ -704,8 +704,31 @@ impl<T: Transport> Communicator<T> {
 
 #[cfg(test)]
 mod tests {
-    use super::measured_links;
+    use super::{measured_links, CommConfig, Communicator, Rendezvous};
     use crate::policy::Topology;
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::time::{Duration, Instant};
+
+    /// The rendezvous of a group of one.
+    struct Alone;
+    impl Rendezvous for Alone {
+        fn exchange(&mut self, _: usize, _: usize, mine: &str, _: Instant) -> Result<Vec<String>, String> {
+            Ok(vec![mine.to_string()])
+        }
+    }
+
+    /// `MOBIUS_SPIN` is the spin of the rank's driver loop, as the loop holds it.
+    #[test]
+    fn the_spin_setting_reaches_the_ranks_driver() {
+        for (setting, want) in [(None, rdma_shuffle_fabric::DEFAULT_SPIN), (Some("500us"), Duration::from_micros(500))] {
+            let mut c = CommConfig::new(0, 1);
+            c.apply_vars(setting.map(|v| ("MOBIUS_SPIN".to_string(), v.to_string()))).unwrap();
+            c.set_transport("tcp").unwrap();
+            c.tune = false;
+            let comm = Communicator::join(c, IpAddr::V4(Ipv4Addr::LOCALHOST), &mut Alone).unwrap();
+            assert_eq!(comm.transport().mesh().driver_spin(), want, "MOBIUS_SPIN={setting:?}");
+        }
+    }
 
     fn flat(world: usize) -> Vec<Vec<(usize, usize)>> {
         measured_links(&Topology::single(world))

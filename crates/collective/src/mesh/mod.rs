@@ -134,9 +134,16 @@ pub struct MeshListener {
 
 impl MeshListener {
     /// Starts a driver loop over `provider` and listens on `addr` (port 0 picks a free port).
+    /// The loop spins as long as [`DriverConfig::default`]'s.
     pub fn bind(provider: Arc<dyn Provider>, addr: SocketAddr, rank: usize) -> Result<Self, MeshError> {
+        Self::bind_with_spin(provider, addr, rank, DriverConfig::default().spin)
+    }
+
+    /// [`bind`](Self::bind) with the loop's [`DriverConfig::spin`]: how long a caller waiting
+    /// on the mesh polls after the last progress before it sleeps (`MOBIUS_SPIN`).
+    pub fn bind_with_spin(provider: Arc<dyn Provider>, addr: SocketAddr, rank: usize, spin: Duration) -> Result<Self, MeshError> {
         let listen = |source| MeshError::Listen { rank, addr, source };
-        let config = DriverConfig { name: format!("mobius-{rank}"), ..DriverConfig::default() };
+        let config = DriverConfig { name: format!("mobius-{rank}"), spin, ..DriverConfig::default() };
         let driver = Driver::new(provider, config).map_err(listen)?;
         let id = driver.next_id();
         let (tx, rx) = crossbeam_channel::bounded(1);
@@ -410,6 +417,18 @@ impl Mesh {
     /// needs to send that message.
     pub fn set_oversubscribed(&self, yes: bool) {
         self.driver.set_yield_when_idle(yes);
+    }
+
+    /// The spin the rank's driver loop runs with, asked of the loop itself.
+    #[cfg(test)]
+    pub(crate) fn driver_spin(&self) -> Duration {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.driver
+            .submit(move |lp| {
+                let _ = tx.send(lp.config().spin);
+            })
+            .expect("the mesh's loop runs");
+        rx.recv_timeout(RELEASE_WAIT).expect("the loop answers")
     }
 
     /// Loop turns so far: `(run by the loop's thread, run by callers driving progress)`.
