@@ -15,6 +15,9 @@
 #                                          target/bench/hier-hosts.json)
 #   extra arguments go to tests/collective/bench.py (e.g. --ops allreduce,allgather,
 #   --libs mobius,openmpi-sm; openmpi-sm is Open MPI over its shared-memory BTL, mpi over tcp)
+#   MOBIUS_* settings in the environment (e.g. MOBIUS_SPIN=500us) reach every Mobius rank and
+#   are recorded in collective.json ("mobius_env"); --out DIR keeps one setting's run apart:
+#     MOBIUS_SPIN=500us scripts/bench-collective.sh --out target/bench/spin-500us ...
 #
 # Installs what it needs: Open MPI (apt), and a venv with torch, mpi4py, matplotlib (cached in
 # ~/.cache/rdma-shuffle/torch-venv); builds the mobius wheel from this tree.

@@ -254,17 +254,30 @@ def run(args):
     # A/B of Mobius's own rows, scripts/bench-ab.sh, does not pay for it).
     if args.groups and {"gloo", "torch-mobius"} <= set(libs):
         rows += group_rows(args, out)
-    report = {"rows": rows, "config": vars(args), "targets": targets(rows),
+    report = {"rows": rows, "config": vars(args), "mobius_env": mobius_env(), "targets": targets(rows),
               "mobius_policy": {f"{op}/world{w}": {"decisions": e["decisions"], "model": e["model"],
                                                          "transport": e["stats"].get("transport")}
                                 for (op, w), e in extras.items()}}
     (out / "collective.json").write_text(json.dumps(report, indent=1))
     print_table(rows, libs)
+    if report["mobius_env"]:
+        print("\n# Mobius settings from the caller's environment (every Mobius rank has them): "
+              + " ".join(f"{k}={v}" for k, v in report["mobius_env"].items()))
     for t in report["targets"]:
         print(f"issue {t['issue']} {t['library']:10s} w{t['world']} {t['bytes']:>10d} B  {t['target']}: "
               f"{t['value']} (bound {t['bound']}) {'met' if t['met'] else 'MISSED'}")
     plot(rows, out / "collective.png")
     print(f"\nwrote {out / 'collective.json'} and {out / 'collective.png'}")
+
+
+def mobius_env():
+    """The caller's MOBIUS_* settings, which every rank inherits (`launch` passes the
+    environment on; it sets only MOBIUS_TUNE and MOBIUS_TRANSPORT itself), so that two runs
+    with different settings (e.g. MOBIUS_SPIN) say which is which. Secrets are left out, and
+    the harness's own variables."""
+    own = {"MOBIUS_TUNE", "MOBIUS_TRANSPORT", "MOBIUS_PY", "MOBIUS_VENV", "MOBIUS_SKIP_BUILD", "MOBIUS_FEATURES"}
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("MOBIUS_") and k not in own and "SECRET" not in k}
 
 
 def targets(rows):
