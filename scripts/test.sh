@@ -79,6 +79,18 @@ summarize_cargo target/test-ofi.log
 step "mobius: collectives in real processes (numpy, torch backend, DDP vs gloo, faults, bench smoke)"
 run_script tests/collective/run.sh
 
+step "libfabric: the Mobius suite with MOBIUS_TRANSPORT=ofi over tcp;ofi_rxm and shm, 2 ranks in real processes (numpy: every op x dtype x reduce op; torch.distributed against numpy; DDP against gloo; transport and libfabric's counters checked)"
+# The wheel built with the ofi feature (it links the libfabric of ensure-libfabric.sh), once.
+PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig MOBIUS_FEATURES=ofi RDMA_TEST_OFI='tcp;ofi_rxm,shm' LD_LIBRARY_PATH=$LIBFABRIC_PREFIX/lib run_script tests/collective/run.sh test_ofi.py
+if full; then
+  # The rest of the suite's correctness and torch cases at every world, over each provider.
+  for prov in 'tcp;ofi_rxm' shm; do
+    MOBIUS_SKIP_BUILD=1 MOBIUS_TRANSPORT=ofi MOBIUS_OFI_PROVIDER=$prov LD_LIBRARY_PATH=$LIBFABRIC_PREFIX/lib \
+      run_script tests/collective/run.sh test_correctness.py test_c10d.py test_torch.py test_python_api.py \
+      -k "every_op or mid_sizes or 64_mib or float_sums or every_collective or async_work or ddp or torch_distributed_calls or in_place"
+  done
+fi
+
 step "rust: verbs provider built in, on this host (no RDMA device: auto must pick tcp and say why)"
 run_script scripts/softroce-prepare.sh   # host build deps of rdma-sys (libibverbs-dev, clang) and the VM cache
 cargo test --locked -p rdma-shuffle-provider-verbs -p rdma-shuffle-providers -p rdma-shuffle-shuffle --features rdma-shuffle-providers/verbs --lib 2>&1 | tee target/test-verbs-host.log

@@ -335,6 +335,15 @@ def _torch_finish(dist, backend, result):
     dist.destroy_process_group()
 
 
+def _mobius_stats(dist, backend) -> dict:
+    """The Mobius communicator's stats under the torch backend (which transport carried the
+    calls, and its provider's counters), as `{"stats": ...}`; nothing for another backend."""
+    if backend != "mobius":
+        return {}
+    import torch
+    return {"stats": dist.group.WORLD._get_backend(torch.device("cpu")).comm.stats()}
+
+
 def scenario_torch_ops(args):
     import torch
     dist = _torch_init("mobius")
@@ -430,7 +439,7 @@ def scenario_ddp(args):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loss = _train(ddp, opt, args["steps"])
     params = [p.detach().double().reshape(-1).tolist() for p in model.parameters()]
-    report({"params": params, "loss": float(loss.detach())})
+    report({"params": params, "loss": float(loss.detach()), **_mobius_stats(dist, args["backend"])})
     if args["backend"] == "gloo":
         # torch 2.15's gloo sometimes aborts in teardown with 3 ranks ("terminate called
         # without an active exception"); the reference run is done, so skip the teardown.
@@ -906,7 +915,8 @@ def scenario_torch_matrix(args):
     dist.all_reduce(flag, op=R.MAX)
     same("all_reduce bool flag", flag, np.array([True]), "bool")
     dist.barrier()
-    report({"failures": failures, "checked": checked, "refused": refused, "status": status})
+    report({"failures": failures, "checked": checked, "refused": refused, "status": status,
+            **_mobius_stats(dist, backend)})
     if backend == "gloo":
         os._exit(0)  # see scenario_ddp: torch 2.15's gloo can abort in teardown
     dist.destroy_process_group()
