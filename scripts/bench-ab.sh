@@ -48,6 +48,8 @@ tree() { # the worktree of commit $1, made once
   echo "$d"
 }
 
+# The A/B is of the native providers: no libfabric rows (they would double its time).
+export RDMA_BENCH_OFI=none
 probe_args=(--rounds 3 --idle-secs 1)
 engine_args=(--rounds 1 --warmup 1)
 coll_args=(--libs mobius,mobius-tcp --rounds 1)

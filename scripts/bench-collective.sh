@@ -19,11 +19,31 @@
 #   are recorded in collective.json ("mobius_env"); --out DIR keeps one setting's run apart:
 #     MOBIUS_SPIN=500us scripts/bench-collective.sh --out target/bench/spin-500us ...
 #
+# libfabric rows: where scripts/ensure-libfabric.sh has built libfabric, the wheel is built with
+# the `ofi` feature and the same interleaved rounds also run Mobius over the libfabric provider
+# on libfabric's tcp;ofi_rxm (mobius-ofi-tcp) and shm (mobius-ofi-shm). RDMA_BENCH_OFI=none
+# (or --no-ofi first) leaves them out.
+#
 # Installs what it needs: Open MPI (apt), and a venv with torch, mpi4py, matplotlib (cached in
 # ~/.cache/rdma-shuffle/torch-venv); builds the mobius wheel from this tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p target/bench
+OFI=${RDMA_BENCH_OFI:-auto}
+if [ "${1:-}" = "--no-ofi" ]; then
+  OFI=none
+  shift
+fi
+ofi_args=()
+if [ "$OFI" != none ]; then
+  if LIBFABRIC_PREFIX=$(bash scripts/ensure-libfabric.sh --check); then
+    export MOBIUS_FEATURES=${MOBIUS_FEATURES:+$MOBIUS_FEATURES,}ofi PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig
+    export LD_LIBRARY_PATH=$LIBFABRIC_PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    ofi_args=(--with-ofi)
+  else
+    echo "bench-collective: libfabric is not built here (scripts/ensure-libfabric.sh): no libfabric rows" >&2
+  fi
+fi
 . tests/collective/env.sh
 
 args=()
@@ -39,4 +59,4 @@ if [ "${1:-}" = "--tiny" ]; then
   shift
   args=(--sizes 4k,64k,1m --iters 5 --warmup 1 --rounds 1)
 fi
-exec "$MOBIUS_PY" tests/collective/bench.py run --out target/bench "${args[@]}" "$@"
+exec "$MOBIUS_PY" tests/collective/bench.py run --out target/bench "${args[@]}" "${ofi_args[@]}" "$@"

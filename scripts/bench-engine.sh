@@ -19,6 +19,11 @@
 #     transfer until it ran this long, so its CPU figure is never a few 10 ms ticks) --dir DIR.
 #     --tiny = --mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100:
 #     proves the harness works in half a minute; its numbers mean nothing.
+#     libfabric rows: where scripts/ensure-libfabric.sh has built libfabric (or with --ofi P,
+#     which builds it), the same rounds also run the engine with transport=ofi over libfabric's
+#     provider P (default tcp;ofi_rxm), two processes of its own, placed between the tcp engine
+#     and Spark in every round: its rows go to engine.json's "ofi" and below the table.
+#     --no-ofi (or RDMA_BENCH_OFI=none) leaves them out.
 #   scripts/bench-engine.sh --profile [PROFILE-ARGS...]
 #     Where each system's work goes per block, by block size, with counts the machine's load
 #     does not change: the engine and Spark's transfer (no iperf3) move one bulk transfer per
@@ -44,11 +49,14 @@ cd "$(dirname "$0")/.."
 . scripts/lib.sh
 PROVIDER=tcp
 MODE=run
+OFI=${RDMA_BENCH_OFI:-auto}
 ARGS=()
 while [ $# -gt 0 ]; do
   case $1 in
     --provider) [ $# -ge 2 ] || { echo "--provider needs tcp or verbs" >&2; exit 2; }; PROVIDER=$2; shift 2 ;;
     --profile) MODE=profile; shift ;;
+    --ofi) [ $# -ge 2 ] || { echo "--ofi needs a libfabric provider (e.g. 'tcp;ofi_rxm')" >&2; exit 2; }; OFI=$2; shift 2 ;;
+    --no-ofi) OFI=none; shift ;;
     --tiny) ARGS+=(--mib 32 --sizes 64k,1m --rounds 2 --warmup 1 --small-reps 2 --lat-samples 100); shift ;;
     --) shift; ARGS+=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -76,8 +84,27 @@ tcp)
   pom() { sed -n "s:.*<$1>\(.*\)</$1>.*:\1:p" jvm-plugin/pom.xml | head -n 1; }
   SPARK_VERSION=$(pom spark.version)
   SCALA_BINARY=$(pom scala.binary.version)
-  step "build: engine-bench (release), Spark $SPARK_VERSION's block transfer (benches/netty, Maven)"
-  cargo build --release -q -p rdma-shuffle-bench --bin engine-bench
+  FEATURES=()
+  OFI_ARGS=()
+  [ "$MODE" = run ] || OFI=none
+  if [ "$OFI" = auto ]; then
+    if LIBFABRIC_PREFIX=$(bash scripts/ensure-libfabric.sh --check); then
+      OFI='tcp;ofi_rxm'
+    else
+      OFI=none
+      echo "bench-engine: libfabric is not built here (scripts/ensure-libfabric.sh): no libfabric rows" >&2
+    fi
+  elif [ "$OFI" != none ]; then
+    LIBFABRIC_PREFIX=$(run_script scripts/ensure-libfabric.sh)
+  fi
+  if [ "$OFI" != none ]; then
+    apt_install libclang-dev clang pkg-config   # bindgen in ofi-libfabric-sys
+    export PKG_CONFIG_PATH=$LIBFABRIC_PREFIX/lib/pkgconfig LD_LIBRARY_PATH=$LIBFABRIC_PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    FEATURES=(--features ofi)
+    OFI_ARGS=(--ofi-provider "$OFI")
+  fi
+  step "build: engine-bench (release${FEATURES:+, with the libfabric provider}), Spark $SPARK_VERSION's block transfer (benches/netty, Maven)"
+  cargo build --release -q -p rdma-shuffle-bench --bin engine-bench "${FEATURES[@]}"
   if ! mvn -q -B -f benches/netty/pom.xml -Dspark.version="$SPARK_VERSION" -Dscala.binary.version="$SCALA_BINARY" \
       package > target/bench/netty-build.log 2>&1; then
     tail -n 40 target/bench/netty-build.log >&2
@@ -109,9 +136,9 @@ tcp)
   fi
   OUT=target/bench/engine.json
   rm -f "$OUT" target/bench/engine.png   # a failed run leaves no report that could pass for its result
-  step "run: iperf3 vs Spark (Netty) vs engine, interleaved rounds"
+  step "run: iperf3 vs Spark (Netty) vs engine${OFI_ARGS:+ and the engine over libfabric $OFI}, interleaved rounds"
   ./target/release/engine-bench run --netty-cp "$CP" "${JARGS[@]}" --java "$(command -v java)" \
-    --iperf3 "$(command -v iperf3)" --spark-version "$SPARK_VERSION" --out "$OUT" "${ARGS[@]}"
+    --iperf3 "$(command -v iperf3)" --spark-version "$SPARK_VERSION" --out "$OUT" "${OFI_ARGS[@]}" "${ARGS[@]}"
   plot engine "$OUT" target/bench/engine.png
   exit 0
   ;;

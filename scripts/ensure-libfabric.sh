@@ -19,7 +19,9 @@
 #   export PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig      # ofi-libfabric-sys finds it
 # (the ofi crate's build script also finds the newest ready prefix by itself).
 #
-# usage: ensure-libfabric.sh [--force]      (--force: rebuild this stamp from scratch)
+# usage: ensure-libfabric.sh [--force|--check]
+#        --force: rebuild this stamp from scratch; --check: print the prefix if it is built,
+#        else exit 1 without building (the bench scripts add libfabric rows only then)
 # env:   LIBFABRIC_CACHE        cache dir (default $HOME/.cache/rdma-shuffle/libfabric)
 #        LIBFABRIC_DEB_VERSION  Debian source version (default 2.1.0-1.1)
 #        LIBFABRIC_SUITE        Debian suite holding it (default trixie)
@@ -35,8 +37,10 @@ RECIPE=r1
 STAMP=${DEB_VERSION}-${RECIPE}
 PREFIX=$CACHE/$STAMP
 FORCE=0
+CHECK=0
 case ${1:-} in
   --force) FORCE=1 ;;
+  --check) CHECK=1 ;;
   -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
   "") ;;
   *) echo "ensure-libfabric: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -48,6 +52,11 @@ SECONDS=0
 
 ready() { [ "$(cat "$PREFIX/.ready" 2>/dev/null)" = "$STAMP" ] && [ -e "$PREFIX/lib/libfabric.so" ]; }
 
+if [ "$CHECK" = 1 ]; then
+  ready || exit 1
+  echo "$PREFIX"
+  exit 0
+fi
 mkdir -p "$CACHE"
 # Fast path without the lock: a ready stamp is never changed in place (a rebuild removes
 # .ready first, under the lock).

@@ -26,6 +26,10 @@ compared with Open MPI through mpi4py, the other direct binding):
 * ``openmpi-sm`` — the same with Open MPI's default same-host transport, its shared-memory BTL
   (``--mca btl self,vader``: 4.x calls it vader, 5.x sm), single-copy through CMA where the
   kernel allows it;
+* ``mobius-ofi-tcp``, ``mobius-ofi-shm`` — Mobius's direct binding over the libfabric provider
+  (``MOBIUS_TRANSPORT=ofi``) on libfabric's ``tcp;ofi_rxm`` and ``shm``; in the default list
+  with ``--with-ofi`` (scripts/bench-collective.sh passes it where libfabric is built and the
+  wheel has the ``ofi`` feature);
 * ``ring`` — plain Python sockets doing a ring allreduce's sends and receives (each step
   sends one chunk right while receiving one from the left), without reducing: the data
   movement any TCP ring must do, an upper bound for TCP rings on this machine.
@@ -50,6 +54,8 @@ sys.path.insert(0, str(HERE))
 LIBRARIES = ("torch-mobius", "torch-mobius-tcp", "gloo", "mobius", "mobius-tcp", "mpi", "openmpi-sm", "ring")
 TORCH_LIBS = {"gloo": "gloo", "torch-mobius": "mobius", "torch-mobius-tcp": "mobius"}
 MPI_LIBS = ("mpi", "openmpi-sm")
+# Mobius over libfabric: the library's name -> MOBIUS_OFI_PROVIDER.
+OFI_LIBS = {"mobius-ofi-tcp": "tcp;ofi_rxm", "mobius-ofi-shm": "shm"}
 
 
 def parse_size(s: str) -> int:
@@ -171,8 +177,8 @@ def rank_main(lib, cfg_path, rank=None, world=None):
     if lib in MPI_LIBS:
         from mpi4py import MPI
         rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    runner = rank_torch if lib in TORCH_LIBS else {"mobius": rank_mobius, "mobius-tcp": rank_mobius, "mpi": rank_mpi,
-                                                   "openmpi-sm": rank_mpi, "ring": rank_ring}[lib]
+    runner = rank_torch if lib in TORCH_LIBS else rank_mobius if lib in OFI_LIBS else {
+        "mobius": rank_mobius, "mobius-tcp": rank_mobius, "mpi": rank_mpi, "openmpi-sm": rank_mpi, "ring": rank_ring}[lib]
     res, extra = runner(cfg, rank, world)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"times": {str(k): v for k, v in res.items()}, **extra}))
     if lib == "gloo" or lib in TORCH_LIBS:
@@ -190,6 +196,8 @@ def launch(lib, world, cfg, workdir: Path, timeout: float):
     cfg_path.write_text(json.dumps(cfg))
     env = dict(os.environ, PYTHONUNBUFFERED="1", RING_DIR=str(workdir), MOBIUS_TUNE="on",
                MOBIUS_TRANSPORT="tcp" if lib.endswith("mobius-tcp") else "auto")
+    if lib in OFI_LIBS:
+        env.update(MOBIUS_TRANSPORT="ofi", MOBIUS_OFI_PROVIDER=OFI_LIBS[lib])
     log = open(workdir / "log.txt", "w")
     if lib in MPI_LIBS:
         btl = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"] if lib == "mpi" else \
@@ -227,7 +235,8 @@ def run(args):
     out.mkdir(parents=True, exist_ok=True)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
-    libs = [x for x in args.libs.split(",") if x]
+    libs = [x for x in (args.libs or ",".join(LIBRARIES + (tuple(OFI_LIBS) if args.with_ofi else ()))).split(",") if x]
+    args.libs = ",".join(libs)
     ops = args.ops.split(",")
     rounds: dict = {}
     extras: dict = {}
@@ -241,6 +250,8 @@ def run(args):
                         rounds.setdefault((lib, op, world, s), []).append(v)
                     if extra.get("decisions") and lib == "mobius":
                         extras[(op, world)] = extra
+                    if lib in OFI_LIBS and extra["stats"]["transport"] != "ofi":
+                        raise RuntimeError(f"{lib} ran on {extra['stats']['transport']!r}, not ofi")
                     print(f"round {rnd + 1}/{args.rounds} {lib:6s} {op} world {world}: done", file=sys.stderr)
     rows = []
     for (lib, op, world, size), ts in sorted(rounds.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], kv[0][0])):
@@ -388,7 +399,7 @@ def plot(rows, path):
     combos = sorted({(r["op"], r["world"]) for r in rows if r["op"] != "new_group"})
     fig, axes = plt.subplots(1, len(combos), figsize=(6 * len(combos), 4.5), squeeze=False)
     for ax, (op, world) in zip(axes[0], combos):
-        for lib in LIBRARIES:
+        for lib in LIBRARIES + tuple(OFI_LIBS):
             pts = sorted((r["bytes"], r["busbw_gbs"]) for r in rows if r["library"] == lib and r["op"] == op and r["world"] == world)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lib)
@@ -438,7 +449,8 @@ def main():
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--sizes", default="4k,16k,64k,256k,1m,4m,16m,64m,256m")
     p.add_argument("--ops", default="allreduce")
-    p.add_argument("--libs", default=",".join(LIBRARIES))
+    p.add_argument("--libs", default=None, help=f"default: {','.join(LIBRARIES)} (+ {','.join(OFI_LIBS)} with --with-ofi)")
+    p.add_argument("--with-ofi", action="store_true", help="the default libraries include Mobius over libfabric")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)

@@ -8,7 +8,11 @@
 //!   JVMs, as Spark's default shuffle does;
 //! * **the engine** (tcp provider): a server process (`engine-bench serve`) serving the same
 //!   files, fetched by an engine in this process through the public `Engine` / `BlockClient`
-//!   API.
+//!   API;
+//! * with `--ofi-provider P` (a build with the `ofi` feature), **the engine over libfabric**:
+//!   the same two processes again with `transport=ofi` on libfabric's provider P (e.g.
+//!   `tcp;ofi_rxm`), its own server process and client engine, measured in the same rounds
+//!   right after the tcp engine in odd rounds and right before it in even ones.
 //!
 //! Measured in every round, the systems taking turns (engine first in odd rounds, Spark first in
 //! even ones; iperf3 opens each round), after `--warmup` untimed rounds (default 2):
@@ -72,7 +76,8 @@ const STALL: Duration = Duration::from_secs(120);
 
 pub const USAGE: &str = "engine-bench run --netty-cp CLASSPATH [--java JAVA] [--jvm-opt OPT]... [--iperf3 IPERF3]
     [--mib N] [--sizes 4k,16k,64k,256k,1m,4m] [--rounds N] [--warmup N] [--small-reps N] [--lat-samples N] [--dir DIR] [--out FILE]
-    [--spark-version V] [--min-secs S (0.5: each bulk measurement repeats its transfer until it ran this long)]";
+    [--spark-version V] [--min-secs S (0.5: each bulk measurement repeats its transfer until it ran this long)]
+    [--ofi-provider P (the engine over libfabric's provider P too, e.g. 'tcp;ofi_rxm'; needs the ofi feature)]";
 
 type R<T> = Result<T, String>;
 
@@ -108,6 +113,8 @@ pub struct Config {
     /// A bulk measurement repeats its transfer until it has run this long, so that its CPU
     /// figure (clock ticks of /proc/PID/stat, 10 ms each) is never a handful of ticks or 0.
     pub min_secs: f64,
+    /// Also the engine over the libfabric provider `ofi` on this libfabric provider.
+    pub ofi_provider: Option<String>,
 }
 
 impl Config {
@@ -128,6 +135,7 @@ impl Config {
             out: None,
             spark_version: "unknown".into(),
             min_secs: 0.5,
+            ofi_provider: None,
         };
         let mut it = args.iter();
         while let Some(flag) = it.next() {
@@ -159,6 +167,7 @@ impl Config {
                 "--dir" => c.dir = PathBuf::from(value()?),
                 "--out" => c.out = Some(PathBuf::from(value()?)),
                 "--spark-version" => c.spark_version = value()?,
+                "--ofi-provider" => c.ofi_provider = Some(value()?),
                 "--min-secs" => {
                     let v = value()?;
                     c.min_secs =
@@ -213,6 +222,16 @@ struct Round {
     engine_sched: (Sched, Sched),
     netty_sched: (Sched, Sched),
     order: &'static str,
+    /// The engine over libfabric (`--ofi-provider`), when asked for.
+    ofi: Option<OfiRound>,
+}
+
+/// One round's numbers of the engine over libfabric: as the tcp engine's, per block size.
+#[derive(Debug, Default)]
+struct OfiRound {
+    bulk: Vec<Transfer>,
+    small: f64,
+    lat: Vec<f64>,
 }
 
 /// Runs `f`, returning its result and what the scheduler did to `pids` meanwhile.
@@ -226,10 +245,12 @@ fn counted<T>(pids: [u32; 2], f: impl FnOnce() -> R<T>) -> R<(T, Sched)> {
     Ok((v, s().since(before)))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_round(
     cfg: &Config,
     r: usize,
     e: &EngineSide,
+    o: Option<&EngineSide>,
     n: &mut NettySide,
     ip: &Iperf,
     sets: &[BlockSet],
@@ -241,16 +262,29 @@ fn run_round(
     round.iperf3_gbps = g;
     round.iperf3_cpu_per_gib = cpu / (cfg.total_bytes() as f64 / GIB);
     let min = cfg.min_secs;
+    // The engine over libfabric sits between the tcp engine and Spark in either order.
+    let mut ofi = o.map(|_| OfiRound::default());
     for set in sets {
         let (et, nt) = if engine_first {
             let et = repeat(min, || e.bulk(set))?;
+            if let (Some(o), Some(or)) = (o, ofi.as_mut()) {
+                or.bulk.push(repeat(min, || o.bulk(set))?);
+            }
             (et, repeat(min, || n.bulk(set))?)
         } else {
             let nt = repeat(min, || n.bulk(set))?;
+            if let (Some(o), Some(or)) = (o, ofi.as_mut()) {
+                or.bulk.push(repeat(min, || o.bulk(set))?);
+            }
             (repeat(min, || e.bulk(set))?, nt)
         };
         round.bulk.push((et, nt));
     }
+    if let (Some(o), Some(or)) = (o, ofi.as_mut()) {
+        or.small = o.small_rate(small, cfg.small_reps)?;
+        or.lat = o.latency(small, cfg.lat_samples)?;
+    }
+    round.ofi = ofi;
     let (ep, np) = (e.pids(), n.pids());
     let (es, ns, el, nl);
     if engine_first {
@@ -288,6 +322,7 @@ fn engine_pair<'a>(
     dir: &std::path::Path,
     sets: impl Iterator<Item = &'a BlockSet>,
     spin: Option<Duration>,
+    ofi: Option<&str>,
 ) -> R<(Proc, EngineSide)> {
     let manifest = dir.join("manifest");
     let mut m = String::new();
@@ -314,10 +349,14 @@ fn engine_pair<'a>(
     if let Some(s) = spin {
         cmd.args(["--spin-us", &s.as_micros().to_string()]);
     }
-    let mut server = Proc::spawn("engine server", &mut cmd)?;
+    if let Some(p) = ofi {
+        cmd.args(["--ofi-provider", p]);
+    }
+    let mut server = Proc::spawn(if ofi.is_some() { "engine server (ofi)" } else { "engine server" }, &mut cmd)?;
     let port =
         server.ready(Duration::from_secs(600))?.first().and_then(|p| p.parse::<u16>().ok()).ok_or("engine server: no port")?;
-    let engine = Engine::open(engine_config("bench-client", spin)).map_err(|e| format!("opening the client's engine: {e}"))?;
+    let engine =
+        Engine::open(engine_config("bench-client", spin, ofi)).map_err(|e| format!("opening the client's engine: {e}"))?;
     let side = EngineSide { engine, addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)), server_pid: server.pid() };
     Ok((server, side))
 }
@@ -351,7 +390,12 @@ pub fn run(args: &[String]) -> R<()> {
     );
     let (sets, small) = write_data(&cfg, dir.path())?;
 
-    let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), None)?;
+    let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), None, None)?;
+    let ofi = match cfg.ofi_provider.as_deref() {
+        Some(p) => Some(engine_pair(dir.path(), sets.iter().chain([&small]), None, Some(p))?),
+        None => None,
+    };
+    let o = ofi.as_ref().map(|(_, side)| side);
 
     let mut n = netty_pair(&cfg)?;
     let ip = Iperf::start(&cfg.iperf3)?;
@@ -362,7 +406,7 @@ pub fn run(args: &[String]) -> R<()> {
     // in an executor that has been running for a while).
     for w in 1..=cfg.warmup {
         let t = Instant::now();
-        run_round(&cfg, w, &e, &mut n, &ip, &sets, &small)?;
+        run_round(&cfg, w, &e, o, &mut n, &ip, &sets, &small)?;
         eprintln!("engine-bench: warm-up round {w}/{} {:.1} s", cfg.warmup, t.elapsed().as_secs_f64());
     }
 
@@ -370,7 +414,7 @@ pub fn run(args: &[String]) -> R<()> {
     let mut rounds = Vec::new();
     for r in 1..=cfg.rounds {
         let t = Instant::now();
-        let round = run_round(&cfg, r, &e, &mut n, &ip, &sets, &small)?;
+        let round = run_round(&cfg, r, &e, o, &mut n, &ip, &sets, &small)?;
         let (et, nt) = round.bulk[mb];
         eprintln!(
             "engine-bench: round {r}/{} ({}, {:.1} s): 1 MiB Gbit/s iperf3 {:.2} Spark {:.2} engine {:.2} | 4 KiB/s Spark {:.0} engine {:.0} | p50 us Spark {:.0} engine {:.0}",
@@ -385,9 +429,23 @@ pub fn run(args: &[String]) -> R<()> {
             percentile(&round.netty_lat, 0.5).unwrap_or(0.0),
             percentile(&round.engine_lat, 0.5).unwrap_or(0.0),
         );
+        if let Some(or) = &round.ofi {
+            eprintln!(
+                "engine-bench: round {r}/{}: engine over ofi ({}): 1 MiB Gbit/s {:.2} | 4 KiB/s {:.0} | p50 us {:.0}",
+                cfg.rounds,
+                cfg.ofi_provider.as_deref().unwrap_or(""),
+                or.bulk[mb].gbps(),
+                or.small,
+                percentile(&or.lat, 0.5).unwrap_or(0.0),
+            );
+        }
         rounds.push(round);
     }
     e.engine.shutdown();
+    if let Some((server, side)) = ofi {
+        side.engine.shutdown();
+        drop(server);
+    }
     drop(n);
     drop(engine_server);
 

@@ -92,7 +92,7 @@ pub fn probe(args: &[String]) -> R<()> {
     let a = parse(args)?;
     let dir = tempfile::tempdir_in(&a.dir).map_err(|e| format!("creating a directory in {}: {e}", a.dir.display()))?;
     let small: BlockSet = write_small(dir.path())?;
-    let (server, e) = engine_pair(dir.path(), [&small].into_iter(), a.spin)?;
+    let (server, e) = engine_pair(dir.path(), [&small].into_iter(), a.spin, None)?;
     // Warm-up: the connection, the pool's buffers, the page cache.
     e.latency(&small, 200)?;
     e.small_rate(&small, 2)?;

@@ -97,7 +97,7 @@ pub fn profile(args: &[String]) -> R<()> {
     std::fs::create_dir_all(&out_dir).map_err(|e| format!("creating {}: {e}", out_dir.display()))?;
     let dir = tempfile::tempdir_in(&cfg.dir).map_err(|e| format!("creating a directory in {}: {e}", cfg.dir.display()))?;
     let (sets, small) = write_data(&cfg, dir.path())?;
-    let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), spin)?;
+    let (engine_server, e) = engine_pair(dir.path(), sets.iter().chain([&small]), spin, None)?;
     let mut n = if systems.iter().any(|s| s == "netty") { Some(netty_pair(&cfg)?) } else { None };
 
     let mut report = Vec::new();

@@ -143,6 +143,7 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
         }
     }
     targets.push(target(40, "1 MiB blocks >= 0.8 x iperf3", v(ratio_iperf3), 0.8, true));
+    let ofi = ofi_report(cfg, rounds, sets);
     targets.push(target(40, "4 KiB p50 (one at a time) <= Netty's", v(p50_x), 1.0, false));
     targets.push(target(40, "4 KiB p99 (one at a time) <= Netty's", v(p99_x), 1.0, false));
     json!({
@@ -192,6 +193,43 @@ pub(super) fn report(cfg: &Config, rounds: &[Round], sets: &[BlockSet], mb: usiz
         "targets": targets,
         "sizes": sizes,
         "rounds": per_round,
+        "ofi": ofi,
+    })
+}
+
+/// The engine over libfabric (`--ofi-provider`) beside the tcp engine and Spark of the same
+/// rounds: per block size its throughput and CPU, and the medians of the per-round ratios to
+/// the tcp engine and to Spark; null when it was not run.
+fn ofi_report(cfg: &Config, rounds: &[Round], sets: &[BlockSet]) -> Value {
+    let (Some(provider), true) = (&cfg.ofi_provider, rounds.iter().all(|r| r.ofi.is_some())) else {
+        return Value::Null;
+    };
+    fn o(r: &Round) -> &super::OfiRound {
+        r.ofi.as_ref().expect("every round has the ofi engine's numbers (checked above)")
+    }
+    let p = |v: &[f64], q: f64| percentile(v, q).unwrap_or(f64::NAN);
+    let m = |f: &dyn Fn(&Round) -> f64| spread_json(med(rounds, f));
+    let sizes: Vec<Value> = (0..sets.len())
+        .map(|k| {
+            json!({
+                "bytes": sets[k].size,
+                "gbps": m(&|r| o(r).bulk[k].gbps()),
+                "cpu_s_per_gib": m(&|r| o(r).bulk[k].cpu_per_gib()),
+                "ratio_vs_engine_tcp": m(&|r| o(r).bulk[k].gbps() / r.bulk[k].0.gbps()),
+                "ratio_vs_netty": m(&|r| o(r).bulk[k].gbps() / r.bulk[k].1.gbps()),
+                "gbps_rounds": rounds.iter().map(|r| o(r).bulk[k].gbps()).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({
+        "transport": "ofi",
+        "ofi_provider": provider,
+        "what": "the engine with transport=ofi over this libfabric provider, its own two processes, in the same rounds \
+                 (after the tcp engine in odd rounds, before it in even ones); medians [min, max] over rounds",
+        "sizes": sizes,
+        "small_blocks_per_s": m(&|r| o(r).small),
+        "small_p50_us": m(&|r| p(&o(r).lat, 0.5)),
+        "small_p99_us": m(&|r| p(&o(r).lat, 0.99)),
     })
 }
 
@@ -255,6 +293,26 @@ pub(super) fn table(cfg: &Config, r: &Value) -> String {
             g("in_flight_64", "migrations_per_1000"),
         );
     }
+    if let Some(ofi) = r["ofi"].as_object() {
+        o += &format!(
+            "engine over libfabric (transport=ofi, provider {}), same rounds; median [min..max]:\n",
+            ofi["ofi_provider"].as_str().unwrap_or("?")
+        );
+        for z in ofi["sizes"].as_array().into_iter().flatten() {
+            let name = format!("Gbit/s, {} blocks", human(z["bytes"].as_u64().unwrap_or(0) as usize));
+            let g = |k: &str| z[k]["median"].as_f64().unwrap_or(f64::NAN);
+            o += &format!(
+                "  {name:<30} {:>26}  x{:.2} of engine tcp, x{:.2} of Netty; CPU s/GiB {:.3}\n",
+                cell(&z["gbps"], 2),
+                g("ratio_vs_engine_tcp"),
+                g("ratio_vs_netty"),
+                g("cpu_s_per_gib")
+            );
+        }
+        o += &format!("  {:<30} {:>26}\n", "4 KiB blocks/s, 64 in flight", cell(&ofi["small_blocks_per_s"], 0));
+        o += &format!("  {:<30} {:>26}\n", "4 KiB one at a time, p50 us", cell(&ofi["small_p50_us"], 0));
+        o += &format!("  {:<30} {:>26}\n", "4 KiB one at a time, p99 us", cell(&ofi["small_p99_us"], 0));
+    }
     o += "targets, median of the per-round ratios; reported, not asserted:\n";
     for t in r["targets"].as_array().into_iter().flatten() {
         o += &format!(
@@ -271,6 +329,7 @@ pub(super) fn table(cfg: &Config, r: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::super::measure::Transfer;
+    use super::super::OfiRound;
     use super::*;
 
     fn args(s: &str) -> Vec<String> {
@@ -292,6 +351,7 @@ mod tests {
             engine_sched: (Sched { switches: 2048, migrations: 0 }, Sched { switches: 400, migrations: 2 }),
             netty_sched: (Sched { switches: 4096, migrations: 20 }, Sched { switches: 1200, migrations: 40 }),
             order: "engine first",
+            ofi: None,
         };
         let sets = vec![BlockSet { shuffle_id: 100, maps: vec![("d".into(), "i".into())], parts: 16, size: MIB }];
         let r = report(&cfg, &[round(1.0), round(2.0)], &sets, 0, 1.0);
@@ -344,6 +404,34 @@ mod tests {
         assert_eq!(r["sizes"][0]["engine_gbps_rounds"].as_array().unwrap().len(), 2);
         let tab = table(&cfg, &r);
         assert!(tab.contains("1 MiB") && !tab.contains("NOT met") && tab.contains("iperf3"), "{tab}");
+    }
+
+    /// `--ofi-provider`: the engine over libfabric gets its own section, with the medians of its
+    /// per-round ratios to the tcp engine and to Spark of the same round, and its table lines.
+    #[test]
+    fn the_engine_over_ofi_is_reported_beside_tcp_and_spark() {
+        let cfg = Config::from_args(&args("--netty-cp x --sizes 1m --mib 16 --rounds 3 --ofi-provider tcp;ofi_rxm")).unwrap();
+        let t = |gbps: f64| Transfer { secs: 8.0 * 16.0 * MIB as f64 / gbps / 1e9, bytes: (16 * MIB) as u64, cpu: 0.01 };
+        let round = |ofi: f64| Round {
+            iperf3_gbps: 20.0,
+            bulk: vec![(t(10.0), t(5.0))],
+            engine_lat: vec![10.0; 10],
+            netty_lat: vec![20.0; 10],
+            ofi: Some(OfiRound { bulk: vec![t(ofi)], small: 1000.0, lat: vec![30.0; 10] }),
+            ..Round::default()
+        };
+        let sets = vec![BlockSet { shuffle_id: 100, maps: vec![("d".into(), "i".into())], parts: 16, size: MIB }];
+        let r = report(&cfg, &[round(4.0), round(6.0), round(8.0)], &sets, 0, 1.0);
+        let z = &r["ofi"]["sizes"][0];
+        let near = |x: &Value, want: f64| (x["median"].as_f64().unwrap() - want).abs() < 1e-9;
+        assert!(near(&z["gbps"], 6.0) && near(&z["ratio_vs_engine_tcp"], 0.6) && near(&z["ratio_vs_netty"], 1.2), "{z}");
+        assert!(near(&r["ofi"]["small_p50_us"], 30.0) && r["ofi"]["ofi_provider"] == "tcp;ofi_rxm", "{}", r["ofi"]);
+        let tab = table(&cfg, &r);
+        assert!(tab.contains("provider tcp;ofi_rxm") && tab.contains("x0.60 of engine tcp, x1.20 of Netty"), "{tab}");
+        // Without --ofi-provider: no section, no lines.
+        let plain = Config::from_args(&args("--netty-cp x --sizes 1m --mib 16")).unwrap();
+        let r = report(&plain, &[Round { ofi: None, ..round(1.0) }], &sets, 0, 1.0);
+        assert!(r["ofi"].is_null() && !table(&plain, &r).contains("libfabric"));
     }
 
     /// Issue 40's targets by block size: 4 KiB has none, 16 KiB needs Netty's rate, 64 KiB
