@@ -38,3 +38,15 @@ fn a_thousand_silent_connections_leave_an_honest_client_served() {
 fn blocks_stored_past_4_gib_are_served_exactly() {
     suite::blocks_stored_past_4_gib_are_served_exactly(tcp)
 }
+
+// A stream takes a pulled block's buffer when its bytes arrive (one-sided reads need theirs
+// before the read is posted, message transports when the message comes).
+#[test]
+fn a_stream_pull_takes_its_buffer_when_its_bytes_arrive() {
+    suite::a_stream_pull_takes_its_buffer_when_its_bytes_arrive(tcp)
+}
+
+#[test]
+fn a_stream_pull_that_finds_the_pool_full_waits_for_a_buffer() {
+    suite::a_stream_pull_that_finds_the_pool_full_waits_for_a_buffer(tcp)
+}

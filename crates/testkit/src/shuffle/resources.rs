@@ -267,3 +267,89 @@ pub fn exposed_regions_stay_within_the_engine_budget_with_many_clients(f: Factor
     }
     wait_for(|| st.exposed_bytes.load(Ordering::Relaxed) == 0, "every region is released");
 }
+
+/// Keeps every delivered block, and the pool's bytes in use as each arrived (its own buffer
+/// included); delivered on the loop thread, as the block completes.
+struct InUseAtDelivery {
+    pool: rdma_shuffle_fabric::TieredPool,
+    seen: Mutex<Vec<u64>>,
+    blocks: Hold,
+}
+
+impl BlockSink for InUseAtDelivery {
+    fn on_block(&self, index: usize, result: Result<FetchedBlock, BlockFailure>) {
+        self.seen.lock().push(self.pool.stats().bytes_in_use);
+        self.blocks.on_block(index, result);
+    }
+    fn inline(&self) -> bool {
+        true
+    }
+}
+
+/// (Stream transports.) A pulled block's buffer is taken from the pool when its bytes
+/// arrive, not when its region is announced: of eight 1 MiB blocks in flight, the first to
+/// arrive finds only its own buffer in use. Taken at the announcement, all eight were, and
+/// each was written long after it was taken, cold in the cache.
+pub fn a_stream_pull_takes_its_buffer_when_its_bytes_arrive(f: Factory) {
+    let provider = f();
+    let dir = tempfile::tempdir().unwrap();
+    let server = BlockServer::bind(provider, listen_addr(), server_cfg(None)).unwrap();
+    let o = write_map_output(dir.path(), 5, 1, &[1 << 20; 8], 7).unwrap();
+    server.register(o.map_output_files()).unwrap();
+    let p = f();
+    let pool = pool_for(&p, PoolConfig { cap_bytes: 64 << 20, ..PoolConfig::default() });
+    let c = BlockClient::new(p, pool, client_cfg(None)).unwrap();
+    let tier = c.pool().tier_capacity_for(1 << 20).unwrap() as u64;
+    let sink = Arc::new(InUseAtDelivery { pool: c.pool().clone(), seen: Mutex::new(Vec::new()), blocks: Hold::default() });
+    let blocks: Vec<_> = (0..8).map(|r| ShuffleBlock::single(5, o.map_id, r)).collect();
+    c.fetch(server.local_addr(), &blocks, sink.clone());
+    assert!(sink.blocks.wait(8, Duration::from_secs(60)), "eight 1 MiB blocks arrive");
+    for r in 0..8u32 {
+        let b = sink.blocks.take(r as usize).unwrap().unwrap_or_else(|e| panic!("block {r}: {e}"));
+        assert!(b[..] == o.range_bytes(r, r + 1)[..], "block {r}'s bytes");
+    }
+    let seen = sink.seen.lock().clone();
+    assert!(seen[0] <= 2 * tier, "the first block found {} bytes of buffers in use ({tier} each): {seen:?}", seen[0]);
+    assert_eq!(c.stats().failed_blocks.load(Ordering::Relaxed), 0);
+}
+
+/// (Stream transports.) A pull goes out once its budget allows, whether or not the pool has
+/// a buffer for it now; when its bytes arrive to a full pool, the connection waits for a
+/// buffer (nothing fails, nothing is lost) and reads on once the consumer lets one go.
+pub fn a_stream_pull_that_finds_the_pool_full_waits_for_a_buffer(f: Factory) {
+    let provider = f();
+    let dir = tempfile::tempdir().unwrap();
+    let server = BlockServer::bind(provider, listen_addr(), server_cfg(None)).unwrap();
+    // 100 eager blocks (16 KiB, the suite's threshold), then one of 1 MiB.
+    let mut sizes = vec![EAGER as usize; 100];
+    sizes.push(1 << 20);
+    let o = write_map_output(dir.path(), 6, 1, &sizes, 9).unwrap();
+    server.register(o.map_output_files()).unwrap();
+    let p = f();
+    // 2 MiB: the eager blocks held fill two 1 MiB slabs of the 16 KiB tier, all of it; the
+    // budget (half the pool) still admits the 1 MiB pull.
+    let pool =
+        pool_for(&p, PoolConfig { tiers: vec![16 << 10, 1 << 20], slab_bytes: 1 << 20, cap_bytes: 2 << 20, prealloc: false });
+    let c = BlockClient::new(p, pool, client_cfg(None)).unwrap();
+    let addr = server.local_addr();
+    let held = Arc::new(Hold::default());
+    let small: Vec<_> = (0..100).map(|r| ShuffleBlock::single(6, o.map_id, r)).collect();
+    c.fetch(addr, &small, held.clone());
+    assert!(held.wait(100, Duration::from_secs(60)), "the eager blocks arrive");
+    assert_eq!(c.pool().stats().bytes_allocated, 2 << 20, "the held blocks fill the pool");
+
+    let large = Arc::new(Hold::default());
+    c.fetch(addr, &[ShuffleBlock::single(6, o.map_id, 100)], large.clone());
+    // The pull went out and the server streamed the block although no buffer was free.
+    wait_for(|| server.stats().pulled_bytes.load(Ordering::Relaxed) >= 1 << 20, "the server streamed the pulled block");
+    assert_eq!(large.count(), 0, "no buffer, no block");
+    for r in 0..100u32 {
+        let b = held.take(r as usize).unwrap().unwrap_or_else(|e| panic!("eager block {r}: {e}"));
+        assert!(b[..] == o.range_bytes(r, r + 1)[..]);
+    }
+    assert!(large.wait(1, Duration::from_secs(60)), "the pulled block completes once buffers came back");
+    let b = large.take(0).unwrap().unwrap_or_else(|e| panic!("the pulled block failed: {e}"));
+    assert!(b[..] == o.range_bytes(100, 101)[..]);
+    assert_eq!(c.stats().failed_blocks.load(Ordering::Relaxed), 0);
+    assert_eq!(c.connections(), 1, "one connection the whole time");
+}

@@ -16,6 +16,7 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
     let now = Instant::now();
     match inc {
         Incoming::Frame(head) => {
+            client_mut(conn).stream = true;
             let Some(frame) = client_decode(lp, conn, &head) else { return };
             let r = client_mut(conn).session.handle_frame(frame, now);
             client_events(lp, conn, None);
@@ -94,7 +95,7 @@ pub(super) fn client_payload(lp: &mut Loop, conn: &mut Conn, lease: Option<Lease
                 c.pull_leases.insert(token, lease);
             }
         }
-        PayloadState::Discard | PayloadState::None | PayloadState::NeedsMemory { .. } => {}
+        PayloadState::Discard | PayloadState::None | PayloadState::NeedsMemory { .. } | PayloadState::PullNeedsMemory { .. } => {}
     }
 }
 
@@ -185,11 +186,22 @@ pub(crate) fn client_events(lp: &mut Loop, conn: &mut Conn, msg: Option<MsgPaylo
                                 return;
                             }
                         }
-                        None => {
-                            let e = FabricError::Unsupported(format!("{}: pull data for a block with no buffer", conn.peer));
-                            lp.fail(conn, e);
-                            return;
-                        }
+                        None => match c.pull_unleased.remove(&token) {
+                            // Its buffer now, as eager payloads get theirs (see `pull_unleased`).
+                            Some(len) => {
+                                c.payload = PayloadState::PullNeedsMemory { token, len, at: offset as usize, last };
+                                if !clients(lp).waiters.is_empty() || !payload_memory(lp, conn) {
+                                    client_mut(conn).session.stall();
+                                    clients(lp).waiters.push_back(MemWaiter { conn: conn.key, kind: MemWait::Payload });
+                                    lp.want_memory();
+                                }
+                            }
+                            None => {
+                                let e = FabricError::Unsupported(format!("{}: pull data for a block with no buffer", conn.peer));
+                                lp.fail(conn, e);
+                                return;
+                            }
+                        },
                     }
                 }
             },
@@ -214,6 +226,7 @@ pub(crate) fn client_events(lp: &mut Loop, conn: &mut Conn, msg: Option<MsgPaylo
                 let c = client_mut(conn);
                 c.pull_leases.remove(&token);
                 c.pull_guards.remove(&token);
+                c.pull_unleased.remove(&token);
                 c.block_lens.remove(&token);
                 if let Some(sink) = c.sinks.get(&token.req).cloned() {
                     deliver_err(lp, ep_id, sink, token.index as usize, failure);

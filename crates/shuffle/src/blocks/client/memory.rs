@@ -7,6 +7,7 @@ use crate::blocks::budget::BudgetGuard;
 use rdma_shuffle_fabric::driver::Loop;
 use rdma_shuffle_fabric::driver::{Conn, Placement};
 use rdma_shuffle_fabric::memory::pool::Lease;
+use rdma_shuffle_wire::frame::MAX_PULL_CHUNK;
 use rdma_shuffle_wire::{BlockFailure, Descriptor, FailureCode, Token};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -17,24 +18,43 @@ use std::time::Instant;
 /// skipped).
 pub(super) fn payload_memory(lp: &mut Loop, conn: &mut Conn) -> bool {
     let ep_id = client_mut(conn).ep;
-    let PayloadState::NeedsMemory { token, len, .. } = client_mut(conn).payload else { return true };
+    let (token, len) = match client_mut(conn).payload {
+        PayloadState::NeedsMemory { token, len, .. } => (token, len as usize),
+        PayloadState::PullNeedsMemory { token, len, .. } => (token, len),
+        _ => return true,
+    };
     let Some(ep) = clients(lp).eps.get(&ep_id) else { return true };
-    let placement = match ep.pool.try_acquire(len as usize) {
-        Ok(Some(lease)) => {
-            let PayloadState::NeedsMemory { sink, .. } = std::mem::replace(&mut client_mut(conn).payload, PayloadState::None)
-            else {
-                return true;
-            };
-            client_mut(conn).payload = PayloadState::Eager { token, sink };
-            Placement::Into { lease, at: 0 }
-        }
+    let placement = match ep.pool.try_acquire(len) {
+        Ok(Some(lease)) => match std::mem::replace(&mut client_mut(conn).payload, PayloadState::None) {
+            PayloadState::NeedsMemory { sink, .. } => {
+                client_mut(conn).payload = PayloadState::Eager { token, sink };
+                Placement::Into { lease, at: 0 }
+            }
+            PayloadState::PullNeedsMemory { at, last, .. } => {
+                client_mut(conn).payload = PayloadState::Pull { token, last };
+                Placement::Into { lease, at }
+            }
+            _ => return true,
+        },
         Ok(None) => return false,
         Err(e) => {
             let f = pool_failure(lp, ep_id, &conn.peer, len as u64, &e);
-            if let PayloadState::NeedsMemory { sink: Some(sink), .. } =
-                std::mem::replace(&mut client_mut(conn).payload, PayloadState::Discard)
-            {
-                deliver_err(lp, ep_id, sink, token.index as usize, f);
+            match std::mem::replace(&mut client_mut(conn).payload, PayloadState::Discard) {
+                PayloadState::NeedsMemory { sink: Some(sink), .. } => deliver_err(lp, ep_id, sink, token.index as usize, f),
+                PayloadState::PullNeedsMemory { .. } => {
+                    // A pull is one chunk (see `start_pull`): its bytes are skipped and the
+                    // block fails; the region is released as for any failed pull.
+                    let c = client_mut(conn);
+                    c.pull_guards.remove(&token);
+                    let _ = c.session.pull_complete(token, Err(f), Instant::now());
+                    c.session.unstall(Instant::now());
+                    if let Err(e) = conn.transport.place(Placement::Discard) {
+                        lp.fail(conn, e);
+                    }
+                    client_events(lp, conn, None);
+                    return true;
+                }
+                _ => {}
             }
             Placement::Discard
         }
@@ -60,8 +80,21 @@ pub(super) fn start_pull(lp: &mut Loop, conn: &mut Conn, token: Token, desc: Des
     let len = desc.len as usize;
     // Budget what the pool will really hand out (tier-rounded), or the budget would let
     // more pool memory into flight than it means to.
-    let cost = ep.pool.tier_capacity_for(len).unwrap_or(len) as u64;
+    let tier = ep.pool.tier_capacity_for(len);
+    let cost = tier.unwrap_or(len) as u64;
     let Some(guard) = ep.budget.try_acquire(cost) else { return false };
+    let one_sided = conn.transport.capabilities().one_sided;
+    if !one_sided && client_mut(conn).stream && tier.is_some() && desc.len <= MAX_PULL_CHUNK {
+        // A stream: the buffer is taken when the bytes arrive (see `pull_unleased`). A
+        // tier's buffer never exceeds the pool's cap, and a region up to a chunk comes in one
+        // `PullData`, so a pool failure then fails this block alone.
+        let c = client_mut(conn);
+        if c.session.send_pull(token, Instant::now()).is_ok() {
+            c.pull_unleased.insert(token, len);
+            c.pull_guards.insert(token, Some(guard));
+        }
+        return true;
+    }
     let lease = match ep.pool.try_acquire(len) {
         Ok(Some(l)) => l,
         Ok(None) => return false,
@@ -73,7 +106,7 @@ pub(super) fn start_pull(lp: &mut Loop, conn: &mut Conn, token: Token, desc: Des
         }
     };
     let now = Instant::now();
-    if conn.transport.capabilities().one_sided {
+    if one_sided {
         let c = client_mut(conn);
         let tag = c.next_tag;
         c.next_tag += 1;
