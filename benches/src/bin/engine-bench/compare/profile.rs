@@ -5,9 +5,12 @@
 //! transfer (two JVMs) move the same bulk transfers as `run` does, size by size, after
 //! `--warmup` untimed transfers of that size (the JVMs' JIT). Each measured transfer runs
 //! under a tool attached to both processes of its system:
-//! * `stat` (default): `perf stat` of system calls (`raw_syscalls:sys_enter`), wake-ups
-//!   (`sched:sched_wakeup`), context switches, CPU migrations and CPU time (`task-clock`),
-//!   reported per block and per MiB: counts of events, which do not change with the load;
+//! * `stat` (default): `perf stat` of system calls (`raw_syscalls:sys_enter`, and
+//!   `epoll_wait` alone: a loop that polls while it spins shows there, where `perf trace`
+//!   and `strace` slow it down too much to see it), wake-ups (`sched:sched_wakeup`), context
+//!   switches, CPU migrations, page faults and CPU time (`task-clock`), reported per block
+//!   and per MiB: counts of events, which do not change with the load (this host's VM has no
+//!   hardware counters: `perf stat -e instructions,cycles` says `<not supported>`);
 //! * `trace`: `perf trace -s`, every system call by name with its count and its errors (an
 //!   `EAGAIN` is a read or write that found nothing to do), per block, summed over threads
 //!   (the per-thread summary stays in `--out-dir`);
@@ -48,7 +51,8 @@ enum Tool {
     Record,
 }
 
-const EVENTS: &str = "raw_syscalls:sys_enter,sched:sched_wakeup,context-switches,cpu-migrations,task-clock";
+const EVENTS: &str =
+    "raw_syscalls:sys_enter,syscalls:sys_enter_epoll_wait,sched:sched_wakeup,context-switches,cpu-migrations,page-faults,task-clock";
 
 /// Runs the profile.
 pub fn profile(args: &[String]) -> R<()> {
