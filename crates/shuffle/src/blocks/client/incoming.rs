@@ -16,7 +16,7 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
     let now = Instant::now();
     match inc {
         Incoming::Frame(head) => {
-            client_mut(conn).stream = true;
+            client_mut(conn).stream.get_or_insert(true);
             let Some(frame) = client_decode(lp, conn, &head) else { return };
             let r = client_mut(conn).session.handle_frame(frame, now);
             client_events(lp, conn, None);
@@ -25,6 +25,7 @@ pub(crate) fn client_incoming(lp: &mut Loop, conn: &mut Conn, inc: Incoming) {
             }
         }
         Incoming::Message(payload) => {
+            client_mut(conn).stream = Some(false);
             let Some(frame) = client_decode(lp, conn, payload.head()) else { return };
             if matches!(frame, Frame::Eager { .. } | Frame::Rendezvous { .. } | Frame::BlockFailed { .. }) {
                 client_answer(lp, conn);

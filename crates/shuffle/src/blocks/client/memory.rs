@@ -84,7 +84,7 @@ pub(super) fn start_pull(lp: &mut Loop, conn: &mut Conn, token: Token, desc: Des
     let cost = tier.unwrap_or(len) as u64;
     let Some(guard) = ep.budget.try_acquire(cost) else { return false };
     let one_sided = conn.transport.capabilities().one_sided;
-    if !one_sided && client_mut(conn).stream && tier.is_some() && desc.len <= MAX_PULL_CHUNK {
+    if !one_sided && client_mut(conn).stream == Some(true) && tier.is_some() && desc.len <= MAX_PULL_CHUNK {
         // A stream: the buffer is taken when the bytes arrive (see `pull_unleased`). A
         // tier's buffer never exceeds the pool's cap, and a region up to a chunk comes in one
         // `PullData`, so a pool failure then fails this block alone.

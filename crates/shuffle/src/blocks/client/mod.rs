@@ -450,9 +450,12 @@ pub(crate) struct ClientConn {
     /// when the region was announced, each buffer waited for every block in flight ahead of
     /// it (48 MiB at 1 and 4 MiB blocks in engine-bench) and was written cold.
     pull_unleased: HashMap<Token, usize>,
-    /// Frames come over a byte stream (tcp): payloads are placed for reading, not handed
-    /// over in messages. Known from the first frame, before any `Rendezvous`.
-    stream: bool,
+    /// Whether the link is a byte stream (tcp: every frame an [`Incoming::Frame`] whose payload
+    /// is placed for reading): `Some(true)` from the first frame on, until a message arrives;
+    /// any message makes it `Some(false)` for good. Message links (shm, ofi and verbs once
+    /// attached) deliver a `Rendezvous` as a message, so they are never taken for a stream
+    /// when its pull starts, even after handshake frames or a lent body came as frames.
+    stream: Option<bool>,
     /// One-sided reads in flight: tag → block, budget, length.
     reads: HashMap<u64, (Token, Option<BudgetGuard>, u64)>,
     /// Whole-block lengths of rendezvous blocks not yet delivered (ranges of longer blocks).
@@ -707,7 +710,7 @@ pub(super) fn client_connect(lp: &mut Loop, ep_id: u64, addr: SocketAddr) -> Res
             pull_leases: HashMap::new(),
             pull_guards: HashMap::new(),
             pull_unleased: HashMap::new(),
-            stream: false,
+            stream: None,
             reads: HashMap::new(),
             block_lens: HashMap::new(),
             next_tag: 1,
