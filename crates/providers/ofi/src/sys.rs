@@ -1035,6 +1035,33 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// Runs `f` (opening an endpoint) and puts back the process's SIGSEGV and SIGBUS handlers as
+/// they were before it. libfabric's shm (also the shm inside efa) installs its own for both when
+/// it opens its first endpoint in a process, to unlink its /dev/shm regions on a crash, then
+/// hands the signal to the handler it replaced. A JVM takes SIGSEGV in normal running (implicit
+/// null checks, safepoint polls): in a Spark executor the first one unlinked the regions while
+/// the executor lived on, so a peer executor could no longer map this one's region, libfabric
+/// 2.1 dropped its connection request, and its first message here was never received. A
+/// process that really crashes now leaves its regions in /dev/shm, as a killed one always did.
+fn keeping_fault_handlers<T>(f: impl FnOnce() -> T) -> T {
+    const SIGNALS: [libc::c_int; 2] = [libc::SIGSEGV, libc::SIGBUS];
+    // SAFETY: sigaction with a null new action only writes the current one into `old`, a
+    // plain C struct for which all-zero bytes are a valid value.
+    let saved = SIGNALS.map(|sig| unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        (libc::sigaction(sig, ptr::null(), &mut old) == 0).then_some(old)
+    });
+    let out = f();
+    for (sig, old) in SIGNALS.into_iter().zip(saved) {
+        if let Some(old) = old {
+            // SAFETY: `old` is the action sigaction returned for this signal: putting it back
+            // installs what was installed before (the JVM's handler, or the default).
+            unsafe { libc::sigaction(sig, &old, ptr::null_mut()) };
+        }
+    }
+    out
+}
+
 impl Endpoint {
     /// Opens fabric, domain, completion queue, address vector and endpoint for
     /// `cfg.provider`, and posts `cfg.rx_depth` receive buffers of `cfg.max_msg` bytes.
@@ -1068,7 +1095,8 @@ impl Endpoint {
             let av = Arc::new(Av { fid: av, _domain: dom.clone() });
 
             let mut ep: *mut fi::fid_ep = ptr::null_mut();
-            check("fi_endpoint", fi::fi_endpoint(dom.fid, dom.info.0, &mut ep, ptr::null_mut()) as i64)?;
+            let rc = keeping_fault_handlers(|| fi::fi_endpoint(dom.fid, dom.info.0, &mut ep, ptr::null_mut()));
+            check("fi_endpoint", rc as i64)?;
             let ep = Ep { fid: ep, _cq: cq.clone(), _av: av.clone(), _domain: dom.clone() };
             check("fi_ep_bind(av)", fi::fi_ep_bind(ep.fid, &mut (*av.fid).fid, 0) as i64)?;
             check("fi_ep_bind(cq)", fi::fi_ep_bind(ep.fid, &mut (*cq.fid).fid, (fi::FI_TRANSMIT | fi::FI_RECV) as u64) as i64)?;
