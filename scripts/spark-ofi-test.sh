@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # A real Spark job shuffling through the libfabric provider: spark-submit runs unchanged jobs
 # on local-cluster[2,1,...] with spark.shuffle.rdma.transport=ofi over each libfabric provider
-# named (default tcp;ofi_rxm), and once with Spark's default shuffle. (libfabric's shm between
-# two executor processes does not work yet: each side's first message completes at the sender
-# and is never received, so fetches wait out spark.shuffle.rdma.fetchTimeout and Spark
-# recomputes; the engine's suites run shm within one process.) The outputs' digests must be equal, and the executors' engine counters must show the
+# named (default tcp;ofi_rxm; CI runs tcp;ofi_rxm and shm), and once with Spark's default
+# shuffle. The outputs' digests must be equal, and the executors' engine counters must show the
 # blocks went through libfabric: messages (ofi_sends/ofi_recvs) for small blocks and one-sided
 # fi_read (ofi_reads, rendezvous_blocks_fetched) for blocks above the eager threshold.
 #

@@ -166,8 +166,8 @@ run_script docker/cluster.sh terasort,wordcount 0.1
 step "spark over verbs: the preflight (Doctor) and an unchanged job through the plugin on real kernel RDMA (SoftRoCE VM)"
 run_script scripts/spark-verbs-test.sh
 
-step "spark over libfabric: unchanged jobs through the plugin with transport=ofi over tcp;ofi_rxm (native library built with ofi), outputs equal to the default shuffle's, blocks by messages and fi_read"
-run_script scripts/spark-ofi-test.sh
+step "spark over libfabric: unchanged jobs through the plugin with transport=ofi over tcp;ofi_rxm and shm (native library built with ofi), outputs equal to the default shuffle's, blocks by messages and fi_read"
+run_script scripts/spark-ofi-test.sh terasort,wordcount 0.05 'tcp;ofi_rxm,shm'
 
 # The benchmark scripts at CI size, so they cannot rot: reports complete, speed not asserted.
 # One in CI (the verbs sweep); the scale run (a release build of the bench crate with the verbs
