@@ -37,6 +37,9 @@ A=$(git rev-parse --short=10 "$1^{commit}") B=$(git rev-parse --short=10 "$2^{co
 skip() { local s; for s in "${SKIP[@]+"${SKIP[@]}"}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 OUT="$ROOT/target/bench/ab/$A-$B"
 mkdir -p "$OUT"
+# The summary reads every report in $OUT: a previous run of the same pair (a --tiny check,
+# more rounds) must not leak into this one.
+rm -f "$OUT"/probe-* "$OUT"/engine-* "$OUT"/collective-* "$OUT"/summary.json
 CACHE="$HOME/.cache/rdma-shuffle/ab"
 mkdir -p "$CACHE"
 
