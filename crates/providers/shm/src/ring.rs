@@ -8,13 +8,21 @@
 //! `head`; the consumer's acquire load of `head` makes them visible. Symmetrically the
 //! consumer releases space with a release store of `tail`.
 //!
-//! **Small traffic stays at the ring's start.** Once records reach past [`WARM`] bytes into
-//! the ring and the consumer has caught up, the producer pads to the end and starts again at
-//! offset 0, as a wrap does. So a link whose messages are small (a 4 KiB allreduce, a
-//! group's handshake and headers) touches the first [`WARM`] bytes of its ring and no more:
-//! its pages stay few and hot in cache, and the segment need not be populated when it is
-//! made (populating two 2 MiB rings was nearly all of what a group's shm links cost to set
-//! up). Records that do not drain at once (a stream of large ones) use the whole ring.
+//! **Small traffic stays at the ring's start.** Once small records (at most
+//! [`SMALL_RECORD`]) reach past [`WARM`] bytes into the ring and the consumer has caught up,
+//! the producer pads to the end and starts again at offset 0, as a wrap does. So a link whose
+//! messages are small (a 4 KiB allreduce, a group's handshake and headers) touches the first
+//! [`WARM`] bytes of its ring and no more: its pages stay few and hot in cache, and the
+//! segment need not be populated when it is made (populating two 2 MiB rings was nearly all
+//! of what a group's shm links cost to set up).
+//!
+//! **Larger records use the whole ring**, as do small ones the consumer does not drain at
+//! once. Starting those over at offset 0 as well made a 2-rank 1 MiB allreduce 1.7× slower
+//! (two 512 KiB records a call, each written over lines the peer's core had just read). The
+//! first record that leaves the warm start maps the whole ring on that side at once
+//! ([`populate`](super::sys::populate)): one system call per side and link, where touching
+//! the pages one by one faulted on every first touch (a 16 KiB allreduce's first 2 MiB
+//! took 3.5× as long).
 //!
 //! The peer is another process and may be buggy or hostile: every value read from shared
 //! memory (`head`, a record header) is checked before use, and a violation is an error of the
@@ -37,6 +45,9 @@ pub(crate) const KIND_PAD: u32 = 0;
 /// module docs). The producer reads the consumer's `tail` for it at most once per `WARM`
 /// bytes.
 pub(crate) const WARM: u64 = 64 * 1024;
+/// Largest record (header and padding included) that starts over at the ring's start past
+/// [`WARM`]: a 4 KiB payload.
+pub(crate) const SMALL_RECORD: u64 = RECORD_HEADER + 4096;
 
 fn padded(len: u64) -> u64 {
     RECORD_HEADER + len.div_ceil(8) * 8
@@ -57,6 +68,8 @@ pub(crate) struct Producer {
     /// Position from which a record past [`WARM`] may look at `tail` again to start over at
     /// offset 0 (one look per `WARM` bytes while the consumer lags).
     rewind_from: u64,
+    /// Whether the whole ring is mapped on this side (see the module docs).
+    populated: bool,
 }
 
 /// The reading end of a ring.
@@ -73,6 +86,8 @@ pub(crate) struct Consumer {
     /// Bytes of the record [`pop_keep`](Self::pop_keep) left in the ring, not yet released
     /// (0: none).
     held: u64,
+    /// Whether the whole ring is mapped on this side (see the module docs).
+    populated: bool,
 }
 
 // SAFETY: the pointers point into a shared mapping that the owning connection keeps alive as
@@ -100,7 +115,7 @@ impl Producer {
         let pos = unsafe { (*p.head).load(Ordering::Relaxed) };
         // SAFETY: as above, for `tail`.
         let seen_tail = unsafe { (*p.tail).load(Ordering::Acquire) };
-        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_tail, rewind_from: pos }
+        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_tail, rewind_from: pos, populated: false }
     }
 
     /// Largest payload one record carries (so a record and its padding fit an empty ring).
@@ -120,8 +135,9 @@ impl Producer {
         // A hostile consumer could move `tail` past `head`; then this wraps to a huge number
         // and we see no room, which only stalls our own sends to it.
         let room = |tail: u64, total: u64| self.pos.wrapping_sub(tail).saturating_add(total) <= self.cap;
-        // Past the warm start, start over at offset 0 if the consumer freed it (see WARM).
-        let rewind = at > WARM && need <= to_end && self.pos >= self.rewind_from && {
+        // Past the warm start, a small record starts over at offset 0 if the consumer freed
+        // it (see WARM).
+        let rewind = at > WARM && need <= SMALL_RECORD && need <= to_end && self.pos >= self.rewind_from && {
             // SAFETY: as the load below.
             self.seen_tail = unsafe { (*self.tail).load(Ordering::Acquire) };
             self.rewind_from = self.pos + WARM;
@@ -138,6 +154,10 @@ impl Producer {
             }
         }
         let mut at = at;
+        if !self.populated && !rewind && (wrap || at + need > WARM + SMALL_RECORD) {
+            self.populated = true;
+            super::sys::populate(self.data, self.cap as usize);
+        }
         if wrap {
             self.write_header(at, (to_end - RECORD_HEADER) as u32, KIND_PAD);
             self.pos += to_end;
@@ -172,7 +192,7 @@ impl Consumer {
     pub(crate) unsafe fn new(p: RingPtrs) -> Consumer {
         // SAFETY: the caller guarantees `tail` is live.
         let pos = unsafe { (*p.tail).load(Ordering::Relaxed) };
-        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_head: pos, held: 0 }
+        Consumer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_head: pos, held: 0, populated: false }
     }
 
     /// Whether a record is waiting (after a held one).
@@ -225,6 +245,10 @@ impl Consumer {
             if kind == KIND_PAD {
                 self.release(need);
                 continue;
+            }
+            if !self.populated && at + need > WARM + SMALL_RECORD {
+                self.populated = true;
+                super::sys::populate(self.data, self.cap as usize);
             }
             // SAFETY: the record lies inside the data area and inside what the producer
             // published (both checked above).
@@ -281,8 +305,8 @@ mod tests {
 
     #[test]
     fn records_of_every_size_cross_in_order_with_wraparound_and_backpressure() {
-        // 4 KiB: records wrap at the end; 256 KiB: they also start over past WARM whenever
-        // the consumer caught up.
+        // 4 KiB: records wrap at the end; 256 KiB: small ones also start over past WARM
+        // whenever the consumer caught up.
         for cap in [4096, 256 << 10] {
             every_size_crosses_in_order(cap);
         }
@@ -314,6 +338,38 @@ mod tests {
             }
         }
         assert!(furthest > cap / 2, "a lagging consumer's records reached only {furthest} bytes");
+    }
+
+    #[test]
+    fn larger_records_walk_the_whole_ring_which_is_mapped_at_once_when_they_leave_the_warm_start() {
+        let cap = 1 << 20;
+        let (seg, _fd) = super::super::segment::Segment::create("ring-populate-test", cap).unwrap();
+        let ptrs = seg.tx(super::super::segment::Side::Acceptor);
+        // Pages of the ring mapped in this process (for a memfd: present in its page cache).
+        let resident = || {
+            let mut v = vec![0u8; cap / 4096];
+            // SAFETY: the ring's data area is page-aligned, `cap` bytes long, and mapped.
+            assert_eq!(unsafe { libc::mincore(ptrs.data as *mut libc::c_void, cap, v.as_mut_ptr()) }, 0);
+            v.iter().filter(|b| **b & 1 == 1).count()
+        };
+        // SAFETY: one producer and one consumer over the segment's ring, which outlives both.
+        let (mut p, mut c) = unsafe { (Producer::new(ptrs), Consumer::new(ptrs)) };
+        let body = vec![9u8; 16 << 10];
+        let base = ptrs.data as usize;
+        let mut furthest = 0;
+        for i in 0..200u32 {
+            if i == 2 {
+                // Two records in, still within the warm start: only their pages are mapped.
+                assert!(resident() <= 9, "{} pages mapped after two 16 KiB records", resident());
+            }
+            assert!(p.push(i + 1, &[&body]));
+            let (kind, at) = c.pop(|kind, bytes| (kind, bytes.as_ptr() as usize - base)).unwrap().unwrap();
+            assert_eq!(kind, i + 1);
+            furthest = furthest.max(at + body.len());
+        }
+        // 16 KiB records are not small: they go round the whole ring, consumer caught up or not.
+        assert!(furthest > cap / 2, "16 KiB records reached only {furthest} bytes into the ring");
+        assert_eq!(resident(), cap / 4096, "the ring was not mapped whole");
     }
 
     fn every_size_crosses_in_order(cap: usize) {

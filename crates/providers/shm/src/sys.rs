@@ -62,12 +62,24 @@ unsafe impl Send for Mapping {}
 // SAFETY: as above; `&Mapping` only hands out the base pointer.
 unsafe impl Sync for Mapping {}
 
+/// Maps (allocating where needed) every page of `len` bytes at `ptr` into this process in one
+/// system call (`MADV_POPULATE_WRITE`), so later first touches do not fault one page at a
+/// time. Best effort: a kernel before 5.14 refuses it (`EINVAL`), a range that is not
+/// page-aligned too (the rings' test memory), and the pages then fault in as they are
+/// touched.
+pub(crate) fn populate(ptr: *mut u8, len: usize) {
+    // SAFETY: madvise only changes which pages are mapped; the range is the caller's ring
+    // (live memory of this process), and an invalid one is refused, not touched.
+    unsafe { libc::madvise(ptr as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
+}
+
 impl Mapping {
     /// Maps `len` bytes of `fd` shared.
     pub(crate) fn new(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
         // Not populated: a page is made when a side first touches it, and small traffic
         // keeps to the first 64 KiB of each ring (ring.rs, `WARM`), so a link used for small
-        // messages touches a few pages, not its whole segment. Populating both 2 MiB rings
+        // messages touches a few pages, not its whole segment; a ring that carries larger
+        // records is mapped whole when the first one comes (`populate`). Populating both 2 MiB rings
         // (allocating, zeroing and mapping 1,024 pages per side, freeing them at close) was
         // nearly all of a group's shm setup (`perf record` of the `mesh_setup` example).
         // SAFETY: a fresh mapping chosen by the kernel; the file is at least `len` bytes long
