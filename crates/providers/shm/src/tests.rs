@@ -490,3 +490,41 @@ fn shm_a_killed_peer_is_an_error_within_the_timeout_and_leaves_no_segment() {
         assert!(!mapped(&seg), "segment {seg} still mapped after the connection was dropped");
     }
 }
+
+/// The ring rules of ring.rs on a real segment (a memfd), where `mincore` can tell mapped pages.
+mod ring_on_a_segment {
+    use crate::ring::{Consumer, Producer};
+    use crate::segment::{Segment, Side};
+
+    #[test]
+    fn larger_records_walk_the_whole_ring_which_is_mapped_at_once_when_they_leave_the_warm_start() {
+        let cap = 1 << 20;
+        let (seg, _fd) = Segment::create("ring-populate-test", cap).unwrap();
+        let ptrs = seg.tx(Side::Acceptor);
+        // Pages of the ring mapped in this process (for a memfd: present in its page cache).
+        let resident = || {
+            let mut v = vec![0u8; cap / 4096];
+            // SAFETY: the ring's data area is page-aligned, `cap` bytes long, and mapped.
+            assert_eq!(unsafe { libc::mincore(ptrs.data as *mut libc::c_void, cap, v.as_mut_ptr()) }, 0);
+            v.iter().filter(|b| **b & 1 == 1).count()
+        };
+        // SAFETY: one producer and one consumer over the segment's ring, which outlives both.
+        let (mut p, mut c) = unsafe { (Producer::new(ptrs), Consumer::new(ptrs)) };
+        let body = vec![9u8; 16 << 10];
+        let base = ptrs.data as usize;
+        let mut furthest = 0;
+        for i in 0..200u32 {
+            if i == 2 {
+                // Two records in, still within the warm start: only their pages are mapped.
+                assert!(resident() <= 9, "{} pages mapped after two 16 KiB records", resident());
+            }
+            assert!(p.push(i + 1, &[&body]));
+            let (kind, at) = c.pop(|kind, bytes| (kind, bytes.as_ptr() as usize - base)).unwrap().unwrap();
+            assert_eq!(kind, i + 1);
+            furthest = furthest.max(at + body.len());
+        }
+        // 16 KiB records are not small: they go round the whole ring, consumer caught up or not.
+        assert!(furthest > cap / 2, "16 KiB records reached only {furthest} bytes into the ring");
+        assert_eq!(resident(), cap / 4096, "the ring was not mapped whole");
+    }
+}
