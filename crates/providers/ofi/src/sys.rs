@@ -127,7 +127,27 @@ fn wanted_caps(cfg: &OfiConfig) -> Vec<(u64, &'static str)> {
 /// slabs are registered before any endpoint exists.
 const MR_MODES: u32 = fi::FI_MR_LOCAL | fi::FI_MR_VIRT_ADDR | fi::FI_MR_ALLOCATED | fi::FI_MR_PROV_KEY | fi::FI_MR_ENDPOINT;
 
+/// Has ofi_rxm share one receive context among its connections (`FI_OFI_RXM_USE_SRX=1`)
+/// unless the environment says otherwise. libfabric 2.1's default is a shared context over
+/// tcp but receive buffers per connection over verbs, and there a peer that vanished could
+/// leave buffers that rxm reposted to the closed connection's endpoint later: a NULL call in
+/// `rxm_post_recv` that killed the process (1 run in 18 of the conformance suite's
+/// vanishing-server case over `verbs;ofi_rxm` in the SoftRoCE VM; 0 in 60 with a shared
+/// context). A shared context outlives its connections, and its buffers do not grow with the
+/// number of peers. rxm reads the variable whenever `fi_getinfo` translates an rxm request,
+/// so it is set before the first one; only when unset (an operator's choice stands).
+fn share_rxm_receive_context() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("FI_OFI_RXM_USE_SRX").is_none() {
+            std::env::set_var("FI_OFI_RXM_USE_SRX", "1");
+            tracing::debug!("FI_OFI_RXM_USE_SRX=1: ofi_rxm shares one receive context among its connections");
+        }
+    });
+}
+
 fn getinfo(cfg: &OfiConfig) -> Result<InfoList, OfiError> {
+    share_rxm_receive_context();
     let prov = CString::new(cfg.provider.as_str())
         .map_err(|_| OfiError::Invalid { what: "provider name", detail: "contains a NUL byte".into() })?;
     let node = cfg
