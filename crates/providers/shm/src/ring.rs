@@ -17,7 +17,9 @@
 //! of what a group's shm links cost to set up).
 //!
 //! **Larger records use the whole ring**, as do small ones the consumer does not drain at
-//! once. Starting those over at offset 0 as well made a 2-rank 1 MiB allreduce 1.7× slower
+//! once, and small ones within a lap of a larger one (a call's header and barrier between its
+//! data would otherwise pull the data back to the start too: 256 KiB and 4 MiB allreduces
+//! measured 1.2–1.5× slower so). Starting those over at offset 0 as well made a 2-rank 1 MiB allreduce 1.7× slower
 //! (two 512 KiB records a call, each written over lines the peer's core had just read). The
 //! first record that leaves the warm start maps the whole ring on that side at once
 //! ([`populate`](super::sys::populate)): one system call per side and link, where touching
@@ -68,6 +70,9 @@ pub(crate) struct Producer {
     /// Position from which a record past [`WARM`] may look at `tail` again to start over at
     /// offset 0 (one look per `WARM` bytes while the consumer lags).
     rewind_from: u64,
+    /// Position before which a small record does not start over: a larger record was
+    /// written within the ring's last lap.
+    large_until: u64,
     /// Whether the whole ring is mapped on this side (see the module docs).
     populated: bool,
 }
@@ -115,7 +120,17 @@ impl Producer {
         let pos = unsafe { (*p.head).load(Ordering::Relaxed) };
         // SAFETY: as above, for `tail`.
         let seen_tail = unsafe { (*p.tail).load(Ordering::Acquire) };
-        Producer { head: p.head, tail: p.tail, data: p.data, cap: p.cap, pos, seen_tail, rewind_from: pos, populated: false }
+        Producer {
+            head: p.head,
+            tail: p.tail,
+            data: p.data,
+            cap: p.cap,
+            pos,
+            seen_tail,
+            rewind_from: pos,
+            large_until: pos,
+            populated: false,
+        }
     }
 
     /// Largest payload one record carries (so a record and its padding fit an empty ring).
@@ -137,12 +152,17 @@ impl Producer {
         let room = |tail: u64, total: u64| self.pos.wrapping_sub(tail).saturating_add(total) <= self.cap;
         // Past the warm start, a small record starts over at offset 0 if the consumer freed
         // it (see WARM).
-        let rewind = at > WARM && need <= SMALL_RECORD && need <= to_end && self.pos >= self.rewind_from && {
-            // SAFETY: as the load below.
-            self.seen_tail = unsafe { (*self.tail).load(Ordering::Acquire) };
-            self.rewind_from = self.pos + WARM;
-            room(self.seen_tail, to_end + need)
-        };
+        let rewind = at > WARM
+            && need <= SMALL_RECORD
+            && self.pos >= self.large_until
+            && need <= to_end
+            && self.pos >= self.rewind_from
+            && {
+                // SAFETY: as the load below.
+                self.seen_tail = unsafe { (*self.tail).load(Ordering::Acquire) };
+                self.rewind_from = self.pos + WARM;
+                room(self.seen_tail, to_end + need)
+            };
         let wrap = rewind || need > to_end;
         let total = if wrap { to_end + need } else { need };
         if !room(self.seen_tail, total) {
@@ -172,6 +192,9 @@ impl Producer {
             off += p.len();
         }
         self.pos += need;
+        if need > SMALL_RECORD {
+            self.large_until = self.pos + self.cap;
+        }
         // SAFETY: `head` is live; the release store publishes the bytes written above.
         unsafe { (*self.head).store(self.pos, Ordering::Release) };
         true
@@ -338,6 +361,23 @@ mod tests {
             }
         }
         assert!(furthest > cap / 2, "a lagging consumer's records reached only {furthest} bytes");
+    }
+
+    #[test]
+    fn small_records_within_a_lap_of_a_larger_one_do_not_start_over() {
+        let cap = 1 << 20;
+        let ring = local(cap);
+        // SAFETY: one producer and one consumer over `ring`, which outlives both.
+        let (mut p, mut c) = unsafe { (Producer::new(ring.ptrs), Consumer::new(ring.ptrs)) };
+        let base = ring.ptrs.data as usize;
+        let large = vec![1u8; 96 << 10];
+        let small = [2u8; 64];
+        assert!(p.push(1, &[&large]));
+        c.pop(|_, _| ()).unwrap().unwrap();
+        // Past WARM now, the consumer caught up: a small record goes on after the large one.
+        assert!(p.push(2, &[&small]));
+        let at = c.pop(|_, bytes| bytes.as_ptr() as usize - base).unwrap().unwrap();
+        assert!(at as u64 > WARM, "a small record after a large one started over at {at}");
     }
 
     fn every_size_crosses_in_order(cap: usize) {
