@@ -16,15 +16,14 @@
 //! segment need not be populated when it is made (populating two 2 MiB rings was nearly all
 //! of what a group's shm links cost to set up).
 //!
-//! **Larger records use the whole ring**, as do small ones the consumer does not drain at
-//! once, and small ones within a lap of a larger one (a call's header and barrier between its
-//! data would otherwise pull the data back to the start too: 256 KiB and 4 MiB allreduces
-//! measured 1.2–1.5× slower so). Starting those over at offset 0 as well made a 2-rank 1 MiB allreduce 1.7× slower
-//! (two 512 KiB records a call, each written over lines the peer's core had just read). The
-//! first record that leaves the warm start maps the whole ring on that side at once
+//! **Larger records use the whole ring.** Starting them over at offset 0 too made a 2-rank
+//! 1 MiB allreduce 1.7× slower (two 512 KiB records a call, each written over lines the
+//! peer's core had just read). For the same reason small records do not start over within a
+//! lap of a larger one (a call's header and barrier between its data pulled the data back to
+//! the start: 256 KiB and 4 MiB allreduces 1.2–1.5× slower), nor while the consumer lags.
+//! The first record that leaves the warm start maps the whole ring on that side at once
 //! ([`populate`](super::sys::populate)): one system call per side and link, where touching
-//! the pages one by one faulted on every first touch (a 16 KiB allreduce's first 2 MiB
-//! took 3.5× as long).
+//! the pages one by one faulted on every first touch (16 KiB allreduces took 3.6× as long).
 //!
 //! The peer is another process and may be buggy or hostile: every value read from shared
 //! memory (`head`, a record header) is checked before use, and a violation is an error of the
@@ -42,14 +41,22 @@ pub(crate) const RECORD_HEADER: u64 = 8;
 pub const RING_HEAD_ROOM: usize = 512;
 /// Record kind of padding (skipped by the consumer).
 pub(crate) const KIND_PAD: u32 = 0;
-/// Bytes at the ring's start that small traffic keeps to: a record that would start past
-/// them starts at offset 0 instead when the consumer has freed what lies there (see the
+/// Bytes at the ring's start that small traffic keeps to: a small record that would start
+/// past them starts at offset 0 instead when the consumer has freed what lies there (see the
 /// module docs). The producer reads the consumer's `tail` for it at most once per `WARM`
 /// bytes.
 pub(crate) const WARM: u64 = 64 * 1024;
 /// Largest record (header and padding included) that starts over at the ring's start past
 /// [`WARM`]: a 4 KiB payload.
 pub(crate) const SMALL_RECORD: u64 = RECORD_HEADER + 4096;
+
+/// Maps a side's whole ring the first time a record leaves the warm start (module docs).
+fn map_whole_once(populated: &mut bool, data: *mut u8, cap: u64) {
+    if !*populated {
+        *populated = true;
+        super::sys::populate(data, cap as usize);
+    }
+}
 
 fn padded(len: u64) -> u64 {
     RECORD_HEADER + len.div_ceil(8) * 8
@@ -174,9 +181,8 @@ impl Producer {
             }
         }
         let mut at = at;
-        if !self.populated && !rewind && (wrap || at + need > WARM + SMALL_RECORD) {
-            self.populated = true;
-            super::sys::populate(self.data, self.cap as usize);
+        if !rewind && (wrap || at + need > WARM + SMALL_RECORD) {
+            map_whole_once(&mut self.populated, self.data, self.cap);
         }
         if wrap {
             self.write_header(at, (to_end - RECORD_HEADER) as u32, KIND_PAD);
@@ -269,9 +275,8 @@ impl Consumer {
                 self.release(need);
                 continue;
             }
-            if !self.populated && at + need > WARM + SMALL_RECORD {
-                self.populated = true;
-                super::sys::populate(self.data, self.cap as usize);
+            if at + need > WARM + SMALL_RECORD {
+                map_whole_once(&mut self.populated, self.data, self.cap);
             }
             // SAFETY: the record lies inside the data area and inside what the producer
             // published (both checked above).
