@@ -5,11 +5,11 @@
 #   scripts/test.sh            every suite; campaign-sized ones at one representative case (CI)
 #   scripts/test.sh --full     every suite whole (run it before resolving an issue that touches
 #                              those paths): exports RDMA_TEST_FULL=1, which the suites read
-#   RDMA_SHUFFLE_FUZZ_SECONDS=N   seconds per fuzz target (default 30)
+#   RDMA_SHUFFLE_FUZZ_SECONDS=N   seconds per fuzz target (default 15; 60 under --full)
 #
 # What --full adds: TPC-DS all 103 queries of each Spark line at SF 0.1 (those empty there again
-# at SF 1) instead of a representative set; the Spark 3.5 line's fault, soak, large-block and
-# elastic tests; on YARN, each application in the other deploy mode too, Spark 3.5's default
+# at SF 1) instead of a representative set; the Spark 3.5 line's fault, soak, large-block,
+# security and elastic tests; each fuzz target for 60 s instead of 15; on YARN, each application in the other deploy mode too, Spark 3.5's default
 # shuffle beside its plugin run, and the jobs at scale 1; the Mobius suite's `full` cases (world 3
 # beside 2 and 4, more host layouts, the sdist build). Each step's time is printed at the end
 # (step_summary in scripts/lib.sh; under .ci/run, at the end of CI). To add a step:
@@ -127,7 +127,7 @@ run_script scripts/jni-test.sh --no-build   # the library built above
 export RDMA_SHUFFLE_REQUIRE_NATIVE=1
 
 step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault, decommission and dynamic-allocation tests, 200-shuffle soak, TPC-DS SF 0.1)"
-# test_tpcds.py: a representative set of 10 TPC-DS queries at SF 0.1 under both shuffles (every
+# test_tpcds.py: a representative set of 9 TPC-DS queries at SF 0.1 under both shuffles (every
 # one returns rows; the most shuffle-heavy, the ones with DOUBLE columns), ~3 min quiet; under
 # --full all 103 (~10 min quiet) and the 21 empty at SF 0.1 again at SF 1 (~4 min).
 run_script tests/spark/run.sh --no-build
@@ -139,16 +139,18 @@ run_script tests/spark/run.sh --no-build
 # one application per mode, and a representative TPC-DS set on 3.5's own query texts. Left to
 # --full, to keep CI within its budget: the fault tests (test_faults.py: three more applications
 # with executor kills, and a broken native library) the soak (test_soak.py: 200 shuffles in one
-# more application), the large blocks (test_large_blocks.py: two more applications) and the
-# elastic tests (test_elastic.py: decommission and dynamic allocation, two more), whose code
-# paths have nothing specific to 3.5 (the resolver method the migration hook overrides is the
-# same in both lines), and the other TPC-DS queries.
+# more application), the large blocks (test_large_blocks.py: two more applications), the
+# security tests (test_security.py: two more, spark.authenticate and encryption settings the
+# plugin reads the same way on both lines) and the elastic tests (test_elastic.py:
+# decommission and dynamic allocation, two more), whose code paths have nothing specific to
+# 3.5 (the resolver method the migration hook overrides is the same in both lines), and the
+# other TPC-DS queries.
 if full; then
   step "spark 3.5.9: every Spark suite and all TPC-DS queries, the plugin installed on the JVMs' class path"
   RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build
 else
-  step "spark 3.5.9: the same jobs and 6 TPC-DS queries, the plugin installed on the JVMs' class path (lean run)"
-  RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py --ignore=tests/spark/test_elastic.py
+  step "spark 3.5.9: the same jobs and 4 TPC-DS queries, the plugin installed on the JVMs' class path (lean run)"
+  RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py --ignore=tests/spark/test_security.py --ignore=tests/spark/test_elastic.py
 fi
 
 step "yarn: Spark $SPARK_VERSION and 3.5.9 on a real YARN cluster (MiniYARNCluster, pmem check on, spark_shuffle service): client mode without and cluster mode with the external shuffle service and dynamic allocation, executors released, a container killed in each; default shuffle vs the plugin, peak memory per container"
@@ -180,6 +182,8 @@ if full; then
 fi
 
 step "fuzz: frame decoder and handshake, bounded"
-run_script scripts/fuzz.sh "${RDMA_SHUFFLE_FUZZ_SECONDS:-30}"
+# 15 s per target in CI: a smoke of each target (and of the crashes kept in its corpus); the
+# campaign is --full's 60 s, or scripts/fuzz.sh with a longer time.
+run_script scripts/fuzz.sh "${RDMA_SHUFFLE_FUZZ_SECONDS:-$(full && echo 60 || echo 15)}"
 
 finish
