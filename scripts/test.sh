@@ -9,9 +9,10 @@
 #
 # What --full adds: TPC-DS all 103 queries of each Spark line at SF 0.1 (those empty there again
 # at SF 1) instead of a representative set; the Spark 3.5 line's fault, soak, large-block,
-# security and elastic tests; each fuzz target for 60 s instead of 15; on YARN, each application in the other deploy mode too, Spark 3.5's default
-# shuffle beside its plugin run, and the jobs at scale 1; the Mobius suite's `full` cases (world 3
-# beside 2 and 4, more host layouts, the sdist build). Each step's time is printed at the end
+# security and elastic tests; each fuzz target for 60 s instead of 15; on YARN, each
+# application in the other deploy mode too, Spark 3.5's default shuffle beside its plugin run,
+# and the jobs at scale 1; the Mobius suite's `full` cases (world 3 beside 2 and 4, more host
+# layouts, the sdist build). Each step's time is printed at the end
 # (step_summary in scripts/lib.sh; under .ci/run, at the end of CI). To add a step:
 # `step "what it shows"` then its commands, in the place its prerequisites are built; a step only
 # for --full goes inside `if full; then ... fi` (or reads RDMA_TEST_FULL inside its suite). Keep
@@ -25,7 +26,7 @@ cd "$(dirname "$0")/.."
 while [ $# -gt 0 ]; do
   case "$1" in
     --full) export RDMA_TEST_FULL=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "test.sh: unknown argument '$1' (--full, --help)" >&2; exit 2 ;;
   esac
 done
