@@ -128,8 +128,8 @@ run_script scripts/jni-test.sh --no-build   # the library built above
 export RDMA_SHUFFLE_REQUIRE_NATIVE=1
 
 step "spark $SPARK_VERSION: unchanged jobs on local-cluster, default shuffle vs the plugin (+ fault, decommission and dynamic-allocation tests, 200-shuffle soak, TPC-DS SF 0.1)"
-# test_tpcds.py: a representative set of 9 TPC-DS queries at SF 0.1 under both shuffles (every
-# one returns rows; the most shuffle-heavy, the ones with DOUBLE columns), ~3 min quiet; under
+# test_tpcds.py: a representative set of 6 TPC-DS queries at SF 0.1 under both shuffles (every
+# one returns rows; the most shuffle-heavy, the ones with DOUBLE columns), ~1.5 min quiet; under
 # --full all 103 (~10 min quiet) and the 21 empty at SF 0.1 again at SF 1 (~4 min).
 run_script tests/spark/run.sh --no-build
 
@@ -150,7 +150,7 @@ if full; then
   step "spark 3.5.9: every Spark suite and all TPC-DS queries, the plugin installed on the JVMs' class path"
   RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build
 else
-  step "spark 3.5.9: the same jobs and 4 TPC-DS queries, the plugin installed on the JVMs' class path (lean run)"
+  step "spark 3.5.9: the same jobs and 2 TPC-DS queries, the plugin installed on the JVMs' class path (lean run)"
   RDMA_SPARK_PROFILE=spark-3.5 run_script tests/spark/run.sh --no-build --ignore=tests/spark/test_faults.py --ignore=tests/spark/test_soak.py --ignore=tests/spark/test_large_blocks.py --ignore=tests/spark/test_security.py --ignore=tests/spark/test_elastic.py
 fi
 
