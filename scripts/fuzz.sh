@@ -2,7 +2,7 @@
 # Fuzz the wire protocol: each target of fuzz/ for N seconds (default 30), or for a number of
 # executions.
 #
-#   scripts/fuzz.sh [seconds-per-target]     what CI runs (scripts/test.sh: 15 s per target; 60 under --full)
+#   scripts/fuzz.sh [seconds-per-target]     what CI runs (scripts/test.sh: 5 s per target; 60 under --full)
 #   scripts/fuzz.sh --long [RUNS]            each target until RUNS executions (default 10 M;
 #                                            hours on 2 cores), one worker per core; writes
 #                                            target/bench/fuzz.json (runs, seconds, execs/s,
