@@ -32,7 +32,8 @@ done
 cp "${MOBIUS[0]}" target/mobius_verbs
 ARGS+=(--include target/mobius_verbs)
 step "run them in the SoftRoCE VM"
-exec scripts/softroce-test.sh --veth --quiet --timeout 600 --env RUST_BACKTRACE=1 "${ARGS[@]}" \
+# RDMA_TEST_FULL=1 (scripts/test.sh --full) runs every algorithm of the Mobius matrix, not CI's three.
+exec scripts/softroce-test.sh --veth --quiet --timeout 600 --env RUST_BACKTRACE=1 ${RDMA_TEST_FULL:+--env RDMA_TEST_FULL} "${ARGS[@]}" \
   --run-as verbs_suite '/opt/bin/suite_verbs --test-threads=2' \
   --run-as verbs_cross_device '/opt/bin/verbs_cross_device --test-threads=1' \
   --run-as verbs_engine '/opt/bin/verbs_engine --test-threads=1 --nocapture' \

@@ -29,7 +29,9 @@ def test_destroy_process_group_closes_mobius_so_a_rank_may_leave_at_once(world, 
         assert r == {"sums": True, "closed": True}, f"rank {rank}: {r}"
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full), 4])
+# World 4 (two ranks per core here, 28 s) under --full: CI's 2 ranks run the same DDP path, and
+# 4 ranks' collectives run in test_c10d.py and test_correctness.py.
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
 def test_ddp_trains_to_the_same_parameters_as_gloo(world, tmp_path):
     steps = 50
     gloo = run("ddp", world, tmp_path / "gloo", {"backend": "gloo", "steps": steps})

@@ -77,9 +77,15 @@ fn matrix(label: &str, algos: &[&str], ranks: impl Fn() -> Vec<(Arc<dyn Provider
     assert!(fails.is_empty(), "{} failures:\n{}", fails.len(), fails.iter().take(40).cloned().collect::<Vec<_>>().join("\n"));
 }
 
+/// Every algorithm under `scripts/test.sh --full` (`RDMA_TEST_FULL=1`, passed into the VM); CI
+/// runs the policy's choice, the ring and recursive halving-doubling (each algorithm's own
+/// correctness is the host's `ops.rs`: what verbs adds is the transport under each pattern).
 #[test]
 fn every_op_dtype_and_reduce_op_on_one_rxe_device() {
-    matrix("rxe0", &["auto", "ring", "rd", "rhd", "tree", "direct", "pairwise"], one_device);
+    let full = std::env::var("RDMA_TEST_FULL").is_ok_and(|v| v == "1");
+    let algos: &[&str] =
+        if full { &["auto", "ring", "rd", "rhd", "tree", "direct", "pairwise"] } else { &["auto", "ring", "rhd"] };
+    matrix("rxe0", algos, one_device);
 }
 
 #[test]
