@@ -262,6 +262,11 @@ class Submitter:
         spark_home = env["SPARK_HOME"]
         settings = {**COMMON_CONF, "spark.eventLog.dir": f"file://{events}",
                     "spark.shuffle.service.port": str(self.yarn.service_port), **conf}
+        # The JVM options CI gives every Spark JVM (scripts/test.sh: the client compiler only)
+        # reach the containers too: YARN's NodeManager does not pass the client's environment.
+        if os.environ.get("JAVA_TOOL_OPTIONS"):
+            for k in ("spark.executorEnv.JAVA_TOOL_OPTIONS", "spark.yarn.appMasterEnv.JAVA_TOOL_OPTIONS"):
+                settings.setdefault(k, os.environ["JAVA_TOOL_OPTIONS"])
         cmd = [f"{spark_home}/bin/spark-submit", "--master", "yarn", "--deploy-mode", deploy,
                "--name", f"rdma-yarn-{tag}"]
         if executors is not None:
