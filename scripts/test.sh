@@ -5,11 +5,12 @@
 #   scripts/test.sh            every suite; campaign-sized ones at one representative case (CI)
 #   scripts/test.sh --full     every suite whole (run it before resolving an issue that touches
 #                              those paths): exports RDMA_TEST_FULL=1, which the suites read
-#   RDMA_SHUFFLE_FUZZ_SECONDS=N   seconds per fuzz target (default 15; 60 under --full)
+#   RDMA_SHUFFLE_FUZZ_SECONDS=N   seconds per fuzz target (default 5; 60 under --full)
+#   RDMA_TEST_JVM_C2=1            the Spark suites' JVMs keep C2 (otherwise C1 only, for speed)
 #
 # What --full adds: TPC-DS all 103 queries of each Spark line at SF 0.1 (those empty there again
 # at SF 1) instead of a representative set; the Spark 3.5 line's fault, soak, large-block,
-# security and elastic tests; each fuzz target for 60 s instead of 15; on YARN, each
+# security and elastic tests; each fuzz target for 60 s instead of 5; on YARN, each
 # application in the other deploy mode too, Spark 3.5's default shuffle beside its plugin run,
 # and the jobs at scale 1; the Mobius suite's `full` cases (world 3 beside 2 and 4, more host
 # layouts, the sdist build). Each step's time is printed at the end
