@@ -39,8 +39,8 @@
 # term for both shuffles with intervals (scripts/tpcds.py table); and the plot (.png).
 # Logs of every application: target/bench/tpcds*-logs/. Fails when results differ, a query's
 # first attempt failed under one shuffle only, or the plugin's engines fetched nothing.
-# About 10 rounds at SF 1 resolve +-3 % on this machine (docs/benchmarks.md).
-# Cost at SF 1 on 2 cores: ~5-6 min per application, so ~25 min for 2 rounds.
+# At SF 1 on this machine 8 rounds resolve +-3.5 % and about 11 resolve +-3 % (docs/benchmarks.md,
+# "How many rounds resolve 3 %"). Cost at SF 1 on 2 cores: 6-7 min per application, 13 min a round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
