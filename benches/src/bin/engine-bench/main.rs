@@ -17,7 +17,17 @@
 mod compare;
 mod verbs_sweep;
 
+/// The engines' warnings and errors (a peer that closed a connection, a failed completion) go
+/// to stderr, so a run whose blocks fail says why from the side that gave up; `RUST_LOG`
+/// overrides the level. Reports and tables stay on stdout and in their files.
+fn init_logs() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
+}
+
 fn main() {
+    init_logs();
     let args: Vec<String> = std::env::args().collect();
     let rest = args.get(2..).unwrap_or(&[]);
     let result = match args.get(1).map(String::as_str) {
