@@ -79,7 +79,7 @@ pub(super) fn client_payload(lp: &mut Loop, conn: &mut Conn, lease: Option<Lease
                 deliver_ok(lp, ep_id, sink, token.index as usize, lease, None, Path::Eager, (len, len));
             }
         }
-        PayloadState::Pull { token, last } => {
+        PayloadState::Pull { token, last, .. } => {
             let Some(lease) = lease else { return };
             let c = client_mut(conn);
             if last {
@@ -172,7 +172,7 @@ pub(crate) fn client_events(lp: &mut Loop, conn: &mut Conn, msg: Option<MsgPaylo
                     }
                     if last {
                         if let Some(lease) = c.pull_leases.remove(&token) {
-                            client_mut(conn).payload = PayloadState::Pull { token, last: true };
+                            client_mut(conn).payload = PayloadState::Pull { token, last: true, len };
                             client_payload(lp, conn, Some(lease));
                         }
                     }
@@ -181,7 +181,7 @@ pub(crate) fn client_events(lp: &mut Loop, conn: &mut Conn, msg: Option<MsgPaylo
                     let c = client_mut(conn);
                     match c.pull_leases.remove(&token) {
                         Some(lease) => {
-                            c.payload = PayloadState::Pull { token, last };
+                            c.payload = PayloadState::Pull { token, last, len };
                             if let Err(e) = conn.transport.place(Placement::Into { lease, at: offset as usize }) {
                                 lp.fail(conn, e);
                                 return;

@@ -30,8 +30,8 @@ pub(super) fn payload_memory(lp: &mut Loop, conn: &mut Conn) -> bool {
                 client_mut(conn).payload = PayloadState::Eager { token, sink };
                 Placement::Into { lease, at: 0 }
             }
-            PayloadState::PullNeedsMemory { at, last, .. } => {
-                client_mut(conn).payload = PayloadState::Pull { token, last };
+            PayloadState::PullNeedsMemory { at, last, len, .. } => {
+                client_mut(conn).payload = PayloadState::Pull { token, last, len: len.saturating_sub(at) as u64 };
                 Placement::Into { lease, at }
             }
             _ => return true,
