@@ -422,7 +422,9 @@ enum PayloadState {
     Pull {
         token: Token,
         last: bool,
-        /// Bytes of the block still to come with this payload (its `PullData` length).
+        /// Bytes still to come into the pull's buffer: this `PullData`'s length, or, when the
+        /// buffer was taken only after the bytes began to arrive, the rest of the buffer from
+        /// the payload's offset (the same unless a pull is cut into several `PullData`).
         len: u64,
     },
     /// A pull's bytes arrived and its buffer is taken only now (see
